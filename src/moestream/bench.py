@@ -1,0 +1,207 @@
+"""``moestream bench``: llama-bench-style pp/tg rows, one subprocess per configuration.
+
+Each row runs in a fresh process so that its peak RSS and disk reads are its own. A row does one warm-up
+pass, then ``-r`` repetitions of the pp test (prefill ``-p`` random tokens into an empty context) and the
+tg test (``-n`` greedy decode steps from one token), and reports mean +- sd tok/s, the expert hit rate,
+GiB streamed into slots, GiB read from disk (/proc/self/io), and peak RSS. No timing is asserted anywhere:
+this is a measurement tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+from .errors import ConfigError
+
+GiB = 2**30
+
+
+def _list(s: str, conv, name: str) -> list:  # noqa: ANN001
+    try:
+        return [conv(x) for x in str(s).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{name}: expected a comma-separated list, got {s!r}") from None
+
+
+def _on_off_list(s: str, name: str) -> list[bool]:
+    out = []
+    for x in _list(s, str, name):
+        if x not in ("on", "off"):
+            raise ConfigError(f"{name}: expected on, off or on,off, got {s!r}")
+        out.append(x == "on")
+    return out
+
+
+def evict_page_cache(paths: list[str]) -> None:
+    """Drop the files' pages from the page cache (posix_fadvise DONTNEED) for a cold run."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_row(cfg: dict) -> dict:
+    """Run one configuration in this process; returns the row as a dict."""
+    import torch
+
+    from .engine import Engine, disk_read_bytes, peak_rss_bytes
+    from .models.base import LoadOptions, load_model
+
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg["threads"])
+    opts = LoadOptions(moe_stream=cfg["moe_stream"], slots=cfg.get("slots"), io_threads=cfg.get("io_threads", 8),
+                       overlap=cfg.get("overlap", True), expand_dense=cfg.get("expand_dense", False))
+    t_load = time.perf_counter()
+    model = load_model(cfg["model"], opts)
+    load_seconds = time.perf_counter() - t_load
+    engine = Engine(model, cfg.get("ubatch", 128))
+    gen = torch.Generator().manual_seed(1234)
+    store = model.store
+    result = {**cfg, "load_seconds": load_seconds, "tests": []}
+
+    def snapshot() -> tuple[int, int, int, int]:
+        return store.stats.hits, store.stats.misses, store.bytes_read, disk_read_bytes()
+
+    def pp(n: int) -> float:
+        toks = torch.randint(0, model.n_vocab, (n,), generator=gen).tolist()
+        cache = model.new_cache(n)
+        t0 = time.perf_counter()
+        engine.prefill(toks, cache)
+        return time.perf_counter() - t0
+
+    def tg(n: int) -> float:
+        tok = int(torch.randint(0, model.n_vocab, (1,), generator=gen))
+        cache = model.new_cache(n + 1)
+        t0 = time.perf_counter()
+        for pos in range(n):
+            tok = int(torch.argmax(engine.decode_step(tok, pos, cache)))
+        return time.perf_counter() - t0
+
+    # warm-up, as llama-bench does: fills the slot pools and the page cache a little
+    if cfg["n_prompt"]:
+        pp(min(cfg["n_prompt"], 16))
+    if cfg["n_gen"]:
+        tg(min(cfg["n_gen"], 4))
+    for name, n, fn in (("pp", cfg["n_prompt"], pp), ("tg", cfg["n_gen"], tg)):
+        if not n:
+            continue
+        s0 = snapshot()
+        secs = [fn(n) for _ in range(cfg["repetitions"])]
+        s1 = snapshot()
+        tps = [n / s for s in secs]
+        hits, misses = s1[0] - s0[0], s1[1] - s0[1]
+        result["tests"].append({
+            "test": f"{name}{n}", "tok_s_mean": statistics.mean(tps),
+            "tok_s_sd": statistics.stdev(tps) if len(tps) > 1 else 0.0, "samples_tok_s": tps,
+            "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+            "streamed_gib": (s1[2] - s0[2]) / GiB, "disk_read_gib": (s1[3] - s0[3]) / GiB,
+        })
+    result["peak_rss_gib"] = peak_rss_bytes() / GiB
+    result["pool_gib"] = getattr(store, "pool_bytes", 0) / GiB
+    store.close()
+    return result
+
+
+def _row_label(r: dict) -> tuple[str, str, str, str]:
+    if not r["moe_stream"]:
+        return "resident (mmap)", "-", "-", "-"
+    return "streaming", str(r["slots"]), str(r["io_threads"]), "on" if r["overlap"] else "off"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table, one line per (configuration, test)."""
+    head = ("| model | mode | slots | io threads | overlap | test | t/s | hit rate | GiB streamed | "
+            "GiB disk | peak RSS GiB |")
+    out = [head, "|" + "|".join(["---"] * 11) + "|"]
+    for r in rows:
+        if "error" in r:
+            mode, slots, io, ov = _row_label(r)
+            out.append(f"| {os.path.basename(r['model'])} | {mode} | {slots} | {io} | {ov} | - | failed: "
+                       f"{r['error']} | | | | |")
+            continue
+        for t in r["tests"]:
+            mode, slots, io, ov = _row_label(r)
+            out.append(f"| {os.path.basename(r['model'])} | {mode} | {slots} | {io} | {ov} | {t['test']} | "
+                       f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f} | {100 * t['hit_rate']:.1f}% | "
+                       f"{t['streamed_gib']:.3f} | {t['disk_read_gib']:.3f} | {r['peak_rss_gib']:.2f} |")
+    return "\n".join(out)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Entry point of ``moestream bench`` (see cli.py for the flags)."""
+    from .cli import default_model_path
+    from .gguf import GGUFModel
+
+    model = args.model or default_model_path()
+    g = GGUFModel(model)  # validates the file up front: one clear error instead of one per row
+    top_k = int(g.arch_get("expert_used_count", 0))
+    n_exp = int(g.arch_get("expert_count", 0))
+    if args.repetitions < 1:
+        raise ConfigError(f"-r must be at least 1, got {args.repetitions}")
+    if args.n_prompt < 0 or args.n_gen < 0 or (args.n_prompt == 0 and args.n_gen == 0):
+        raise ConfigError("-p and -n must be >= 0 and not both 0")
+    modes = _on_off_list(args.moe_stream, "--moe-stream")
+    overlaps = _on_off_list(args.overlap, "--overlap")
+    from .models.base import default_slots
+    slots = _list(args.slots, int, "--slots") if args.slots else [default_slots(n_exp, top_k)]
+    ios = _list(args.io_threads, int, "--io-threads")
+    for s in slots:
+        if s < top_k:
+            raise ConfigError(f"--slots {s} is below the experts used per token ({top_k})")
+    for t in ios:
+        if t < 1:
+            raise ConfigError(f"--io-threads must be at least 1, got {t}")
+    base = {"model": model, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
+            "threads": args.threads, "ubatch": args.ubatch, "expand_dense": args.expand_dense}
+    cfgs = []
+    for on in modes:
+        if on:
+            for s, t, ov in itertools.product(slots, ios, overlaps):
+                cfgs.append({**base, "moe_stream": True, "slots": s, "io_threads": t, "overlap": ov})
+        else:
+            cfgs.append({**base, "moe_stream": False})
+    rows = []
+    for i, cfg in enumerate(cfgs, 1):
+        mode, s, t, ov = _row_label(cfg)
+        print(f"[{i}/{len(cfgs)}] {mode} slots={s} io={t} overlap={ov} ...", file=sys.stderr, flush=True)
+        if args.cold:
+            evict_page_cache(g.paths)
+        proc = subprocess.run([sys.executable, "-m", "moestream.bench", json.dumps(cfg)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            err = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+            rows.append({**cfg, "error": err})
+        else:
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    table = format_table(rows)
+    print(table)
+    if args.json:
+        meta = {"machine": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cold": args.cold,
+                "file_gib": g.file_bytes / GiB, "command": " ".join(sys.argv)}
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+        os.replace(tmp, args.json)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    from .errors import MoestreamError
+
+    try:
+        print(json.dumps(run_row(json.loads(sys.argv[1]))))
+    except MoestreamError as e:
+        print(f"moestream: error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,226 @@
+"""The ``moestream`` command: run, inspect, verify, bench.
+
+Errors that a user can cause (bad file, bad option, read failure) print one line on stderr and exit 1;
+bad command-line syntax exits 2 (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib import resources
+
+GiB = 2**30
+DEFAULT_PROMPT = "The history of the printing press"
+
+
+def default_model_path() -> str:
+    """The small Qwen3-MoE GGUF embedded in the package (src/moestream/data/default.gguf)."""
+    return str(resources.files("moestream") / "data" / "default.gguf")
+
+
+def _on_off(v: str) -> bool:
+    v = v.lower()
+    if v in ("on", "1", "true", "yes"):
+        return True
+    if v in ("off", "0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {v!r}")
+
+
+def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> None:
+    p.add_argument("-m", "--model", default=None, help="GGUF file (or first part of a split model); "
+                   "default: the embedded tiny Qwen3-MoE")
+    if stream_opts:
+        p.add_argument("--slots", type=int, default=None, help="expert slots per MoE layer "
+                       "(default: a quarter of the experts, at least top-k)")
+        p.add_argument("--io-threads", type=int, default=8, help="expert read threads (default 8)")
+        p.add_argument("--policy", default="lfu", help="slot replacement policy: lfu (default) or lru")
+        p.add_argument("--overlap", type=_on_off, default=True, metavar="on|off",
+                       help="run the shared/dense FFN while expert reads are in flight (default on)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: torch's)")
+    p.add_argument("--expand-dense", action="store_true",
+                   help="dequantize dense weights to float32 at load (faster, more memory: see inspect)")
+    p.add_argument("-ub", "--ubatch", type=int, default=128, help="prefill chunk size in tokens (default 128)")
+
+
+def _load(args: argparse.Namespace, moe_stream: bool):
+    import torch
+
+    from .models.base import LoadOptions, load_model
+    if args.threads is not None:
+        if args.threads < 1:
+            from .errors import ConfigError
+            raise ConfigError(f"-t must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    opts = LoadOptions(moe_stream=moe_stream, slots=getattr(args, "slots", None),
+                       io_threads=getattr(args, "io_threads", 8), policy=getattr(args, "policy", "lfu"),
+                       overlap=getattr(args, "overlap", True), expand_dense=args.expand_dense)
+    path = args.model or default_model_path()
+    return load_model(path, opts), opts
+
+
+def _tokenizer(model):  # noqa: ANN001, ANN202
+    from .tokenizer import GGUFTokenizer
+    return GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path)
+
+
+def _describe(model) -> str:  # noqa: ANN001
+    store = model.store
+    if store.streaming:
+        mode = (f"streaming: {store.n_slots} slots/layer of {model.n_experts} experts, "
+                f"{store.pool_bytes / GiB:.3f} GiB of pools, {store.reader.io_threads} IO threads, "
+                f"policy {model.opts.policy}, overlap {'on' if model.opts.overlap else 'off'}")
+    else:
+        mode = "resident: experts addressed in a memory map of the file (--moe-stream off)"
+    return (f"moestream: {os.path.basename(model.gguf.path)} | {model.arch}, {len(model.layout.moe_layers)} MoE "
+            f"layers, top-{model.top_k} of {model.n_experts} experts | {mode}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .engine import Engine, Sampler, SamplingParams
+    from .errors import ConfigError
+
+    if args.prompt == "":
+        raise ConfigError("the prompt is empty: give a non-empty -p")
+    if args.n_predict < 0:
+        raise ConfigError(f"-n must be 0 or more, got {args.n_predict}")
+    params = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    model, _ = _load(args, args.moe_stream)
+    tok = _tokenizer(model)
+    text = args.prompt
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    ids = tok.encode(text, add_special=True)
+    if not ids:
+        raise ConfigError("the prompt is empty after tokenization")
+    print(_describe(model), file=sys.stderr, flush=True)
+    dec = tok.stream_decoder()
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+
+    def emit(t: int) -> None:
+        sys.stdout.write(dec.push(t))
+        sys.stdout.flush()
+
+    engine = Engine(model, args.ubatch)
+    try:
+        st = engine.generate(ids, args.n_predict, Sampler(params), stop_ids=tok.eos_ids, n_ctx=args.ctx_size,
+                             on_token=emit)
+    finally:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        model.store.close()
+    print(st.line(), file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .report import inspect_model
+    print(inspect_model(args.model or default_model_path(), args.slots))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+    from .verify import verify
+
+    if args.prompt == "":
+        raise ConfigError("the prompt is empty: give a non-empty -p")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}")
+    model, opts = _load(args, moe_stream=False)
+    tok = _tokenizer(model)
+    ids = tok.encode(args.prompt, add_special=True)
+    if not ids:
+        raise ConfigError("the prompt is empty after tokenization")
+    slots = opts.slots if opts.slots is not None else None
+    if slots is not None and slots < model.top_k:
+        raise ConfigError(f"--slots {slots} is below the experts used per token ({model.top_k}); "
+                          f"a step needs at least {model.top_k} slots per layer")
+    res = verify(model, ids, args.steps, opts, args.ubatch)
+    if not res.identical:
+        step, pos = res.first_diff
+        print(f"moestream verify: DIFFERENT logits at step {step} (token position {pos}); "
+              f"streaming on and off disagree", file=sys.stderr)
+        return 1
+    print(f"identical: {res.steps} steps ({len(ids)} prompt positions + {args.steps} decode steps), "
+          f"{res.n_logits} logits compared bytewise; streamed {res.streamed_bytes / GiB:.4f} GiB, "
+          f"hit rate {100 * res.hit_rate:.1f}%")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moestream", description="Run MoE GGUF models with routed experts "
+                                 "streamed from disk into per-layer slot caches.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="generate text")
+    _add_model_args(r)
+    r.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text")
+    r.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    r.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: prompt + -n)")
+    r.add_argument("--moe-stream", type=_on_off, default=True, metavar="on|off",
+                   help="stream routed experts (on, default) or address them in a memory map (off)")
+    r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    r.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    r.add_argument("--top-k", type=int, default=40)
+    r.add_argument("--top-p", type=float, default=0.95)
+    r.add_argument("--min-p", type=float, default=0.05)
+    r.add_argument("-s", "--seed", type=int, default=None)
+    r.set_defaults(func=cmd_run)
+
+    i = sub.add_parser("inspect", help="print the model's layout and memory needs")
+    i.add_argument("-m", "--model", default=None)
+    i.add_argument("--slots", type=int, default=None, help="price pools of this many slots per layer")
+    i.set_defaults(func=cmd_inspect)
+
+    v = sub.add_parser("verify", help="check streaming on == streaming off, bytewise")
+    _add_model_args(v)
+    v.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
+    v.add_argument("--steps", type=int, default=32, help="greedy decode steps (default 32)")
+    v.set_defaults(func=cmd_verify)
+
+    b = sub.add_parser("bench", help="llama-bench-style throughput table")
+    b.add_argument("-m", "--model", default=None)
+    b.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (0: skip)")
+    b.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (0: skip)")
+    b.add_argument("-r", "--repetitions", type=int, default=3)
+    b.add_argument("--slots", default=None, help="comma-separated slot counts (streaming rows)")
+    b.add_argument("--io-threads", default="8", help="comma-separated IO thread counts")
+    b.add_argument("--moe-stream", default="on,off", help="on, off or on,off")
+    b.add_argument("--overlap", default="on", help="on, off or on,off")
+    b.add_argument("-t", "--threads", type=int, default=None)
+    b.add_argument("-ub", "--ubatch", type=int, default=128)
+    b.add_argument("--expand-dense", action="store_true")
+    b.add_argument("--cold", action="store_true", help="evict the file from the page cache before each row")
+    b.add_argument("--json", default=None, help="write the results as JSON to this file")
+    b.set_defaults(func=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import MoestreamError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MoestreamError as e:
+        print(f"moestream: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("moestream: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

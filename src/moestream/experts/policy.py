@@ -1,0 +1,92 @@
+"""Slot replacement policies: which slot each expert of a step uses, and which experts must be read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Plan:
+    """slot_ids[i] is the slot of experts[i]; loads: [(expert, slot)] to read before compute (misses)."""
+
+    slot_ids: list[int]
+    loads: list[tuple[int, int]] = field(default_factory=list)
+
+
+class SlotMap:
+    """The slot map of one layer's pool: ``slot_of[expert]`` and ``expert_of[slot]`` (-1 = empty)."""
+
+    def __init__(self, n_experts: int, n_slots: int):
+        self.n_experts, self.n_slots = n_experts, n_slots
+        self.slot_of = np.full(n_experts, -1, dtype=np.int64)
+        self.expert_of = np.full(n_slots, -1, dtype=np.int64)
+
+
+class CachePolicy:
+    """Base policy. ``plan(slots, experts)`` assigns slots to the distinct ``experts`` of one step.
+
+    All of ``experts`` are pinned for the step: a miss never evicts another expert of the same step.
+    Subclasses define ``_keys(candidate_experts)``: the expert with the smallest key is evicted first.
+    """
+
+    name = "base"
+
+    def __init__(self, n_experts: int):
+        self.clock = 0
+        self.uses = np.zeros(n_experts, dtype=np.int64)  # times each expert was needed (LFU count)
+        self.last = np.zeros(n_experts, dtype=np.int64)  # clock of the last step that needed it
+
+    def _keys(self, experts: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def plan(self, slots: SlotMap, experts: list[int]) -> Plan:
+        """experts: distinct real expert ids, len <= slots.n_slots. Returns the Plan; updates the slot map."""
+        if len(experts) > slots.n_slots:
+            raise ValueError(f"{len(experts)} experts in one step but the pool has {slots.n_slots} slots")
+        self.clock += 1
+        ids = np.asarray(experts, dtype=np.int64)
+        self.uses[ids] += 1
+        self.last[ids] = self.clock
+        slot_ids = slots.slot_of[ids].copy()
+        miss = np.flatnonzero(slot_ids < 0)
+        loads: list[tuple[int, int]] = []
+        if len(miss):
+            resident = slots.expert_of
+            keys = np.full(slots.n_slots, np.iinfo(np.int64).min, dtype=np.float64)  # empty slots first
+            occupied = resident >= 0
+            keys[occupied] = self._keys(resident[occupied])
+            keys[np.isin(resident, ids)] = np.inf  # pinned: needed by this step
+            victims = np.argsort(keys, kind="stable")[: len(miss)]
+            for i, slot in zip(miss.tolist(), victims.tolist(), strict=True):
+                old = resident[slot]
+                if old >= 0:
+                    slots.slot_of[old] = -1
+                e = int(ids[i])
+                slots.expert_of[slot] = e
+                slots.slot_of[e] = slot
+                slot_ids[i] = slot
+                loads.append((e, int(slot)))
+        return Plan(slot_ids=slot_ids.tolist(), loads=loads)
+
+
+class LFUPolicy(CachePolicy):
+    """Least frequently used; ties broken by least recently used (the seed's policy)."""
+
+    name = "lfu"
+
+    def _keys(self, experts: np.ndarray) -> np.ndarray:
+        return self.uses[experts].astype(np.float64) * 2.0**32 + self.last[experts]
+
+
+class LRUPolicy(CachePolicy):
+    """Least recently used."""
+
+    name = "lru"
+
+    def _keys(self, experts: np.ndarray) -> np.ndarray:
+        return self.last[experts].astype(np.float64)
+
+
+POLICIES: dict[str, type[CachePolicy]] = {"lfu": LFUPolicy, "lru": LRUPolicy}

@@ -1,0 +1,168 @@
+"""Expert stores: where the expert matmul finds an expert's bytes.
+
+``StreamingStore``: per MoE layer, per expert matrix, one slot pool ``[n_slots, bytes_per_expert]``
+(uint8, allocated once) filled by an ExpertReader; the matmul addresses it through slot ids.
+``ResidentStore``: the "pool" is the whole expert tensor ``[n_experts, bytes_per_expert]`` viewed in a
+read-only memory map of the file, and slot id = expert id (the ``--moe-stream off`` baseline).
+Both expose the same ``prepare`` / ``wait`` / ``matrix`` calls, so the compute code is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from ..gguf import GGUFModel
+from .layout import ExpertLayout
+from .policy import POLICIES, CachePolicy, SlotMap
+from .reader import ExpertReader, ReadJob, Ticket
+
+
+@dataclass
+class StoreStats:
+    """Counts over all MoE layers: hits/misses count (token-step, expert) uses of distinct experts."""
+
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 1.0
+
+
+class ExpertStore:
+    """Interface. ``capacity(layer)``: experts that fit at once. ``prepare(layer, experts)`` -> (slot ids,
+    ticket); ``wait(ticket)``; ``matrix(layer, name)`` -> uint8 tensor [capacity, bytes_per_expert]."""
+
+    streaming = False
+
+    def __init__(self, model: GGUFModel, layout: ExpertLayout):
+        self.model, self.layout = model, layout
+        self.stats = StoreStats()
+
+    def capacity(self, layer: int) -> int:
+        raise NotImplementedError
+
+    def prepare(self, layer: int, experts: list[int]) -> tuple[list[int], Ticket | None]:
+        raise NotImplementedError
+
+    def wait(self, ticket: Ticket | None) -> None:
+        pass
+
+    def matrix(self, layer: int, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def bytes_read(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class ResidentStore(ExpertStore):
+    """Experts addressed in place in a memory map of the file; slot id = expert id."""
+
+    def __init__(self, model: GGUFModel, layout: ExpertLayout):
+        super().__init__(model, layout)
+        self._mats: dict[int, dict[str, torch.Tensor]] = {}
+        for layer, mats in layout.layers.items():
+            self._mats[layer] = {}
+            for name, m in mats.items():
+                info = model.tensors[f"blk.{layer}.ffn_{name}_exps.weight"]
+                self._mats[layer][name] = model.mapped(info).view(m.n_experts, m.bytes_per_expert)
+
+    def capacity(self, layer: int) -> int:
+        return self.layout.n_experts(layer)
+
+    def prepare(self, layer: int, experts: list[int]) -> tuple[list[int], Ticket | None]:
+        self.stats.hits += len(experts)
+        return list(experts), None
+
+    def matrix(self, layer: int, name: str) -> torch.Tensor:
+        return self._mats[layer][name]
+
+
+class StreamingStore(ExpertStore):
+    """Per-layer slot pools filled from the file on a miss.
+
+    n_slots: slots per MoE layer, at least ``min_slots`` (experts used per token). io_threads: reader threads.
+    policy: a name in POLICIES. pin_memory: allocate pools in pinned host memory (for a CUDA device).
+    Raises ConfigError for a bad n_slots or policy.
+    """
+
+    streaming = True
+
+    def __init__(self, model: GGUFModel, layout: ExpertLayout, n_slots: int, min_slots: int,
+                 io_threads: int = 8, policy: str = "lfu", pin_memory: bool = False):
+        super().__init__(model, layout)
+        if n_slots < min_slots:
+            raise ConfigError(f"--slots {n_slots} is below the experts used per token ({min_slots}); "
+                              f"a step needs at least {min_slots} slots per layer")
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.reader = ExpertReader(io_threads)
+        self.n_slots = n_slots
+        self.slots: dict[int, SlotMap] = {}
+        self.policies: dict[int, CachePolicy] = {}
+        self.pools: dict[int, dict[str, torch.Tensor]] = {}
+        self._views: dict[int, dict[str, list[memoryview]]] = {}
+        for layer, mats in layout.layers.items():
+            n_exp = layout.n_experts(layer)
+            n = min(n_slots, n_exp)
+            self.slots[layer] = SlotMap(n_exp, n)
+            self.policies[layer] = POLICIES[policy](n_exp)
+            self.pools[layer], self._views[layer] = {}, {}
+            for name, m in mats.items():
+                pool = torch.empty((n, m.bytes_per_expert), dtype=torch.uint8, pin_memory=pin_memory)
+                self.pools[layer][name] = pool
+                arr = pool.numpy()
+                self._views[layer][name] = [memoryview(arr[s]) for s in range(n)]
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(p.numel() for mats in self.pools.values() for p in mats.values())
+
+    def capacity(self, layer: int) -> int:
+        return self.slots[layer].n_slots
+
+    def prepare(self, layer: int, experts: list[int]) -> tuple[list[int], Ticket | None]:
+        """Assign slots to ``experts`` (distinct real ids) and start reading the misses."""
+        plan = self.policies[layer].plan(self.slots[layer], experts)
+        self.stats.misses += len(plan.loads)
+        self.stats.hits += len(experts) - len(plan.loads)
+        if not plan.loads:
+            return plan.slot_ids, None
+        mats = self.layout[layer]
+        jobs = [ReadJob(m.path, m.expert_offset(e), self._views[layer][name][s])
+                for e, s in plan.loads for name, m in mats.items()]
+        ticket = self.reader.submit(jobs)
+        ticket.loads = (layer, plan.loads)  # type: ignore[attr-defined]
+        return plan.slot_ids, ticket
+
+    def wait(self, ticket: Ticket | None) -> None:
+        """Join the reads of one prepare(). On a read error the slots being filled are emptied first."""
+        if ticket is None:
+            return
+        try:
+            self.reader.wait(ticket)
+        except BaseException:
+            layer, loads = ticket.loads  # type: ignore[attr-defined]
+            slots = self.slots[layer]
+            for e, s in loads:
+                slots.slot_of[e] = -1
+                slots.expert_of[s] = -1
+            raise
+
+    def matrix(self, layer: int, name: str) -> torch.Tensor:
+        return self.pools[layer][name]
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+    def close(self) -> None:
+        self.reader.close()

@@ -1,0 +1,253 @@
+"""GGUF model files: metadata, tensor table and split parts.
+
+Parsing is done by the `gguf` package (GGUFReader); this module adds what moestream needs on top:
+split models (``NAME-00001-of-0000N.gguf``, llama.cpp's gguf-split naming and ``split.*`` keys),
+absolute per-part offsets, clear one-line errors for bad files, and a guard against the file
+being truncated or replaced while it is in use.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+from .errors import GGUFError, ModelFileChanged
+
+_SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the model.
+
+    shape: row-major torch order (ggml ``ne`` reversed), e.g. ``[n_expert, n_ff, n_embd]`` for
+    ``ffn_gate_exps``; the last dim is the row length in elements. offset: absolute byte offset of the
+    tensor data in ``path``. n_bytes: bytes of the whole tensor.
+    """
+
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]
+    n_bytes: int
+    path: str
+    part: int
+    offset: int
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.ggml_type).name
+
+    @property
+    def row_bytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
+        return self.shape[-1] // block * size
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader that refuses to read past the end of the file instead of reshaping a short array."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):  # noqa: ANN001 - mirrors the base class
+        need = offset + int(count) * np.dtype(dtype).itemsize
+        if need > len(self.data):
+            raise _Truncated(offset, need, len(self.data))
+        return super()._get(offset, dtype, count, override_order)
+
+
+class _Truncated(Exception):
+    def __init__(self, offset: int, need: int, size: int):
+        self.offset, self.need, self.size = offset, need, size
+
+
+def _field_value(field) -> Any:  # noqa: ANN001 - gguf ReaderField
+    try:
+        return field.contents()
+    except Exception:  # noqa: BLE001 - unusual field types: keep raw parts
+        return None
+
+
+def split_parts(path: str) -> list[str]:
+    """All part paths of a split model given any one part; ``[path]`` for a single-file model.
+
+    Raises GGUFError naming the first missing part.
+    """
+    m = _SPLIT_RE.match(path)
+    if not m:
+        return [path]
+    count = int(m.group("count"))
+    parts = [f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    for p in parts:
+        if not os.path.exists(p):
+            raise GGUFError(f"{path}: split part {p} is missing ({count} parts expected)")
+    return parts
+
+
+def _open_reader(path: str) -> GGUFReader:
+    if not os.path.exists(path):
+        raise GGUFError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise GGUFError(f"{path}: is a directory, not a GGUF file")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != _GGUF_MAGIC:
+        raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        return _CheckedReader(path, "r")
+    except _Truncated as e:
+        raise GGUFError(
+            f"{path}: truncated GGUF: needs at least {e.need} bytes, file has {size}"
+        ) from None
+    except ValueError as e:
+        msg = str(e)
+        m = re.match(r"(\d+) is not a valid GGMLQuantizationType", msg)
+        if m:
+            raise GGUFError(f"{path}: unknown ggml type {m.group(1)} in the tensor table") from None
+        raise GGUFError(f"{path}: invalid GGUF: {msg}") from None
+    except Exception as e:  # noqa: BLE001 - gguf raises assorted errors on corrupt headers
+        raise GGUFError(f"{path}: invalid GGUF: {type(e).__name__}: {e}") from None
+
+
+class GGUFModel:
+    """A GGUF model, possibly split into parts.
+
+    Attributes:
+        path: the path given by the user. paths: all part paths in order.
+        fields: metadata key -> Python value (from part 1). arch: ``general.architecture``.
+        tensors: name -> TensorInfo across all parts.
+    Raises GGUFError for a missing/non-GGUF/truncated file or a missing split part.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.paths = split_parts(path)
+        self.fields: dict[str, Any] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self._identity: list[tuple[int, int, int, int]] = []
+        self._maps: dict[int, mmap.mmap] = {}
+        for part, p in enumerate(self.paths):
+            reader = _open_reader(p)
+            if part == 0:
+                for key, field in reader.fields.items():
+                    if not key.startswith("GGUF."):
+                        self.fields[key] = _field_value(field)
+            size = os.path.getsize(p)
+            for t in reader.tensors:
+                info = TensorInfo(
+                    name=t.name,
+                    ggml_type=int(t.tensor_type),
+                    shape=tuple(int(d) for d in reversed(t.shape.tolist())),
+                    n_bytes=int(t.n_bytes),
+                    path=p,
+                    part=part,
+                    offset=int(t.data_offset),
+                )
+                if info.offset + info.n_bytes > size:
+                    raise GGUFError(
+                        f"{p}: truncated GGUF: tensor {t.name} ends at byte {info.offset + info.n_bytes}, "
+                        f"file has {size} bytes"
+                    )
+                if info.name in self.tensors:
+                    raise GGUFError(f"{p}: tensor {info.name} appears in more than one split part")
+                self.tensors[info.name] = info
+            st = os.stat(p)
+            self._identity.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+            del reader
+        n_split = self.fields.get("split.count")
+        if n_split is not None and int(n_split) != len(self.paths):
+            raise GGUFError(
+                f"{path}: metadata says split.count={n_split} but {len(self.paths)} part(s) were found"
+            )
+        arch = self.fields.get("general.architecture")
+        if not isinstance(arch, str):
+            raise GGUFError(f"{path}: metadata has no general.architecture")
+        self.arch: str = arch
+
+    # --- metadata -------------------------------------------------------------------------
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def arch_get(self, suffix: str, default: Any = None, required: bool = False) -> Any:
+        """``{arch}.{suffix}`` metadata; GGUFError naming the key when required and absent."""
+        key = f"{self.arch}.{suffix}"
+        if key not in self.fields:
+            if required:
+                raise GGUFError(f"{self.path}: metadata key {key} is missing")
+            return default
+        return self.fields[key]
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise GGUFError(f"{self.path}: tensor {name} is missing")
+        return self.tensors[name]
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(os.path.getsize(p) for p in self.paths)
+
+    # --- data -----------------------------------------------------------------------------
+    def _map(self, part: int) -> mmap.mmap:
+        """Copy-on-write map of one part (never written: pages stay backed by the file)."""
+        if part not in self._maps:
+            with open(self.paths[part], "rb") as f:
+                self._maps[part] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._maps[part]
+
+    def mapped(self, info: TensorInfo) -> torch.Tensor:
+        """uint8 tensor [n_bytes] viewing the tensor data in a memory map of the file (no read)."""
+        self.check_unchanged()
+        return torch.frombuffer(self._map(info.part), dtype=torch.uint8, count=info.n_bytes, offset=info.offset)
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        """uint8 tensor [n_bytes] holding a private copy of the tensor data (read with pread)."""
+        out = torch.empty(info.n_bytes, dtype=torch.uint8)
+        buf = memoryview(out.numpy())
+        fd = os.open(info.path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < info.n_bytes:
+                n = os.preadv(fd, [buf[done:]], info.offset + done)
+                if n <= 0:
+                    raise GGUFError(
+                        f"{info.path}: short read of tensor {info.name} at offset {info.offset + done}"
+                    )
+                done += n
+        finally:
+            os.close(fd)
+        return out
+
+    def check_unchanged(self) -> None:
+        """Raise ModelFileChanged if any part was truncated or replaced since it was opened.
+
+        A memory map of a truncated file faults (SIGBUS) on access, so resident mode calls this
+        before touching mapped expert data.
+        """
+        for p, ident in zip(self.paths, self._identity, strict=True):
+            try:
+                st = os.stat(p)
+            except OSError as e:
+                raise ModelFileChanged(f"{p}: model file disappeared while in use ({e.strerror})") from None
+            now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            if now != ident:
+                if now[:2] != ident[:2]:
+                    what = "was replaced by another file"
+                elif now[2] != ident[2]:
+                    what = f"changed size from {ident[2]} to {now[2]} bytes"
+                else:
+                    what = "was modified"
+                raise ModelFileChanged(f"{p}: model file {what} while in use; stopping")
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:
+                pass  # tensors still view it; the map closes when they are gone
+        self._maps.clear()

@@ -1,0 +1,116 @@
+"""Shared building blocks: resident weights in the file's own format, RMSNorm, RoPE, attention, KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from gguf import GGMLQuantizationType
+
+from .. import quant
+from ..errors import GGUFError
+from ..gguf import GGUFModel, TensorInfo
+
+
+class Weight:
+    """A resident dense weight, kept in the file's own ggml format unless ``expand``.
+
+    raw: uint8 [rows, row_bytes] (quantized types) or the float32 tensor itself (F32, or expanded).
+    shape: torch order, last dim = row length. Raises GGUFError for a type moestream cannot compute.
+    """
+
+    def __init__(self, model: GGUFModel, info: TensorInfo, device: torch.device, expand: bool = False):
+        if not quant.is_supported(info.ggml_type):
+            raise GGUFError(f"{info.path}: tensor {info.name} is ggml type {info.ggml_type} "
+                            f"({info.type_name}), which moestream cannot compute")
+        self.name, self.ggml_type, self.shape = info.name, info.ggml_type, info.shape
+        self.cols = info.shape[-1]
+        self.rows = math.prod(info.shape[:-1])
+        data = model.read(info).view(self.rows, info.row_bytes)
+        if info.ggml_type == GGMLQuantizationType.F32 or expand:
+            self.dense: torch.Tensor | None = quant.dequantize(data, info.ggml_type, self.cols).to(device)
+            self.raw: torch.Tensor | None = None
+        else:
+            self.dense, self.raw = None, data.to(device)
+
+    @property
+    def nbytes(self) -> int:
+        t = self.dense if self.dense is not None else self.raw
+        return t.numel() * t.element_size()
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., cols] float32 -> [..., rows] float32 (x @ W.T)."""
+        if self.dense is not None:
+            return torch.nn.functional.linear(x, self.dense)
+        return quant.linear(x, self.raw, self.ggml_type, self.cols)
+
+    def float(self) -> torch.Tensor:
+        """The whole weight as float32 [shape]."""
+        if self.dense is not None:
+            return self.dense.view(self.shape)
+        return quant.dequantize(self.raw, self.ggml_type, self.cols).view(self.shape)
+
+    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup: rows ``ids`` [n] int64 -> float32 [n, cols], dequantizing only those rows."""
+        if self.dense is not None:
+            return self.dense[ids]
+        return quant.dequantize(self.raw[ids], self.ggml_type, self.cols)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (float32)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_neox(x: torch.Tensor, positions: torch.Tensor, base: float, n_rot: int | None = None) -> torch.Tensor:
+    """Rotary embedding, NEOX style (rotate halves), on the first ``n_rot`` dims of the head.
+
+    x: [tokens, heads, head_dim] float32; positions: [tokens] int64. theta_i = base^(-2i/n_rot).
+    """
+    d = x.shape[-1]
+    n_rot = n_rot or d
+    inv_freq = 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.int64, device=x.device).float() / n_rot))
+    ang = positions.float()[:, None] * inv_freq[None, :]  # [tokens, n_rot/2]
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    xr, rest = x[..., :n_rot], x[..., n_rot:]
+    x1, x2 = xr[..., : n_rot // 2], xr[..., n_rot // 2:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    out = xr * cos + rotated * sin
+    return torch.cat((out, rest), dim=-1) if n_rot < d else out
+
+
+class KVCache:
+    """Per-layer key/value cache. k, v: float32 [n_ctx, n_kv_heads, head_dim] per layer."""
+
+    def __init__(self, n_layers: int, n_ctx: int, n_kv: int, head_dim_k: int, head_dim_v: int,
+                 device: torch.device):
+        self.n_ctx = n_ctx
+        self.k = [torch.zeros((n_ctx, n_kv, head_dim_k), device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros((n_ctx, n_kv, head_dim_v), device=device) for _ in range(n_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for t in self.k + self.v)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal GQA attention of new queries over the cache.
+
+    q: [T, n_head, d] for positions start..start+T-1; k, v: [start+T, n_kv, d] (cache up to the last new
+    token). Returns [T, n_head * d_v] float32.
+    """
+    n_tok, n_head, _ = q.shape
+    n_kv = k.shape[1]
+    group = n_head // n_kv
+    kk = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [n_head, S, d]
+    vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    qq = q.transpose(0, 1)  # [n_head, T, d]
+    scores = torch.matmul(qq, kk.transpose(1, 2)) * scale  # [n_head, T, S]
+    n_keys = k.shape[0]
+    qpos = torch.arange(start, start + n_tok, device=q.device)[:, None]
+    kpos = torch.arange(n_keys, device=q.device)[None, :]
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vv)  # [n_head, T, d_v]
+    return out.transpose(0, 1).reshape(n_tok, -1)

@@ -1,0 +1,62 @@
+"""``moestream inspect``: the model's layout and what a given slot count costs, from the tensor table alone."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from gguf import GGMLQuantizationType
+
+from .errors import ConfigError, GGUFError
+from .experts.layout import ExpertLayout
+from .gguf import GGUFModel
+from .models.base import default_slots
+
+GiB = 2**30
+MiB = 2**20
+
+
+def _fmt(n: float) -> str:
+    return f"{n / GiB:.3f} GiB" if n >= GiB / 4 else f"{n / MiB:.2f} MiB"
+
+
+def inspect_model(path: str, slots: int | None = None) -> str:
+    """A human-readable report. Raises GGUFError for a bad file, ConfigError for --slots below top-k."""
+    g = GGUFModel(path)
+    layout = ExpertLayout(g)
+    if not layout.moe_layers:
+        raise GGUFError(f"{path}: no routed-expert tensors (blk.N.ffn_*_exps) found")
+    n_exp = int(g.arch_get("expert_count", required=True))
+    top_k = int(g.arch_get("expert_used_count", required=True))
+    n_slots = slots if slots is not None else default_slots(n_exp, top_k)
+    if n_slots < top_k:
+        raise ConfigError(f"--slots {n_slots} is below the experts used per token ({top_k})")
+    expert_names = {f"blk.{layer}.ffn_{m}_exps.weight" for layer, mats in layout.layers.items() for m in mats}
+    dense = [t for n, t in g.tensors.items() if n not in expert_names]
+    dense_bytes = sum(t.n_bytes for t in dense)
+    dense_f32 = sum(t.n_bytes if t.ggml_type == GGMLQuantizationType.F32 else 4 * math.prod(t.shape)
+                    for t in dense)
+    expert_bytes = layout.total_bytes
+    first = layout.moe_layers[0]
+    per_expert = layout.bytes_per_expert(first)
+    pools = layout.pool_bytes(n_slots)
+    per_token = sum(layout.bytes_per_expert(layer) * top_k for layer in layout.moe_layers)
+    types = Counter(t.type_name for t in g.tensors.values())
+    lines = [
+        f"file            {path}" + (f" ({len(g.paths)} parts)" if len(g.paths) > 1 else ""),
+        f"architecture    {g.arch}",
+        f"name            {g.get('general.name', '?')}",
+        f"layers          {g.arch_get('block_count', '?')} ({len(layout.moe_layers)} with routed experts)",
+        f"experts         {n_exp} per layer, {top_k} used per token (top-k)",
+        "tensor types    " + ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
+        "expert matrices " + ", ".join(f"{m.matrix} {m.type_name} [{m.rows}x{m.cols}] {m.bytes_per_expert} B"
+                                       for m in layout[first].values()),
+        f"bytes/expert    {per_expert} ({_fmt(per_expert)}) per layer, all matrices",
+        f"file size       {_fmt(g.file_bytes)}",
+        f"dense weights   {_fmt(dense_bytes)} (resident; {_fmt(dense_f32)} with --expand-dense)",
+        f"routed experts  {_fmt(expert_bytes)} ({100 * expert_bytes / max(g.file_bytes, 1):.1f}% of the file)",
+        f"per token       {_fmt(per_token)} of experts touched (read from disk if nothing is cached)",
+        f"--slots {n_slots:<7d} {_fmt(pools)} of slot pools "
+        f"({100 * min(n_slots, n_exp) / n_exp:.1f}% of experts) -> dense + pools = {_fmt(dense_bytes + pools)}",
+    ]
+    return "\n".join(lines)

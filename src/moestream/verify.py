@@ -1,0 +1,83 @@
+"""Identity check: greedy decoding with streaming off, then on, comparing every logit bytewise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .engine import Engine
+from .experts.pool import ResidentStore
+from .models.base import LoadOptions, MoEModel
+
+
+@dataclass
+class VerifyResult:
+    """identical: every compared logit equal in raw bytes. steps: forward passes compared (prefill chunks'
+    positions count one step each). n_logits: float32 values compared. first_diff: (step, position) of the
+    first difference or None. streamed_bytes: bytes read into slots in the streaming run."""
+
+    identical: bool
+    steps: int
+    n_logits: int
+    first_diff: tuple[int, int] | None
+    streamed_bytes: int
+    hit_rate: float
+    tokens: list[int]
+
+
+def _run(engine: Engine, prompt: list[int], steps: int,
+         reference: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], tuple[int, int] | None, list[int]]:
+    """Greedy-decode; returns per-step logits (step 0 = every prompt position) and the first difference
+    from ``reference`` as (step, position)."""
+    model = engine.model
+    cache = model.new_cache(len(prompt) + steps)
+    out: list[torch.Tensor] = []
+    tokens: list[int] = []
+
+    def check(step: int, logits: torch.Tensor) -> tuple[int, int] | None:
+        logits = logits.contiguous().cpu()
+        out.append(logits)
+        if reference is None:
+            return None
+        ref = reference[step]
+        a, b = logits.view(torch.int32), ref.view(torch.int32)  # raw bytes: memcmp semantics
+        if a.shape != b.shape:
+            return (step, 0)
+        rows = (a != b).any(dim=-1).nonzero()
+        if len(rows):
+            row = int(rows[0])
+            return (step, row if step == 0 else len(prompt) + step - 1)
+        return None
+
+    diff = check(0, engine.prefill(prompt, cache, logits_all=True))
+    if diff:
+        return out, diff, tokens
+    tok = int(torch.argmax(out[0][-1]))
+    for step in range(1, steps + 1):
+        tokens.append(tok)
+        logits = engine.decode_step(tok, len(prompt) + step - 1, cache)
+        diff = check(step, logits[None])
+        if diff:
+            return out, diff, tokens
+        tok = int(torch.argmax(logits))
+    return out, None, tokens
+
+
+def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ubatch: int = 128) -> VerifyResult:
+    """Run ``prompt`` + ``steps`` greedy tokens resident, then streaming with ``opts`` (slots, io_threads,
+    policy, overlap), comparing logits bytewise at every step and prompt position."""
+    engine = Engine(model, ubatch)
+    model.set_store(ResidentStore(model.gguf, model.layout))
+    ref, _, ref_tokens = _run(engine, prompt, steps, None)
+    stream_opts = LoadOptions(**{**opts.__dict__, "moe_stream": True})
+    store = model.make_store(stream_opts)
+    model.set_store(store)
+    try:
+        got, diff, tokens = _run(engine, prompt, steps, ref)
+    finally:
+        store.close()
+    n_logits = sum(t.numel() for t in got[: len(got) - (1 if diff else 0)])
+    return VerifyResult(identical=diff is None, steps=len(got) if diff is None else diff[0],
+                        n_logits=n_logits, first_diff=diff, streamed_bytes=store.bytes_read,
+                        hit_rate=store.stats.hit_rate, tokens=tokens if diff else ref_tokens)
