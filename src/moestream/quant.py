@@ -91,6 +91,22 @@ def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     return _reinterpret(blocks[..., offset : offset + 2], torch.float16).to(torch.float32)
 
 
+def _f16_to_f32_exact(h: torch.Tensor) -> torch.Tensor:
+    """Widen fp16 to float32 exactly as numpy does, signalling NaNs included.
+
+    torch's conversion (x86 F16C, and CUDA's cvt) sets the quiet bit of a signalling NaN;
+    numpy keeps the payload bits untouched: sign, all-ones exponent, 10 mantissa bits << 13.
+    NaN lanes are rebuilt that way; on CPU only when a NaN is present at all.
+    """
+    out = h.to(torch.float32)
+    nan = out.isnan()
+    if out.device.type == "cpu" and not bool(nan.any()):
+        return out
+    bits = h.view(torch.int16).to(torch.int32)  # sign-extended
+    exact = (bits << 13).bitwise_or_(0x7F800000).view(torch.float32)
+    return torch.where(nan, exact, out)
+
+
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     """Split bytes into 4-bit values, low nibbles of each ``group`` bytes first, then the high nibbles.
 
@@ -372,6 +388,8 @@ def dequantize(raw: torch.Tensor, ggml_type: int, n_cols: int) -> torch.Tensor:
     float_dtype = _FLOAT_TYPES.get(qtype)
     if float_dtype is not None:
         vals = _reinterpret(raw, float_dtype)
+        if float_dtype == torch.float16:
+            return _f16_to_f32_exact(vals)
         return vals if float_dtype == torch.float32 else vals.to(torch.float32)
 
     block_size, type_size = GGML_QUANT_SIZES[qtype]
