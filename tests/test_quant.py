@@ -250,11 +250,30 @@ def test_cuda_matches_reference(qtype):
     assert got.device.type == "cuda"
     ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     assert torch.equal(got.cpu().view(torch.int32), ref.view(torch.int32))
-    if qtype == T.F16:
-        allp = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.uint8).reshape(256, 512)
-        ref16 = torch.from_numpy(gguf.quants.dequantize(allp.numpy(), qtype))
-        got16 = quant.dequantize(allp.cuda(), qtype, 256).cpu()
+    if qtype in (T.F16, T.BF16):  # every encoding: CUDA's own conversion canonicalizes NaNs
+        allp = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(256, 512)
+        ref16 = torch.from_numpy(gguf.quants.dequantize(allp, qtype))
+        got16 = quant.dequantize(torch.from_numpy(allp).cuda(), qtype, 256).cpu()
         assert torch.equal(got16.view(torch.int32), ref16.view(torch.int32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q5_0, T.F32], ids=lambda t: t.name)
+def test_cuda_batched_and_linear(qtype):
+    block_size, _ = GGML_QUANT_SIZES[qtype]
+    n_cols = 512
+    if qtype in FLOAT_TYPES:
+        rows = random_floats(qtype, 24, n_cols, seed=9)
+    else:
+        rows = random_blocks(qtype, 24, n_cols // block_size, seed=9)
+    cpu = torch.from_numpy(rows).reshape(4, 6, -1).permute(1, 0, 2)  # [6, 4, nbytes], non-contiguous
+    got = quant.dequantize(cpu.cuda(), qtype, n_cols)
+    assert torch.equal(got.cpu().view(torch.int32), quant.dequantize(cpu, qtype, n_cols).view(torch.int32))
+    raw = torch.from_numpy(rows).cuda()
+    x = torch.randn(5, n_cols, generator=torch.Generator().manual_seed(2)).cuda()
+    y = quant.linear(x, raw, qtype, n_cols)
+    assert y.device.type == "cuda" and tuple(y.shape) == (5, 24)
+    assert torch.equal(y, torch.nn.functional.linear(x, quant.dequantize(raw, qtype, n_cols)))
 
 
 # ---------------------------------------------------------------------------

@@ -140,7 +140,8 @@ class GGUFModel:
     Raises GGUFError for a missing/non-GGUF/truncated file or a missing split part.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str | os.PathLike[str]):
+        path = os.fspath(path)
         self.path = path
         self.paths = split_parts(path)
         self.fields: dict[str, Any] = {}

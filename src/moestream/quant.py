@@ -10,7 +10,12 @@ float32 operation performed in the same order as the reference, and no fused
 multiply-add is used.
 
 Everything here is vectorized torch code (no Python loop over blocks, no numpy),
-so it runs on whatever device the raw bytes live on (CPU or CUDA).
+so it runs on whatever device the raw bytes live on (CPU or CUDA). Multi-byte
+fields are read the way GGUF stores them, little-endian, through views of the
+host's (little-endian) integer types.
+
+Throughput on a 2048x768 matrix, 2 CPU cores (torch 2.13): Q8_0 about 9e9
+elements/s, Q4_K about 2.7e9 elements/s (the gguf numpy reference: 7e8 and 1e8).
 
 Public API: :func:`is_supported`, :func:`row_bytes`, :func:`dequantize`,
 :func:`linear`, :data:`SUPPORTED_TYPES` and :class:`UnsupportedTypeError`.
@@ -54,27 +59,19 @@ def _type_label(ggml_type: int) -> str:
 
 # ---------------------------------------------------------------------------
 # small helpers
+#
+# Bit fields are pulled out with scalar shifts/masks on whole byte planes and interleaved
+# with torch.stack: on CPU that is several times faster than broadcasting against a tensor
+# of shift amounts or writing through strided ``out=`` views.
 # ---------------------------------------------------------------------------
 
-_CONSTS: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def _shifts(name: str, values: tuple[int, ...], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A small cached uint8 constant (shift amounts) of ``shape`` on ``device``."""
-    key = (name, device)
-    t = _CONSTS.get(key)
-    if t is None:
-        t = torch.tensor(values, dtype=torch.uint8, device=device).reshape(shape)
-        _CONSTS[key] = t
-    return t
+_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def _iq4nl_table(device: torch.device) -> torch.Tensor:
-    key = ("iq4nl", device)
-    t = _CONSTS.get(key)
+    t = _TABLES.get(device)
     if t is None:
-        t = torch.tensor(_IQ4NL_VALUES, dtype=torch.float32, device=device)
-        _CONSTS[key] = t
+        t = _TABLES[device] = torch.tensor(_IQ4NL_VALUES, dtype=torch.float32, device=device)
     return t
 
 
@@ -86,195 +83,234 @@ def _reinterpret(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.clone(memory_format=torch.contiguous_format).view(dtype)
 
 
-def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The fp16 field at byte ``offset`` of every block, widened to float32: shape [..., n_blocks, 1]."""
-    return _reinterpret(blocks[..., offset : offset + 2], torch.float16).to(torch.float32)
+def _f16(blocks: torch.Tensor, offset: int, count: int = 1) -> torch.Tensor:
+    """``count`` consecutive fp16 fields at byte ``offset`` of every block, widened to float32.
+
+    Returns float32 ``[..., n_blocks, count]``.
+    """
+    return _reinterpret(blocks[..., offset : offset + 2 * count], torch.float16).to(torch.float32)
 
 
 def _f16_to_f32_exact(h: torch.Tensor) -> torch.Tensor:
     """Widen fp16 to float32 exactly as numpy does, signalling NaNs included.
 
-    torch's conversion (x86 F16C, and CUDA's cvt) sets the quiet bit of a signalling NaN;
-    numpy keeps the payload bits untouched: sign, all-ones exponent, 10 mantissa bits << 13.
-    NaN lanes are rebuilt that way; on CPU only when a NaN is present at all.
+    numpy keeps a NaN's bits: sign, all-ones exponent, the 10 mantissa bits << 13. torch's
+    conversion does not: on x86 CPUs (F16C) it sets the quiet bit of a signalling NaN, on
+    CUDA every NaN becomes 0x7FFFFFFF. NaN lanes are rebuilt numpy's way (on CPU only when
+    a NaN is present at all, which a cheap sum detects).
     """
     out = h.to(torch.float32)
-    nan = out.isnan()
-    if out.device.type == "cpu" and not bool(nan.any()):
+    # cheap CPU pre-check: a sum is NaN when any term is (or inf - inf: a harmless false alarm)
+    if out.device.type == "cpu" and not bool(out.sum().isnan()):
         return out
     bits = h.view(torch.int16).to(torch.int32)  # sign-extended
     exact = (bits << 13).bitwise_or_(0x7F800000).view(torch.float32)
-    return torch.where(nan, exact, out)
+    return torch.where(out.isnan(), exact, out)
+
+
+def _field(v: torch.Tensor, shift: int, width: int, to: int) -> torch.Tensor:
+    """``((v >> shift) & (2**width - 1)) << to`` on uint8, as one shift and one mask."""
+    mask = ((1 << width) - 1) << to
+    if shift == to:
+        return v & mask
+    return (v >> (shift - to) if shift > to else v << (to - shift)) & mask
+
+
+def _planes(v: torch.Tensor, width: int, to: int = 0, dim: int = -2) -> torch.Tensor:
+    """All ``8 // width`` bit fields of each byte, field ``f`` = bits ``width*f ..``, moved to bit ``to``.
+
+    ``v``: uint8 ``[..., m]``; the fields are stacked at ``dim``: ``[..., 8 // width, m]`` for
+    ``dim=-2`` (field-major), ``[..., m, 8 // width]`` for ``dim=-1``. The bytes are first
+    gathered into one contiguous buffer (one cheap copy) so that the shifts and masks run
+    over flat memory instead of a short strided run per block.
+    """
+    v = v.contiguous()
+    return torch.stack([_field(v, width * f, width, to) for f in range(8 // width)], dim=dim)
+
+
+def _bit_bytes(qh: torch.Tensor, to: int) -> torch.Tensor:
+    """One byte per bit: uint8 ``[..., m]`` -> ``[..., 8 * m]``, byte ``8i + k`` = bit ``k`` of ``qh[i]`` << ``to``.
+
+    Done in int64 "lanes" (byte ``k`` of an int64 is its bits ``8k..8k+7``: little-endian):
+    one multiplication copies bits 0-6 of a byte into every lane, lane ``k`` (< 7) keeps bit
+    ``k``, adding 0x7F per lane (no carry crosses lanes) sets a lane's bit 7 exactly when its
+    bit was set, and a shift plus a mask moves that to bit ``to``; bit 7 goes straight to lane
+    7. A handful of flat passes, no per-element interleaving, no signed overflow.
+    """
+    lanes = qh.to(torch.int64)
+    top = lanes >> 7
+    lanes.bitwise_and_(0x7F).mul_(0x0101010101010101).bitwise_and_(0x0040201008040201)
+    lanes.add_(0x007F7F7F7F7F7F7F).bitwise_right_shift_(7 - to).bitwise_and_(0x0001010101010101 << to)
+    lanes.bitwise_or_(top.bitwise_left_shift_(56 + to))
+    return lanes.view(torch.uint8)
+
+
+def _iq4nl_lookup(codes: torch.Tensor) -> torch.Tensor:
+    """float32 ``kvalues_iq4nl[codes]`` for uint8 codes 0..15, same shape as ``codes``."""
+    table = _iq4nl_table(codes.device)
+    return table.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
 
 
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
-    """Split bytes into 4-bit values, low nibbles of each ``group`` bytes first, then the high nibbles.
+    """Low nibbles of each run of ``group`` bytes, then its high nibbles.
 
-    ``qs``: uint8 [..., n_blocks, m]; returns uint8 [..., n_blocks, m // group, 2, group].
+    ``qs``: uint8 ``[..., m]``; returns uint8 ``[..., m // group, 2, group]``.
     """
-    q = qs.unflatten(-1, (-1, 1, group)) >> _shifts("nib", (0, 4), (2, 1), qs.device)
-    return q.bitwise_and_(0x0F)
+    return _planes(qs.unflatten(-1, (-1, group)), 4)
 
 
-def _bits(qh: torch.Tensor) -> torch.Tensor:
-    """Bit ``k`` of byte ``i`` at position ``[..., k, i]``: uint8 [..., n, m] -> [..., n, 8, m] of 0/1."""
-    q = qh.unsqueeze(-2) >> _shifts("bit8", tuple(range(8)), (8, 1), qh.device)
-    return q.bitwise_and_(1)
+def _k4_scales(blocks: torch.Tensor, d_offset: int, sc_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-32 scales ``d * sc`` and offsets ``dmin * mn`` of Q4_K/Q5_K, each float32 ``[..., n_blocks, 8, 1]``.
 
-
-def _crumbs(q: torch.Tensor) -> torch.Tensor:
-    """2-bit fields: uint8 [..., n, m] -> [..., n, 4, m]; field ``s`` is bits 2s..2s+1."""
-    out = q.unsqueeze(-2) >> _shifts("crumb", (0, 2, 4, 6), (4, 1), q.device)
-    return out.bitwise_and_(3)
-
-
-def _le_bits(qh: torch.Tensor) -> torch.Tensor:
-    """Bits of a little-endian 32-bit field stored as 4 bytes: uint8 [..., 4] -> [..., 32], bit ``j`` at ``j``."""
-    q = qh.unsqueeze(-1) >> _shifts("bit8r", tuple(range(8)), (8,), qh.device)
-    return q.bitwise_and_(1).flatten(-2)
-
-
-def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpack the 12-byte 6-bit (scale, min) table of Q4_K/Q5_K: [..., 12] -> two uint8 [..., 8].
-
-    Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; scales/mins 4-7 take
-    their low 4 bits from bytes 8-11 (low/high nibble) and their top 2 bits from the top
-    bits of bytes 0-3 / 4-7 (ggml-common.h block_q4_K, get_scale_min_k4).
+    The 12-byte table packs 8 six-bit (scale, min) pairs: bytes 0-3 hold scales 0-3 in their
+    low 6 bits, bytes 4-7 mins 0-3; pair 4+i takes its low 4 bits from byte 8+i (scale: low
+    nibble, min: high nibble) and its top 2 bits from the top bits of byte i (scale) / 4+i
+    (min) (ggml-common.h block_q4_K, get_scale_min_k4). The bytes are unpacked four at a time
+    as little-endian int32 words (byte k of a word = its bits 8k..8k+7).
     """
-    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
-    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
-    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
-    return sc, mn
+    words = blocks[..., sc_offset : sc_offset + K_SCALE_SIZE].contiguous().view(torch.int32)
+    d, m, md = words[..., 0], words[..., 1], words[..., 2]
+    sc_mn = torch.stack(
+        (
+            d & 0x3F3F3F3F,
+            (md & 0x0F0F0F0F).bitwise_or_((d >> 2).bitwise_and_(0x30303030)),
+            m & 0x3F3F3F3F,
+            (md >> 4).bitwise_and_(0x0F0F0F0F).bitwise_or_((m >> 2).bitwise_and_(0x30303030)),
+        ),
+        dim=-1,
+    ).view(torch.uint8).to(torch.float32)  # [..., n_blocks, 16]: 8 scales, then 8 mins
+    d_dmin = _f16(blocks, d_offset, 2)
+    dl = d_dmin[..., 0:1] * sc_mn[..., 0:8]
+    ml = d_dmin[..., 1:2] * sc_mn[..., 8:16]
+    return dl.unsqueeze(-1), ml.unsqueeze(-1)
 
 
-def _to_f32(q: torch.Tensor) -> torch.Tensor:
-    return q.to(torch.float32)
+def _codes_minus(codes: torch.Tensor, offset: int) -> torch.Tensor:
+    """float32 of ``codes - offset`` (codes uint8 below 128; the subtraction is exact in int8)."""
+    return (codes.view(torch.int8) - offset).to(torch.float32)
 
 
 # ---------------------------------------------------------------------------
 # per-format block decoders: blocks uint8 [..., n_blocks, type_size] -> float32 [..., n_blocks, block_size]
+# (byte layouts: ggml-common.h; arithmetic order: gguf/quants.py)
 # ---------------------------------------------------------------------------
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_q4_0: fp16 d | 16 bytes of nibbles; x = d * (q - 8)
+    # block_q4_0: fp16 d | 16 bytes: element i low nibble of byte i, element 16+i high nibble
+    # x = d * (q - 8)
     d = _f16(blocks, 0)
-    out = _to_f32(_nibbles(blocks[..., 2:18], 16).flatten(-3))
-    return out.sub_(8.0).mul_(d)
+    return _codes_minus(_nibbles(blocks[..., 2:18], 16).flatten(-3), 8).mul_(d)
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_q4_1: fp16 d | fp16 m | 16 bytes of nibbles; x = d * q + m
-    d, m = _f16(blocks, 0), _f16(blocks, 2)
-    out = _to_f32(_nibbles(blocks[..., 4:20], 16).flatten(-3))
-    return out.mul_(d).add_(m)
+    # block_q4_1: fp16 d | fp16 m | 16 bytes of nibbles as Q4_0; x = d * q + m
+    d, m = _f16(blocks, 0), _f16(blocks, 2)  # separate: contiguous broadcast operands are faster
+    q = _nibbles(blocks[..., 4:20], 16).flatten(-3).to(torch.float32)
+    return q.mul_(d).add_(m)
 
 
 def _q5_codes(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(qs, 16).flatten(-3)
-    return q.bitwise_or_(_le_bits(qh) << 4)
+    # 5th bit of element j is bit j of the little-endian u32 qh = bit j % 8 of byte j // 8
+    return _nibbles(qs, 16).flatten(-3).bitwise_or_(_bit_bytes(qh, 4))
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_q5_0: fp16 d | u32 high bits | 16 bytes of nibbles; x = d * (q - 16)
+    # block_q5_0: fp16 d | u32 qh | 16 bytes of nibbles; x = d * (q - 16)
     d = _f16(blocks, 0)
-    out = _to_f32(_q5_codes(blocks[..., 2:6], blocks[..., 6:22]))
-    return out.sub_(16.0).mul_(d)
+    return _codes_minus(_q5_codes(blocks[..., 2:6], blocks[..., 6:22]), 16).mul_(d)
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_q5_1: fp16 d | fp16 m | u32 high bits | 16 bytes of nibbles; x = d * q + m
+    # block_q5_1: fp16 d | fp16 m | u32 qh | 16 bytes of nibbles; x = d * q + m
     d, m = _f16(blocks, 0), _f16(blocks, 2)
-    out = _to_f32(_q5_codes(blocks[..., 4:8], blocks[..., 8:24]))
-    return out.mul_(d).add_(m)
+    q = _q5_codes(blocks[..., 4:8], blocks[..., 8:24]).to(torch.float32)
+    return q.mul_(d).add_(m)
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_q8_0: fp16 d | 32 int8; x = q * d
+    # block_q8_0: fp16 d | 32 int8; x = q * d
     d = _f16(blocks, 0)
-    return _to_f32(blocks[..., 2:34].view(torch.int8)).mul_(d)
+    return blocks[..., 2:34].view(torch.int8).to(torch.float32).mul_(d)
 
 
 def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_q2_K: 16 bytes scales (low nibble scale, high nibble min) | 64 bytes 2-bit quants
-    # | fp16 d | fp16 dmin; 16 groups of 16: x = (d * sc) * q - (dmin * mn)
-    scales = blocks[..., 0:16]
-    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
-    dl = (d * _to_f32(scales & 0x0F)).unsqueeze(-1)
-    ml = (dmin * _to_f32(scales >> 4)).unsqueeze(-1)
-    q = _crumbs(blocks[..., 16:80].unflatten(-1, (2, 32)))  # [..., 2, 4, 32]: j = 128h + 32s + i
-    out = _to_f32(q).view(*q.shape[:-3], 16, 16)
-    return out.mul_(dl).sub_(ml).flatten(-2)
+    # block_q2_K: 16 bytes scales (low nibble scale, high nibble min) | 64 bytes of 2-bit quants
+    # | fp16 d | fp16 dmin. Element 128h + 32f + i is bits 2f.. of byte 32h + i; groups of 16:
+    # x = (d * sc) * q - (dmin * mn)
+    sc_mn = _planes(blocks[..., 0:16], 4).to(torch.float32)  # [..., n_blocks, 2, 16]
+    d_dmin = _f16(blocks, 80, 2)
+    dl = (d_dmin[..., 0:1] * sc_mn[..., 0, :]).unsqueeze(-1)  # [..., n_blocks, 16, 1]
+    ml = (d_dmin[..., 1:2] * sc_mn[..., 1, :]).unsqueeze(-1)
+    q = _planes(blocks[..., 16:80].unflatten(-1, (2, 32)), 2).to(torch.float32)  # [..., 2, 4, 32]
+    q = q.view(*q.shape[:-3], 16, 16)
+    return q.mul_(dl).sub_(ml).flatten(-2)
 
 
 def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_q3_K: 32 bytes hmask | 64 bytes low 2 bits | 12 bytes packed 6-bit scales | fp16 d
-    # x = (d * (sc - 32)) * (q_low - (hbit ? 0 : 4)), 16 groups of 16
-    hmask, qs, sc = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    # block_q3_K: 32 bytes hmask | 64 bytes low 2 bits | 12 bytes 6-bit scales | fp16 d
+    # 16 groups of 16: x = (d * (sc - 32)) * (q_low - (hbit ? 0 : 4))
+    # Scale s (0..15): low 4 bits = nibble s // 8 of byte s % 8; top 2 bits = bits 2(s // 4)..
+    # of byte 8 + s % 4. Element j: q_low from bits 2((j // 32) % 4).. of qs[32(j // 128) + j % 32],
+    # hbit = bit j // 32 of hmask[j % 32].
+    table = blocks[..., 96:108]
+    low = _planes(table[..., 0:8], 4).flatten(-2)  # [..., 16]
+    high = _planes(table[..., 8:12], 2, to=4).flatten(-2)  # [..., 16]
     d = _f16(blocks, 108)
-    low = sc[..., 0:8].unflatten(-1, (1, 8)) >> _shifts("nib", (0, 4), (2, 1), sc.device)  # [..., 2, 8]
-    high = _crumbs(sc[..., 8:12])  # [..., 4, 4]
-    s = (low.bitwise_and_(0x0F).flatten(-2)).bitwise_or_(high.flatten(-2) << 4)
-    dl = (d * _to_f32(s.view(torch.int8) - 32)).unsqueeze(-1)  # [..., 16, 1]
-    q = _crumbs(qs.unflatten(-1, (2, 32))).flatten(-3)  # j = 128h + 32s + i
-    q.bitwise_or_(_bits(hmask).flatten(-2) << 2)  # bit j//32 of hmask[j % 32]
-    out = _to_f32(q).sub_(4.0)
-    return out.view(*out.shape[:-1], 16, 16).mul_(dl).flatten(-2)
-
-
-def _k4_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, mn = _scale_min_k4(blocks[..., 4:16])
-    return (d * _to_f32(sc)).unsqueeze(-1), (dmin * _to_f32(mn)).unsqueeze(-1)
+    dl = (d * _codes_minus(low.bitwise_or_(high), 32)).unsqueeze(-1)  # [..., n_blocks, 16, 1]
+    q = _planes(blocks[..., 32:96].unflatten(-1, (2, 32)), 2).flatten(-3)
+    q.bitwise_or_(_planes(blocks[..., 0:32], 1, to=2).flatten(-2))  # q_low + 4 * hbit
+    q = _codes_minus(q, 4)
+    return q.view(*q.shape[:-1], 16, 16).mul_(dl).flatten(-2)
 
 
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_q4_K: fp16 d | fp16 dmin | 12 bytes scales/mins | 128 bytes nibbles
-    # 8 groups of 32: x = (d * sc) * q - (dmin * mn)
-    dl, ml = _k4_scales(blocks)
-    q = _nibbles(blocks[..., 16:144], 32).flatten(-3, -2)  # [..., 8, 32]
-    return _to_f32(q).mul_(dl).sub_(ml).flatten(-2)
+    # block_q4_K: fp16 d | fp16 dmin | 12 bytes scales/mins | 128 bytes: group 2c is the low
+    # nibbles of bytes 32c.., group 2c+1 their high nibbles; x = (d * sc) * q - (dmin * mn)
+    dl, ml = _k4_scales(blocks, 0, 4)
+    q = _nibbles(blocks[..., 16:144], 32).flatten(-3, -2).to(torch.float32)  # [..., 8, 32]
+    return q.mul_(dl).sub_(ml).flatten(-2)
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_q5_K: fp16 d | fp16 dmin | 12 bytes scales/mins | 32 bytes high bits | 128 bytes nibbles
-    dl, ml = _k4_scales(blocks)
+    # block_q5_K: fp16 d | fp16 dmin | 12 bytes scales/mins | 32 bytes qh | 128 bytes nibbles
+    # as Q4_K; group g takes its 5th bit from bit g of qh[i]
+    dl, ml = _k4_scales(blocks, 0, 4)
     q = _nibbles(blocks[..., 48:176], 32).flatten(-3, -2)  # [..., 8, 32]
-    q.bitwise_or_(_bits(blocks[..., 16:48]) << 4)  # group s takes bit s of qh[i]
-    return _to_f32(q).mul_(dl).sub_(ml).flatten(-2)
+    q = q.bitwise_or_(_planes(blocks[..., 16:48], 1, to=4)).to(torch.float32)
+    return q.mul_(dl).sub_(ml).flatten(-2)
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_q6_K: 128 bytes low nibbles | 64 bytes high 2 bits | 16 int8 scales | fp16 d
-    # 16 groups of 16: x = (d * sc) * (q - 32)
+    # block_q6_K: 128 bytes low nibbles | 64 bytes high 2 bits | 16 int8 scales | fp16 d
+    # element 128h + 64n + k: nibble n of ql[64h + k], high bits 2(f).. of qh[32h + i] for
+    # 128h + 32f + i; 16 groups of 16: x = (d * sc) * (q - 32)
     d = _f16(blocks, 208)
-    dl = (d * _to_f32(blocks[..., 192:208].view(torch.int8))).unsqueeze(-1)
-    ql = _nibbles(blocks[..., 0:128], 64).flatten(-3)  # j = 128h + 64n + k from byte 64h + k
-    qh = _crumbs(blocks[..., 128:192].unflatten(-1, (2, 32))).flatten(-3)  # j = 128h + 32s + i
-    q = ql.bitwise_or_(qh << 4)
-    out = _to_f32(q.view(torch.int8) - 32)
-    return out.view(*out.shape[:-1], 16, 16).mul_(dl).flatten(-2)
+    dl = (d * blocks[..., 192:208].view(torch.int8).to(torch.float32)).unsqueeze(-1)
+    q = _nibbles(blocks[..., 0:128], 64).flatten(-3)
+    q.bitwise_or_(_planes(blocks[..., 128:192].unflatten(-1, (2, 32)), 2, to=4).flatten(-3))
+    q = _codes_minus(q, 32)
+    return q.view(*q.shape[:-1], 16, 16).mul_(dl).flatten(-2)
 
 
 def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_iq4_nl: fp16 d | 16 bytes of nibbles indexing kvalues_iq4nl; x = d * kvalues[q]
+    # block_iq4_nl: fp16 d | 16 bytes of nibbles (order as Q4_0) indexing kvalues_iq4nl
+    # x = d * kvalues[q]
     d = _f16(blocks, 0)
     q = _nibbles(blocks[..., 2:18], 16).flatten(-3)
-    vals = _iq4nl_table(blocks.device)[q.to(torch.int32)]
-    return vals.mul_(d)
+    return _iq4nl_lookup(q).mul_(d)
 
 
 def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
-    # ggml block_iq4_xs: fp16 d | u16 scales_h | 4 bytes scales_l | 128 bytes nibbles
-    # 8 groups of 32: x = (d * (sc - 32)) * kvalues[q]
+    # block_iq4_xs: fp16 d | u16 scales_h | 4 bytes scales_l | 128 bytes: group g is the low
+    # nibbles of bytes 16g.. then their high nibbles. Scale g: low 4 bits = nibble g % 2 of
+    # scales_l[g // 2], top 2 bits = bits 2g.. of scales_h. x = (d * (sc - 32)) * kvalues[q]
     d = _f16(blocks, 0)
-    low = blocks[..., 4:8].unsqueeze(-1) >> _shifts("nibr", (0, 4), (2,), blocks.device)  # [..., 4, 2]
-    high = _crumbs(blocks[..., 2:4]).transpose(-1, -2)  # [..., 2, 4]: byte b, field f -> scale 4b + f
-    s = low.bitwise_and_(0x0F).flatten(-2).bitwise_or_(high.flatten(-2) << 4)
-    dl = (d * _to_f32(s.view(torch.int8) - 32)).unsqueeze(-1)  # [..., 8, 1]
+    low = _planes(blocks[..., 4:8], 4, dim=-1).flatten(-2)  # [..., 8]
+    high = _planes(blocks[..., 2:4], 2, to=4, dim=-1).flatten(-2)  # [..., 8]
+    dl = (d * _codes_minus(low.bitwise_or_(high), 32)).unsqueeze(-1)  # [..., n_blocks, 8, 1]
     q = _nibbles(blocks[..., 8:136], 16).flatten(-2)  # [..., 8, 32]
-    vals = _iq4nl_table(blocks.device)[q.to(torch.int32)]
-    return vals.mul_(dl).flatten(-2)
+    return _iq4nl_lookup(q).mul_(dl).flatten(-2)
 
 
 _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -364,8 +400,10 @@ def dequantize(raw: torch.Tensor, ggml_type: int, n_cols: int) -> torch.Tensor:
     Returns:
         float32 tensor ``[..., n_cols]`` on ``raw.device``. For F32 this is a view of ``raw``
         whenever its bytes are 4-byte aligned (a copy otherwise); F16 and BF16 are converted
-        exactly. Quantized types allocate the output and uint8 temporaries of one byte per
-        element.
+        exactly (NaN payloads included). Quantized types allocate the output plus temporaries
+        of about one byte per element. Bit-identical to the reference on CPU and CUDA; the
+        one exception is a block whose fp16 scale is itself NaN: CUDA arithmetic returns the
+        canonical NaN where numpy propagates the scale's payload (still NaN, other bits).
 
     Raises:
         UnsupportedTypeError: ``ggml_type`` is not supported (message names it and its number).
@@ -407,8 +445,9 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int) -> t
         ggml_type, n_cols: as for :func:`dequantize`.
 
     Returns:
-        float32 ``[..., n_rows]``; exactly ``torch.nn.functional.linear(x, W)``, so the same
-        inputs give the same bits on every call.
+        float32 ``[..., n_rows]``; exactly ``torch.nn.functional.linear(x, W)``. Nothing
+        nondeterministic (no atomics, no sampling) is involved: the same inputs give the same
+        bits on every call (for a fixed device and thread count).
 
     Raises:
         UnsupportedTypeError, TypeError, ValueError: as for :func:`dequantize`, or when ``x``

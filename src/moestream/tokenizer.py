@@ -1,0 +1,756 @@
+"""Tokenizer and chat template from a GGUF file's own metadata.
+
+A GGUF file carries its tokenizer as metadata under llama.cpp's key names (``tokenizer.ggml.model``,
+``.tokens``, ``.token_type``, ``.merges`` / ``.scores``, the special token ids, ``add_bos_token``)
+and its chat template as a Jinja string (``tokenizer.chat_template``). This module builds a
+Hugging Face ``tokenizers.Tokenizer`` from those fields with transformers' own GGUF conversion
+(:func:`transformers.integrations.gguf.convert_gguf_tokenizer`, the function behind
+``AutoTokenizer.from_pretrained(..., gguf_file=...)``), and renders the chat template with a sandboxed
+Jinja environment set up the way transformers sets up its own.
+
+Supported ``tokenizer.ggml.model`` values: ``gpt2`` (byte-level BPE: Qwen, DeepSeek, Llama 3, ...) and
+``llama`` / ``gemma4`` (SentencePiece-style BPE with byte fallback: Llama 2, Mistral, Gemma).
+
+Where this differs from transformers' GGUF tokenizer, on purpose (each matches llama.cpp):
+
+* In a byte-level vocabulary, control / user-defined tokens spelled with characters outside the
+  byte alphabet (DeepSeek's ``<｜User｜>``, ``<｜end▁of▁sentence｜>``, ...) are kept as whole tokens with
+  their own ids. transformers skips them, so text naming them (as every chat prompt of such a model
+  does) is cut into pieces, and its ``bos_token`` gets a new id past the vocabulary.
+* Added tokens that transformers' builder class invents (GPT-2's ``<|endoftext|>`` default) and that
+  the file does not have are dropped: ids are exactly ``0 .. len(tokenizer.ggml.tokens) - 1``.
+* ``add_special=True`` adds no second BOS when the text already starts with the BOS token (a chat
+  template that writes ``{{ bos_token }}`` itself); llama.cpp adds it twice and warns.
+
+Construction takes about 1-2 s for a 152k-token byte-level vocabulary and 3 s for Gemma's 262k
+SentencePiece one (whose merges transformers must rebuild from the vocabulary); nothing is cached on
+disk.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from .errors import MoestreamError
+
+__all__ = ["GGUFTokenizer", "StreamDecoder", "TokenizerError", "TokenType"]
+
+
+class TokenizerError(MoestreamError, ValueError):
+    """The file has no usable tokenizer / chat template, or rendering the template failed.
+
+    The message is one line and names the file.
+    """
+
+
+class TokenType:
+    """Values of ``tokenizer.ggml.token_type`` (llama.cpp's ``llama_token_type``)."""
+
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
+
+# Token texts llama.cpp treats as end of generation (llama-vocab.cpp's EOG detection by text, as of
+# llama-cpp-python 0.3.36). Unlike llama.cpp, which promotes any token so named to CONTROL, we count one
+# only when the file itself marks it CONTROL: DeepSeek-R1-Distill-Qwen has a NORMAL "</s>" and Gemma 3 a
+# USER_DEFINED "</s>" (the HTML strike-through tag), which llama.cpp would both make stop tokens.
+END_OF_TURN_NAMES = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
+    }
+)
+
+
+def _end_of_generation_ids(
+    tokens: list[str], types: list[int], declared: Iterable[int | None]
+) -> set[int]:
+    """``eos_ids``: the declared eos/eot/eom ids plus CONTROL tokens named in ``END_OF_TURN_NAMES``.
+
+    As llama.cpp does, ``<|end|>`` is dropped when ``<|return|>`` and ``<|call|>`` (gpt-oss's harmony
+    format) or ``<|calls|>`` and ``<|flush|>`` are there: it ends a message there, not the generation.
+    """
+    ids = {i for i in declared if i is not None}
+    named: dict[str, int] = {}
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind == TokenType.CONTROL and text in END_OF_TURN_NAMES:
+            named.setdefault(text, i)
+            ids.add(i)
+    if "<|end|>" in named and (
+        ("<|return|>" in named and "<|call|>" in named) or ("<|calls|>" in named and "<|flush|>" in named)
+    ):
+        ids.discard(named["<|end|>"])
+    return ids
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _str_list(value: Any, key: str, path: str) -> list[str]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TokenizerError(f"{path}: {key} is not an array of strings (got {type(value).__name__})")
+    out = []
+    for item in value:
+        if isinstance(item, bytes):
+            item = item.decode("utf-8", errors="replace")
+        elif not isinstance(item, str):
+            raise TokenizerError(f"{path}: {key} holds a {type(item).__name__}, expected strings")
+        out.append(item)
+    return out
+
+
+def _num_list(value: Any, key: str, path: str, kind: type) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TokenizerError(f"{path}: {key} is not a numeric array (got {type(value).__name__})")
+    try:
+        return [kind(v) for v in value]
+    except (TypeError, ValueError) as e:
+        raise TokenizerError(f"{path}: {key} is not a numeric array ({_one_line(e)})") from None
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (the inverse of ``bytes_to_unicode``)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+class GGUFTokenizer:
+    """Tokenizer + chat template of one GGUF file.
+
+    Attributes:
+        path: the file, for messages.
+        model: ``tokenizer.ggml.model`` (``"gpt2"``, ``"llama"`` or ``"gemma4"``).
+        vocab_size: number of tokens (``len(tokenizer.ggml.tokens)``); every id is in ``[0, vocab_size)``.
+        bos_id: ``tokenizer.ggml.bos_token_id`` or None.
+        add_bos / add_eos: whether ``encode(..., add_special=True)`` adds BOS / EOS.
+        eos_ids: end-of-generation ids, a set of int: ``tokenizer.ggml.eos_token_id``, ``eot_token_id``
+            and ``eom_token_id`` when present, plus every token the file marks CONTROL whose text
+            is one llama.cpp treats as end of turn (``<|im_end|>``, ``<|endoftext|>``,
+            ``<end_of_turn>``, ``<|eot_id|>``, ``<｜end▁of▁sentence｜>``, ... see ``END_OF_TURN_NAMES``).
+        chat_template: ``tokenizer.chat_template`` or None.
+        backend: the ``tokenizers.Tokenizer`` doing the work.
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        path: str,
+        model: str,
+        tokens: list[str],
+        token_types: list[int],
+        bos_id: int | None,
+        eos_id: int | None,
+        eos_ids: set[int],
+        add_bos: bool,
+        add_eos: bool,
+        chat_template: str | None,
+        template_tokens: dict[str, str],
+    ):
+        """Use :meth:`from_fields` or :meth:`from_gguf`; this only stores what they computed."""
+        self.backend = backend
+        self.path = path
+        self.model = model
+        self.vocab_size = len(tokens)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.eos_ids = eos_ids
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.chat_template = chat_template
+        self._tokens = tokens
+        self._token_types = token_types
+        self._template_tokens = template_tokens
+        added = backend.get_added_tokens_decoder()
+        self._added = {i: (t.content, bool(t.special)) for i, t in added.items()}
+        self._byte_level = model == "gpt2"
+        self._byte_fallback = not self._byte_level
+        self._strip_left = _decoder_strip(backend)
+        self._piece_cache: dict[int, bytes] = {}
+        self._char_bytes: dict[str, int] | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any], path: str) -> GGUFTokenizer:
+        """Build from GGUF metadata.
+
+        Args:
+            fields: metadata key -> Python value (strings as str, arrays as lists or 1-D numpy arrays),
+                e.g. ``{k: f.contents() for k, f in gguf.GGUFReader(p).fields.items()}``. Uses
+                ``general.architecture`` and the ``tokenizer.*`` keys.
+            path: the file the fields came from, only for messages.
+        Raises:
+            TokenizerError: no ``tokenizer.ggml.tokens``, a missing or unsupported
+                ``tokenizer.ggml.model``, arrays of the wrong type or length, a special token id out of
+                range, or transformers failing to convert the vocabulary. One line, naming ``path``.
+        """
+        tok_key, model_key = "tokenizer.ggml.tokens", "tokenizer.ggml.model"
+        if fields.get(tok_key) is None:
+            raise TokenizerError(f"{path}: no {tok_key} in the GGUF metadata: the file carries no tokenizer")
+        model = fields.get(model_key)
+        if model is None:
+            raise TokenizerError(f"{path}: no {model_key} in the GGUF metadata")
+        if model not in SUPPORTED_MODELS:
+            raise TokenizerError(
+                f"{path}: unsupported {model_key} {model!r} (supported: {', '.join(SUPPORTED_MODELS)})"
+            )
+        tokens = _str_list(fields[tok_key], tok_key, path)
+        n = len(tokens)
+        if n == 0:
+            raise TokenizerError(f"{path}: {tok_key} is empty")
+        arrays: dict[str, Any] = {"tokens": tokens}
+        for key, name, kind in (
+            ("token_type", "token_type", int),
+            ("scores", "scores", float),
+        ):
+            value = fields.get(f"tokenizer.ggml.{key}")
+            if value is not None:
+                arrays[name] = _num_list(value, f"tokenizer.ggml.{key}", path, kind)
+                if len(arrays[name]) != n:
+                    raise TokenizerError(
+                        f"{path}: tokenizer.ggml.{key} has {len(arrays[name])} entries for {n} tokens"
+                    )
+        merges = fields.get("tokenizer.ggml.merges")
+        if merges is not None:
+            arrays["merges"] = _str_list(merges, "tokenizer.ggml.merges", path)
+        if model == "gpt2" and "merges" not in arrays:
+            raise TokenizerError(f"{path}: byte-level BPE (gpt2) tokenizer without tokenizer.ggml.merges")
+        if model != "gpt2" and "merges" not in arrays and "scores" not in arrays:
+            raise TokenizerError(f"{path}: {model} tokenizer has neither tokenizer.ggml.merges nor .scores")
+        token_types = arrays.get("token_type") or [TokenType.NORMAL] * n
+
+        def token_id(key: str) -> int | None:
+            value = fields.get(f"tokenizer.ggml.{key}")
+            if value is None:
+                return None
+            try:
+                value = int(value)
+            except (TypeError, ValueError):
+                raise TokenizerError(f"{path}: tokenizer.ggml.{key} is not an integer: {value!r}") from None
+            if not 0 <= value < n:
+                # llama.cpp writes -1 / 0xFFFFFFFF for "none" in some converters
+                if value in (-1, 0xFFFFFFFF):
+                    return None
+                raise TokenizerError(f"{path}: tokenizer.ggml.{key} {value} is outside the {n} tokens")
+            return value
+
+        bos_id, eos_id = token_id("bos_token_id"), token_id("eos_token_id")
+        special_ids = {name: token_id(f"{name}_token_id") for name in ("unknown", "padding", "eot", "eom")}
+
+        architecture = str(fields.get("general.architecture") or "")
+        pre = fields.get("tokenizer.ggml.pre")
+        backend = _convert(architecture, model, pre, fields, arrays, path)
+        backend = _repair(backend, tokens, token_types, arrays.get("merges"), model == "gpt2", path)
+
+        add_bos = fields.get("tokenizer.ggml.add_bos_token")
+        # llama.cpp's default when the key is absent: BOS for SentencePiece vocabularies, none for BPE
+        add_bos = bool(add_bos) if add_bos is not None else model != "gpt2"
+        add_eos = bool(fields.get("tokenizer.ggml.add_eos_token") or False)
+        if add_bos and bos_id is None:
+            add_bos = False
+        if add_eos and eos_id is None:
+            add_eos = False
+
+        eos_ids = _end_of_generation_ids(tokens, token_types, (eos_id, special_ids["eot"], special_ids["eom"]))
+
+        template = fields.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{path}: tokenizer.chat_template is not a string")
+        template_tokens = {}
+        for name, i in (
+            ("bos_token", bos_id),
+            ("eos_token", eos_id),
+            ("unk_token", special_ids["unknown"]),
+            ("pad_token", special_ids["padding"]),
+        ):
+            if i is not None:
+                template_tokens[name] = tokens[i]
+        return cls(
+            backend,
+            path=path,
+            model=model,
+            tokens=tokens,
+            token_types=token_types,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            eos_ids=eos_ids,
+            add_bos=add_bos,
+            add_eos=add_eos,
+            chat_template=template or None,
+            template_tokens=template_tokens,
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str) -> GGUFTokenizer:
+        """Read the metadata of the GGUF file at ``path`` and build from it (see :meth:`from_fields`).
+
+        Reads with transformers' struct-based GGUF header reader (well under a second for a 152k
+        vocabulary; ``gguf.GGUFReader`` takes 7-10 s on the same header), falling back to
+        ``gguf.GGUFReader`` for headers that reader refuses. Only the header is read, never tensor data.
+
+        Raises:
+            TokenizerError: the file is missing, not GGUF, truncated, or has no usable tokenizer.
+        """
+        import os
+
+        if not os.path.isfile(path):
+            raise TokenizerError(f"{path}: no such file")
+        try:
+            from transformers.integrations.gguf import read_gguf_metadata
+
+            fields, _ = read_gguf_metadata(path, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+        except Exception as first:  # noqa: BLE001 - any header the fast reader refuses
+            try:
+                import gguf
+
+                reader = gguf.GGUFReader(path)
+                fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+            except Exception:  # noqa: BLE001
+                raise TokenizerError(f"{path}: cannot read the GGUF header ({_one_line(first)})") from None
+        return cls.from_fields(fields, path)
+
+    # ------------------------------------------------------------------ encode / decode
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids (list of int) for ``text``.
+
+        Special tokens written in the text (``<|im_start|>``, ``<｜User｜>``, ``<start_of_turn>``...: every
+        token the file marks CONTROL or USER_DEFINED) become their single ids, as llama.cpp's
+        tokenizer does with ``parse_special=True``.
+
+        Args:
+            add_special: add BOS in front when the file says to (``tokenizer.ggml.add_bos_token``; when
+                absent, yes for SentencePiece vocabularies, no for byte-level BPE) unless the text
+                already starts with the BOS token; add EOS at the end when
+                ``tokenizer.ggml.add_eos_token`` is true.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        if add_special:
+            if self.add_bos and not (ids and ids[0] == self.bos_id):
+                ids.insert(0, self.bos_id)
+            if self.add_eos:
+                ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text for token ids.
+
+        Args:
+            ids: token ids, each in ``[0, vocab_size)``.
+            skip_special: leave out control tokens (BOS, EOS, ``<|im_end|>``...).
+        Raises:
+            TokenizerError: an id outside the vocabulary.
+        """
+        ids = self._checked(ids)
+        return self.backend.decode(ids, skip_special_tokens=skip_special)
+
+    def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
+        """A fresh :class:`StreamDecoder` for printing tokens as they are generated."""
+        return StreamDecoder(self, skip_special)
+
+    def token_to_id(self, text: str) -> int | None:
+        """Id of the token spelled ``text`` as the file spells it (``"<|im_end|>"``), or None."""
+        return self.backend.token_to_id(text)
+
+    def token_bytes(self, token_id: int, skip_special: bool = False) -> bytes:
+        """The UTF-8 bytes token ``token_id`` contributes to decoded text (maybe half a character).
+
+        Control tokens give their text, or ``b""`` when ``skip_special``. The SentencePiece decoder's
+        left strip at the start of a text is not applied here (see :class:`StreamDecoder`).
+        """
+        (token_id,) = self._checked((token_id,))
+        added = self._added.get(token_id)
+        if added is not None:
+            content, special = added
+            return b"" if skip_special and special else content.encode("utf-8")
+        cached = self._piece_cache.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self.backend.id_to_token(token_id)
+        if self._byte_level:
+            if self._char_bytes is None:
+                self._char_bytes = _byte_decoder()
+            table = self._char_bytes
+            if all(c in table for c in piece):
+                out = bytes(table[c] for c in piece)
+            else:  # what the ByteLevel decoder does with a token outside its alphabet
+                out = piece.encode("utf-8")
+        else:
+            m = _BYTE_TOKEN.fullmatch(piece) if self._byte_fallback else None
+            out = bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
+        self._piece_cache[token_id] = out
+        return out
+
+    def _checked(self, ids: Iterable[int]) -> list[int]:
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.vocab_size:
+                raise TokenizerError(f"{self.path}: token id {i} is outside the {self.vocab_size} tokens")
+            out.append(i)
+        return out
+
+    # ------------------------------------------------------------------ chat template
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict] | None = None,
+        **template_vars: Any,
+    ) -> str:
+        """Render the file's chat template, as transformers' ``apply_chat_template(tokenize=False)`` does.
+
+        Args:
+            messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...]``.
+                Keys whose value is None are dropped first (as transformers does);
+                ``reasoning_content`` / ``thinking`` / ``reasoning`` are aliased to each other.
+            add_generation_prompt: end with the header that starts an assistant turn.
+            tools: JSON-schema tool descriptions, passed to the template as ``tools``.
+            template_vars: extra template variables (e.g. ``enable_thinking=False`` for Qwen 3); they
+                override ``bos_token`` / ``eos_token`` / ``unk_token`` / ``pad_token``, which are the
+                file's token strings.
+        Returns:
+            The prompt text; encode it with :meth:`encode` (special tokens in it are parsed; no second
+            BOS is added when the template wrote one).
+        Raises:
+            TokenizerError: the file has no chat template, the template does not compile, or it raised
+                an error (``raise_exception(...)``, e.g. roles not alternating).
+        """
+        if self.chat_template is None:
+            raise TokenizerError(f"{self.path}: the GGUF has no tokenizer.chat_template")
+        try:
+            template = _compile_template(self.chat_template)
+        except Exception as e:  # noqa: BLE001 - jinja2 syntax / security errors
+            raise TokenizerError(f"{self.path}: the chat template does not compile ({_one_line(e)})") from None
+        chat = [_alias_reasoning(_plain({k: v for k, v in dict(m).items() if v is not None})) for m in messages]
+        variables = {**self._template_tokens, **_plain(template_vars)}
+        try:
+            return template.render(
+                messages=chat,
+                tools=_plain(tools),
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except Exception as e:  # noqa: BLE001 - TemplateError from raise_exception, UndefinedError...
+            raise TokenizerError(f"{self.path}: chat template: {_one_line(e)}") from None
+
+
+class StreamDecoder:
+    """Incremental detokenizer: ``push(token_id)`` returns the text that token completes.
+
+    Works on bytes: each token's bytes (:meth:`GGUFTokenizer.token_bytes`) go through an incremental
+    UTF-8 decoder, so a character split over several byte tokens (an emoji as 4 byte-level tokens) comes
+    out whole with the token that completes it, and nothing is ever half a character. For valid UTF-8,
+    ``"".join(push(t) for t in ids) + flush() == tokenizer.decode(ids, skip_special)``. Invalid byte
+    sequences become U+FFFD (``errors="replace"``); there the count of U+FFFD may differ from
+    ``decode()``, which replaces per SentencePiece byte token.
+    """
+
+    def __init__(self, tokenizer: GGUFTokenizer, skip_special: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._strip_pending = tokenizer._strip_left  # SentencePiece: drop the dummy-prefix space
+        self.ids: list[int] = []
+
+    def push(self, token_id: int) -> str:
+        """Feed one token id; returns the newly completed text (possibly ``""``).
+
+        Raises TokenizerError for an id outside the vocabulary.
+        """
+        data = self._tok.token_bytes(token_id, self._skip)
+        self.ids.append(int(token_id))
+        if token_id in self._tok._added:
+            if data:  # an added token written out starts a new decoder chunk, as in tokenizers
+                self._strip_pending = self._tok._strip_left
+        elif self._strip_pending and data:
+            strip = self._strip_pending
+            while strip and data.startswith(b" "):
+                data, strip = data[1:], strip - 1
+            self._strip_pending = 0
+        return self._utf8.decode(data)
+
+    def flush(self) -> str:
+        """Text for bytes still held at the end of a stream (U+FFFD for an unfinished character)."""
+        return self._utf8.decode(b"", final=True)
+
+
+# ---------------------------------------------------------------------- conversion helpers
+def _convert(architecture: str, model: str, pre: Any, fields: Mapping[str, Any], arrays: dict, path: str) -> Any:
+    """``tokenizers.Tokenizer`` from transformers' GGUF conversion."""
+    try:
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    except ImportError as e:  # pragma: no cover - pinned dependency
+        raise TokenizerError(f"{path}: transformers' GGUF tokenizer conversion is unavailable ({e})") from None
+    tokenizer_dict: dict[str, Any] = {}
+    for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items():
+        if name in arrays:
+            tokenizer_dict[name] = arrays[name]
+        elif f"tokenizer.{key}" in fields and fields[f"tokenizer.{key}"] is not None:
+            tokenizer_dict[name] = fields[f"tokenizer.{key}"]
+    if model == "gpt2" and pre not in GGUF_PRE_TOKENIZER_SPLITS and pre not in (None, "gpt2"):
+        warnings.warn(
+            f"{path}: tokenizer.ggml.pre {pre!r} has no pre-tokenizer in transformers' GGUF conversion; "
+            f"using GPT-2's, which may split some text differently from llama.cpp",
+            stacklevel=3,
+        )
+    try:
+        backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    except Exception as e:  # noqa: BLE001 - transformers raises assorted errors on odd vocabularies
+        raise TokenizerError(f"{path}: cannot build the {model} tokenizer ({_one_line(e)})") from None
+    if model == "llama" and fields.get("tokenizer.ggml.add_space_prefix") is False:
+        _no_space_prefix(backend, architecture)
+    return backend
+
+
+def _no_space_prefix(backend: Any, architecture: str) -> None:
+    """SentencePiece without the dummy-prefix space (``add_space_prefix = false``).
+
+    transformers' LlamaTokenizer always prepends one; Gemma's builder already has none.
+    """
+    from tokenizers import decoders, pre_tokenizers
+
+    if architecture.startswith("gemma") or architecture == "phi3":
+        return
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+
+
+def _repair(
+    backend: Any, tokens: list[str], types: list[int], merges: list[str] | None, byte_level: bool, path: str
+) -> Any:
+    """Make the converted tokenizer's ids exactly the file's, with its special tokens whole.
+
+    1. Drop added tokens with ids past the file's vocabulary (GPT2Tokenizer's default
+       ``<|endoftext|>`` when the file has none).
+    2. Byte-level only: a CONTROL / USER_DEFINED token whose text uses characters outside the byte
+       alphabet is stored by transformers respelled in that alphabet and is not added as a token, so
+       ``<｜User｜>`` in text would be cut into pieces. Put it back into the vocabulary under its own
+       text (same id) and add it (special if CONTROL), unless a merge needs the respelled form.
+
+    Only when something needs fixing: a byte-level BPE is rebuilt from the converted vocabulary, the
+    file's merges and the converted model's options, keeping the converted normalizer, pre-tokenizer,
+    decoder and post-processor (about 0.5 s for 152k tokens); any other model goes through its JSON.
+    """
+    from tokenizers import AddedToken, Tokenizer, models
+
+    n = len(tokens)
+    added = backend.get_added_tokens_decoder()
+    extra = [i for i in added if i >= n]
+    missing = []
+    if byte_level:
+        missing = [
+            i
+            for i, kind in enumerate(types)
+            if kind in (TokenType.CONTROL, TokenType.USER_DEFINED) and i not in added
+        ]
+    if not extra and not missing:
+        return backend
+    keep = [added[i] for i in sorted(added) if i < n]
+    if byte_level and merges is not None and isinstance(backend.model, models.BPE):
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        vocab = backend.get_vocab(with_added_tokens=False)
+        if missing:
+            in_merges: set[str] = set()
+            for left, right in pairs:
+                in_merges.update((left, right, left + right))
+            for i in missing:
+                raw, spelled = tokens[i], backend.id_to_token(i)
+                if raw in vocab or spelled in in_merges or vocab.get(spelled) != i:
+                    continue
+                del vocab[spelled]
+                vocab[raw] = i
+                keep.append(AddedToken(raw, normalized=False, special=types[i] == TokenType.CONTROL))
+        old = backend.model
+        try:
+            fixed = Tokenizer(
+                models.BPE(
+                    vocab=vocab,
+                    merges=pairs,
+                    dropout=old.dropout,
+                    unk_token=old.unk_token,
+                    continuing_subword_prefix=old.continuing_subword_prefix,
+                    end_of_word_suffix=old.end_of_word_suffix,
+                    fuse_unk=old.fuse_unk,
+                    byte_fallback=old.byte_fallback,
+                    ignore_merges=old.ignore_merges,
+                )
+            )
+        except Exception as e:  # noqa: BLE001
+            raise TokenizerError(f"{path}: cannot rebuild the tokenizer ({_one_line(e)})") from None
+        for part in ("normalizer", "pre_tokenizer", "decoder", "post_processor"):
+            value = getattr(backend, part)
+            if value is not None:
+                setattr(fixed, part, value)
+        fixed.add_special_tokens([t for t in keep if t.special])
+        fixed.add_tokens([t for t in keep if not t.special])
+    else:
+        data = json.loads(backend.to_str())
+        data["added_tokens"] = [a for a in data["added_tokens"] if a["id"] < n]
+        try:
+            fixed = Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
+        except Exception as e:  # noqa: BLE001
+            raise TokenizerError(f"{path}: cannot rebuild the tokenizer ({_one_line(e)})") from None
+    got = fixed.get_vocab_size(with_added_tokens=True)
+    if got != n:
+        raise TokenizerError(f"{path}: the converted tokenizer has {got} ids for the file's {n} tokens")
+    return fixed
+
+
+def _decoder_strip(backend: Any) -> int:
+    """How many leading spaces the decoder strips from each decoded chunk (SentencePiece dummy prefix)."""
+    decoder = backend.decoder
+    if decoder is None:
+        return 0
+    spec = json.loads(decoder.__getstate__()) if hasattr(decoder, "__getstate__") else {}
+    parts = spec.get("decoders", [spec]) if isinstance(spec, dict) else []
+    for part in parts:
+        if part.get("type") == "Strip" and part.get("content") == " ":
+            return int(part.get("start", 0))
+        if part.get("type") == "Metaspace" and part.get("prepend_scheme", "always") != "never":
+            return 1
+    return 0
+
+
+# ---------------------------------------------------------------------- chat template helpers
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict) -> dict:
+    """Expose a message's reasoning under every name templates read it by (as transformers does)."""
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _plain(value: Any) -> Any:
+    """A copy of ``value`` made of plain JSON-like types only (the sandbox sees nothing else)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    item = getattr(value, "item", None)  # numpy scalars
+    if callable(item) and type(value).__module__ == "numpy":
+        return _plain(item())
+    return f"<{type(value).__name__}>"
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> Any:
+    """Compile a chat template in a sandboxed Jinja environment with transformers' conventions:
+    ``trim_blocks`` / ``lstrip_blocks``, loop controls, a ``{% generation %}`` block that renders its
+    body, ``raise_exception(msg)``, ``strftime_now(fmt)``, a ``tojson`` filter that keeps non-ASCII
+    text and takes ``indent`` / ``separators`` / ``sort_keys``, and ``namespace`` / ``dict`` that
+    refuse underscore names."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller: Callable[[], str]) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    class _Dict:
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} starts with an underscore")
+
+    class _Namespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Jinja's signature trick
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                _check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            _check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=strftime_now, dict=_Dict(), namespace=_Namespace
+    )
+    return env.from_string(source)
