@@ -195,6 +195,21 @@ def test_linear_equals_functional_linear(qtype):
     assert torch.equal(y, quant.linear(x, raw, qtype, n_cols))  # deterministic
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tok", [1, 5])
+def test_linear_in_row_bands_equals_one_matmul(qtype, n_tok):
+    """Weights above the band size are dequantized in bands of rows; the result must not change a bit."""
+    n_cols = 256
+    n_rows = 3 * quant._LINEAR_CHUNK_ELEMENTS // n_cols + 77  # several bands and a ragged last one
+    if qtype in FLOAT_TYPES:
+        raw = torch.from_numpy(random_floats(qtype, n_rows, n_cols, seed=5))
+    else:
+        raw = torch.from_numpy(random_blocks(qtype, n_rows, n_cols // GGML_QUANT_SIZES[qtype][0], seed=5))
+    x = torch.randn(n_tok, n_cols, generator=torch.Generator().manual_seed(2))
+    y = quant.linear(x, raw, qtype, n_cols)
+    assert torch.equal(y, torch.nn.functional.linear(x, quant.dequantize(raw, qtype, n_cols)))
+
+
 def test_f32_is_a_view_not_a_copy():
     raw = torch.from_numpy(random_floats(T.F32, 8, 64, seed=3))
     w = quant.dequantize(raw, T.F32, 64)

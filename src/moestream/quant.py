@@ -435,6 +435,9 @@ def dequantize(raw: torch.Tensor, ggml_type: int, n_cols: int) -> torch.Tensor:
     return _BLOCK_DECODERS[qtype](blocks).flatten(-2)
 
 
+_LINEAR_CHUNK_ELEMENTS = 1 << 20  # float32 elements per dequantized band in linear() (4 MiB)
+
+
 def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int) -> torch.Tensor:
     """``x @ W.T`` for a ggml-encoded weight ``W = dequantize(raw, ggml_type, n_cols)``.
 
@@ -465,5 +468,12 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int) -> t
         raise ValueError(f"linear({qtype.name}): raw must be 2-D [n_rows, row_bytes], got {got}")
     if x.device != raw.device:
         raise ValueError(f"linear({qtype.name}): x is on {x.device} but raw is on {raw.device}")
-    weight = dequantize(raw, qtype, n_cols)
-    return torch.nn.functional.linear(x, weight)
+    if qtype == T.F32 or raw.shape[0] * n_cols <= _LINEAR_CHUNK_ELEMENTS:
+        return torch.nn.functional.linear(x, dequantize(raw, qtype, n_cols))
+    # Large weights (an output projection, a big dense layer): dequantize a band of rows at a time so the
+    # float32 band stays in cache instead of streaming a whole float32 copy through memory.
+    rows = max(1, _LINEAR_CHUNK_ELEMENTS // n_cols)
+    out = x.new_empty((*x.shape[:-1], raw.shape[0]))
+    for r in range(0, raw.shape[0], rows):
+        torch.nn.functional.linear(x, dequantize(raw[r:r + rows], qtype, n_cols), out=out[..., r:r + rows])
+    return out
