@@ -1,0 +1,62 @@
+"""Shared pytest fixtures.
+
+``qwen3moe_tiny`` is a real tiny Qwen3-MoE model: a transformers checkpoint plus the F32/BF16/Q8_0 GGUF
+files llama.cpp's converter makes from it (built once by ``tools/fixtures.py`` and cached under
+``$MOESTREAM_CACHE``, default ``~/.cache/moestream``; a cold build takes a few minutes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a model hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_GGUF = REPO_ROOT / "src" / "moestream" / "data" / "default.gguf"
+
+
+def load_tool(name: str) -> ModuleType:
+    """Import ``tools/<name>.py`` by path (``tools`` is not a package) as ``moestream_tools_<name>``."""
+    mod_name = f"moestream_tools_{name}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, REPO_ROOT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses look their module up while the class is created
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def fixtures_tool() -> ModuleType:
+    """The ``tools/fixtures.py`` module."""
+    return load_tool("fixtures")
+
+
+@pytest.fixture(scope="session")
+def make_default_model_tool() -> ModuleType:
+    """The ``tools/make_default_model.py`` module (its ``DEFAULT_SPEC`` records the default model)."""
+    return load_tool("make_default_model")
+
+
+@pytest.fixture(scope="session")
+def qwen3moe_tiny(fixtures_tool: ModuleType) -> dict[str, Any]:
+    """``{"ckpt", "f32", "bf16", "q8_0", "source_header", "config", ...}`` of the ``qwen3moe-tiny`` fixture."""
+    return fixtures_tool.build_fixture("qwen3moe-tiny")
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """The embedded default model (``src/moestream/data/default.gguf``)."""
+    if not DEFAULT_GGUF.exists():
+        pytest.fail(f"{DEFAULT_GGUF} is missing; build it with: python tools/make_default_model.py")
+    return DEFAULT_GGUF

