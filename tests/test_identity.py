@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
-from moestream.tokenizer import GGUFTokenizer
 
 from moestream.engine import Engine
 from moestream.experts.pool import StreamingStore
 from moestream.models.base import LoadOptions, load_model
+from moestream.tokenizer import GGUFTokenizer
 from moestream.verify import verify
 
 PROMPT = ("Streaming experts from disk: the router picks the top-k experts of each token, and the slot pool "
