@@ -51,6 +51,40 @@ def evict_page_cache(paths: list[str]) -> None:
             os.close(fd)
 
 
+def disk_read_bandwidth(path: str, chunk_bytes: int, n_reads: int = 48, threads: int = 8, seed: int = 0) -> float:
+    """Random-read bandwidth of the file's disk in bytes/s: ``n_reads`` reads of ``chunk_bytes`` (rounded up
+    to 4 KiB) at random 4 KiB-aligned offsets, ``threads`` at a time, with O_DIRECT so the page cache is not
+    measured (falls back to buffered reads after evicting the file where O_DIRECT is refused)."""
+    import mmap
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunk = -(-chunk_bytes // 4096) * 4096
+    size = os.path.getsize(path)
+    rng = random.Random(seed)
+    offsets = [rng.randrange(0, max(size - chunk, 1)) // 4096 * 4096 for _ in range(n_reads)]
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        evict_page_cache([path])
+        fd = os.open(path, os.O_RDONLY)
+    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]  # page-aligned, as O_DIRECT needs
+
+    def read(i: int) -> int:
+        try:
+            return os.preadv(fd, [bufs[i % threads]], offsets[i])
+        except OSError:
+            return os.pread(fd, chunk, offsets[i]).__len__()
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            total = sum(ex.map(read, range(n_reads)))
+        return total / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
 def run_row(cfg: dict) -> dict:
     """Run one configuration in this process; returns the row as a dict."""
     import torch
@@ -106,6 +140,8 @@ def run_row(cfg: dict) -> dict:
             "tok_s_sd": statistics.stdev(tps) if len(tps) > 1 else 0.0, "samples_tok_s": tps,
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "streamed_gib": (s1[2] - s0[2]) / GiB, "disk_read_gib": (s1[3] - s0[3]) / GiB,
+            "disk_bytes_per_token": (s1[3] - s0[3]) / (n * cfg["repetitions"]),
+            "streamed_bytes_per_token": (s1[2] - s0[2]) / (n * cfg["repetitions"]),
         })
     result["peak_rss_gib"] = peak_rss_bytes() / GiB
     result["pool_gib"] = getattr(store, "pool_bytes", 0) / GiB
@@ -119,23 +155,32 @@ def _row_label(r: dict) -> tuple[str, str, str, str]:
     return "streaming", str(r["slots"]), str(r["io_threads"]), "on" if r["overlap"] else "off"
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
     """Markdown table, one line per (configuration, test)."""
     head = ("| model | mode | slots | io threads | overlap | test | t/s | hit rate | GiB streamed | "
-            "GiB disk | peak RSS GiB |")
-    out = [head, "|" + "|".join(["---"] * 11) + "|"]
+            "GiB disk | peak RSS GiB | IO limit t/s |")
+    out = [head, "|" + "|".join(["---"] * 12) + "|"]
     for r in rows:
         if "error" in r:
             mode, slots, io, ov = _row_label(r)
             out.append(f"| {os.path.basename(r['model'])} | {mode} | {slots} | {io} | {ov} | - | failed: "
-                       f"{r['error']} | | | | |")
+                       f"{r['error']} | | | | | |")
             continue
         for t in r["tests"]:
             mode, slots, io, ov = _row_label(r)
             out.append(f"| {os.path.basename(r['model'])} | {mode} | {slots} | {io} | {ov} | {t['test']} | "
                        f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f} | {100 * t['hit_rate']:.1f}% | "
-                       f"{t['streamed_gib']:.3f} | {t['disk_read_gib']:.3f} | {r['peak_rss_gib']:.2f} |")
+                       f"{t['streamed_gib']:.3f} | {t['disk_read_gib']:.3f} | {r['peak_rss_gib']:.2f} | "
+                       f"{_limit(t, bandwidth)} |")
     return "\n".join(out)
+
+
+def _limit(test: dict, bandwidth: float | None) -> str:
+    """IO-bound ceiling: disk bandwidth / bytes read from disk per token (the larger of streamed and disk)."""
+    per_tok = max(test.get("disk_bytes_per_token", 0), test.get("streamed_bytes_per_token", 0))
+    if not bandwidth or per_tok <= 0:
+        return "-"
+    return f"{bandwidth / per_tok:.1f}"
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -171,6 +216,14 @@ def run_bench(args: argparse.Namespace) -> int:
                 cfgs.append({**base, "moe_stream": True, "slots": s, "io_threads": t, "overlap": ov})
         else:
             cfgs.append({**base, "moe_stream": False})
+    bandwidth = None
+    if args.cold:
+        from .experts.layout import ExpertLayout
+        layout = ExpertLayout(g)
+        chunk = max(m.bytes_per_expert for m in layout[layout.moe_layers[0]].values())
+        bandwidth = disk_read_bandwidth(g.paths[0], chunk)
+        print(f"disk random-read bandwidth: {bandwidth / 1e9:.2f} GB/s ({chunk / 2**20:.2f} MiB reads, 8 threads, "
+              f"O_DIRECT)", file=sys.stderr, flush=True)
     rows = []
     for i, cfg in enumerate(cfgs, 1):
         mode, s, t, ov = _row_label(cfg)
@@ -184,11 +237,15 @@ def run_bench(args: argparse.Namespace) -> int:
             rows.append({**cfg, "error": err})
         else:
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    table = format_table(rows)
+    table = format_table(rows, bandwidth)
     print(table)
+    if bandwidth:
+        print(f"\nIO limit t/s = disk random-read bandwidth ({bandwidth / 1e9:.2f} GB/s, measured before the rows) / "
+              f"bytes read per token in that row (the larger of streamed and disk reads).")
     if args.json:
         meta = {"machine": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cold": args.cold,
+                "disk_read_bandwidth_bytes_s": bandwidth,
                 "file_gib": g.file_bytes / GiB, "command": " ".join(sys.argv)}
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
