@@ -3,6 +3,12 @@
 ``qwen3moe_tiny`` is a real tiny Qwen3-MoE model: a transformers checkpoint plus the F32/BF16/Q8_0 GGUF
 files llama.cpp's converter makes from it (built once by ``tools/fixtures.py`` and cached under
 ``$MOESTREAM_CACHE``, default ``~/.cache/moestream``; a cold build takes a few minutes).
+
+``llama_cpp`` is the ``llama_cpp`` module of llama-cpp-python, built from source once by
+``tools/llamacpp.py`` and installed by ``scripts/test.sh``; tests that use it are marked ``llamacpp``. Where
+it is not installed they are skipped, unless ``MOESTREAM_REQUIRE_LLAMACPP=1`` (``scripts/test.sh`` sets it)
+makes that a failure. ``qwen3moe_tiny_quants`` holds llama.cpp's own quantizations (Q4_K_M, Q5_K_M, Q6_K,
+Q8_0, Q4_0, IQ4_XS) of the F32 file.
 """
 
 from __future__ import annotations
@@ -52,6 +58,30 @@ def make_default_model_tool() -> ModuleType:
 def qwen3moe_tiny(fixtures_tool: ModuleType) -> dict[str, Any]:
     """``{"ckpt", "f32", "bf16", "q8_0", "source_header", "config", ...}`` of the ``qwen3moe-tiny`` fixture."""
     return fixtures_tool.build_fixture("qwen3moe-tiny")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp() -> ModuleType:
+    """The ``llama_cpp`` module (llama-cpp-python), with llama.cpp's log output silenced."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        msg = (f"llama-cpp-python is not installed ({e}); install it with: "
+               f"{sys.executable} tools/llamacpp.py install")
+        if os.environ.get("MOESTREAM_REQUIRE_LLAMACPP") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    from llama_cpp._logger import set_verbose
+
+    set_verbose(False)
+    return llama_cpp
+
+
+@pytest.fixture(scope="session")
+def qwen3moe_tiny_quants(fixtures_tool: ModuleType, llama_cpp: ModuleType) -> dict[str, Any]:
+    """``{"source", "types", "q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "iq4_xs", ...}``: llama.cpp's
+    quantizations of the ``qwen3moe-tiny`` F32 file (fixture ``qwen3moe-tiny-llamacpp``)."""
+    return fixtures_tool.build_fixture("qwen3moe-tiny-llamacpp")
 
 
 @pytest.fixture(scope="session")

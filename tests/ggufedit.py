@@ -11,10 +11,11 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 
 def rewrite(src: str | Path, dst: str | Path, arch: str | None = None, split_max_tensors: int = 0,
-            convert: dict[str, Callable[[np.ndarray], np.ndarray]] | None = None) -> list[Path]:
+            convert: dict[str, Callable[[np.ndarray], np.ndarray]] | None = None,
+            set_kv: dict[str, object] | None = None) -> list[Path]:
     """Copy ``src`` to ``dst`` (with split parts when ``split_max_tensors``), optionally renaming the
     architecture or replacing tensors by ``convert[name](float32 array)`` (a numpy array of a plain dtype
-    such as float64). Returns the written paths."""
+    such as float64) or metadata values by ``set_kv`` (same value type). Returns the written paths."""
     r = GGUFReader(str(src))
     old_arch = r.fields["general.architecture"].contents()
     w = GGUFWriter(str(dst), arch or old_arch, split_max_tensors=split_max_tensors)
@@ -23,7 +24,9 @@ def rewrite(src: str | Path, dst: str | Path, arch: str | None = None, split_max
             continue
         if arch and key.startswith(old_arch + "."):
             key = arch + key[len(old_arch):]
-        if f.types[0] == GGUFValueType.ARRAY:
+        if set_kv and key in set_kv:
+            w.add_key_value(key, set_kv[key], f.types[0])
+        elif f.types[0] == GGUFValueType.ARRAY:
             w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1])
         else:
             w.add_key_value(key, f.contents(), f.types[0])

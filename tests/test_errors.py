@@ -143,3 +143,44 @@ def test_short_read_in_streaming_mode_names_file(tmp_path, model_path):
     with pytest.raises(ExpertReadError, match="short read"):
         Engine(model).generate(list(range(100, 110)), 4, Sampler(SamplingParams(temp=0)))
     model.store.close()
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("qwen3moe.expert_used_count", 100, "expert_used_count=100, which must be in [1, expert_count=16]"),
+    ("qwen3moe.expert_used_count", 0, "expert_used_count=0"),
+    ("qwen3moe.expert_count", 0, "expert_count=0 but layer 0's expert tensors hold 16 experts"),
+])
+def test_expert_counts_disagreeing_with_tensors(tmp_path, model_path, key, value, needle):
+    path = tmp_path / "meta.gguf"
+    rewrite(model_path, path, set_kv={key: value})
+    for cmd in ("run", "inspect"):
+        assert_one_line_error(moestream(cmd, "-m", str(path)), str(path), needle)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--temp", "nan"), "--temp must be a finite number"),
+    (("-s", "99999999999999999999999"), "--seed must be -1 (random) or in [0, 2^63)"),
+    (("-p", "abc\udcff"), "the prompt is not valid UTF-8"),
+    (("-c", "3"), "the context size -c 3 leaves no room"),
+    (("-c", "-5"), "-c must be 0 (prompt + -n) or more"),
+    (("-ub", "0"), "-ub must be at least 1"),
+])
+def test_bad_run_options(model_path, args, needle):
+    assert_one_line_error(moestream("run", "-m", model_path, "-n", "2", *args), needle)
+
+
+def test_top_p_zero_keeps_the_top_token(model_path):
+    greedy = moestream("run", "-m", model_path, "-n", "4", "--temp", "0", "-p", "Hello")
+    top_p0 = moestream("run", "-m", model_path, "-n", "4", "--temp", "1", "--top-p", "0", "-p", "Hello")
+    assert greedy.returncode == 0 and top_p0.returncode == 0, top_p0.stderr
+    assert greedy.stdout == top_p0.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--slots", ","), "--slots: expected a comma-separated list with no empty items"),
+    (("--moe-stream", ","), "--moe-stream: expected a comma-separated list with no empty items"),
+    (("--json", "/"), "--json /: cannot write a file there"),
+    (("--json", "/nonexistent-dir/x.json"), "cannot write a file there"),
+])
+def test_bad_bench_options(model_path, args, needle):
+    assert_one_line_error(moestream("bench", "-m", model_path, "-p", "4", "-n", "2", "-r", "1", *args), needle)

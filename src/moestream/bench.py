@@ -25,8 +25,11 @@ GiB = 2**30
 
 
 def _list(s: str, conv, name: str) -> list:  # noqa: ANN001
+    items = [x.strip() for x in str(s).split(",")]
+    if not items or any(not x for x in items):
+        raise ConfigError(f"{name}: expected a comma-separated list with no empty items, got {s!r}")
     try:
-        return [conv(x) for x in str(s).split(",") if x.strip()]
+        return [conv(x) for x in items]
     except ValueError:
         raise ConfigError(f"{name}: expected a comma-separated list, got {s!r}") from None
 
@@ -95,7 +98,8 @@ def run_row(cfg: dict) -> dict:
     if cfg.get("threads"):
         torch.set_num_threads(cfg["threads"])
     opts = LoadOptions(moe_stream=cfg["moe_stream"], slots=cfg.get("slots"), io_threads=cfg.get("io_threads", 8),
-                       overlap=cfg.get("overlap", True), expand_dense=cfg.get("expand_dense", False))
+                       overlap=cfg.get("overlap", True), expand_dense=cfg.get("expand_dense", False),
+                       policy=cfg.get("policy", "lfu"))
     t_load = time.perf_counter()
     model = load_model(cfg["model"], opts)
     load_seconds = time.perf_counter() - t_load
@@ -149,7 +153,74 @@ def run_row(cfg: dict) -> dict:
     return result
 
 
+def run_llamacpp_row(cfg: dict) -> dict:
+    """llama.cpp's own pp/tg on the same file, through llama-cpp-python's bindings (its default mmap loading;
+    on CPU that is the --cpu-moe situation). cfg["repack"]: False turns off CPU weight repacking
+    (llama.cpp's --repack 0 / use_extra_bufts=false), which keeps the weights file-backed under a memory cap."""
+    import random
+
+    import llama_cpp
+
+    if not cfg.get("repack", True):
+        default_params = llama_cpp.llama_model_default_params
+
+        def no_repack():  # noqa: ANN202
+            params = default_params()
+            params.use_extra_bufts = False
+            return params
+        llama_cpp.llama_model_default_params = no_repack
+    threads = cfg.get("threads") or os.cpu_count()
+    n_ctx = max(cfg["n_prompt"], cfg["n_gen"] + 1, 32) + 8
+    t_load = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=cfg["model"], n_ctx=n_ctx, n_batch=max(cfg.get("ubatch", 128), 32),
+                          n_ubatch=max(cfg.get("ubatch", 128), 32), n_threads=threads, n_threads_batch=threads,
+                          use_mmap=True, verbose=False)
+    load_seconds = time.perf_counter() - t_load
+    rng = random.Random(1234)
+    n_vocab = llm.n_vocab()
+
+    def pp(n: int) -> float:
+        llm.reset()
+        toks = [rng.randrange(n_vocab) for _ in range(n)]
+        t0 = time.perf_counter()
+        llm.eval(toks)
+        return time.perf_counter() - t0
+
+    def tg(n: int) -> float:
+        llm.reset()
+        tok = rng.randrange(n_vocab)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            llm.eval([tok])
+            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        return time.perf_counter() - t0
+
+    from .engine import disk_read_bytes, peak_rss_bytes
+    if cfg["n_prompt"]:
+        pp(min(cfg["n_prompt"], 16))
+    if cfg["n_gen"]:
+        tg(min(cfg["n_gen"], 4))
+    result = {**cfg, "load_seconds": load_seconds, "tests": []}
+    for name, n, fn in (("pp", cfg["n_prompt"], pp), ("tg", cfg["n_gen"], tg)):
+        if not n:
+            continue
+        d0 = disk_read_bytes()
+        secs = [fn(n) for _ in range(cfg["repetitions"])]
+        d1 = disk_read_bytes()
+        tps = [n / x for x in secs]
+        result["tests"].append({
+            "test": f"{name}{n}", "tok_s_mean": statistics.mean(tps),
+            "tok_s_sd": statistics.stdev(tps) if len(tps) > 1 else 0.0, "samples_tok_s": tps,
+            "hit_rate": None, "streamed_gib": 0.0, "disk_read_gib": (d1 - d0) / GiB,
+            "disk_bytes_per_token": (d1 - d0) / (n * cfg["repetitions"]), "streamed_bytes_per_token": 0,
+        })
+    result["peak_rss_gib"] = peak_rss_bytes() / GiB
+    return result
+
+
 def _row_label(r: dict) -> tuple[str, str, str, str]:
+    if r.get("engine") == "llama.cpp":
+        return f"llama.cpp mmap, repack {'on' if r.get('repack', True) else 'off'}", "-", "-", "-"
     if not r["moe_stream"]:
         return "resident (mmap)", "-", "-", "-"
     return "streaming", str(r["slots"]), str(r["io_threads"]), "on" if r["overlap"] else "off"
@@ -157,21 +228,40 @@ def _row_label(r: dict) -> tuple[str, str, str, str]:
 
 def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
     """Markdown table, one line per (configuration, test)."""
-    head = ("| model | mode | slots | io threads | overlap | test | t/s | hit rate | GiB streamed | "
-            "GiB disk | peak RSS GiB | IO limit t/s |")
-    out = [head, "|" + "|".join(["---"] * 12) + "|"]
+    capped = any(r.get("mem_cap") for r in rows)
+    vs = any(r.get("engine") == "llama.cpp" for r in rows)
+    cols = ["model", "mode", "slots", "io threads", "overlap", "test", "t/s", "hit rate", "GiB streamed",
+            "GiB disk", "peak RSS GiB"]
+    if capped:
+        cols.append("cgroup peak GiB")
+    cols.append("IO limit t/s")
+    if vs:
+        cols.append("moestream / llama.cpp")
+    out = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
+    llama = {}  # test -> t/s of the llama.cpp row that the ratio uses (repack on uncapped, off capped)
     for r in rows:
+        if r.get("engine") == "llama.cpp" and "error" not in r:
+            for t in r["tests"]:
+                llama.setdefault(t["test"], t["tok_s_mean"])
+    for r in rows:
+        mode, slots, io, ov = _row_label(r)
+        cells = [os.path.basename(r["model"]), mode, slots, io, ov]
         if "error" in r:
-            mode, slots, io, ov = _row_label(r)
-            out.append(f"| {os.path.basename(r['model'])} | {mode} | {slots} | {io} | {ov} | - | failed: "
-                       f"{r['error']} | | | | | |")
+            cells += ["-", f"failed: {r['error']}"] + [""] * (len(cols) - 7)
+            out.append("| " + " | ".join(cells) + " |")
             continue
         for t in r["tests"]:
-            mode, slots, io, ov = _row_label(r)
-            out.append(f"| {os.path.basename(r['model'])} | {mode} | {slots} | {io} | {ov} | {t['test']} | "
-                       f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f} | {100 * t['hit_rate']:.1f}% | "
-                       f"{t['streamed_gib']:.3f} | {t['disk_read_gib']:.3f} | {r['peak_rss_gib']:.2f} | "
-                       f"{_limit(t, bandwidth)} |")
+            hit = "-" if t.get("hit_rate") is None else f"{100 * t['hit_rate']:.1f}%"
+            row = cells + [t["test"], f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f}", hit,
+                           f"{t['streamed_gib']:.3f}", f"{t['disk_read_gib']:.3f}", f"{r['peak_rss_gib']:.2f}"]
+            if capped:
+                row.append(f"{r['cgroup_peak_gib']:.2f}" if r.get("cgroup_peak_gib") is not None else "-")
+            row.append(_limit(t, bandwidth))
+            if vs:
+                base = llama.get(t["test"])
+                ours = r.get("engine") != "llama.cpp"
+                row.append(f"{t['tok_s_mean'] / base:.2f}" if ours and base else "-")
+            out.append("| " + " | ".join(row) + " |")
     return "\n".join(out)
 
 
@@ -192,6 +282,13 @@ def run_bench(args: argparse.Namespace) -> int:
     g = GGUFModel(model)  # validates the file up front: one clear error instead of one per row
     top_k = int(g.arch_get("expert_used_count", 0))
     n_exp = int(g.arch_get("expert_count", 0))
+    if args.json:
+        d = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(d) or not os.access(d, os.W_OK):
+            raise ConfigError(f"--json {args.json}: cannot write a file there (a directory, or its folder "
+                              f"is missing or not writable)")
+    if args.policy not in ("lfu", "lru"):
+        raise ConfigError(f"unknown cache policy {args.policy!r}; choose one of lfu, lru")
     if args.repetitions < 1:
         raise ConfigError(f"-r must be at least 1, got {args.repetitions}")
     if args.n_prompt < 0 or args.n_gen < 0 or (args.n_prompt == 0 and args.n_gen == 0):
@@ -199,7 +296,7 @@ def run_bench(args: argparse.Namespace) -> int:
     modes = _on_off_list(args.moe_stream, "--moe-stream")
     overlaps = _on_off_list(args.overlap, "--overlap")
     from .models.base import default_slots
-    slots = _list(args.slots, int, "--slots") if args.slots else [default_slots(n_exp, top_k)]
+    slots = _list(args.slots, int, "--slots") if args.slots is not None else [default_slots(n_exp, top_k)]
     ios = _list(args.io_threads, int, "--io-threads")
     for s in slots:
         if s < top_k:
@@ -208,14 +305,35 @@ def run_bench(args: argparse.Namespace) -> int:
         if t < 1:
             raise ConfigError(f"--io-threads must be at least 1, got {t}")
     base = {"model": model, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
-            "threads": args.threads, "ubatch": args.ubatch, "expand_dense": args.expand_dense}
+            "threads": args.threads, "ubatch": args.ubatch, "expand_dense": args.expand_dense,
+            "policy": args.policy}
     cfgs = []
     for on in modes:
         if on:
             for s, t, ov in itertools.product(slots, ios, overlaps):
-                cfgs.append({**base, "moe_stream": True, "slots": s, "io_threads": t, "overlap": ov})
+                cfgs.append({**base, "moe_stream": True, "slots": min(s, n_exp), "io_threads": t, "overlap": ov})
         else:
             cfgs.append({**base, "moe_stream": False})
+    cap = None
+    if args.mem_cap:
+        from .memcap import MemCap, parse_size
+        cap = MemCap(parse_size(args.mem_cap))
+        MemCap.check()  # say plainly why not, instead of running uncapped
+    if args.vs:
+        if args.vs != "llama.cpp":
+            raise ConfigError(f"--vs: only llama.cpp is known, got {args.vs!r}")
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise ConfigError("--vs llama.cpp needs llama-cpp-python in this environment "
+                              "(bash scripts/test.sh builds and installs it)") from None
+        lbase = {**base, "engine": "llama.cpp", "moe_stream": False}
+        # uncapped: llama.cpp's defaults (CPU repack on). Capped: its repacked weights are anonymous memory
+        # that the cap cannot page back to the file, so the default gets its own row (expected to fail) and
+        # the comparison uses repack off, mmap.
+        cfgs.append({**lbase, "repack": True})
+        if cap:
+            cfgs.append({**lbase, "repack": False})
     bandwidth = None
     if args.cold:
         from .experts.layout import ExpertLayout
@@ -228,15 +346,24 @@ def run_bench(args: argparse.Namespace) -> int:
     for i, cfg in enumerate(cfgs, 1):
         mode, s, t, ov = _row_label(cfg)
         print(f"[{i}/{len(cfgs)}] {mode} slots={s} io={t} overlap={ov} ...", file=sys.stderr, flush=True)
-        if args.cold:
+        if args.cold or cap:
             evict_page_cache(g.paths)
-        proc = subprocess.run([sys.executable, "-m", "moestream.bench", json.dumps(cfg)],
-                              capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "moestream.bench", json.dumps(cfg)]
+        peak = None
+        if cap:
+            res = cap.run(cmd)
+            proc = subprocess.CompletedProcess(cmd, res.returncode, res.stdout, res.stderr)
+            peak = res.peak_bytes / GiB
+            if res.oom_killed:
+                proc.stderr += f"\nOOM-killed under the {args.mem_cap} memory cap"
+        else:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             err = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-            rows.append({**cfg, "error": err})
+            rows.append({**cfg, "error": err, "mem_cap": args.mem_cap, "cgroup_peak_gib": peak})
         else:
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append({**row, "mem_cap": args.mem_cap, "cgroup_peak_gib": peak})
     table = format_table(rows, bandwidth)
     print(table)
     if bandwidth:
@@ -245,7 +372,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         meta = {"machine": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cold": args.cold,
-                "disk_read_bandwidth_bytes_s": bandwidth,
+                "disk_read_bandwidth_bytes_s": bandwidth, "mem_cap": args.mem_cap,
                 "file_gib": g.file_bytes / GiB, "command": " ".join(sys.argv)}
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
@@ -258,7 +385,8 @@ if __name__ == "__main__":
     from .errors import MoestreamError
 
     try:
-        print(json.dumps(run_row(json.loads(sys.argv[1]))))
+        cfg = json.loads(sys.argv[1])
+        print(json.dumps(run_llamacpp_row(cfg) if cfg.get("engine") == "llama.cpp" else run_row(cfg)))
     except MoestreamError as e:
         print(f"moestream: error: {e}", file=sys.stderr)
         sys.exit(1)

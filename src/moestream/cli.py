@@ -36,7 +36,8 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
         p.add_argument("--slots", type=int, default=None, help="expert slots per MoE layer "
                        "(default: a quarter of the experts, at least top-k)")
         p.add_argument("--io-threads", type=int, default=8, help="expert read threads (default 8)")
-        p.add_argument("--policy", default="lfu", help="slot replacement policy: lfu (default) or lru")
+        p.add_argument("--policy", default="lfu", type=str.lower,
+                       help="slot replacement policy: lfu (default) or lru")
         p.add_argument("--overlap", type=_on_off, default=True, metavar="on|off",
                        help="run the shared/dense FFN while expert reads are in flight (default on)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: torch's)")
@@ -69,7 +70,8 @@ def _tokenizer(model):  # noqa: ANN001, ANN202
 def _describe(model) -> str:  # noqa: ANN001
     store = model.store
     if store.streaming:
-        mode = (f"streaming: {store.n_slots} slots/layer of {model.n_experts} experts, "
+        slots = min(store.n_slots, model.n_experts)
+        mode = (f"streaming: {slots} slots/layer of {model.n_experts} experts, "
                 f"{store.pool_bytes / GiB:.3f} GiB of pools, {store.reader.io_threads} IO threads, "
                 f"policy {model.opts.policy}, overlap {'on' if model.opts.overlap else 'off'}")
     else:
@@ -78,14 +80,42 @@ def _describe(model) -> str:  # noqa: ANN001
             f"layers, top-{model.top_k} of {model.n_experts} experts | {mode}")
 
 
+def _check_prompt(prompt: str) -> str:
+    """The prompt as valid text; ConfigError if it is empty or not UTF-8 (argv bytes arrive surrogate-escaped)."""
+    from .errors import ConfigError
+
+    if prompt == "":
+        raise ConfigError("the prompt is empty: give a non-empty -p")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"the prompt is not valid UTF-8 (bad byte at character {e.start})") from None
+    return prompt
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    from .errors import ConfigError
+
+    if getattr(args, "ubatch", 1) < 1:
+        raise ConfigError(f"-ub must be at least 1, got {args.ubatch}")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise ConfigError(f"-t must be at least 1, got {args.threads}")
+    if getattr(args, "slots", None) is not None and isinstance(args.slots, int) and args.slots < 1:
+        raise ConfigError(f"--slots must be a positive number, got {args.slots}")
+    if getattr(args, "io_threads", 1) is not None and isinstance(args.io_threads, int) and args.io_threads < 1:
+        raise ConfigError(f"--io-threads must be at least 1, got {args.io_threads}")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .engine import Engine, Sampler, SamplingParams
     from .errors import ConfigError
 
-    if args.prompt == "":
-        raise ConfigError("the prompt is empty: give a non-empty -p")
+    _check_prompt(args.prompt)
+    _check_common(args)
     if args.n_predict < 0:
         raise ConfigError(f"-n must be 0 or more, got {args.n_predict}")
+    if args.ctx_size is not None and args.ctx_size < 0:
+        raise ConfigError(f"-c must be 0 (prompt + -n) or more, got {args.ctx_size}")
     params = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     model, _ = _load(args, args.moe_stream)
     tok = _tokenizer(model)
@@ -95,6 +125,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     ids = tok.encode(text, add_special=True)
     if not ids:
         raise ConfigError("the prompt is empty after tokenization")
+    n_ctx = args.ctx_size or len(ids) + args.n_predict
+    if len(ids) >= n_ctx and args.n_predict > 0 or len(ids) > n_ctx:
+        raise ConfigError(f"the prompt has {len(ids)} tokens; the context size -c {n_ctx} leaves no room to generate")
     print(_describe(model), file=sys.stderr, flush=True)
     dec = tok.stream_decoder()
     if not args.chat:
@@ -107,7 +140,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     engine = Engine(model, args.ubatch)
     try:
-        st = engine.generate(ids, args.n_predict, Sampler(params), stop_ids=tok.eos_ids, n_ctx=args.ctx_size,
+        st = engine.generate(ids, args.n_predict, Sampler(params), stop_ids=tok.eos_ids, n_ctx=n_ctx,
                              on_token=emit)
     finally:
         sys.stdout.write(dec.flush() + "\n")
@@ -127,8 +160,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .errors import ConfigError
     from .verify import verify
 
-    if args.prompt == "":
-        raise ConfigError("the prompt is empty: give a non-empty -p")
+    _check_prompt(args.prompt)
+    _check_common(args)
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")
     model, opts = _load(args, moe_stream=False)
@@ -146,14 +179,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"moestream verify: DIFFERENT logits at step {step} (token position {pos}); "
               f"streaming on and off disagree", file=sys.stderr)
         return 1
-    print(f"identical: {res.steps} steps ({len(ids)} prompt positions + {args.steps} decode steps), "
-          f"{res.n_logits} logits compared bytewise; streamed {res.streamed_bytes / GiB:.4f} GiB, "
+    print(f"identical: {res.steps} steps (the prefill of a {len(ids)}-token prompt, every position, then "
+          f"{args.steps} greedy decode steps), {res.n_logits} logits compared bytewise; "
+          f"streamed {res.streamed_bytes / GiB:.4f} GiB, "
           f"hit rate {100 * res.hit_rate:.1f}%")
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
+    _check_common(args)
     return run_bench(args)
 
 
@@ -166,15 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(r)
     r.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text")
     r.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
-    r.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: prompt + -n)")
+    r.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="context size in tokens; 0 or unset = prompt + -n (generation stops when it is full)")
     r.add_argument("--moe-stream", type=_on_off, default=True, metavar="on|off",
                    help="stream routed experts (on, default) or address them in a memory map (off)")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    r.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    r.add_argument("--temp", type=float, default=0.8, help="temperature; <= 0 = greedy (default 0.8)")
     r.add_argument("--top-k", type=int, default=40)
     r.add_argument("--top-p", type=float, default=0.95)
     r.add_argument("--min-p", type=float, default=0.05)
-    r.add_argument("-s", "--seed", type=int, default=None)
+    r.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed; -1 (default) = random")
     r.set_defaults(func=cmd_run)
 
     i = sub.add_parser("inspect", help="print the model's layout and memory needs")
@@ -202,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--expand-dense", action="store_true")
     b.add_argument("--cold", action="store_true", help="evict the file from the page cache before each row")
     b.add_argument("--json", default=None, help="write the results as JSON to this file")
+    b.add_argument("--policy", default="lfu", type=str.lower, help="slot replacement policy: lfu or lru")
+    b.add_argument("--vs", default=None, metavar="llama.cpp",
+                   help="add llama.cpp's own pp/tg rows on the same file and the ratio moestream / llama.cpp")
+    b.add_argument("--mem-cap", default=None, metavar="SIZE",
+                   help="run every row in a memory cgroup of SIZE (e.g. 4GiB), page cache included, with the "
+                        "file evicted from the page cache before each row (root, cgroup v1)")
     b.set_defaults(func=cmd_bench)
     return ap
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from collections.abc import Callable, Iterable
@@ -18,9 +19,11 @@ GiB = 2**30
 
 @dataclass
 class SamplingParams:
-    """llama.cpp-style sampling. temp <= 0 is greedy. top_k <= 0, top_p >= 1, min_p <= 0 disable a filter.
+    """llama.cpp-style sampling. temp <= 0 is greedy. top_k <= 0, top_p >= 1, min_p <= 0 disable a filter;
+    the most likely token always survives the filters. seed None or -1: a random seed.
 
     Order (as llama.cpp's default chain): top-k, top-p, min-p, then temperature, then a draw.
+    Raises ConfigError for a non-finite temperature, top-p/min-p outside [0, 1], or a seed outside [-1, 2^63).
     """
 
     temp: float = 0.8
@@ -30,6 +33,10 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.temp):
+            raise ConfigError(f"--temp must be a finite number, got {self.temp}")
+        if self.seed is not None and not -1 <= self.seed < 2**63:
+            raise ConfigError(f"--seed must be -1 (random) or in [0, 2^63), got {self.seed}")
         if not 0.0 <= self.top_p <= 1.0:
             raise ConfigError(f"--top-p must be in [0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -42,7 +49,8 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.p = params
         self.gen = torch.Generator()
-        self.gen.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
+        seed = params.seed if params.seed is not None and params.seed >= 0 else time.time_ns() % 2**63
+        self.gen.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor) -> int:
         p = self.p
@@ -55,6 +63,7 @@ class Sampler:
         probs = torch.softmax(vals, dim=-1)
         if p.top_p < 1.0:
             keep = torch.cumsum(probs, 0) - probs < p.top_p  # keep the token that crosses top_p
+            keep[0] = True
             vals, idx, probs = vals[keep], idx[keep], probs[keep]
         if p.min_p > 0.0:
             keep = probs >= p.min_p * probs[0]
@@ -96,7 +105,8 @@ class GenStats:
         return (f"prompt {self.n_prompt} tok, {self.prompt_tps:.1f} tok/s | decode {self.n_decode} tok, "
                 f"{self.decode_tps:.2f} tok/s | expert hit rate {100 * self.hit_rate:.1f}% | "
                 f"streamed {self.streamed_bytes / GiB:.3f} GiB, disk read {self.disk_bytes / GiB:.3f} GiB | "
-                f"peak RSS {self.peak_rss / GiB:.2f} GiB")
+                f"peak RSS {self.peak_rss / GiB:.2f} GiB"
+                + (" | stopped: context full (-c)" if self.stop_reason == "context full" else ""))
 
 
 def peak_rss_bytes() -> int:
@@ -151,11 +161,12 @@ class Engine:
         (not emitted). ``on_token`` is called with each new token as it is produced."""
         if not prompt:
             raise ConfigError("the prompt is empty: give a non-empty -p")
-        n_ctx = n_ctx or min(self.model.n_ctx_train, len(prompt) + n_predict)
-        if len(prompt) + n_predict > n_ctx:
-            n_predict = n_ctx - len(prompt)
-            if n_predict < 0:
-                raise ConfigError(f"the prompt has {len(prompt)} tokens, more than the context size -c {n_ctx}")
+        n_ctx = n_ctx or len(prompt) + n_predict
+        if len(prompt) >= n_ctx and n_predict > 0 or len(prompt) > n_ctx:
+            raise ConfigError(f"the prompt has {len(prompt)} tokens; the context size -c {n_ctx} leaves no room "
+                              f"to generate")
+        ctx_limited = len(prompt) + n_predict > n_ctx
+        n_predict = min(n_predict, n_ctx - len(prompt))
         stop = set(stop_ids)
         store = self.model.store
         st = GenStats(n_prompt=len(prompt))
@@ -166,7 +177,7 @@ class Engine:
         st.prompt_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         pos = len(prompt)
-        st.stop_reason = "n_predict"
+        st.stop_reason = "context full" if ctx_limited else "n_predict"
         for i in range(n_predict):
             tok = sampler(logits)
             if tok in stop:

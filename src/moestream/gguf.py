@@ -110,6 +110,8 @@ def _open_reader(path: str) -> GGUFReader:
     if os.path.isdir(path):
         raise GGUFError(f"{path}: is a directory, not a GGUF file")
     size = os.path.getsize(path)
+    if size == 0:
+        raise GGUFError(f"{path}: empty file, not a GGUF model")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != _GGUF_MAGIC:
@@ -117,14 +119,20 @@ def _open_reader(path: str) -> GGUFReader:
     try:
         return _CheckedReader(path, "r")
     except _Truncated as e:
+        if e.need > 2 * size + (1 << 20):  # a length field far past the end: garbage, not a cut file
+            raise GGUFError(f"{path}: corrupt GGUF header (a length field points {e.need} bytes in, "
+                            f"the file has {size})") from None
         raise GGUFError(
             f"{path}: truncated GGUF: needs at least {e.need} bytes, file has {size}"
         ) from None
     except ValueError as e:
         msg = str(e)
-        m = re.match(r"(\d+) is not a valid GGMLQuantizationType", msg)
+        m = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", msg)
         if m:
             raise GGUFError(f"{path}: unknown ggml type {m.group(1)} in the tensor table") from None
+        m = re.search(r"version (\d+) which we cannot handle", msg)
+        if m:
+            raise GGUFError(f"{path}: GGUF version {m.group(1)} is not supported (versions 2 and 3 are)") from None
         raise GGUFError(f"{path}: invalid GGUF: {msg}") from None
     except Exception as e:  # noqa: BLE001 - gguf raises assorted errors on corrupt headers
         raise GGUFError(f"{path}: invalid GGUF: {type(e).__name__}: {e}") from None

@@ -28,6 +28,7 @@ def inspect_model(path: str, slots: int | None = None) -> str:
         raise GGUFError(f"{path}: no routed-expert tensors (blk.N.ffn_*_exps) found")
     n_exp = int(g.arch_get("expert_count", required=True))
     top_k = int(g.arch_get("expert_used_count", required=True))
+    layout.check_counts(path, n_exp, top_k)
     n_slots = slots if slots is not None else default_slots(n_exp, top_k)
     if n_slots < top_k:
         raise ConfigError(f"--slots {n_slots} is below the experts used per token ({top_k})")

@@ -75,6 +75,19 @@ class ExpertLayout:
                 raise GGUFError(f"{model.path}: layer {layer} expert tensors disagree on expert count: {counts}")
         self.layers = dict(sorted(self.layers.items()))
 
+    def check_counts(self, path: str, n_experts: int, top_k: int) -> None:
+        """Check the metadata's expert_count / expert_used_count against the expert tensors.
+
+        Raises GGUFError naming the file and both values when they disagree or top-k is not in [1, n_experts].
+        """
+        for layer in self.layers:
+            if self.n_experts(layer) != n_experts:
+                raise GGUFError(f"{path}: metadata says expert_count={n_experts} but layer {layer}'s expert "
+                                f"tensors hold {self.n_experts(layer)} experts")
+        if not 1 <= top_k <= n_experts:
+            raise GGUFError(f"{path}: metadata says expert_used_count={top_k}, which must be in [1, "
+                            f"expert_count={n_experts}]")
+
     def __getitem__(self, layer: int) -> dict[str, ExpertMatrix]:
         return self.layers[layer]
 

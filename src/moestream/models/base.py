@@ -73,6 +73,7 @@ class MoEModel:
             raise GGUFError(f"{gguf.path}: no routed-expert tensors (blk.N.ffn_*_exps) found")
         self.n_experts = int(gguf.arch_get("expert_count", required=True))
         self.top_k = int(gguf.arch_get("expert_used_count", required=True))
+        self.layout.check_counts(gguf.path, self.n_experts, self.top_k)
         self.n_ctx_train = int(gguf.arch_get("context_length", 4096))
         self.dense_bytes = 0
         self.store: ExpertStore = self.make_store(opts)
