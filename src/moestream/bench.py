@@ -240,9 +240,9 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
     out = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
     llama = {}  # test -> t/s of the llama.cpp row that the ratio uses (repack on uncapped, off capped)
     for r in rows:
-        if r.get("engine") == "llama.cpp" and "error" not in r:
+        if r.get("engine") == "llama.cpp" and "error" not in r and r.get("repack", True) == (not capped):
             for t in r["tests"]:
-                llama.setdefault(t["test"], t["tok_s_mean"])
+                llama[t["test"]] = t["tok_s_mean"]
     for r in rows:
         mode, slots, io, ov = _row_label(r)
         cells = [os.path.basename(r["model"]), mode, slots, io, ov]
