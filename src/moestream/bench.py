@@ -260,7 +260,7 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
             if vs:
                 base = llama.get(t["test"])
                 ours = r.get("engine") != "llama.cpp"
-                row.append(f"{t['tok_s_mean'] / base:.2f}" if ours and base else "-")
+                row.append(f"{t['tok_s_mean'] / base:.3g}" if ours and base else "-")
             out.append("| " + " | ".join(row) + " |")
     return "\n".join(out)
 
