@@ -162,13 +162,15 @@ def run_llamacpp_row(cfg: dict) -> dict:
     import llama_cpp
 
     if not cfg.get("repack", True):
-        default_params = llama_cpp.llama_model_default_params
+        import llama_cpp.llama_cpp as low  # Llama() takes its model defaults from this module
+
+        default_params = low.llama_model_default_params
 
         def no_repack():  # noqa: ANN202
             params = default_params()
             params.use_extra_bufts = False
             return params
-        llama_cpp.llama_model_default_params = no_repack
+        low.llama_model_default_params = no_repack
     threads = cfg.get("threads") or os.cpu_count()
     n_ctx = max(cfg["n_prompt"], cfg["n_gen"] + 1, 32) + 8
     t_load = time.perf_counter()
