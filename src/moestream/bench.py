@@ -327,8 +327,8 @@ def run_bench(args: argparse.Namespace) -> int:
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
-            raise ConfigError("--vs llama.cpp needs llama-cpp-python in this environment "
-                              "(bash scripts/test.sh builds and installs it)") from None
+            raise ConfigError("--vs llama.cpp needs llama-cpp-python in this environment: "
+                              "pip install llama-cpp-python==0.3.36 (builds llama.cpp from source, ~7 min)") from None
         lbase = {**base, "engine": "llama.cpp", "moe_stream": False}
         # uncapped: llama.cpp's defaults (CPU repack on). Capped: its repacked weights are anonymous memory
         # that the cap cannot page back to the file, so the default gets its own row (expected to fail) and
