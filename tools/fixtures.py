@@ -278,7 +278,9 @@ def _prune(parent: Path, name: str, keep: Path | None = None) -> None:
             others.append(p)
     others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
     for p in others[KEEP_BUILDS - 1:]:
-        shutil.rmtree(p, ignore_errors=True)
+        # a build made in the last day may be in use by another test session right now: leave it
+        if time.time() - p.stat().st_mtime > 86400:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _run(cmd: list[str], what: str, log_file: Path | None = None, env: dict[str, str] | None = None) -> None:
