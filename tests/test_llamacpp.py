@@ -1,0 +1,312 @@
+"""moestream against llama.cpp on the same GGUF files (llama-cpp-python 0.3.36, built by tools/llamacpp.py).
+
+llama.cpp runs with an f32 KV cache (``type_k = type_v = GGML_TYPE_F32``) and flash attention off -- with
+either of its defaults (f16 cache, flash attention) it rounds K/V and the attention scores and moves the
+logits by about 0.1 --, logits kept for every position, 2 threads.
+
+* F32 file: moestream's logits equal llama.cpp's within 1e-4 over the prompt and over 32 greedy steps
+  (every decode step's logits), the greedy tokens agree, and both tokenize the prompt alike.
+* Files quantized by llama.cpp's own quantizer (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, IQ4_XS): llama.cpp is run
+  on an F32 *twin* whose tensors are the exact dequantization of the quantized file (``gguf.quants``), i.e.
+  the same model in float32, and moestream on the quantized file itself, streaming through a small pool
+  (top-k + 2 slots), must match it within the same 1e-4 (prompt and 32 greedy steps).
+* The same quantized files straight in llama.cpp: a looser bound, explained at ``DIRECT_REL_TOL``, plus the
+  proof that the whole gap is llama.cpp's own: on the same tokens, llama.cpp on the F32 twin is within 1e-4
+  of moestream, so the gap is between llama.cpp's quantized and float32 arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import ggufedit
+from moestream import quant
+from moestream.engine import Engine
+from moestream.models.base import LoadOptions, MoEModel, load_model
+from moestream.tokenizer import GGUFTokenizer
+
+pytestmark = pytest.mark.llamacpp
+
+PROMPT = ("In 1450 Johannes Gutenberg built a printing press with movable metal type; within fifty years "
+          "presses in more than two hundred cities had printed millions of books.")
+N_GREEDY = 32
+N_CTX = 128
+TOL = 1e-4
+QUANTS = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "iq4_xs")
+
+# llama.cpp on a quantized file is not the float32 model of its dequantized weights: its CPU dot products
+# for quantized weights first quantize the activations to 8 bits (Q8_K for the K-quants and IQ4_XS, Q8_0 /
+# Q8_1 for the others) and multiply integers, so every matmul's input moves by up to 1/254 of its block's
+# largest value. That alone moves this fixture's logits by ~0.2 (median over positions of the largest
+# difference); and in an MoE a moved hidden state can swap which experts a token gets where two router
+# scores are close -- a discontinuous jump (on random weights, close router scores are common).
+# Measured here (2026-11-29; 2 cores, AVX2 build; prompt 30 tokens + 31 decode steps on llama.cpp's tokens;
+# logit range ~14.3), max |diff| / mean |diff| / positions where the top token differs, of 61:
+#   Q4_K_M 6.32 / 0.168 / 17   Q5_K_M 1.83 / 0.108 / 10   Q6_K 3.64 / 0.126 / 14
+#   Q8_0   0.85 / 0.040 /  3   Q4_0   3.16 / 0.107 /  7   IQ4_XS 3.61 / 0.143 / 19
+# and llama.cpp against itself (the quantized file vs its F32 twin, prompt positions only) moves as much:
+# 0.85 (Q8_0) to 3.6 (IQ4_XS). Where the top token differed, llama.cpp's lead over its runner-up was at most
+# 0.94. Bounds: the largest difference below 60% of the logit range (wide enough for router flips), the
+# mean difference below 3% of it (measured <= 1.2%; a wrong dequantization, mixed-up experts or a skipped
+# layer decorrelate the logits: mean |diff| ~ 15% of the range), and wherever llama.cpp's top token leads
+# its runner-up by more than the max-diff bound, moestream picks the same token. The strict statement is
+# the twin check: on the direct run's tokens, moestream equals llama.cpp-on-the-twin within 1e-4.
+DIRECT_REL_TOL = 0.60
+DIRECT_MEAN_REL_TOL = 0.03
+
+
+@dataclasses.dataclass
+class Run:
+    """Logits of a greedy run: rows 0..P-1 are the prompt's positions, row P-1+i (i >= 1) the logits after
+    feeding greedy token i-1, so row P-1+i predicts token i. ``tokens`` are the argmax tokens of rows
+    P-1..end (for a teacher-forced run: the run's own argmax, which may differ from what was fed)."""
+
+    logits: np.ndarray  # [P + N_GREEDY - 1, n_vocab] float32
+    tokens: list[int]
+    seconds: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------------ runners
+def llama_model(llama_cpp: Any, path: Path | str) -> Any:
+    return llama_cpp.Llama(
+        model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=2, n_threads_batch=2,
+        logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False,
+        seed=0, verbose=False,
+    )
+
+
+def llama_tokenize(llm: Any, text: str) -> list[int]:
+    return list(llm.tokenize(text.encode(), add_bos=True, special=True))
+
+
+def llama_greedy(llama_cpp: Any, path: Path | str, prompt: list[int]) -> Run:
+    """llama.cpp's own greedy run of ``N_GREEDY`` tokens after ``prompt``."""
+    t0 = time.perf_counter()
+    llm = llama_model(llama_cpp, path)
+    try:
+        llm.eval(prompt)
+        rows = [np.array(llm.scores[: len(prompt)], dtype=np.float32)]
+        tokens = [int(rows[0][-1].argmax())]
+        for _ in range(N_GREEDY - 1):
+            llm.eval([tokens[-1]])
+            row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+            rows.append(row[None])
+            tokens.append(int(row.argmax()))
+    finally:
+        llm.close()
+    return Run(np.concatenate(rows), tokens, time.perf_counter() - t0)
+
+
+def llama_forced(llama_cpp: Any, path: Path | str, prompt: list[int], fed: list[int]) -> Run:
+    """llama.cpp on ``prompt + fed[:-1]`` in one batch (logits at every position): the rows of a greedy run
+    that produced ``fed``."""
+    t0 = time.perf_counter()
+    llm = llama_model(llama_cpp, path)
+    try:
+        seq = prompt + fed[:-1]
+        llm.eval(seq)
+        logits = np.array(llm.scores[: len(seq)], dtype=np.float32)
+    finally:
+        llm.close()
+    return Run(logits, [int(t) for t in logits[len(prompt) - 1:].argmax(-1)], time.perf_counter() - t0)
+
+
+def ours_forced(model: MoEModel, prompt: list[int], fed: list[int]) -> Run:
+    """moestream: prefill ``prompt`` (logits at every position), then one ``decode_step`` per token of
+    ``fed[:-1]`` (teacher forcing with the other side's greedy tokens; where moestream's own argmax equals
+    the fed token at every step, this *is* moestream's greedy run)."""
+    t0 = time.perf_counter()
+    eng = Engine(model)
+    cache = model.new_cache(len(prompt) + len(fed))
+    prefill = eng.prefill(prompt, cache, logits_all=True)
+    rows = [prefill.numpy().astype(np.float32, copy=False)]
+    tokens = [int(prefill[-1].argmax())]
+    for i, tok in enumerate(fed[:-1]):
+        step = eng.decode_step(tok, len(prompt) + i, cache)
+        rows.append(step.numpy()[None].astype(np.float32, copy=False))
+        tokens.append(int(step.argmax()))
+    return Run(np.concatenate(rows), tokens, time.perf_counter() - t0)
+
+
+def load(path: Path | str, stream: bool, slots: int | None = None) -> MoEModel:
+    return load_model(str(path), LoadOptions(moe_stream=stream, slots=slots, io_threads=4))
+
+
+def max_diff(a: Run, b: Run) -> float:
+    assert a.logits.shape == b.logits.shape
+    return float(np.abs(a.logits - b.logits).max())
+
+
+def where(a: Run, b: Run) -> str:
+    """Row and value of the largest difference, for messages."""
+    d = np.abs(a.logits - b.logits)
+    row, col = np.unravel_index(int(d.argmax()), d.shape)
+    return f"row {row} (of {d.shape[0]}), token {col}: {a.logits[row, col]:.6g} vs {b.logits[row, col]:.6g}"
+
+
+# ------------------------------------------------------------------------------------------------ F32
+@pytest.fixture(scope="module")
+def prompt_ids(qwen3moe_tiny: dict, llama_cpp: Any) -> list[int]:
+    """The prompt tokenized by moestream; llama.cpp's tokenizer (vocabulary-only load of the same file)
+    must give the same ids."""
+    ours = GGUFTokenizer.from_gguf(str(qwen3moe_tiny["f32"])).encode(PROMPT)
+    llm = llama_cpp.Llama(model_path=str(qwen3moe_tiny["f32"]), vocab_only=True, verbose=False)
+    try:
+        theirs = llama_tokenize(llm, PROMPT)
+    finally:
+        llm.close()
+    assert ours == theirs
+    assert len(ours) >= 16
+    return ours
+
+
+@pytest.fixture(scope="module")
+def llama_f32(qwen3moe_tiny: dict, llama_cpp: Any, prompt_ids: list[int]) -> Run:
+    return llama_greedy(llama_cpp, qwen3moe_tiny["f32"], prompt_ids)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "resident"])
+def test_f32_matches_llama_cpp(qwen3moe_tiny: dict, prompt_ids: list[int], llama_f32: Run, stream: bool) -> None:
+    # streaming through a small pool (top-k + 2 slots), so experts really move through slots
+    model = load(qwen3moe_tiny["f32"], stream, slots=qwen3moe_tiny["config"]["num_experts_per_tok"] + 2)
+    try:
+        ours = ours_forced(model, prompt_ids, llama_f32.tokens)
+    finally:
+        model.store.close()
+    diff = max_diff(ours, llama_f32)
+    print(f"f32 ({'stream' if stream else 'resident'}): max |logit diff| {diff:.3g} over {len(prompt_ids)} prompt "
+          f"positions + {N_GREEDY - 1} decode steps; llama.cpp {llama_f32.seconds:.1f}s, moestream {ours.seconds:.1f}s")
+    assert diff < TOL, f"max |logit diff| {diff:.3g} at {where(ours, llama_f32)}"
+    assert ours.tokens == llama_f32.tokens
+
+
+# ------------------------------------------------------------------------------------------------ quantized
+@dataclasses.dataclass
+class QuantCase:
+    name: str
+    path: Path
+    types: dict[str, int]
+    twin: Run  # llama.cpp's greedy run on the F32 twin
+    ours_twin: Run  # moestream on the quantized file, fed the twin run's tokens
+    direct: Run  # llama.cpp's greedy run on the quantized file
+    ours_direct: Run  # moestream on the quantized file, fed the direct run's tokens
+    twin_direct: Run  # llama.cpp on the F32 twin, fed the direct run's tokens
+
+
+class _EveryTensor(dict):
+    """A ``convert`` argument for ``ggufedit.rewrite`` that names every tensor: each becomes float32."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+    def __getitem__(self, name: str):  # noqa: ANN204
+        return lambda a: np.asarray(a, dtype=np.float32)
+
+
+def write_twin(src: Path, dst: Path) -> Path:
+    """An F32 GGUF whose every tensor is the `gguf` package's dequantization (``gguf.quants.dequantize``) of
+    ``src``'s, metadata unchanged (``ggufedit.rewrite``)."""
+    ggufedit.rewrite(src, dst, convert=_EveryTensor())
+    return dst
+
+
+@pytest.fixture(scope="module", params=QUANTS)
+def qcase(request: pytest.FixtureRequest, qwen3moe_tiny_quants: dict, llama_cpp: Any, prompt_ids: list[int],
+          tmp_path_factory: pytest.TempPathFactory) -> QuantCase:
+    name = request.param
+    path = qwen3moe_tiny_quants[name]
+    t0 = time.perf_counter()
+    twin_path = write_twin(path, tmp_path_factory.mktemp(f"twin-{name}") / f"{name}-twin-f32.gguf")
+    t_twin = time.perf_counter() - t0
+    direct = llama_greedy(llama_cpp, path, prompt_ids)
+    try:
+        twin = llama_greedy(llama_cpp, twin_path, prompt_ids)
+        twin_direct = llama_forced(llama_cpp, twin_path, prompt_ids, direct.tokens)
+    finally:
+        twin_path.unlink()  # ~0.4 GB each
+    # streaming through a small pool (top-k + 2 slots): the path under test is the streamed one
+    model = load(path, stream=True, slots=qwen3moe_tiny_quants["base"]["config"]["num_experts_per_tok"] + 2)
+    try:
+        ours_twin = ours_forced(model, prompt_ids, twin.tokens)
+        ours_direct = ours_forced(model, prompt_ids, direct.tokens)
+    finally:
+        model.store.close()
+        del model
+        gc.collect()
+    print(f"\n{name}: twin written in {t_twin:.1f}s; llama.cpp twin {twin.seconds:.1f}s + {twin_direct.seconds:.1f}s, "
+          f"direct {direct.seconds:.1f}s; moestream {ours_twin.seconds:.1f}s + {ours_direct.seconds:.1f}s")
+    return QuantCase(name, path, qwen3moe_tiny_quants["types"][name], twin, ours_twin, direct, ours_direct,
+                     twin_direct)
+
+
+def test_quantized_file_types(qcase: QuantCase) -> None:
+    """Report which ggml types llama.cpp's quantizer wrote; moestream must compute every one of them."""
+    print(f"{qcase.name}: " + ", ".join(f"{k} x{v}" for k, v in qcase.types.items()))
+    from gguf import GGMLQuantizationType
+
+    unsupported = [k for k in qcase.types if not quant.is_supported(GGMLQuantizationType[k])]
+    assert not unsupported, f"{qcase.name} holds ggml types moestream cannot compute: {unsupported}"
+
+
+def test_quantized_matches_llama_cpp_on_f32_twin(qcase: QuantCase, prompt_ids: list[int]) -> None:
+    diff = max_diff(qcase.ours_twin, qcase.twin)
+    print(f"{qcase.name}: moestream (quantized, streaming) vs llama.cpp (F32 twin): max |logit diff| {diff:.3g}")
+    assert diff < TOL, f"{qcase.name}: max |logit diff| {diff:.3g} at {where(qcase.ours_twin, qcase.twin)}"
+    assert qcase.ours_twin.tokens == qcase.twin.tokens
+
+
+def test_quantized_close_to_llama_cpp_on_quantized(qcase: QuantCase) -> None:
+    ref, got = qcase.direct.logits, qcase.ours_direct.logits
+    span = float(ref.max(axis=-1).mean() - ref.min(axis=-1).mean())
+    diff = max_diff(qcase.ours_direct, qcase.direct)
+    mean = float(np.abs(got - ref).mean())
+    own = max_diff(qcase.twin_direct, qcase.direct)  # llama.cpp quantized vs llama.cpp float32, same tokens
+    exact = max_diff(qcase.ours_direct, qcase.twin_direct)
+    bound = DIRECT_REL_TOL * span
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    lead = top2[:, 1] - top2[:, 0]
+    agree = ref.argmax(-1) == got.argmax(-1)
+    print(f"{qcase.name}: moestream vs llama.cpp on the quantized file: max |diff| {diff:.3g}, mean {mean:.3g} "
+          f"(logit range {span:.3g}); llama.cpp quantized vs its F32 twin: max {own:.3g}; moestream vs the twin on "
+          f"these tokens: {exact:.3g}; top token differs at {int((~agree).sum())}/{len(agree)} positions "
+          f"(largest lead there {float(lead[~agree].max()) if (~agree).any() else 0:.3g}); greedy tokens "
+          f"{'agree' if qcase.ours_direct.tokens == qcase.direct.tokens else 'differ'}")
+    at = where(qcase.ours_direct, qcase.direct)
+    assert diff < bound, f"{qcase.name}: max |diff| {diff:.4g} > {bound:.4g} at {at}"
+    assert mean < DIRECT_MEAN_REL_TOL * span, f"{qcase.name}: mean |diff| {mean:.4g}, logit range {span:.4g}"
+    clear = lead > bound
+    assert agree[clear].all(), f"{qcase.name}: top token differs at rows {np.flatnonzero(clear & ~agree).tolist()}"
+    # the whole gap is llama.cpp's own quantized arithmetic
+    assert exact < TOL, f"{qcase.name}: {exact:.3g} vs llama.cpp on the twin at " + where(qcase.ours_direct,
+                                                                                          qcase.twin_direct)
+
+
+def test_twin_is_exact_dequantization(qwen3moe_tiny_quants: dict, tmp_path: Path) -> None:
+    """The harness: the twin's tensors are F32 and bitwise the `gguf` package's dequantization (checked on
+    the Q4_K_M file: Q4_K, Q6_K, F32), and moestream's own dequantization agrees bitwise on layer 0's."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    src = qwen3moe_tiny_quants["q4_k_m"]
+    twin = write_twin(src, tmp_path / "twin.gguf")
+    a, b = GGUFReader(str(src)), GGUFReader(str(twin))
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors, strict=True):
+        assert tb.tensor_type == GGMLQuantizationType.F32
+        ref = dequantize(ta.data, ta.tensor_type).reshape(-1)
+        assert np.array_equal(np.asarray(tb.data).reshape(-1), ref), ta.name
+        if ta.name.startswith("blk.0."):
+            raw = torch.from_numpy(np.asarray(ta.data).copy().view(np.uint8).reshape(-1))
+            ours = quant.dequantize(raw, int(ta.tensor_type), ref.size)
+            assert torch.equal(ours.reshape(-1), torch.tensor(ref)), ta.name

@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""A reproducible llama.cpp for the test suite: ``llama-cpp-python`` built once from its pinned sdist.
+
+``llama-cpp-python==0.3.36`` is published on PyPI as a source distribution only (it vendors the llama.cpp
+of October 2026, which knows ``qwen3moe``). The tests use it as an oracle (logits, tokenizer, quantizer),
+so this module builds it the same way on every machine and keeps the wheel:
+
+* the sdist is fetched by pip and checked against :data:`SDIST_SHA256`;
+* the build backend and the tools it may fetch are pinned (:data:`BUILD_CONSTRAINTS`, passed with
+  ``pip wheel --build-constraint``);
+* the build is CPU-only and not tuned to the build machine (:data:`CMAKE_ARGS`: every GPU backend off,
+  ``GGML_NATIVE=OFF`` so ggml targets x86-64 with AVX2/FMA/F16C instead of ``-march=native``, which keeps
+  a cached wheel usable on another CPU of the same kind); the multimodal library (``mtmd``) and the
+  network code are left out;
+* the wheel lands in ``$MOESTREAM_CACHE/wheels/llama-cpp-python-<version>-<key>/`` (default cache
+  ``~/.cache/moestream``), ``key`` being a hash of all of the above. It is built in a temporary directory
+  beside that one and renamed into place when complete, under a file lock, so an interrupted or
+  concurrent build never leaves a half-written wheel.
+
+The build takes several minutes on two cores (it compiles llama.cpp); afterwards :func:`ensure_wheel` is a
+directory listing. ``pip`` never builds it again on its own: :func:`install` installs the cached wheel with
+``--no-deps`` plus the pinned runtime requirements (:data:`RUNTIME_REQUIREMENTS`).
+
+Command line::
+
+    python tools/llamacpp.py wheel        # build if needed, print the wheel's path
+    python tools/llamacpp.py install      # ... and install it into this interpreter's environment
+    python tools/llamacpp.py quantize SRC.gguf DST.gguf Q4_K_M   # llama.cpp's quantizer (needs install)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+# ---------------------------------------------------------------------------------------------------------
+# Pins
+# ---------------------------------------------------------------------------------------------------------
+
+VERSION = "0.3.36"
+PROJECT = "llama-cpp-python"
+#: sha256 of ``llama_cpp_python-0.3.36.tar.gz`` as served by PyPI.
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+
+#: Build requirements, pinned. ``scikit-build-core`` is what the sdist asks for; it asks for ``cmake`` and
+#: ``ninja`` from PyPI only where the machine has none (or too old ones), and then gets these versions.
+BUILD_CONSTRAINTS: tuple[str, ...] = (
+    "scikit-build-core==1.1.2",
+    "packaging==26.4",
+    "pathspec==1.1.1",
+    "cmake==4.4.5",
+    "ninja==1.13.2",
+)
+
+#: Runtime requirements of the wheel that the project does not already pin (numpy, jinja2 and
+#: typing-extensions come with the project's own dependencies).
+RUNTIME_REQUIREMENTS: tuple[str, ...] = ("diskcache==5.6.3",)
+
+#: CPU only, no ``-march=native``, no GPU/BLAS/RPC backends, no multimodal library, no HTTPS code.
+CMAKE_ARGS: tuple[str, ...] = (
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_CUDA=OFF",
+    "-DGGML_HIP=OFF",
+    "-DGGML_METAL=OFF",
+    "-DGGML_VULKAN=OFF",
+    "-DGGML_SYCL=OFF",
+    "-DGGML_OPENCL=OFF",
+    "-DGGML_MUSA=OFF",
+    "-DGGML_BLAS=OFF",
+    "-DGGML_RPC=OFF",
+    "-DLLAVA_BUILD=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+)
+
+#: Bump when the recipe changes in a way the pins above do not show.
+RECIPE = 1
+
+LOG_PREFIX = "[llamacpp]"
+
+
+class LlamaCppError(RuntimeError):
+    """Building, installing or running llama.cpp failed; the message says what and why."""
+
+
+def log(msg: str) -> None:
+    print(f"{LOG_PREFIX} {msg}", file=sys.stderr, flush=True)
+
+
+def cache_root() -> Path:
+    """``$MOESTREAM_CACHE`` or ``~/.cache/moestream``."""
+    return Path(os.environ.get("MOESTREAM_CACHE") or "~/.cache/moestream").expanduser()
+
+
+def build_key() -> str:
+    """Hash of everything that determines the wheel's bytes (not of this file's source)."""
+    spec = {
+        "project": PROJECT, "version": VERSION, "sdist": SDIST_SHA256, "build": BUILD_CONSTRAINTS,
+        "cmake": CMAKE_ARGS, "recipe": RECIPE, "machine": platform.machine(), "system": platform.system(),
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def wheel_dir() -> Path:
+    """Where the wheel of the current recipe lives (whether built yet or not)."""
+    return cache_root() / "wheels" / f"{PROJECT}-{VERSION}-{build_key()}"
+
+
+def _find_wheel(d: Path) -> Path | None:
+    if not (d / "build-info.json").is_file():
+        return None
+    found = sorted(d.glob(f"llama_cpp_python-{VERSION}-*.whl"))
+    return found[0] if len(found) == 1 else None
+
+
+@contextlib.contextmanager
+def _lock(name: str) -> Iterator[None]:
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / name, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building the wheel
+# ---------------------------------------------------------------------------------------------------------
+
+_NINJA_STEP = re.compile(rb"^\[(\d+)/(\d+)\]")
+_PHASES = (b"Collecting ", b"Downloading ", b"Installing build dependencies", b"Building wheel",
+           b"-- Configuring done", b"-- Generating done", b"*** Building project", b"*** Installing project",
+           b"*** Created ", b"Successfully built", b"ERROR", b"error:")
+
+
+def _build(dest: Path, log_file: Path) -> None:
+    """``pip wheel`` the pinned sdist into ``dest``, output in ``log_file``, progress lines on stderr."""
+    req = dest / "requirements.txt"
+    req.write_text(f"{PROJECT}=={VERSION} --hash=sha256:{SDIST_SHA256}\n")
+    constraints = dest / "build-constraints.txt"
+    constraints.write_text("\n".join(BUILD_CONSTRAINTS) + "\n")
+    out = dest / "out"
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "--no-input",
+           "--disable-pip-version-check", "--no-binary", PROJECT, "--require-hashes", "-r", str(req),
+           "--build-constraint", str(constraints), "-w", str(out), "-v"]
+    env = dict(os.environ)
+    env["CMAKE_ARGS"] = " ".join(CMAKE_ARGS)
+    env["FORCE_CMAKE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"  # progress lines as they come
+    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
+    for var in ("PIP_CONSTRAINT", "PIP_REQUIRE_VIRTUALENV", "CMAKE_GENERATOR_PLATFORM", "CUDACXX", "CC_LD"):
+        env.pop(var, None)
+    t0 = last = time.monotonic()
+    last_pct = -1
+    with open(log_file, "wb") as logf:
+        log("$ CMAKE_ARGS='" + env["CMAKE_ARGS"] + "' " + " ".join(cmd[2:]))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            logf.write(line)
+            stripped = line.strip()
+            m = _NINJA_STEP.match(stripped)
+            now = time.monotonic()
+            if m:
+                done, total = int(m.group(1)), int(m.group(2))
+                pct = 100 * done // max(total, 1)
+                if pct // 10 > last_pct // 10 or now - last > 60 or done == total:
+                    log(f"compiling {done}/{total} ({pct}%), {now - t0:.0f}s")
+                    last_pct, last = pct, now
+            elif stripped.startswith(_PHASES):
+                log(f"{stripped.decode(errors='replace')[:150]} ({now - t0:.0f}s)")
+                last = now
+        rc = proc.wait()
+    if rc != 0:
+        tail = log_file.read_text(errors="replace").strip().splitlines()[-20:]
+        raise LlamaCppError(f"building {PROJECT}=={VERSION} failed (exit {rc}); full log: {log_file}\n  "
+                            + "\n  ".join(tail))
+
+
+def ensure_wheel(*, force: bool = False) -> Path:
+    """Return the path of the cached ``llama_cpp_python`` wheel, building it first if needed."""
+    final = wheel_dir()
+    wheel = _find_wheel(final)
+    if wheel is not None and not force:
+        return wheel
+    with _lock(".llamacpp-build.lock"):
+        wheel = _find_wheel(final)
+        if wheel is not None and not force:
+            return wheel
+        parent = final.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        for p in parent.glob(f".tmp-{PROJECT}-*"):  # leftovers of killed builds (we hold the lock)
+            shutil.rmtree(p, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{PROJECT}-", dir=parent))
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        try:
+            log(f"building {PROJECT}=={VERSION} from source into {final} (once; several minutes)")
+            t0 = time.monotonic()
+            _build(tmp, tmp / "build.log")
+            built = sorted((tmp / "out").glob(f"llama_cpp_python-{VERSION}-*.whl"))
+            if len(built) != 1:
+                raise LlamaCppError(f"pip wheel finished but left {[p.name for p in built]} in {tmp / 'out'}")
+            seconds = round(time.monotonic() - t0, 1)
+            built[0].rename(tmp / built[0].name)
+            shutil.rmtree(tmp / "out")
+            info = {"project": PROJECT, "version": VERSION, "sdist_sha256": SDIST_SHA256,
+                    "build_constraints": BUILD_CONSTRAINTS, "cmake_args": CMAKE_ARGS, "recipe": RECIPE,
+                    "key": build_key(), "wheel": built[0].name, "build_seconds": seconds,
+                    "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count()}
+            (tmp / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
+            if final.exists():
+                old = final.with_name(f".tmp-{PROJECT}-old-{os.getpid()}")
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(final)
+            log(f"built {built[0].name} in {seconds:.0f}s")
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        wheel = _find_wheel(final)
+        assert wheel is not None
+        return wheel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Installing it
+# ---------------------------------------------------------------------------------------------------------
+
+
+def installed_wheel() -> str | None:
+    """The file URL the installed ``llama_cpp_python`` came from (pip's ``direct_url.json``), else None."""
+    try:
+        dist = importlib.metadata.distribution("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    text = dist.read_text("direct_url.json")
+    if not text or dist.version != VERSION:
+        return None
+    return json.loads(text).get("url")
+
+
+def install(*, force: bool = False) -> Path:
+    """Install the cached wheel (built if needed) and :data:`RUNTIME_REQUIREMENTS` into this environment.
+
+    Does nothing when that very wheel is already installed. Never lets pip build anything.
+    """
+    wheel = ensure_wheel()
+    pip = [sys.executable, "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "-q"]
+    missing = []
+    for req in RUNTIME_REQUIREMENTS:
+        name, version = req.split("==")
+        try:
+            if importlib.metadata.version(name) == version:
+                continue
+        except importlib.metadata.PackageNotFoundError:
+            pass
+        missing.append(req)
+    if missing:
+        _check([*pip, "--only-binary=:all:", "--no-deps", *missing], "pip install " + " ".join(missing))
+    if force or installed_wheel() != wheel.resolve().as_uri():
+        log(f"installing {wheel}")
+        _check([*pip, "--no-deps", "--force-reinstall", str(wheel)], f"pip install {wheel.name}")
+    return wheel
+
+
+def _check(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        raise LlamaCppError(f"{what} failed (exit {proc.returncode})\n  " + "\n  ".join(tail))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Using it (needs the wheel installed)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def quantize(src: str | Path, dst: str | Path, ftype: str, *, nthread: int = 0) -> None:
+    """Quantize GGUF ``src`` into ``dst`` with llama.cpp's own quantizer (``llama_model_quantize`` with
+    ``llama_model_quantize_default_params()``), ``ftype`` being the name of a ``LLAMA_FTYPE_MOSTLY_*``
+    constant (``"Q4_K_M"``, ``"IQ4_XS"``, ...). Same as the ``llama-quantize SRC DST FTYPE`` tool."""
+    import llama_cpp
+
+    name = f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}"
+    if not hasattr(llama_cpp, name):
+        raise LlamaCppError(f"llama_cpp has no {name}")
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, name)
+    params.nthread = nthread
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0 or not Path(dst).is_file():
+        raise LlamaCppError(f"llama_model_quantize({src}, {dst}, {name}) returned {rc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("wheel", help="build the wheel if needed; print its path")
+    w.add_argument("--force", action="store_true", help="rebuild even if cached")
+    i = sub.add_parser("install", help="install the wheel (built if needed) into this environment")
+    i.add_argument("--force", action="store_true", help="reinstall even if that wheel is installed")
+    q = sub.add_parser("quantize", help="llama.cpp's quantizer: SRC DST FTYPE (e.g. Q4_K_M)")
+    q.add_argument("src")
+    q.add_argument("dst")
+    q.add_argument("ftype")
+    q.add_argument("--nthread", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "wheel":
+            print(ensure_wheel(force=args.force))
+        elif args.cmd == "install":
+            print(install(force=args.force))
+        else:
+            quantize(args.src, args.dst, args.ftype, nthread=args.nthread)
+    except LlamaCppError as e:
+        print(f"{LOG_PREFIX} error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
