@@ -15,6 +15,11 @@ Nothing here writes GGUF tensors by hand. The pipeline is the one a user's model
 3. **Checkpoint** -- ``transformers.Qwen3MoeForCausalLM`` with random weights from a fixed seed, saved as
    float32 safetensors with the tokenizer files beside it.
 4. **GGUF** -- the converter turns the checkpoint into GGUF files (``f32``, ``bf16``, ``q8_0``, ...).
+5. **llama.cpp quantizations** -- ``build_fixture("qwen3moe-tiny-llamacpp")`` runs llama.cpp's own quantizer
+   (``llama_model_quantize``, as the ``llama-quantize`` tool does; ``tools/llamacpp.py``) on the F32 file for
+   each ftype in :data:`QUANT_FTYPES` (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, IQ4_XS). Needs ``llama-cpp-python``
+   installed in this interpreter's environment (``python tools/llamacpp.py install``); each quantization
+   runs in a subprocess with its log kept beside the file.
 
 Every product is keyed by a hash of its build parameters, this file's source and the versions of the
 tools involved, so a rebuild happens only when one of those changes. Each product is built in a temporary
@@ -24,12 +29,7 @@ leaves a half-written fixture behind. A file lock serialises concurrent builds (
 Use from Python (tests)::
 
     paths = build_fixture("qwen3moe-tiny")   # {"ckpt": Path, "f32": Path, "bf16": Path, "q8_0": Path, ...}
-
-5. **llama.cpp quantizations** -- ``build_fixture("qwen3moe-tiny-llamacpp")`` runs llama.cpp's own quantizer
-   (``llama_model_quantize``, as the ``llama-quantize`` tool does; ``tools/llamacpp.py``) on the F32 file for
-   each ftype in :data:`QUANT_FTYPES` (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, IQ4_XS). Needs ``llama-cpp-python``
-   installed in this interpreter's environment (``python tools/llamacpp.py install``); each quantization
-   runs in a subprocess with its log kept beside the file.
+    quants = build_fixture("qwen3moe-tiny-llamacpp")   # {"q4_k_m": Path, ..., "types": {...}}
 
 or from the command line::
 
@@ -47,6 +47,7 @@ import dataclasses
 import fcntl
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -724,12 +725,26 @@ def _quantized_paths(d: Path, name: str, base: dict[str, Any], quants: tuple[str
 
 
 def tensor_types(path: Path) -> dict[str, int]:
-    """``{ggml type name: number of tensors}`` of a GGUF file (read with the ``gguf`` package)."""
-    from gguf import GGUFReader
+    """``{ggml type name: number of tensors}`` of a GGUF file, from its tensor table. The key/values are
+    skipped, not parsed (``gguf.GGUFReader`` takes seconds over a 152k-token vocabulary)."""
+    from gguf import GGMLQuantizationType
 
     counts: dict[str, int] = {}
-    for t in GGUFReader(path).tensors:
-        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    with open(path, "rb") as fh:
+        t = _Tee(fh)
+        if t.read(4) != b"GGUF":
+            raise FixtureError(f"{path}: not a GGUF file (bad magic)")
+        t.u32()  # version
+        n_tensors, n_kv = t.u64(), t.u64()
+        for _ in range(n_kv):
+            t.string()
+            t.skip_value(t.u32())
+        for _ in range(n_tensors):
+            t.string()  # name
+            t.read(8 * t.u32())  # dims
+            kind = GGMLQuantizationType(t.u32()).name
+            t.u64()  # offset
+            counts[kind] = counts.get(kind, 0) + 1
     return dict(sorted(counts.items()))
 
 
@@ -820,6 +835,10 @@ def main(argv: list[str] | None = None) -> int:
             print(name, json.dumps({"from": f"{base} f32", "llama.cpp ftypes": [QUANT_FTYPES[q] for q in quants]}))
         return 0
     names = [args.only] if args.only else [*FIXTURES, *QUANTIZED]
+    if not args.only and importlib.util.find_spec("llama_cpp") is None:
+        log(f"skipping {sorted(QUANTIZED)}: llama-cpp-python is not installed ({sys.executable} tools/llamacpp.py "
+            "install)")
+        names = list(FIXTURES)
     try:
         if args.force:
             tools_venv(force=False)

@@ -94,6 +94,9 @@ CMAKE_ARGS: tuple[str, ...] = (
 #: Bump when the recipe changes in a way the pins above do not show.
 RECIPE = 1
 
+#: Wheels of different recipes kept side by side (two checkouts at different pins sharing the cache).
+KEEP_BUILDS = 2
+
 LOG_PREFIX = "[llamacpp]"
 
 
@@ -237,6 +240,10 @@ def ensure_wheel(*, force: bool = False) -> Path:
             else:
                 tmp.rename(final)
             log(f"built {built[0].name} in {seconds:.0f}s")
+            others = sorted((d for d in parent.glob(f"{PROJECT}-*-*") if d.is_dir() and d != final),
+                            key=lambda d: d.stat().st_mtime, reverse=True)
+            for d in others[KEEP_BUILDS - 1:]:  # builds of other recipes: keep the newest few
+                shutil.rmtree(d, ignore_errors=True)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
