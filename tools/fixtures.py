@@ -202,6 +202,22 @@ FIXTURES: dict[str, ModelSpec] = {
 }
 
 
+#: Fixtures of other architectures, built by their own modules beside this one: name -> module
+#: (``tools/<module>.py``, which defines ``build(name, force=False) -> dict`` with the same keys as
+#: :func:`build_model`'s result and reuses this module's cache, lock and staging helpers).
+FAMILY_MODULES: dict[str, str] = {}
+
+
+def _family_module(name: str) -> Any:
+    """Import ``tools/<FAMILY_MODULES[name]>.py`` (by path: ``tools`` is not a package)."""
+    import importlib
+
+    tools = str(Path(__file__).resolve().parent)
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module(FAMILY_MODULES[name])
+
+
 #: Quantized fixtures: name -> (the fixture whose F32 file is quantized, the quantizations (keys of
 #: :data:`QUANT_FTYPES`)). Built by llama.cpp's quantizer, see :func:`build_quantized`.
 QUANTIZED: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -808,8 +824,10 @@ def build_fixture(name: str, *, force: bool = False) -> dict[str, Any]:
     """
     if name in QUANTIZED:
         return build_quantized(name, force=force)
+    if name in FAMILY_MODULES:
+        return _family_module(name).build(name, force=force)
     if name not in FIXTURES:
-        raise FixtureError(f"unknown fixture {name!r}; known: {sorted([*FIXTURES, *QUANTIZED])}")
+        raise FixtureError(f"unknown fixture {name!r}; known: {sorted([*FIXTURES, *FAMILY_MODULES, *QUANTIZED])}")
     return build_model(name, FIXTURES[name], force=force)
 
 
@@ -823,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or reuse) fixtures and print their paths")
-    b.add_argument("--only", choices=sorted([*FIXTURES, *QUANTIZED]), help="build only this fixture")
+    b.add_argument("--only", choices=sorted([*FIXTURES, *FAMILY_MODULES, *QUANTIZED]), help="build only this fixture")
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
     sub.add_parser("list", help="list fixture names and specs")
     args = ap.parse_args(argv)
@@ -834,11 +852,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, (base, quants) in QUANTIZED.items():
             print(name, json.dumps({"from": f"{base} f32", "llama.cpp ftypes": [QUANT_FTYPES[q] for q in quants]}))
         return 0
-    names = [args.only] if args.only else [*FIXTURES, *QUANTIZED]
+    names = [args.only] if args.only else [*FIXTURES, *FAMILY_MODULES, *QUANTIZED]
     if not args.only and importlib.util.find_spec("llama_cpp") is None:
         log(f"skipping {sorted(QUANTIZED)}: llama-cpp-python is not installed ({sys.executable} tools/llamacpp.py "
             "install)")
-        names = list(FIXTURES)
+        names = [*FIXTURES, *FAMILY_MODULES]
     try:
         if args.force:
             tools_venv(force=False)

@@ -208,6 +208,7 @@ class GGUFTokenizer:
         self.token_types = token_types
         self._template_tokens = template_tokens
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._unused_ids = frozenset(i for i, kind in enumerate(token_types) if kind == TokenType.UNUSED)
         self._byte_level = model == "gpt2"
         self._byte_fallback = not self._byte_level
         self._strip_left = _decoder_strip(backend)
@@ -381,6 +382,8 @@ class GGUFTokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text for token ids.
 
+        Tokens the file marks UNUSED (Qwen's ``[PAD151665]``... fillers) decode to nothing, as in llama.cpp.
+
         Args:
             ids: token ids, each in ``[0, vocab_size)``.
             skip_special: leave out control tokens (BOS, EOS, ``<|im_end|>``...).
@@ -388,6 +391,8 @@ class GGUFTokenizer:
             TokenizerError: an id outside the vocabulary.
         """
         ids = self._checked(ids)
+        if self._unused_ids:
+            ids = [i for i in ids if i not in self._unused_ids]
         return self.backend.decode(ids, skip_special_tokens=skip_special)
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
@@ -404,11 +409,12 @@ class GGUFTokenizer:
         Mirrors the ``tokenizers`` decoder chain token by token (it runs over added tokens too): byte-level
         vocabularies map each character back to its byte (a token with characters outside that alphabet
         gives its own UTF-8); SentencePiece ones turn ``<0xNN>`` into the byte and ``\u2581`` into a
-        space. Control tokens give ``b""`` when ``skip_special``. The SentencePiece decoder's strip of
-        the dummy-prefix space at the start of a text is not applied here (see :class:`StreamDecoder`).
+        space. Control tokens give ``b""`` when ``skip_special``, UNUSED tokens always. The SentencePiece
+        decoder's strip of the dummy-prefix space at the start of a text is not applied here (see
+        :class:`StreamDecoder`).
         """
         (token_id,) = self._checked((token_id,))
-        if skip_special and token_id in self._special_ids:
+        if (skip_special and token_id in self._special_ids) or token_id in self._unused_ids:
             return b""
         cached = self._piece_cache.get(token_id)
         if cached is not None:
@@ -570,10 +576,13 @@ def _repair(
 
     1. Drop added tokens with ids past the file's vocabulary (GPT2Tokenizer's default
        ``<|endoftext|>`` when the file has none).
-    2. Byte-level only: a CONTROL / USER_DEFINED token whose text uses characters outside the byte
+    2. Byte-level: a CONTROL / USER_DEFINED token whose text uses characters outside the byte
        alphabet is stored by transformers respelled in that alphabet and is not added as a token, so
        ``<｜User｜>`` in text would be cut into pieces. Put it back into the vocabulary under its own
        text (same id) and add it (special if CONTROL), unless a merge needs the respelled form.
+    3. SentencePiece: every CONTROL / USER_DEFINED token is matched whole in the raw text, as llama.cpp
+       and SentencePiece match user-defined symbols (see :func:`_add_raw_tokens`; Gemma's runs of 2..31
+       spaces, ids 138-167, which transformers respells as ``\u2581`` runs and leaves to the BPE merges).
 
     Only when something needs fixing: a byte-level BPE is rebuilt from the converted vocabulary, the
     file's merges and the converted model's options, keeping the converted normalizer, pre-tokenizer,
@@ -585,12 +594,9 @@ def _repair(
     added = backend.get_added_tokens_decoder()
     extra = [i for i in added if i >= n]
     missing = []
-    if byte_level:
-        missing = [
-            i
-            for i, kind in enumerate(types)
-            if kind in (TokenType.CONTROL, TokenType.USER_DEFINED) and i not in added
-        ]
+    missing = [
+        i for i, kind in enumerate(types) if kind in (TokenType.CONTROL, TokenType.USER_DEFINED) and i not in added
+    ]
     if not extra and not missing:
         return backend
     keep = [added[i] for i in sorted(added) if i < n]
@@ -634,6 +640,8 @@ def _repair(
     else:
         data = json.loads(backend.to_str())
         data["added_tokens"] = [a for a in data["added_tokens"] if a["id"] < n]
+        if missing and not byte_level:
+            _add_raw_tokens(data, tokens, types, missing)
         try:
             fixed = Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
         except Exception as e:  # noqa: BLE001
@@ -642,6 +650,41 @@ def _repair(
     if got != n:
         raise TokenizerError(f"{path}: the converted tokenizer has {got} ids for the file's {n} tokens")
     return fixed
+
+
+def _add_raw_tokens(data: dict, tokens: list[str], types: list[int], ids: list[int]) -> None:
+    """Add SentencePiece CONTROL / USER_DEFINED tokens ``ids`` to a tokenizer's JSON ``data`` as added tokens
+    matched on the raw text (``normalized=False``), longest match first, like llama.cpp's special-token
+    partition (``tokenizer_st_partition`` in llama-vocab.cpp) and SentencePiece's user-defined symbols.
+
+    A token the converted vocabulary spells differently from the file (``"\u2581\u2581"`` for two spaces) is
+    renamed to the file's text under the same id, and merges that build or use the respelled form are
+    dropped: in the file the token is not reachable by merging, so a literal ``\u2581\u2581`` in the text must
+    not become it (llama.cpp agrees).
+    """
+    vocab = data["model"].get("vocab")
+    if not isinstance(vocab, dict):  # not a BPE vocabulary: nothing to respell
+        vocab = {}
+    by_id = {i: t for t, i in vocab.items()}
+    renamed: set[str] = set()
+    for i in ids:
+        raw, spelled = tokens[i], by_id.get(i)
+        if spelled is not None and spelled != raw and raw not in vocab:
+            del vocab[spelled]
+            vocab[raw] = i
+            renamed.add(spelled)
+    if renamed and data["model"].get("merges") is not None:
+        kept = []
+        for m in data["model"]["merges"]:
+            left, right = m if isinstance(m, list) else m.split(" ", 1)
+            if left not in renamed and right not in renamed and left + right not in renamed:
+                kept.append(m)
+        data["model"]["merges"] = kept
+    for i in ids:
+        data["added_tokens"].append({
+            "id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": types[i] == TokenType.CONTROL,
+        })
 
 
 def _decoder_strip(backend: Any) -> int:
