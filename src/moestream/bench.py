@@ -3,7 +3,9 @@
 Each row runs in a fresh process so that its peak RSS and disk reads are its own. A row does one warm-up
 pass, then ``-r`` repetitions of the pp test (prefill ``-p`` random tokens into an empty context) and the
 tg test (``-n`` greedy decode steps from one token), and reports mean +- sd tok/s, the expert hit rate,
-GiB streamed into slots, GiB read from disk (/proc/self/io), and peak RSS. No timing is asserted anywhere:
+the IO stall (share of the test's time the compute thread spent blocked waiting for expert reads: what
+``--overlap on`` hides behind the shared/dense FFN), GiB streamed into slots, GiB read from disk
+(/proc/self/io), and peak RSS. No timing is asserted anywhere:
 this is a measurement tool.
 """
 
@@ -108,8 +110,8 @@ def run_row(cfg: dict) -> dict:
     store = model.store
     result = {**cfg, "load_seconds": load_seconds, "tests": []}
 
-    def snapshot() -> tuple[int, int, int, int]:
-        return store.stats.hits, store.stats.misses, store.bytes_read, disk_read_bytes()
+    def snapshot() -> tuple[int, int, int, int, float]:
+        return store.stats.hits, store.stats.misses, store.bytes_read, disk_read_bytes(), store.stats.stall_seconds
 
     def pp(n: int) -> float:
         toks = torch.randint(0, model.n_vocab, (n,), generator=gen).tolist()
@@ -146,6 +148,7 @@ def run_row(cfg: dict) -> dict:
             "streamed_gib": (s1[2] - s0[2]) / GiB, "disk_read_gib": (s1[3] - s0[3]) / GiB,
             "disk_bytes_per_token": (s1[3] - s0[3]) / (n * cfg["repetitions"]),
             "streamed_bytes_per_token": (s1[2] - s0[2]) / (n * cfg["repetitions"]),
+            "io_stall_fraction": (s1[4] - s0[4]) / sum(secs),
         })
     result["peak_rss_gib"] = peak_rss_bytes() / GiB
     result["pool_gib"] = getattr(store, "pool_bytes", 0) / GiB
@@ -232,8 +235,8 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
     """Markdown table, one line per (configuration, test)."""
     capped = any(r.get("mem_cap") for r in rows)
     vs = any(r.get("engine") == "llama.cpp" for r in rows)
-    cols = ["model", "mode", "slots", "io threads", "overlap", "test", "t/s", "hit rate", "GiB streamed",
-            "GiB disk", "peak RSS GiB"]
+    cols = ["model", "mode", "slots", "io threads", "overlap", "test", "t/s", "hit rate", "IO stall",
+            "GiB streamed", "GiB disk", "peak RSS GiB"]
     if capped:
         cols.append("cgroup peak GiB")
     cols.append("IO limit t/s")
@@ -254,7 +257,8 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
             continue
         for t in r["tests"]:
             hit = "-" if t.get("hit_rate") is None else f"{100 * t['hit_rate']:.1f}%"
-            row = cells + [t["test"], f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f}", hit,
+            stall = "-" if t.get("io_stall_fraction") is None else f"{100 * t['io_stall_fraction']:.0f}%"
+            row = cells + [t["test"], f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f}", hit, stall,
                            f"{t['streamed_gib']:.3f}", f"{t['disk_read_gib']:.3f}", f"{r['peak_rss_gib']:.2f}"]
             if capped:
                 row.append(f"{r['cgroup_peak_gib']:.2f}" if r.get("cgroup_peak_gib") is not None else "-")

@@ -9,6 +9,7 @@ Both expose the same ``prepare`` / ``wait`` / ``matrix`` calls, so the compute c
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ class StoreStats:
 
     hits: int = 0
     misses: int = 0
+    #: Seconds the compute thread spent blocked in ``wait`` for reads (what the overlap hides).
+    stall_seconds: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -147,6 +150,7 @@ class StreamingStore(ExpertStore):
         """Join the reads of one prepare(). On a read error the slots being filled are emptied first."""
         if ticket is None:
             return
+        t0 = time.perf_counter()
         try:
             self.reader.wait(ticket)
         except BaseException:
@@ -156,6 +160,8 @@ class StreamingStore(ExpertStore):
                 slots.slot_of[e] = -1
                 slots.expert_of[s] = -1
             raise
+        finally:
+            self.stats.stall_seconds += time.perf_counter() - t0
 
     def matrix(self, layer: int, name: str) -> torch.Tensor:
         return self.pools[layer][name]
