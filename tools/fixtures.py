@@ -205,7 +205,10 @@ FIXTURES: dict[str, ModelSpec] = {
 #: Fixtures of other architectures, built by their own modules beside this one: name -> module
 #: (``tools/<module>.py``, which defines ``build(name, force=False) -> dict`` with the same keys as
 #: :func:`build_model`'s result and reuses this module's cache, lock and staging helpers).
-FAMILY_MODULES: dict[str, str] = {}
+FAMILY_MODULES: dict[str, str] = {
+    "gemma4-tiny": "fixtures_gemma4",
+    "qwen35moe-tiny": "fixtures_qwen35moe",
+}
 
 
 def _family_module(name: str) -> Any:

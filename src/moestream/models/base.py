@@ -129,7 +129,11 @@ def load_model(path: str, opts: LoadOptions | None = None) -> MoEModel:
 
     Raises GGUFError for bad files and unsupported architectures, ConfigError for bad options.
     """
-    from . import qwen3moe  # noqa: F401 - registers
+    from . import (
+        gemma4,  # noqa: F401 - registers
+        qwen3moe,  # noqa: F401 - registers
+        qwen35moe,  # noqa: F401 - registers
+    )
 
     opts = opts or LoadOptions()
     gguf = GGUFModel(path)

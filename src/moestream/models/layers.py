@@ -114,3 +114,62 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vv)  # [n_head, T, d_v]
     return out.transpose(0, 1).reshape(n_tok, -1)
+
+
+def rope_neox_inv_freq(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, NEOX style (rotate halves), with explicit inverse frequencies.
+
+    x: [tokens, heads, head_dim] float32; positions: [tokens] int64; inv_freq: [n_rot/2] float32, so the first
+    n_rot = 2 * len(inv_freq) dims of each head rotate (dim i pairs with i + n_rot/2). Angle of pair i at
+    position p: p * inv_freq[i] (llama.cpp's ggml_rope_ext with freq_factors: theta_i / freq_factor_i).
+    """
+    n_rot = 2 * inv_freq.shape[0]
+    ang = positions.float()[:, None] * inv_freq[None, :]  # [tokens, n_rot/2]
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    xr, rest = x[..., :n_rot], x[..., n_rot:]
+    x1, x2 = xr[..., : n_rot // 2], xr[..., n_rot // 2:]
+    out = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((out, rest), dim=-1) if n_rot < x.shape[-1] else out
+
+
+class LayerKVCache:
+    """Key/value cache whose layers may differ in KV heads and head dims, or own no cache at all.
+
+    shapes: per layer ``(n_kv_heads, head_dim_k, head_dim_v)``, or None for a layer that reads another layer's
+    cache (shared-KV layers). k[i], v[i]: float32 [n_ctx, n_kv_heads, head_dim] (None where shapes[i] is None).
+    """
+
+    def __init__(self, n_ctx: int, shapes: list[tuple[int, int, int] | None], device: torch.device):
+        self.n_ctx = n_ctx
+        self.k = [None if s is None else torch.zeros((n_ctx, s[0], s[1]), device=device) for s in shapes]
+        self.v = [None if s is None else torch.zeros((n_ctx, s[0], s[2]), device=device) for s in shapes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for t in self.k + self.v if t is not None)
+
+
+def attention_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of new queries over the cache, optionally limited to a sliding window.
+
+    q: [T, n_head, d] for positions start..start+T-1; k, v: [start+T, n_kv, d] (cache up to the last new token).
+    window: a query at position p sees keys at positions p - window < j <= p (transformers'
+    ``sliding_window``; llama.cpp's LLAMA_SWA_TYPE_STANDARD masks p - j >= n_swa); None: every j <= p.
+    Returns [T, n_head * d_v] float32.
+    """
+    n_tok = q.shape[0]
+    first = 0 if window is None else max(0, start - window + 1)  # keys before this are masked for every query
+    k, v = k[first:], v[first:]
+    group = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [n_head, S, d]
+    vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.transpose(0, 1), kk.transpose(1, 2)) * scale  # [n_head, T, S]
+    qpos = torch.arange(start, start + n_tok, device=q.device)[:, None]
+    kpos = torch.arange(first, first + k.shape[0], device=q.device)[None, :]
+    masked = kpos > qpos
+    if window is not None:
+        masked = masked | (qpos - kpos >= window)
+    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
+    return torch.matmul(probs, vv).transpose(0, 1).reshape(n_tok, -1)

@@ -1,0 +1,213 @@
+"""Gemma 4 (GGUF ``general.architecture = gemma4``; the MoE member is gemma-4-26B-A4B).
+
+Per layer, as transformers' Gemma4TextDecoderLayer and llama.cpp's gemma4 graph compute it:
+RMSNorm -> attention -> RMSNorm -> residual, then the FFN block: a dense GeGLU FFN (own pre/post norms) and,
+in MoE layers, routed GeGLU experts beside it (own pre/post norms; the router reads the un-normed residual
+through a scale-free RMSNorm, a learned per-channel scale and 1/sqrt(hidden); softmax, top-k, renormalized,
+times a learned per-expert scale), summed, RMSNorm -> residual; then the per-layer input embedding (PLE)
+branch when the file has one, and a learned per-layer output scale.
+
+Attention: sliding-window layers and global layers differ in head dim, KV heads and RoPE (global layers use
+"proportional" partial RoPE, given in the file as ``rope_freqs``: factor 1 rotates, 1e30 leaves a pair
+unrotated); q/k RMSNorm with weights, v RMSNorm without; no 1/sqrt(d) score scaling; on global layers
+without ``attn_v`` the value is the key projection (K=V). The last ``shared_kv_layers`` layers own no K/V:
+each reads the cache of the last earlier layer of its own kind. Embeddings are scaled by sqrt(hidden);
+logits are soft-capped: cap * tanh(logits / cap) (cap 30 when the file has no key, as llama.cpp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import GGUFError
+from ..experts.moe import MoE
+from .base import LoadOptions, MoEModel, register
+from .layers import LayerKVCache, attention_window, rms_norm, rope_neox_inv_freq
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (transformers' ``gelu_pytorch_tanh``, llama.cpp's ggml_gelu). float32 -> float32."""
+    return F.gelu(x, approximate="tanh")
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GELU-tanh(gate) * up: the activation of Gemma's dense FFN and experts."""
+    return gelu_tanh(gate) * up
+
+
+def _per_layer(value: object, i: int) -> int:
+    """A metadata value that is a scalar or one entry per layer."""
+    return int(value[i]) if isinstance(value, (list, tuple)) else int(value)
+
+
+@register("gemma4")
+class Gemma4(MoEModel):
+    def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
+        super().__init__(gguf, opts)
+        g = gguf.arch_get
+        path = gguf.path
+        self.n_layers = int(g("block_count", required=True))
+        self.n_embd = int(g("embedding_length", required=True))
+        self.eps = float(g("attention.layer_norm_rms_epsilon", 1e-6))
+        swa = g("attention.sliding_window_pattern", [False] * self.n_layers)
+        if not isinstance(swa, (list, tuple)) or len(swa) != self.n_layers:
+            raise GGUFError(f"{path}: gemma4.attention.sliding_window_pattern must list {self.n_layers} layers, "
+                            f"got {swa!r}")
+        self.is_swa = [bool(s) for s in swa]
+        self.window = int(g("attention.sliding_window", required=any(self.is_swa)) or 0)
+        self.softcap = float(g("final_logit_softcapping", 30.0) or 0.0)
+        n_head, n_kv = g("attention.head_count", required=True), g("attention.head_count_kv", None)
+        d_full = int(g("attention.key_length", required=True))
+        d_swa = int(g("attention.key_length_swa", d_full))
+        n_shared = int(g("attention.shared_kv_layers", 0))
+        first_shared = self.n_layers - n_shared
+        self.ple_dim = int(g("embedding_length_per_layer_input", 0) or 0)
+
+        self.embd = self.weight("token_embd.weight")
+        self.n_vocab = self.embd.shape[0]
+        self.out_norm = self.norm("output_norm.weight")
+        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        if self.ple_dim:
+            self.ple_embd = self.weight("per_layer_token_embd.weight")  # [vocab, n_layers * ple_dim]
+            self.ple_proj = self.weight("per_layer_model_proj.weight")  # [n_layers * ple_dim, hidden]
+            self.ple_proj_norm = self.norm("per_layer_proj_norm.weight")  # [ple_dim]
+
+        # RoPE inverse frequencies per layer kind: base^(-2i/n_rot) / freq_factor_i
+        def inv_freq(base: float, n_rot: int, factors: torch.Tensor | None) -> torch.Tensor:
+            inv = 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.int64, device=self.device).float() / n_rot))
+            return inv if factors is None else inv / factors
+
+        base_full = float(g("rope.freq_base", 10000.0))
+        factors = self.norm("rope_freqs.weight") if self.has("rope_freqs.weight") else None
+        self.inv_freq_full = inv_freq(base_full, int(g("rope.dimension_count", d_full)), factors)
+        self.inv_freq_swa = inv_freq(float(g("rope.freq_base_swa", base_full)),
+                                     int(g("rope.dimension_count_swa", d_swa)), None)
+
+        self.blocks: list[dict] = []
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            hd = d_swa if self.is_swa[i] else d_full
+            b: dict = {
+                "n_head": _per_layer(n_head, i), "n_kv": _per_layer(n_kv if n_kv is not None else n_head, i),
+                "head_dim": hd, "swa": self.is_swa[i],
+                "attn_norm": self.norm(p + "attn_norm.weight"), "q": self.weight(p + "attn_q.weight"),
+                "q_norm": self.norm(p + "attn_q_norm.weight"), "o": self.weight(p + "attn_output.weight"),
+                "attn_post_norm": self.norm(p + "post_attention_norm.weight"),
+                "ffn_norm": self.norm(p + "ffn_norm.weight"), "gate": self.weight(p + "ffn_gate.weight"),
+                "up": self.weight(p + "ffn_up.weight"), "down": self.weight(p + "ffn_down.weight"),
+                "ffn_post_norm": self.norm(p + "post_ffw_norm.weight"),
+            }
+            if i < first_shared:
+                b["kv_layer"] = i
+                b["k"], b["k_norm"] = self.weight(p + "attn_k.weight"), self.norm(p + "attn_k_norm.weight")
+                b["v"] = self.weight(p + "attn_v.weight") if self.has(p + "attn_v.weight") else None  # None: V = K
+            else:  # shared KV: the last non-shared layer of the same kind (transformers' kv_sharing_modes)
+                src = [j for j in range(first_shared) if self.is_swa[j] == self.is_swa[i]]
+                if not src:
+                    raise GGUFError(f"{path}: layer {i} shares KV but no earlier layer of its kind "
+                                    f"({'sliding' if self.is_swa[i] else 'global'}) owns a cache")
+                b["kv_layer"] = src[-1]
+            if i in self.layout:
+                b["router"] = self.weight(p + "ffn_gate_inp.weight")  # [n_experts, hidden]
+                b["router_scale"] = self.norm(p + "ffn_gate_inp.scale")  # [hidden]
+                s = p + "ffn_down_exps.scale"
+                b["expert_scale"] = self.norm(s) if self.has(s) else None  # [n_experts], by real expert id
+                b["pre_norm_2"] = self.norm(p + "pre_ffw_norm_2.weight")
+                b["post_norm_1"] = self.norm(p + "post_ffw_norm_1.weight")
+                b["post_norm_2"] = self.norm(p + "post_ffw_norm_2.weight")
+                b["moe"] = MoE(i, self.layout, lambda: self.store, act=geglu)
+            if self.ple_dim:
+                b["ple_gate"] = self.weight(p + "inp_gate.weight")  # [ple_dim, hidden]
+                b["ple_proj"] = self.weight(p + "proj.weight")  # [hidden, ple_dim]
+                b["ple_post_norm"] = self.norm(p + "post_norm.weight")
+            s = p + "layer_output_scale.weight"
+            b["out_scale"] = self.norm(s) if self.has(s) else None  # [1]
+            self.blocks.append(b)
+
+    def new_cache(self, n_ctx: int) -> LayerKVCache:
+        """KV cache for ``n_ctx`` positions: float32 [n_ctx, n_kv, head_dim] per layer that owns K/V (each layer
+        with its own head dim and KV heads), none for the shared-KV layers."""
+        shapes = [(b["n_kv"], b["head_dim"], b["head_dim"]) if b["kv_layer"] == i else None
+                  for i, b in enumerate(self.blocks)]
+        return LayerKVCache(n_ctx, shapes, self.device)
+
+    def route(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, hidden] residual stream (before any FFN norm) -> (ids [T, top_k] int64 real expert ids, weights
+        [T, top_k] float32 summing to 1). Router input: RMSNorm without weight * router scale / sqrt(hidden)
+        (transformers' Gemma4TextRouter); the per-expert scale is applied later, by the MoE layer."""
+        x = rms_norm(h, b["router_scale"], self.eps) * self.n_embd ** -0.5
+        probs = torch.softmax(b["router"].linear(x), dim=-1)
+        w, ids = torch.topk(probs, self.top_k, dim=-1)
+        return ids, w / w.sum(dim=-1, keepdim=True)
+
+    def per_layer_inputs(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """PLE inputs [T, n_layers, ple_dim] float32 from tokens [T] and the scaled embeddings x [T, hidden]:
+        (RMSNorm(x @ W_proj^T / sqrt(hidden)) + E_ple[tokens] * sqrt(ple_dim)) / sqrt(2) (transformers'
+        get_per_layer_inputs + project_per_layer_inputs)."""
+        n_tok = tokens.shape[0]
+        tok = self.ple_embd.rows_of(tokens) * torch.tensor(self.ple_dim ** 0.5)
+        proj = self.ple_proj.linear(x) * self.n_embd ** -0.5
+        proj = rms_norm(proj.view(n_tok, self.n_layers, self.ple_dim), self.ple_proj_norm, self.eps)
+        return (proj + tok.view(n_tok, self.n_layers, self.ple_dim)) * 2.0 ** -0.5
+
+    def _attention(self, i: int, b: dict, h: torch.Tensor, pos: torch.Tensor, start: int,
+                   cache: LayerKVCache) -> torch.Tensor:
+        """h: [T, hidden] normed input -> attention output [T, hidden] (before the post-attention norm)."""
+        n_tok, hd = h.shape[0], b["head_dim"]
+        inv_freq = self.inv_freq_swa if b["swa"] else self.inv_freq_full
+        q = rms_norm(b["q"].linear(h).view(n_tok, b["n_head"], hd), b["q_norm"], self.eps)
+        q = rope_neox_inv_freq(q, pos, inv_freq)
+        src = b["kv_layer"]
+        if src == i:
+            kraw = b["k"].linear(h).view(n_tok, b["n_kv"], hd)
+            vraw = b["v"].linear(h).view(n_tok, b["n_kv"], hd) if b["v"] is not None else kraw
+            k = rope_neox_inv_freq(rms_norm(kraw, b["k_norm"], self.eps), pos, inv_freq)
+            cache.k[i][start:start + n_tok] = k
+            cache.v[i][start:start + n_tok] = rms_norm(vraw, 1.0, self.eps)
+        end = start + n_tok
+        a = attention_window(q, cache.k[src][:end], cache.v[src][:end], start, 1.0,
+                             self.window if b["swa"] else None)
+        return b["o"].linear(a)
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: LayerKVCache, logits_all: bool = False) -> torch.Tensor:
+        """tokens: [T] int64 at positions start..start+T-1 -> float32 logits [T, n_vocab] if ``logits_all`` else
+        [1, n_vocab], soft-capped. Semantics: transformers' Gemma4ForCausalLM (text), llama.cpp's gemma4 graph."""
+        n_tok = tokens.shape[0]
+        if start + n_tok > cache.n_ctx:
+            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
+        pos = torch.arange(start, start + n_tok, device=self.device)
+        x = self.embd.rows_of(tokens) * torch.tensor(self.n_embd ** 0.5)  # [T, hidden]
+        ple = self.per_layer_inputs(tokens, x) if self.ple_dim else None  # [T, n_layers, ple_dim]
+        for i, b in enumerate(self.blocks):
+            a = self._attention(i, b, rms_norm(x, b["attn_norm"], self.eps), pos, start, cache)
+            x = x + rms_norm(a, b["attn_post_norm"], self.eps)
+            residual = x
+
+            def dense(_: torch.Tensor, b: dict = b, residual: torch.Tensor = residual) -> torch.Tensor:
+                h = rms_norm(residual, b["ffn_norm"], self.eps)
+                return b["down"].linear(geglu(b["gate"].linear(h), b["up"].linear(h)))
+
+            if "moe" in b:
+                ids, w = self.route(b, residual)
+                shared: Callable[[torch.Tensor], torch.Tensor] = dense
+                routed, mlp = b["moe"](rms_norm(residual, b["pre_norm_2"], self.eps), ids, w, shared=shared,
+                                       overlap=self.opts.overlap, expert_scale=b["expert_scale"])
+                f = rms_norm(mlp, b["post_norm_1"], self.eps) + rms_norm(routed, b["post_norm_2"], self.eps)
+            else:
+                f = dense(residual)
+            x = residual + rms_norm(f, b["ffn_post_norm"], self.eps)
+            if ple is not None:
+                g = gelu_tanh(b["ple_gate"].linear(x)) * ple[:, i]
+                x = x + rms_norm(b["ple_proj"].linear(g), b["ple_post_norm"], self.eps)
+            if b["out_scale"] is not None:
+                x = x * b["out_scale"]
+        if not logits_all:
+            x = x[-1:]
+        logits = self.output.linear(rms_norm(x, self.out_norm, self.eps))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+

@@ -1,0 +1,263 @@
+"""Qwen 3.5 / 3.6 MoE (GGUF ``general.architecture = qwen35moe``; transformers ``Qwen3_5MoeForCausalLM``).
+
+A hybrid stack: of every ``full_attention_interval`` layers, the last is gated full attention and the others
+are gated DeltaNet (linear attention with a recurrent state). Every layer then has the same MoE FFN.
+
+- Gated DeltaNet layer: ``qkv = W_qkv h`` through a causal depthwise conv1d (kernel K, state = the last K-1
+  inputs) and SiLU; q, k L2-normalized, q scaled by 1/sqrt(d_k); per value head a decay
+  ``g = -exp(A_log) * softplus(W_alpha h + dt_bias)`` and a write strength ``beta = sigmoid(W_beta h)``; the
+  gated delta rule ``S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q`` (S: [d_k, d_v] per value head;
+  prefill runs it in chunks of 64 tokens, decode one step); output ``W_out(RMSNorm(o) * silu(W_gate h))``.
+- Gated attention layer: ``W_q`` gives per head [query | gate]; q/k RMSNorm, NEOX RoPE on the first
+  ``rope.dimension_count`` dims of the head (MRoPE with text positions, which is plain RoPE), causal GQA,
+  output times ``sigmoid(gate)``, then ``W_o``.
+- MoE: softmax router, top-k, weights renormalized to sum 1; plus a shared SwiGLU expert scaled by
+  ``sigmoid(W_shexp_gate h)``.
+
+Semantics follow transformers' ``modeling_qwen3_5_moe.py`` and llama.cpp's ``qwen35moe`` graph. The GGUF holds
+some tensors transformed by llama.cpp's converter: ``ssm_a = -exp(A_log)``; the zero-centred RMSNorm weights
+``+1`` (all but ``ssm_norm``); ``ssm_conv1d`` as [conv_dim, K]; and, where there are fewer key heads than value
+heads, the value heads in *tiled* order (file head j belongs to key head ``j % n_k_heads``) in every tensor
+indexed by value head, so q and k are repeated by tiling, not interleaving.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import GGUFError
+from ..experts.moe import MoE
+from .base import LoadOptions, MoEModel, register
+from .layers import attention, rms_norm, rope_neox
+
+
+class HybridCache:
+    """Per-layer state of a Qwen 3.5 stack, carried across prefill chunks and decode steps.
+
+    Attention layers: k, v float32 [n_ctx, n_kv_heads, head_dim]. DeltaNet layers: conv float32
+    [K-1, conv_dim] (the last K-1 conv inputs, oldest first; zeros at the start) and ssm float32
+    [n_v_heads, d_k, d_v] (the recurrent state S). ``k``/``v``/``conv``/``ssm`` are dicts keyed by layer.
+    ``pos``: tokens consumed so far. The recurrent state cannot be rewound, so the next forward must start at
+    ``pos`` (ValueError otherwise).
+    """
+
+    def __init__(self, model: Qwen35MoE, n_ctx: int):
+        self.n_ctx, self.pos = n_ctx, 0
+        dev = model.device
+        self.k = {i: torch.zeros((n_ctx, model.n_kv, model.head_dim), device=dev) for i in model.attn_layers}
+        self.v = {i: torch.zeros((n_ctx, model.n_kv, model.head_dim), device=dev) for i in model.attn_layers}
+        self.conv = {i: torch.zeros((model.conv_kernel - 1, model.conv_dim), device=dev) for i in model.recr_layers}
+        self.ssm = {i: torch.zeros((model.n_v_heads, model.d_k, model.d_v), device=dev) for i in model.recr_layers}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for d in (self.k, self.v, self.conv, self.ssm) for t in d.values())
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x * rsqrt(sum(x^2) + eps) over the last dim (transformers' ``l2norm``, as the FLA library)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise conv1d over time, continuing from ``state``; updates ``state`` in place.
+
+    x: [T, C] new inputs; state: [K-1, C] the previous K-1 inputs (oldest first); weight: [C, K].
+    Returns [T, C]: out[t, c] = sum_j weight[c, j] * [state; x][t + j, c] (transformers' causal_conv1d_fn with
+    the cached inputs prepended; no activation).
+    """
+    xin = torch.cat((state, x), dim=0)  # [K-1+T, C]
+    out = F.conv1d(xin.t().unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])  # [1, C, T]
+    state.copy_(xin[x.shape[0]:])
+    return out[0].t()
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule, token by token (transformers' ``torch_recurrent_gated_delta_rule``); updates
+    ``state`` in place.
+
+    q, k: [T, H, d_k] (q already L2-normalized and scaled, k L2-normalized); v: [T, H, d_v]; g: [T, H] log
+    decay (<= 0); beta: [T, H]; state: [H, d_k, d_v] float32. Per token t and head h:
+    S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q. Returns o: [T, H, d_v].
+    """
+    out = v.new_empty(v.shape)
+    s = state
+    decay = g.exp()
+    for t in range(q.shape[0]):
+        s = s * decay[t, :, None, None]
+        kv_mem = torch.bmm(k[t].unsqueeze(1), s).squeeze(1)  # [H, d_v] = S^T k
+        delta = (v[t] - kv_mem) * beta[t, :, None]
+        s = s + k[t].unsqueeze(2) * delta.unsqueeze(1)  # outer product k delta^T
+        out[t] = torch.bmm(q[t].unsqueeze(1), s).squeeze(1)
+    state.copy_(s)
+    return out
+
+
+def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """The gated delta rule over chunks of ``chunk`` tokens (the form of transformers'
+    ``torch_chunk_gated_delta_rule``, after the DeltaNet papers' WY/UT transform); updates ``state`` in place.
+
+    Same arguments, result and state as :func:`gated_delta_rule` up to float32 rounding. Within a chunk, with
+    G the cumulative log decay and D[i, j] = exp(G_i - G_j) for j <= i (else 0): the chunk's corrected values
+    U = (I + tril(diag(beta) K K^T * D, -1))^-1 [diag(beta) V | diag(beta exp(G)) K] split into (U_v, W),
+    V' = U_v - W S, O = diag(exp(G)) Q S + (Q K^T * D) V', S = exp(G_last) S + (exp(G_last - G) K)^T V'.
+    """
+    n_tok, n_head, _ = q.shape
+    d_v = v.shape[-1]
+    out = v.new_empty(v.shape)
+    s = state
+    q, k, v, g, beta = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t()  # head-major
+    for c0 in range(0, n_tok, chunk):
+        c1 = min(c0 + chunk, n_tok)
+        n = c1 - c0
+        qc, kc, vc, bc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1, None]
+        cum = g[:, c0:c1].cumsum(-1)  # [H, n]
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(lower, cum[:, :, None] - cum[:, None, :], float("-inf")).exp()  # [H, n, n]
+        kb = kc * bc
+        system = torch.eye(n, device=q.device) + ((kb @ kc.transpose(1, 2)) * decay).tril(-1)
+        rhs = torch.cat((vc * bc, kb * cum.exp()[..., None]), dim=-1)
+        sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        v_new = sol[..., :d_v] - sol[..., d_v:] @ s  # [H, n, d_v]
+        o = (qc * cum.exp()[..., None]) @ s + ((qc @ kc.transpose(1, 2)) * decay) @ v_new
+        out[c0:c1] = o.transpose(0, 1)
+        last = cum[:, -1:]
+        s = s * last.exp()[..., None] + (kc * (last - cum).exp()[..., None]).transpose(1, 2) @ v_new
+    state.copy_(s)
+    return out
+
+
+@register("qwen35moe")
+class Qwen35MoE(MoEModel):
+    def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
+        super().__init__(gguf, opts)
+        g = gguf.arch_get
+        # MTP (next-token prediction) blocks, if the file has them, come after the trunk and are not run.
+        self.n_layers = int(g("block_count", required=True)) - int(g("nextn_predict_layers", 0))
+        self.n_embd = int(g("embedding_length", required=True))
+        self.n_head = int(g("attention.head_count", required=True))
+        self.n_kv = int(g("attention.head_count_kv", self.n_head))
+        self.head_dim = int(g("attention.key_length", required=True))
+        self.n_rot = int(g("rope.dimension_count", self.head_dim))
+        self.eps = float(g("attention.layer_norm_rms_epsilon", 1e-6))
+        self.rope_base = float(g("rope.freq_base", 10000.0))
+        self.conv_kernel = int(g("ssm.conv_kernel", required=True))
+        self.d_k = int(g("ssm.state_size", required=True))
+        self.n_k_heads = int(g("ssm.group_count", required=True))
+        self.n_v_heads = int(g("ssm.time_step_rank", required=True))
+        self.d_v = int(g("ssm.inner_size", required=True)) // self.n_v_heads
+        self.conv_dim = 2 * self.n_k_heads * self.d_k + self.n_v_heads * self.d_v
+        if self.n_v_heads % self.n_k_heads:
+            raise GGUFError(f"{gguf.path}: ssm.time_step_rank {self.n_v_heads} (value heads) is not a multiple of "
+                            f"ssm.group_count {self.n_k_heads} (key heads)")
+        recr = g("attention.recurrent_layers")
+        if recr is None:
+            interval = int(g("full_attention_interval", 4))
+            recr = [(i + 1) % interval != 0 for i in range(self.n_layers)]
+        self.recr_layers = [i for i in range(self.n_layers) if recr[i]]
+        self.attn_layers = [i for i in range(self.n_layers) if not recr[i]]
+
+        self.embd = self.weight("token_embd.weight")
+        self.n_vocab = self.embd.shape[0]
+        self.out_norm = self.norm("output_norm.weight")
+        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.blocks = []
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            if i not in self.layout:
+                raise GGUFError(f"{gguf.path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps); every "
+                                f"qwen35moe layer is an MoE layer")
+            b = {"attn_norm": self.norm(p + "attn_norm.weight"),
+                 "ffn_norm": self.norm(p + "post_attention_norm.weight"),
+                 "router": self.weight(p + "ffn_gate_inp.weight"), "moe": MoE(i, self.layout, lambda: self.store),
+                 "sh_gate_inp": self.weight(p + "ffn_gate_inp_shexp.weight"),
+                 "sh_gate": self.weight(p + "ffn_gate_shexp.weight"), "sh_up": self.weight(p + "ffn_up_shexp.weight"),
+                 "sh_down": self.weight(p + "ffn_down_shexp.weight")}
+            if recr[i]:
+                b.update(qkv=self.weight(p + "attn_qkv.weight"), z=self.weight(p + "attn_gate.weight"),
+                         beta=self.weight(p + "ssm_beta.weight"), alpha=self.weight(p + "ssm_alpha.weight"),
+                         dt=self.norm(p + "ssm_dt.bias"), a=self.norm(p + "ssm_a"),
+                         conv=self.weight(p + "ssm_conv1d.weight").float().reshape(self.conv_dim, self.conv_kernel),
+                         ssm_norm=self.norm(p + "ssm_norm.weight"), out=self.weight(p + "ssm_out.weight"))
+            else:
+                b.update(q=self.weight(p + "attn_q.weight"), k=self.weight(p + "attn_k.weight"),
+                         v=self.weight(p + "attn_v.weight"), o=self.weight(p + "attn_output.weight"),
+                         q_norm=self.norm(p + "attn_q_norm.weight"), k_norm=self.norm(p + "attn_k_norm.weight"))
+            self.blocks.append(b)
+
+    def new_cache(self, n_ctx: int) -> HybridCache:
+        return HybridCache(self, n_ctx)
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits: [T, n_experts] -> (ids [T, top_k] int64, weights [T, top_k] float32, sum 1)."""
+        probs = torch.softmax(router_logits, dim=-1)
+        w, ids = torch.topk(probs, self.top_k, dim=-1)
+        return ids, w / w.sum(dim=-1, keepdim=True)
+
+    def delta_net(self, b: dict, h: torch.Tensor, i: int, cache: HybridCache) -> torch.Tensor:
+        """Gated DeltaNet mixer of layer i. h: [T, hidden] (normed) -> [T, hidden]; advances cache.conv/ssm[i]."""
+        n_tok = h.shape[0]
+        qkv = causal_conv1d(b["qkv"].linear(h), cache.conv[i], b["conv"])  # [T, conv_dim]
+        qkv = F.silu(qkv)
+        kd = self.n_k_heads * self.d_k
+        q = qkv[:, :kd].reshape(n_tok, self.n_k_heads, self.d_k)
+        k = qkv[:, kd:2 * kd].reshape(n_tok, self.n_k_heads, self.d_k)
+        v = qkv[:, 2 * kd:].reshape(n_tok, self.n_v_heads, self.d_v)
+        rep = self.n_v_heads // self.n_k_heads
+        # value heads are in tiled order in the file: value head j reads key head j % n_k_heads
+        q = l2_norm(q).repeat(1, rep, 1) * (1.0 / math.sqrt(self.d_k))
+        k = l2_norm(k).repeat(1, rep, 1)
+        beta = torch.sigmoid(b["beta"].linear(h))  # [T, n_v]
+        g = b["a"] * F.softplus(b["alpha"].linear(h) + b["dt"])  # [T, n_v], ssm_a = -exp(A_log)
+        # prefill: the chunked form (as transformers); decode: the recurrent step
+        rule = gated_delta_rule_chunked if n_tok > 1 else gated_delta_rule
+        o = rule(q, k, v, g, beta, cache.ssm[i])  # [T, n_v, d_v]
+        z = b["z"].linear(h).view(n_tok, self.n_v_heads, self.d_v)
+        o = rms_norm(o, b["ssm_norm"], self.eps) * F.silu(z)
+        return b["out"].linear(o.reshape(n_tok, -1))
+
+    def attn(self, b: dict, h: torch.Tensor, i: int, cache: HybridCache, start: int, pos: torch.Tensor) -> torch.Tensor:
+        """Gated full attention of layer i. h: [T, hidden] (normed) -> [T, hidden]; writes cache.k/v[i]."""
+        n_tok = h.shape[0]
+        qg = b["q"].linear(h).view(n_tok, self.n_head, 2 * self.head_dim)
+        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
+        q = rms_norm(q, b["q_norm"], self.eps)
+        k = rms_norm(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim), b["k_norm"], self.eps)
+        v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim)
+        q, k = rope_neox(q, pos, self.rope_base, self.n_rot), rope_neox(k, pos, self.rope_base, self.n_rot)
+        cache.k[i][start:start + n_tok] = k
+        cache.v[i][start:start + n_tok] = v
+        end = start + n_tok
+        a = attention(q, cache.k[i][:end], cache.v[i][:end], start, 1.0 / math.sqrt(self.head_dim))
+        return b["o"].linear(a * torch.sigmoid(gate.reshape(n_tok, -1)))
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: HybridCache, logits_all: bool = False) -> torch.Tensor:
+        n_tok = tokens.shape[0]
+        if start + n_tok > cache.n_ctx:
+            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
+        if start != cache.pos:
+            raise ValueError(f"the cache's recurrent state is at position {cache.pos}, cannot run from position "
+                             f"{start} (qwen35moe caches cannot be rewound: use a new cache)")
+        pos = torch.arange(start, start + n_tok, device=self.device)
+        x = self.embd.rows_of(tokens)  # [T, hidden]
+        for i, b in enumerate(self.blocks):
+            h = rms_norm(x, b["attn_norm"], self.eps)
+            x = x + (self.delta_net(b, h, i, cache) if "qkv" in b else self.attn(b, h, i, cache, start, pos))
+            h = rms_norm(x, b["ffn_norm"], self.eps)
+            ids, w = self.route(b["router"].linear(h))
+
+            def shared(hs: torch.Tensor, b: dict = b) -> torch.Tensor:
+                up = F.silu(b["sh_gate"].linear(hs)) * b["sh_up"].linear(hs)
+                return torch.sigmoid(b["sh_gate_inp"].linear(hs)) * b["sh_down"].linear(up)
+
+            routed, sh = b["moe"](h, ids, w, shared=shared, overlap=self.opts.overlap)
+            x = x + routed + sh
+        cache.pos = start + n_tok
+        if not logits_all:
+            x = x[-1:]
+        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
