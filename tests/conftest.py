@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+pytest.register_assert_rewrite("helpers")  # tests/helpers.py: shared helpers that assert
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+from helpers import moestream
 from moestream.engine import Sampler, SamplingParams
-
-
-def moestream(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def test_run_default_model_streams_and_reports():

@@ -15,8 +15,6 @@ per-layer input embeddings, routed experts with per-expert scales beside the den
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,20 @@ import pytest
 import torch
 
 import moestream.models.gemma4 as gemma4_mod
-from moestream.engine import Engine, Sampler, SamplingParams
+from helpers import (
+    Run,
+    expert_slots,
+    hf_greedy,
+    hf_logits,
+    llama_greedy,
+    load,
+    moestream,
+    ours_forced,
+    ours_greedy,
+    streaming_prefill,
+    verify_identical,
+)
+from moestream.engine import Engine
 from moestream.experts import moe as moe_mod
 from moestream.experts.pool import StreamingStore
 from moestream.models.base import LoadOptions, MoEModel, load_model
@@ -36,7 +47,6 @@ from moestream.verify import verify
 PROMPT = ("In 1450 Johannes Gutenberg built a printing press with movable metal type; within fifty years "
           "presses in more than two hundred cities had printed millions of books.")
 N_GREEDY = 32
-N_CTX = 128
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -63,16 +73,8 @@ def hf(gemma4_tiny: dict) -> Any:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf: Any, prompt_ids: list[int]) -> list[int]:
-    out = list(prompt_ids)
-    with torch.inference_mode():
-        for _ in range(N_GREEDY):
-            out.append(int(hf(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(prompt_ids):]
-
-
-def load(path: Path | str, stream: bool, slots: int | None = None) -> MoEModel:
-    return load_model(str(path), LoadOptions(moe_stream=stream, slots=slots if stream else None, io_threads=4))
+def hf_tokens(hf: Any, prompt_ids: list[int]) -> list[int]:
+    return hf_greedy(hf, prompt_ids, N_GREEDY)
 
 
 def features(model: MoEModel) -> dict[str, Any]:
@@ -91,10 +93,9 @@ def features(model: MoEModel) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ (a) vs transformers
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["resident", "stream"])
-def test_f32_matches_transformers(gemma4_tiny: dict, hf: Any, hf_greedy: list[int], prompt_ids: list[int],
+def test_f32_matches_transformers(gemma4_tiny: dict, hf: Any, hf_tokens: list[int], prompt_ids: list[int],
                                   stream: bool) -> None:
-    with torch.inference_mode():
-        ref = hf(torch.tensor([prompt_ids])).logits[0].float()
+    ref = hf_logits(hf, prompt_ids)
     top_k = gemma4_tiny["config"]["top_k_experts"]
     model = load(gemma4_tiny["f32"], stream, slots=top_k + 2)
     try:
@@ -102,16 +103,14 @@ def test_f32_matches_transformers(gemma4_tiny: dict, hf: Any, hf_greedy: list[in
         assert f == {"sliding": 3, "global": 3, "head_dims": [64, 128], "kv_heads": [1, 2], "shared_kv": 2,
                      "k_eq_v": 2, "ple": 16, "moe_layers": 6, "merged_gate_up": True, "expert_scale": True,
                      "softcap": 30.0}, f
-        eng = Engine(model)
-        got = eng.prefill(prompt_ids, model.new_cache(len(prompt_ids)), logits_all=True)
-        toks = eng.generate(prompt_ids, N_GREEDY, Sampler(SamplingParams(temp=0))).tokens
+        got, toks = ours_greedy(model, prompt_ids, N_GREEDY)
     finally:
         model.store.close()
     diff = (got - ref).abs().max().item()
     print(f"f32 ({'stream' if stream else 'resident'}): max |logit diff| vs transformers {diff:.3g} over "
           f"{len(prompt_ids)} positions (logit range {(ref.max() - ref.min()).item():.3g})")
     assert diff < 1e-4, f"max |logit diff| {diff:.3g} over {len(prompt_ids)} positions"
-    assert toks == hf_greedy
+    assert toks == hf_tokens
 
 
 # --------------------------------------------------------------------------------------- (b) vs llama.cpp
@@ -134,58 +133,25 @@ def test_f32_matches_transformers(gemma4_tiny: dict, hf: Any, hf_greedy: list[in
 LLAMA_TOL = 2e-2
 
 
-def llama_model(llama_cpp: Any, path: Path | str) -> Any:
-    return llama_cpp.Llama(
-        model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=2, n_threads_batch=2,
-        logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False,
-        seed=0, verbose=False,
-    )
-
-
 @pytest.fixture(scope="module")
-def llama_run(llama_cpp: Any, gemma4_tiny: dict, prompt_ids: list[int]) -> tuple[np.ndarray, list[int]]:
-    """llama.cpp's greedy run: (logits [P + N_GREEDY - 1, vocab] (prompt rows, then one per decode step),
-    its N_GREEDY greedy tokens). Also checks that llama.cpp tokenizes the prompt as moestream does."""
-    llm = llama_model(llama_cpp, gemma4_tiny["f32"])
-    try:
-        assert list(llm.tokenize(PROMPT.encode(), add_bos=True, special=True)) == prompt_ids
-        llm.eval(prompt_ids)
-        rows = [np.array(llm.scores[: len(prompt_ids)], dtype=np.float32)]
-        tokens = [int(rows[0][-1].argmax())]
-        for _ in range(N_GREEDY - 1):
-            llm.eval([tokens[-1]])
-            row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-            rows.append(row[None])
-            tokens.append(int(row.argmax()))
-    finally:
-        llm.close()
-    return np.concatenate(rows), tokens
-
-
-def ours_forced(model: MoEModel, prompt: list[int], fed: list[int]) -> tuple[np.ndarray, list[int]]:
-    """moestream: prefill ``prompt`` (every position), then one decode step per token of ``fed[:-1]``."""
-    eng = Engine(model)
-    cache = model.new_cache(len(prompt) + len(fed))
-    pre = eng.prefill(prompt, cache, logits_all=True)
-    rows, tokens = [pre.numpy()], [int(pre[-1].argmax())]
-    for i, tok in enumerate(fed[:-1]):
-        step = eng.decode_step(tok, len(prompt) + i, cache)
-        rows.append(step.numpy()[None])
-        tokens.append(int(step.argmax()))
-    return np.concatenate(rows), tokens
+def llama_run(llama_cpp: Any, gemma4_tiny: dict, prompt_ids: list[int]) -> Run:
+    """llama.cpp's greedy run: logits [P + N_GREEDY - 1, vocab] (prompt rows, then one per decode step), its
+    N_GREEDY greedy tokens. Also checks that llama.cpp tokenizes the prompt as moestream does."""
+    return llama_greedy(llama_cpp, gemma4_tiny["f32"], prompt_ids, n=N_GREEDY, text=PROMPT)
 
 
 @pytest.mark.slow
 @pytest.mark.llamacpp
-def test_f32_close_to_llama_cpp(gemma4_tiny: dict, prompt_ids: list[int], llama_run: tuple) -> None:
+def test_f32_close_to_llama_cpp(gemma4_tiny: dict, prompt_ids: list[int], llama_run: Run) -> None:
     """moestream (streaming through top-k + 2 slots) vs llama.cpp on the F32 file, prompt + 31 decode steps
     fed llama.cpp's greedy tokens. Bound and cause: see ``LLAMA_TOL``."""
-    ref, theirs = llama_run
+    ref, theirs = llama_run.logits, llama_run.tokens
     model = load(gemma4_tiny["f32"], stream=True, slots=gemma4_tiny["config"]["top_k_experts"] + 2)
     try:
-        got, tokens = ours_forced(model, prompt_ids, theirs)
+        ours = ours_forced(model, prompt_ids, theirs)
     finally:
         model.store.close()
+    got, tokens = ours.logits, ours.tokens
     d = np.abs(got - ref)
     top2 = np.sort(ref, axis=-1)[:, -2:]
     lead = top2[:, 1] - top2[:, 0]
@@ -207,12 +173,12 @@ def ggml_gelu(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.llamacpp
-def test_gelu_table_explains_llama_cpp_gap(gemma4_tiny: dict, prompt_ids: list[int], llama_run: tuple,
+def test_gelu_table_explains_llama_cpp_gap(gemma4_tiny: dict, prompt_ids: list[int], llama_run: Run,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """With ggml's float16 GELU in moestream's forward, the gap to llama.cpp at position 0 (where attention
     does not mix positions) shrinks several-fold (measured 2.5e-3 -> 1.9e-4) and over the prompt roughly
     halves; the rest is float16 rounding of inputs that differ in the last float32 bit (see ``LLAMA_TOL``)."""
-    ref = llama_run[0][: len(prompt_ids)]
+    ref = llama_run.logits[: len(prompt_ids)]
 
     def gap() -> np.ndarray:
         model = load(gemma4_tiny["f32"], stream=False)
@@ -248,27 +214,15 @@ def resident(gemma4_tiny: dict) -> tuple[MoEModel, list[int]]:
 ])
 def test_verify_identical(resident: tuple, slots: str, ubatch: int, overlap: bool) -> None:
     model, ids = resident
-    n = {"top_k": model.top_k, "half": model.n_experts // 2, "all": model.n_experts}[slots]
-    res = verify(model, ids, 32, LoadOptions(slots=n, io_threads=4, overlap=overlap), ubatch=ubatch)
-    assert res.identical, f"first difference at step/position {res.first_diff}"
-    assert res.steps == 33 and res.n_logits == (len(ids) + 32) * model.n_vocab
-    assert res.streamed_bytes > 0
-    if slots != "all":
-        assert res.hit_rate < 1.0
+    verify_identical(model, ids, 32, slots, ubatch=ubatch, io_threads=4, overlap=overlap)
 
 
 def test_slot_ids_differ_from_expert_ids(resident: tuple) -> None:
     """The streaming run really addresses experts through slots that are not their ids."""
     model, ids = resident
-    store = model.make_store(LoadOptions(slots=model.top_k + 1, io_threads=2))
-    model.set_store(store)
-    try:
-        Engine(model).prefill(ids, model.new_cache(len(ids)))
-        assert isinstance(store, StreamingStore)
-        moved = [(e, s) for sm in store.slots.values() for s, e in enumerate(sm.expert_of.tolist()) if e not in (s, -1)]
+    with streaming_prefill(model, ids, LoadOptions(slots=model.top_k + 1, io_threads=2)) as store:
+        moved = [(e, s) for e, s in expert_slots(store) if e not in (s, -1)]
         assert moved, "every expert sat in the slot of its own id: the test would not catch slot/expert mixups"
-    finally:
-        store.close()
 
 
 @pytest.mark.slow
@@ -292,10 +246,6 @@ def test_expert_scale_taken_by_slot_id_would_differ(resident: tuple, monkeypatch
 
 
 # ------------------------------------------------------------------------------------------- (d) commands
-def moestream(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True, timeout=timeout)
-
-
 def test_inspect(gemma4_tiny: dict) -> None:
     p = moestream("inspect", "-m", str(gemma4_tiny["q8_0"]), "--slots", "8")
     assert p.returncode == 0, p.stderr

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from helpers import distinct_experts_per_layer, expert_slots, moestream, streaming_prefill, verify_identical
 from moestream.engine import Engine
-from moestream.experts.pool import StreamingStore
 from moestream.models.base import LoadOptions, load_model
 from moestream.tokenizer import GGUFTokenizer
 from moestream.verify import verify
@@ -24,25 +21,6 @@ def resident(qwen3moe_tiny):
     return model, ids
 
 
-def distinct_experts_per_layer(model, ids: list[int]) -> int:
-    """Fewest distinct experts that any MoE layer selects over the prompt run as one chunk."""
-    from moestream.experts import moe as moe_mod
-
-    seen: dict[int, set[int]] = {}
-    real = moe_mod.MoE.__call__
-
-    def spy(self, x, eids, w, *a, **k):
-        seen.setdefault(self.layer, set()).update(eids.flatten().tolist())
-        return real(self, x, eids, w, *a, **k)
-
-    moe_mod.MoE.__call__ = spy
-    try:
-        Engine(model, ubatch=len(ids)).prefill(ids, model.new_cache(len(ids)))
-    finally:
-        moe_mod.MoE.__call__ = real
-    return min(len(s) for s in seen.values())
-
-
 @pytest.mark.parametrize("slots,io_threads,policy,ubatch", [
     ("top_k", 1, "lfu", 128),      # the smallest legal pool
     ("top_k", 8, "lfu", 7),        # smallest pool, prompt in several chunks
@@ -52,14 +30,7 @@ def distinct_experts_per_layer(model, ids: list[int]) -> int:
 ])
 def test_verify_identical(resident, slots, io_threads, policy, ubatch):
     model, ids = resident
-    n = {"top_k": model.top_k, "half": model.n_experts // 2, "all": model.n_experts}[slots]
-    res = verify(model, ids, 32, LoadOptions(slots=n, io_threads=io_threads, policy=policy), ubatch=ubatch)
-    assert res.identical, f"first difference at step/position {res.first_diff}"
-    assert res.steps == 33
-    assert res.n_logits == (len(ids) + 32) * model.n_vocab
-    assert res.streamed_bytes > 0
-    if slots != "all":
-        assert res.hit_rate < 1.0
+    verify_identical(model, ids, 32, slots, ubatch=ubatch, io_threads=io_threads, policy=policy)
 
 
 def test_pool_smaller_than_prompt_experts_really_tiles(resident):
@@ -71,15 +42,9 @@ def test_pool_smaller_than_prompt_experts_really_tiles(resident):
 def test_slot_ids_differ_from_expert_ids(resident):
     """The streaming run must actually address experts through slots that are not their ids."""
     model, ids = resident
-    store = model.make_store(LoadOptions(slots=model.top_k + 1, io_threads=2))
-    model.set_store(store)
-    try:
-        Engine(model).prefill(ids, model.new_cache(len(ids)))
-        assert isinstance(store, StreamingStore)
-        moved = [(e, s) for sm in store.slots.values() for s, e in enumerate(sm.expert_of.tolist()) if e != s]
+    with streaming_prefill(model, ids, LoadOptions(slots=model.top_k + 1, io_threads=2)) as store:
+        moved = [(e, s) for e, s in expert_slots(store) if e != s]
         assert moved, "every expert sat in the slot of its own id: the test would not catch slot/expert mixups"
-    finally:
-        store.close()
 
 
 def test_stream_tokens_equal_resident_tokens(resident):
@@ -100,8 +65,8 @@ def test_stream_tokens_equal_resident_tokens(resident):
 @pytest.mark.parametrize("fmt", ["f32", "bf16"])
 def test_verify_cli(qwen3moe_tiny, fmt):
     """The command itself, on the other formats, with the smallest pool."""
-    p = subprocess.run([sys.executable, "-m", "moestream", "verify", "-m", qwen3moe_tiny[fmt], "--steps", "32",
-                        "--slots", "4", "--io-threads", "8", "-p", PROMPT], capture_output=True, text=True)
+    p = moestream("verify", "-m", qwen3moe_tiny[fmt], "--steps", "32", "--slots", "4", "--io-threads", "8",
+                  "-p", PROMPT, timeout=None)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("identical: 33 steps"), p.stdout
     assert "logits compared bytewise" in p.stdout

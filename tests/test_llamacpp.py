@@ -29,17 +29,14 @@ import pytest
 import torch
 
 import ggufedit
+from helpers import N_GREEDY, Run, llama_greedy, llama_model, llama_tokenize, load, ours_forced
 from moestream import quant
-from moestream.engine import Engine
-from moestream.models.base import LoadOptions, MoEModel, load_model
 from moestream.tokenizer import GGUFTokenizer
 
 pytestmark = pytest.mark.llamacpp
 
 PROMPT = ("In 1450 Johannes Gutenberg built a printing press with movable metal type; within fifty years "
           "presses in more than two hundred cities had printed millions of books.")
-N_GREEDY = 32
-N_CTX = 128
 TOL = 1e-4
 QUANTS = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "iq4_xs")
 #: The ggml type most of each file's matrices must have (llama.cpp really quantized, not copied).
@@ -68,48 +65,8 @@ DIRECT_REL_TOL = 0.60
 DIRECT_MEAN_REL_TOL = 0.03
 
 
-@dataclasses.dataclass
-class Run:
-    """Logits of a greedy run: rows 0..P-1 are the prompt's positions, row P-1+i (i >= 1) the logits after
-    feeding greedy token i-1, so row P-1+i predicts token i. ``tokens`` are the argmax tokens of rows
-    P-1..end (for a teacher-forced run: the run's own argmax, which may differ from what was fed)."""
-
-    logits: np.ndarray  # [P + N_GREEDY - 1, n_vocab] float32
-    tokens: list[int]
-    seconds: float = 0.0
-
-
 # ------------------------------------------------------------------------------------------------ runners
-def llama_model(llama_cpp: Any, path: Path | str) -> Any:
-    return llama_cpp.Llama(
-        model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=2, n_threads_batch=2,
-        logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False,
-        seed=0, verbose=False,
-    )
-
-
-def llama_tokenize(llm: Any, text: str) -> list[int]:
-    return list(llm.tokenize(text.encode(), add_bos=True, special=True))
-
-
-def llama_greedy(llama_cpp: Any, path: Path | str, prompt: list[int]) -> Run:
-    """llama.cpp's own greedy run of ``N_GREEDY`` tokens after ``prompt``."""
-    t0 = time.perf_counter()
-    llm = llama_model(llama_cpp, path)
-    try:
-        llm.eval(prompt)
-        rows = [np.array(llm.scores[: len(prompt)], dtype=np.float32)]
-        tokens = [int(rows[0][-1].argmax())]
-        for _ in range(N_GREEDY - 1):
-            llm.eval([tokens[-1]])
-            row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-            rows.append(row[None])
-            tokens.append(int(row.argmax()))
-    finally:
-        llm.close()
-    return Run(np.concatenate(rows), tokens, time.perf_counter() - t0)
-
-
+# llama_model, llama_greedy, ours_forced, load and Run: tests/helpers.py (shared with the other oracle tests)
 def llama_forced(llama_cpp: Any, path: Path | str, prompt: list[int], fed: list[int]) -> Run:
     """llama.cpp on ``prompt + fed[:-1]`` in one batch (logits at every position): the rows of a greedy run
     that produced ``fed``."""
@@ -122,27 +79,6 @@ def llama_forced(llama_cpp: Any, path: Path | str, prompt: list[int], fed: list[
     finally:
         llm.close()
     return Run(logits, [int(t) for t in logits[len(prompt) - 1:].argmax(-1)], time.perf_counter() - t0)
-
-
-def ours_forced(model: MoEModel, prompt: list[int], fed: list[int]) -> Run:
-    """moestream: prefill ``prompt`` (logits at every position), then one ``decode_step`` per token of
-    ``fed[:-1]`` (teacher forcing with the other side's greedy tokens; where moestream's own argmax equals
-    the fed token at every step, this *is* moestream's greedy run)."""
-    t0 = time.perf_counter()
-    eng = Engine(model)
-    cache = model.new_cache(len(prompt) + len(fed))
-    prefill = eng.prefill(prompt, cache, logits_all=True)
-    rows = [prefill.numpy().astype(np.float32, copy=False)]
-    tokens = [int(prefill[-1].argmax())]
-    for i, tok in enumerate(fed[:-1]):
-        step = eng.decode_step(tok, len(prompt) + i, cache)
-        rows.append(step.numpy()[None].astype(np.float32, copy=False))
-        tokens.append(int(step.argmax()))
-    return Run(np.concatenate(rows), tokens, time.perf_counter() - t0)
-
-
-def load(path: Path | str, stream: bool, slots: int | None = None) -> MoEModel:
-    return load_model(str(path), LoadOptions(moe_stream=stream, slots=slots, io_threads=4))
 
 
 def max_diff(a: Run, b: Run) -> float:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moestream.engine import Engine, Sampler, SamplingParams
-from moestream.models.base import LoadOptions, load_model
+from helpers import hf_greedy, hf_logits, load, ours_greedy
 from moestream.tokenizer import GGUFTokenizer
 
 PROMPT = ("In 1450 Johannes Gutenberg built a printing press with movable metal type; within fifty years "
@@ -31,24 +30,9 @@ def prompt_ids(qwen3moe_tiny):
     return ids
 
 
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    out = list(ids)
-    with torch.inference_mode():
-        for _ in range(n):
-            out.append(int(hf(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids):]
-
-
 def ours(path: str, ids: list[int], stream: bool) -> tuple[torch.Tensor, list[int]]:
-    model = load_model(path, LoadOptions(moe_stream=stream, slots=6 if stream else None, io_threads=4))
-    eng = Engine(model)
-    logits = eng.prefill(ids, model.new_cache(len(ids)), logits_all=True)
-    toks = eng.generate(ids, N_GREEDY, Sampler(SamplingParams(temp=0))).tokens
+    model = load(path, stream, slots=6)
+    logits, toks = ours_greedy(model, ids, N_GREEDY)
     model.store.close()
     return logits, toks
 

