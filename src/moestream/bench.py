@@ -12,28 +12,37 @@ this is a measurement tool.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import platform
+import stat
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
-from .errors import ConfigError
+from .errors import ConfigError, OutputError
 
 GiB = 2**30
 
 
 def _list(s: str, conv, name: str) -> list:  # noqa: ANN001
+    """A comma-separated option as a list of ``conv`` values, duplicates dropped (first occurrence kept)."""
     items = [x.strip() for x in str(s).split(",")]
     if not items or any(not x for x in items):
         raise ConfigError(f"{name}: expected a comma-separated list with no empty items, got {s!r}")
     try:
-        return [conv(x) for x in items]
+        return _dedupe([conv(x) for x in items])
     except ValueError:
         raise ConfigError(f"{name}: expected a comma-separated list, got {s!r}") from None
+
+
+def _dedupe(items: list) -> list:
+    """``items`` without repeats, in first-occurrence order (``--slots 4,4`` is one row, not two)."""
+    return list(dict.fromkeys(items))
 
 
 def _on_off_list(s: str, name: str) -> list[bool]:
@@ -90,11 +99,75 @@ def disk_read_bandwidth(path: str, chunk_bytes: int, n_reads: int = 48, threads:
         os.close(fd)
 
 
+def check_json_path(path: str) -> None:
+    """ConfigError, before any row runs, when ``--json PATH`` cannot be written (see ``write_json``)."""
+    if path == "":
+        raise ConfigError("--json: the path is empty")
+    real = os.path.realpath(path)
+    cannot = f"--json {path}: cannot write a file there"
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise ConfigError(f"{cannot} ({e.strerror})") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{cannot} (it is a directory)")
+    if st is not None and not stat.S_ISREG(st.st_mode):  # a FIFO, /dev/null, a terminal: written into as it is
+        if not os.access(real, os.W_OK):
+            raise ConfigError(f"{cannot} (not writable)")
+        return
+    if st is not None and not os.access(real, os.W_OK):  # read-only: not silently replaced by the rename
+        raise ConfigError(f"{cannot} (the file is not writable)")
+    d = os.path.dirname(real)
+    if not os.path.isdir(d) or not os.access(d, os.W_OK | os.X_OK):
+        raise ConfigError(f"{cannot} (its folder {d} is missing or not writable)")
+
+
+def write_json(path: str, obj: object) -> None:
+    """Write ``obj`` as JSON to ``path`` the way a user expects an output path to be treated.
+
+    A symlink is followed: its target gets the JSON and the link stays a link. An existing file that is not a
+    regular file (a FIFO, /dev/null, a terminal) is opened and written into, never replaced. A regular file, new or
+    existing, is written to a temporary file in the same folder that is then renamed over it, so a failed write
+    never leaves it half-written (an existing file keeps its permissions). OutputError naming --json on failure.
+    """
+    text = json.dumps(obj, indent=2) + "\n"
+    real = os.path.realpath(path)
+    try:
+        try:
+            st = os.stat(real)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            with open(real, "w") as f:
+                f.write(text)
+            return
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(real) + ".", suffix=".tmp", dir=os.path.dirname(real))
+        try:
+            if st is not None:
+                mode = stat.S_IMODE(st.st_mode)
+            else:
+                umask = os.umask(0)
+                os.umask(umask)
+                mode = 0o666 & ~umask
+            os.fchmod(fd, mode)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, real)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise OutputError(f"--json {path}: cannot write the results ({e.strerror or e})") from None
+
+
 def run_row(cfg: dict) -> dict:
     """Run one configuration in this process; returns the row as a dict."""
     import torch
 
-    from .engine import Engine, disk_read_bytes, peak_rss_bytes
+    from .engine import Engine, check_cache_fits, disk_read_bytes, peak_rss_bytes
     from .models.base import LoadOptions, load_model
 
     if cfg.get("threads"):
@@ -105,6 +178,7 @@ def run_row(cfg: dict) -> dict:
     t_load = time.perf_counter()
     model = load_model(cfg["model"], opts)
     load_seconds = time.perf_counter() - t_load
+    check_cache_fits(model, max(cfg["n_prompt"], cfg["n_gen"] + 1), "-p/-n")
     engine = Engine(model, cfg.get("ubatch", 128))
     gen = torch.Generator().manual_seed(1234)
     store = model.store
@@ -281,24 +355,30 @@ def _limit(test: dict, bandwidth: float | None) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Entry point of ``moestream bench`` (see cli.py for the flags)."""
-    from .cli import default_model_path
+    from .cli import MAX_IO_THREADS, model_path
+    from .engine import MAX_TOKENS
     from .gguf import GGUFModel
+    from .models.base import architecture_of
 
-    model = args.model or default_model_path()
+    for opt, value in (("--json", args.json), ("--vs", args.vs), ("--mem-cap", args.mem_cap)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{opt}: the value is empty" + (" (e.g. 4GiB); without a cap, leave --mem-cap out"
+                                                               if opt == "--mem-cap" else ""))
+    model = model_path(args)
     g = GGUFModel(model)  # validates the file up front: one clear error instead of one per row
+    architecture_of(g)
     top_k = int(g.arch_get("expert_used_count", 0))
     n_exp = int(g.arch_get("expert_count", 0))
-    if args.json:
-        d = os.path.dirname(os.path.abspath(args.json))
-        if os.path.isdir(args.json) or not os.path.isdir(d) or not os.access(d, os.W_OK):
-            raise ConfigError(f"--json {args.json}: cannot write a file there (a directory, or its folder "
-                              f"is missing or not writable)")
+    if args.json is not None:
+        check_json_path(args.json)
     if args.policy not in ("lfu", "lru"):
         raise ConfigError(f"unknown cache policy {args.policy!r}; choose one of lfu, lru")
     if args.repetitions < 1:
         raise ConfigError(f"-r must be at least 1, got {args.repetitions}")
     if args.n_prompt < 0 or args.n_gen < 0 or (args.n_prompt == 0 and args.n_gen == 0):
         raise ConfigError("-p and -n must be >= 0 and not both 0")
+    if args.n_prompt > MAX_TOKENS or args.n_gen > MAX_TOKENS:
+        raise ConfigError(f"-p and -n must be at most 2^31, got -p {args.n_prompt} -n {args.n_gen}")
     modes = _on_off_list(args.moe_stream, "--moe-stream")
     overlaps = _on_off_list(args.overlap, "--overlap")
     from .models.base import default_slots
@@ -307,9 +387,12 @@ def run_bench(args: argparse.Namespace) -> int:
     for s in slots:
         if s < top_k:
             raise ConfigError(f"--slots {s} is below the experts used per token ({top_k})")
+    slots = _dedupe([min(s, n_exp) for s in slots])  # above the expert count is clamped, as run does
     for t in ios:
         if t < 1:
             raise ConfigError(f"--io-threads must be at least 1, got {t}")
+        if t > MAX_IO_THREADS:
+            raise ConfigError(f"--io-threads must be at most {MAX_IO_THREADS}, got {t}")
     base = {"model": model, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
             "threads": args.threads, "ubatch": args.ubatch, "expand_dense": args.expand_dense,
             "policy": args.policy}
@@ -317,22 +400,23 @@ def run_bench(args: argparse.Namespace) -> int:
     for on in modes:
         if on:
             for s, t, ov in itertools.product(slots, ios, overlaps):
-                cfgs.append({**base, "moe_stream": True, "slots": min(s, n_exp), "io_threads": t, "overlap": ov})
+                cfgs.append({**base, "moe_stream": True, "slots": s, "io_threads": t, "overlap": ov})
         else:
             cfgs.append({**base, "moe_stream": False})
     cap = None
-    if args.mem_cap:
-        from .memcap import MemCap, parse_size
-        cap = MemCap(parse_size(args.mem_cap))
+    if args.mem_cap is not None:
+        from .memcap import MemCap, parse_cap
+        cap = MemCap(parse_cap(args.mem_cap))
         MemCap.check()  # say plainly why not, instead of running uncapped
-    if args.vs:
+    if args.vs is not None:
         if args.vs != "llama.cpp":
             raise ConfigError(f"--vs: only llama.cpp is known, got {args.vs!r}")
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
-            raise ConfigError("--vs llama.cpp needs llama-cpp-python in this environment: "
-                              "pip install llama-cpp-python==0.3.36 (builds llama.cpp from source, ~7 min)") from None
+            raise ConfigError(f"--vs llama.cpp needs llama-cpp-python in this environment: install it from the "
+                              f"moestream checkout with `{sys.executable} tools/llamacpp.py install` (builds "
+                              f"llama.cpp once into a cached wheel, about 5 minutes)") from None
         lbase = {**base, "engine": "llama.cpp", "moe_stream": False}
         # uncapped: llama.cpp's defaults (CPU repack on). Capped: its repacked weights are anonymous memory
         # that the cap cannot page back to the file, so the default gets its own row (expected to fail) and
@@ -370,20 +454,19 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             rows.append({**row, "mem_cap": args.mem_cap, "cgroup_peak_gib": peak})
+    from .cli import write_stdout
+
     table = format_table(rows, bandwidth)
-    print(table)
+    write_stdout(table + "\n")
     if bandwidth:
-        print(f"\nIO limit t/s = disk random-read bandwidth ({bandwidth / 1e9:.2f} GB/s, measured before the rows) / "
-              f"bytes read per token in that row (the larger of streamed and disk reads).")
+        write_stdout(f"\nIO limit t/s = disk random-read bandwidth ({bandwidth / 1e9:.2f} GB/s, measured before the "
+                     f"rows) / bytes read per token in that row (the larger of streamed and disk reads).\n")
     if args.json:
         meta = {"machine": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cold": args.cold,
                 "disk_read_bandwidth_bytes_s": bandwidth, "mem_cap": args.mem_cap,
                 "file_gib": g.file_bytes / GiB, "command": " ".join(sys.argv)}
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
-        os.replace(tmp, args.json)
+        write_json(args.json, {"meta": meta, "rows": rows})
     return 1 if any("error" in r for r in rows) else 0
 
 

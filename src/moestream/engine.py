@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import resource
 import time
 from collections.abc import Callable, Iterable
@@ -11,10 +12,28 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, ForwardError, NumericError
 from .models.base import MoEModel
 
 GiB = 2**30
+#: Largest token count (-n, -c, --steps, bench -p/-n) accepted; far beyond any context a cache could hold.
+MAX_TOKENS = 2**31
+
+
+def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c") -> None:
+    """ConfigError (naming ``option``) unless ``model.new_cache(n_ctx)`` fits in the memory available now.
+
+    Computed from the cache's shapes without allocating, so an absurd -n or -c is refused before anything is
+    printed instead of failing in torch's allocator.
+    """
+    if n_ctx > MAX_TOKENS:
+        raise ConfigError(f"{option}: a context of {n_ctx} tokens is more than moestream supports (2^31)")
+    need = model.cache_bytes(n_ctx)
+    avail = psutil.virtual_memory().available
+    if need > avail:
+        raise ConfigError(f"{option}: a context of {n_ctx} tokens needs {need / GiB:.1f} GiB of KV cache for "
+                          f"{os.path.basename(model.gguf.path)}, but {avail / GiB:.1f} GiB of memory is available; "
+                          f"use a smaller -n or -c")
 
 
 @dataclass
@@ -142,7 +161,7 @@ class Engine:
         for s in range(0, len(tokens), self.ubatch):
             self.model.gguf.check_unchanged()
             last = s + self.ubatch >= len(tokens)
-            logits = self.model.forward(t[s:s + self.ubatch], start + s, cache, logits_all=logits_all)
+            logits = self.forward(t[s:s + self.ubatch], start + s, cache, logits_all=logits_all)
             if logits_all or last:
                 outs.append(logits)
         return torch.cat(outs, dim=0)
@@ -152,7 +171,33 @@ class Engine:
         """One token at ``pos``; returns logits [vocab] float32."""
         self.model.gguf.check_unchanged()
         t = torch.tensor([token], dtype=torch.int64, device=self.model.device)
-        return self.model.forward(t, pos, cache)[0]
+        return self.forward(t, pos, cache)[0]
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: object, logits_all: bool = False) -> torch.Tensor:
+        """``model.forward`` with two guards, so bad weights or metadata never pass silently:
+
+        - logits that are not all finite raise NumericError naming the file and the first bad position (a NaN
+          norm weight, scale or epsilon would otherwise decode as token 0 forever, and compare equal bytewise);
+        - an unexpected torch RuntimeError (metadata that disagrees with the tensors in a way the load-time
+          checks missed) becomes ForwardError naming the file and the positions, not a traceback.
+        """
+        n_tok = tokens.shape[0]
+        path = self.model.gguf.path
+        try:
+            logits = self.model.forward(tokens, start, cache, logits_all=logits_all)
+        except RuntimeError as e:
+            if isinstance(e, (NotImplementedError, RecursionError)):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ForwardError(f"{path}: the forward pass at positions {start}..{start + n_tok - 1} failed "
+                               f"(internal error: {type(e).__name__}: {first})") from e
+        finite = torch.isfinite(logits).all(dim=-1)
+        if not bool(finite.all()):
+            row = int((~finite).nonzero()[0])
+            pos = start + row if logits_all else start + n_tok - 1
+            raise NumericError(f"{path}: non-finite logits at position {pos} (the weights or metadata produce "
+                               f"NaN/Inf)")
+        return logits
 
     def generate(self, prompt: list[int], n_predict: int, sampler: Callable[[torch.Tensor], int],
                  stop_ids: Iterable[int] = (), n_ctx: int | None = None,
@@ -165,6 +210,7 @@ class Engine:
         if len(prompt) >= n_ctx and n_predict > 0 or len(prompt) > n_ctx:
             raise ConfigError(f"the prompt has {len(prompt)} tokens; the context size -c {n_ctx} leaves no room "
                               f"to generate")
+        check_cache_fits(self.model, n_ctx)
         ctx_limited = len(prompt) + n_predict > n_ctx
         n_predict = min(n_predict, n_ctx - len(prompt))
         stop = set(stop_ids)

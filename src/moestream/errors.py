@@ -31,3 +31,16 @@ class ExpertReadError(MoestreamError):
 
 class ModelFileChanged(MoestreamError):
     """The model file was truncated or replaced while the model was in use."""
+
+
+class NumericError(MoestreamError):
+    """A forward pass produced non-finite logits (NaN/Inf): the weights or metadata are bad."""
+
+
+class ForwardError(MoestreamError):
+    """An unexpected torch error inside a forward pass (a last line of defence: metadata that disagrees with the
+    tensors in a way the load-time checks did not catch). The message names the file and the original error."""
+
+
+class OutputError(MoestreamError):
+    """Writing the results (stdout, a --json file) failed."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,21 +100,53 @@ def split_parts(path: str) -> list[str]:
     count = int(m.group("count"))
     parts = [f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
     for p in parts:
-        if not os.path.exists(p):
-            raise GGUFError(f"{path}: split part {p} is missing ({count} parts expected)")
+        try:
+            os.stat(p)
+        except FileNotFoundError:
+            raise GGUFError(f"{path}: split part {p} is missing ({count} parts expected)") from None
+        except OSError as e:
+            raise GGUFError(f"{p}: {_os_problem(e)}") from None
     return parts
 
 
+_FILE_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def _os_problem(e: OSError) -> str:
+    """'permission denied', 'no such file', ... for an OSError from stat/open of a model file."""
+    if isinstance(e, PermissionError):
+        return "permission denied (check the permissions of the file and of the folders above it)"
+    if isinstance(e, FileNotFoundError):
+        return "no such file"
+    if isinstance(e, NotADirectoryError):
+        return "no such file (a component of the path is not a directory)"
+    return f"cannot open: {e.strerror or e}"
+
+
+def _stat_model(path: str) -> os.stat_result:
+    """os.stat of a model file (following links); GGUFError naming the problem (missing, permission denied)."""
+    try:
+        return os.stat(path)
+    except OSError as e:
+        raise GGUFError(f"{path}: {_os_problem(e)}") from None
+
+
 def _open_reader(path: str) -> GGUFReader:
-    if not os.path.exists(path):
-        raise GGUFError(f"{path}: no such file")
-    if os.path.isdir(path):
+    st = _stat_model(path)
+    if stat.S_ISDIR(st.st_mode):
         raise GGUFError(f"{path}: is a directory, not a GGUF file")
-    size = os.path.getsize(path)
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a regular file")
+        raise GGUFError(f"{path}: is {kind}, not a regular file; a GGUF model must be a regular file")
+    size = st.st_size
     if size == 0:
         raise GGUFError(f"{path}: empty file, not a GGUF model")
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise GGUFError(f"{path}: {_os_problem(e)}") from None
     if magic != _GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:

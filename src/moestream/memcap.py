@@ -8,6 +8,7 @@ controller (``/sys/fs/cgroup/memory``); ``MemCap.check()`` says plainly why not 
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import time
@@ -16,22 +17,48 @@ from dataclasses import dataclass
 from .errors import ConfigError
 
 CGROUP_V1 = "/sys/fs/cgroup/memory"
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9}
+_UNITS = {"": 1, "b": 1,
+          "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+#: The smallest cap ``parse_cap`` accepts: a row's Python, torch and model must fit in it.
+MIN_CAP = 64 * 2**20
+#: The largest value cgroup v1's memory.limit_in_bytes takes.
+MAX_CAP = 2**63 - 1
 
 
 def parse_size(text: str) -> int:
-    """'4GiB', '1.5G', '800MiB', '123456' -> bytes (K/M/G and KiB/MiB/GiB are powers of 2; KB/MB/GB of 10)."""
+    """'4GiB', '1.5G', '800MiB', '1TiB', '123456' -> bytes.
+
+    K/M/G/T and KiB/MiB/GiB/TiB are powers of 2 (as docker's ``-m 4g``); KB/MB/GB/TB powers of 10; B or no unit
+    is bytes; case does not matter. ConfigError for anything else and for a size that is not positive.
+    """
     t = text.strip().lower().replace(" ", "")
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(num):]
+    bad = f"--mem-cap: cannot read {text!r} as a size"
     try:
         value = float(num)
     except ValueError:
-        raise ConfigError(f"--mem-cap: cannot read {text!r} as a size (e.g. 4GiB, 800MiB)") from None
-    if unit not in _UNITS or value <= 0:
-        raise ConfigError(f"--mem-cap: cannot read {text!r} as a size (e.g. 4GiB, 800MiB)")
+        raise ConfigError(f"{bad} (e.g. 4GiB, 800MiB; units B, K/KiB, M/MiB, G/GiB, T/TiB, KB, MB, GB, TB)") from None
+    if unit not in _UNITS:
+        raise ConfigError(f"{bad}: unknown unit {unit!r} (B; K/KiB, M/MiB, G/GiB, T/TiB: powers of 2; KB, MB, GB, "
+                          f"TB: powers of 10)")
+    if not math.isfinite(value):
+        raise ConfigError(f"{bad}: not a finite number")
+    if value <= 0:
+        raise ConfigError(f"{bad}: it must be positive")
     return int(value * _UNITS[unit])
+
+
+def parse_cap(text: str) -> int:
+    """``--mem-cap``'s value in bytes: a size (``parse_size``) of at least MIN_CAP (64 MiB); ConfigError otherwise."""
+    n = parse_size(text)
+    if n < MIN_CAP:
+        raise ConfigError(f"--mem-cap {text}: {n} bytes is below the 64 MiB minimum (a row's Python and torch need "
+                          f"more; a number without a unit is bytes)")
+    if n > MAX_CAP:
+        raise ConfigError(f"--mem-cap {text}: {n} bytes is more than a memory cgroup can be given (2^63 - 1)")
+    return n
 
 
 @dataclass

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from .errors import ConfigError, GGUFError
 from .experts.layout import ExpertLayout
 from .gguf import GGUFModel
-from .models.base import default_slots
+from .models.base import LoadOptions, architecture_of, default_slots
 
 GiB = 2**30
 MiB = 2**20
@@ -23,6 +23,9 @@ def _fmt(n: float) -> str:
 def inspect_model(path: str, slots: int | None = None) -> str:
     """A human-readable report. Raises GGUFError for a bad file, ConfigError for --slots below top-k."""
     g = GGUFModel(path)
+    # the same one-line refusals as run: an architecture moestream cannot compute, metadata that disagrees with
+    # the tensors (hyperparameters, shapes, ggml types) -- checked from the tensor table, no weight is read
+    architecture_of(g)(g, LoadOptions(moe_stream=False, metadata_only=True))
     layout = ExpertLayout(g)
     if not layout.moe_layers:
         raise GGUFError(f"{path}: no routed-expert tensors (blk.N.ffn_*_exps) found")
@@ -32,6 +35,8 @@ def inspect_model(path: str, slots: int | None = None) -> str:
     n_slots = slots if slots is not None else default_slots(n_exp, top_k)
     if n_slots < top_k:
         raise ConfigError(f"--slots {n_slots} is below the experts used per token ({top_k})")
+    clamped = f" (--slots {n_slots} clamped to the expert count, as run does)" if n_slots > n_exp else ""
+    n_slots = min(n_slots, n_exp)
     expert_names = {f"blk.{layer}.ffn_{m}_exps.weight" for layer, mats in layout.layers.items() for m in mats}
     dense = [t for n, t in g.tensors.items() if n not in expert_names]
     dense_bytes = sum(t.n_bytes for t in dense)
@@ -58,6 +63,6 @@ def inspect_model(path: str, slots: int | None = None) -> str:
         f"routed experts  {_fmt(expert_bytes)} ({100 * expert_bytes / max(g.file_bytes, 1):.1f}% of the file)",
         f"per token       {_fmt(per_token)} of experts touched (read from disk if nothing is cached)",
         f"--slots {n_slots:<7d} {_fmt(pools)} of slot pools "
-        f"({100 * min(n_slots, n_exp) / n_exp:.1f}% of experts) -> dense + pools = {_fmt(dense_bytes + pools)}",
+        f"({100 * n_slots / n_exp:.1f}% of experts) -> dense + pools = {_fmt(dense_bytes + pools)}{clamped}",
     ]
     return "\n".join(lines)

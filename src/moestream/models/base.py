@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +35,8 @@ class LoadOptions:
     slots: slots per MoE layer (None: a quarter of the experts, at least top-k). io_threads: reader threads.
     policy: slot replacement policy name. expand_dense: dequantize dense weights to float32 at load.
     overlap: run the shared/dense FFN while expert reads are in flight. device: torch device string.
+    metadata_only: read and check the hyperparameters against the tensor table (shapes, ggml types) and stop:
+    no weight is read and no expert store is made (``inspect`` uses it to refuse what ``run`` would refuse).
     """
 
     moe_stream: bool = True
@@ -42,6 +46,7 @@ class LoadOptions:
     expand_dense: bool = False
     overlap: bool = True
     device: str = "cpu"
+    metadata_only: bool = False
 
     def __post_init__(self) -> None:
         if self.slots is not None and self.slots < 1:
@@ -76,7 +81,101 @@ class MoEModel:
         self.layout.check_counts(gguf.path, self.n_experts, self.top_k)
         self.n_ctx_train = int(gguf.arch_get("context_length", 4096))
         self.dense_bytes = 0
-        self.store: ExpertStore = self.make_store(opts)
+        if opts.metadata_only:
+            self.check_expert_types()
+            self.store: ExpertStore = None  # type: ignore[assignment]
+        else:
+            self.store = self.make_store(opts)
+
+    # --- checked metadata -----------------------------------------------------------------------
+    def _key(self, suffix: str) -> str:
+        return f"{self.gguf.arch}.{suffix}"
+
+    def meta_float(self, suffix: str, default: float | None = None, required: bool = False,
+                   allow_zero: bool = False) -> float:
+        """``{arch}.{suffix}`` as a finite number > 0 (>= 0 when ``allow_zero``): epsilons, RoPE bases, caps.
+
+        Raises GGUFError naming the key and the value otherwise (NaN, Inf, negative, not a number): a NaN
+        epsilon or RoPE base would silently turn every logit into NaN.
+        """
+        v = self.gguf.arch_get(suffix, default, required=required)
+        key = self._key(suffix)
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise GGUFError(f"{self.gguf.path}: metadata key {key} must be a number, got {v!r}") from None
+        if not math.isfinite(f) or f < 0 or (f == 0 and not allow_zero):
+            need = "0 or a positive finite number" if allow_zero else "a positive finite number"
+            raise GGUFError(f"{self.gguf.path}: metadata key {key} is {f}, which must be {need}")
+        return f
+
+    def meta_int(self, suffix: str, default: int | None = None, required: bool = False, minimum: int = 1) -> int:
+        """``{arch}.{suffix}`` as an integer >= ``minimum``; GGUFError naming the key otherwise."""
+        return self._as_int(suffix, self.gguf.arch_get(suffix, default, required=required), minimum)
+
+    def meta_ints(self, suffix: str, n: int, default: Any = None, required: bool = False,
+                  minimum: int = 1) -> list[int]:
+        """``{arch}.{suffix}`` that is either one integer or one per layer, as ``n`` integers >= ``minimum``."""
+        v = self.gguf.arch_get(suffix, default, required=required)
+        if isinstance(v, (list, tuple)):
+            if len(v) != n:
+                raise GGUFError(f"{self.gguf.path}: metadata key {self._key(suffix)} lists {len(v)} values, "
+                                f"expected one per layer ({n})")
+            return [self._as_int(suffix, x, minimum) for x in v]
+        return [self._as_int(suffix, v, minimum)] * n
+
+    def _as_int(self, suffix: str, v: Any, minimum: int) -> int:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+            raise GGUFError(f"{self.gguf.path}: metadata key {self._key(suffix)} must be an integer, got {v!r}")
+        if int(v) < minimum:
+            raise GGUFError(f"{self.gguf.path}: metadata key {self._key(suffix)} is {int(v)}, which must be at "
+                            f"least {minimum}")
+        return int(v)
+
+    def meta_desc(self, **values: Any) -> str:
+        """``"qwen3moe.attention.head_count=4, ..."`` for error messages; keyword ``a__b`` is key ``a.b``."""
+        return ", ".join(f"{self._key(k.replace('__', '.'))}={v}" for k, v in values.items())
+
+    def expect_shape(self, name: str, expected: Sequence[int], because: str) -> None:
+        """GGUFError unless tensor ``name`` has shape ``expected`` (torch order, last dim = row length).
+
+        ``because`` names the metadata that implies ``expected``, e.g. ``"head_count=4 x key_length=32"``.
+        Checked at load, so metadata that disagrees with the tensors fails before anything is printed instead
+        of in the middle of a forward pass.
+        """
+        shape = tuple(self.gguf.tensor_info(name).shape)
+        if shape != tuple(expected):
+            raise GGUFError(f"{self.gguf.path}: tensor {name} has shape {list(shape)} but the metadata "
+                            f"({because}) implies {list(expected)}")
+
+    def check_common_shapes(self, n_embd: int, emb: str) -> int:
+        """Experts, token embedding, output norm and (untied) output matrix against ``embedding_length``
+        (``emb``: its description for messages). GGUFError naming the tensor. Returns the vocabulary size."""
+        self.check_expert_shapes(n_embd)
+        vocab = self.gguf.tensor_info("token_embd.weight").shape[0]
+        self.expect_shape("token_embd.weight", (vocab, n_embd), emb)
+        self.expect_shape("output_norm.weight", (n_embd,), emb)
+        if self.has("output.weight"):
+            self.expect_shape("output.weight", (vocab, n_embd), emb + " and token_embd's vocabulary")
+        return vocab
+
+    def check_expert_shapes(self, n_embd: int) -> None:
+        """Each layer's routed-expert matrices against ``embedding_length`` and each other."""
+        key = self._key("embedding_length")
+        for layer, mats in self.layout.layers.items():
+            for name, m in mats.items():
+                want_rows, want_cols = (n_embd, None) if name == "down" else (None, n_embd)
+                if want_cols is not None and m.cols != want_cols or want_rows is not None and m.rows != want_rows:
+                    exp = [m.n_experts, want_rows or m.rows, want_cols or m.cols]
+                    raise GGUFError(f"{self.gguf.path}: tensor blk.{layer}.ffn_{name}_exps.weight has shape "
+                                    f"{[m.n_experts, m.rows, m.cols]} but the metadata ({key}={n_embd}) "
+                                    f"implies {exp}")
+            gate = mats.get("gate") or mats.get("up")
+            n_ff = gate.rows if gate is not None else (mats["gate_up"].rows // 2 if "gate_up" in mats else None)
+            down = mats.get("down")
+            if down is not None and n_ff is not None and down.cols != n_ff:
+                raise GGUFError(f"{self.gguf.path}: tensor blk.{layer}.ffn_down_exps.weight has rows of "
+                                f"{down.cols} but the layer's gate/up experts have {n_ff} outputs")
 
     # --- weights ------------------------------------------------------------------------------
     def weight(self, name: str) -> Weight:
@@ -118,6 +217,10 @@ class MoEModel:
     def new_cache(self, n_ctx: int) -> object:
         raise NotImplementedError
 
+    def cache_bytes(self, n_ctx: int) -> int:
+        """Bytes ``new_cache(n_ctx)`` allocates, computed without allocating (checked before a run)."""
+        raise NotImplementedError
+
     def forward(self, tokens: torch.Tensor, start: int, cache: object, logits_all: bool = False) -> torch.Tensor:
         """tokens: [T] int64 at positions start..start+T-1. Returns float32 logits [T, n_vocab] when
         ``logits_all`` else [1, n_vocab] for the last token."""
@@ -129,16 +232,21 @@ def load_model(path: str, opts: LoadOptions | None = None) -> MoEModel:
 
     Raises GGUFError for bad files and unsupported architectures, ConfigError for bad options.
     """
+    opts = opts or LoadOptions()
+    gguf = GGUFModel(path)
+    return architecture_of(gguf)(gguf, opts)
+
+
+def architecture_of(gguf: GGUFModel) -> type[MoEModel]:
+    """The model class of ``gguf.arch``; GGUFError naming the file and listing the supported ones otherwise."""
     from . import (
         gemma4,  # noqa: F401 - registers
         qwen3moe,  # noqa: F401 - registers
         qwen35moe,  # noqa: F401 - registers
     )
 
-    opts = opts or LoadOptions()
-    gguf = GGUFModel(path)
     cls = ARCHITECTURES.get(gguf.arch)
     if cls is None:
-        raise GGUFError(f"{path}: architecture {gguf.arch!r} is not supported; supported: "
+        raise GGUFError(f"{gguf.path}: architecture {gguf.arch!r} is not supported; supported: "
                         f"{', '.join(sorted(ARCHITECTURES))}")
-    return cls(gguf, opts)
+    return cls

@@ -38,34 +38,41 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return gelu_tanh(gate) * up
 
 
-def _per_layer(value: object, i: int) -> int:
-    """A metadata value that is a scalar or one entry per layer."""
-    return int(value[i]) if isinstance(value, (list, tuple)) else int(value)
-
-
 @register("gemma4")
 class Gemma4(MoEModel):
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         g = gguf.arch_get
         path = gguf.path
-        self.n_layers = int(g("block_count", required=True))
-        self.n_embd = int(g("embedding_length", required=True))
-        self.eps = float(g("attention.layer_norm_rms_epsilon", 1e-6))
+        self.n_layers = self.meta_int("block_count", required=True)
+        self.n_embd = self.meta_int("embedding_length", required=True)
+        self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
         swa = g("attention.sliding_window_pattern", [False] * self.n_layers)
         if not isinstance(swa, (list, tuple)) or len(swa) != self.n_layers:
             raise GGUFError(f"{path}: gemma4.attention.sliding_window_pattern must list {self.n_layers} layers, "
                             f"got {swa!r}")
         self.is_swa = [bool(s) for s in swa]
-        self.window = int(g("attention.sliding_window", required=any(self.is_swa)) or 0)
-        self.softcap = float(g("final_logit_softcapping", 30.0) or 0.0)
-        n_head, n_kv = g("attention.head_count", required=True), g("attention.head_count_kv", None)
-        d_full = int(g("attention.key_length", required=True))
-        d_swa = int(g("attention.key_length_swa", d_full))
-        n_shared = int(g("attention.shared_kv_layers", 0))
+        self.window = self.meta_int("attention.sliding_window", required=True) if any(self.is_swa) else 0
+        self.softcap = self.meta_float("final_logit_softcapping", 30.0, allow_zero=True)
+        n_head = self.meta_ints("attention.head_count", self.n_layers, required=True)
+        n_kv = self.meta_ints("attention.head_count_kv", self.n_layers, n_head)
+        d_full = self.meta_int("attention.key_length", required=True)
+        d_swa = self.meta_int("attention.key_length_swa", d_full)
+        n_shared = self.meta_int("attention.shared_kv_layers", 0, minimum=0)
         first_shared = self.n_layers - n_shared
-        self.ple_dim = int(g("embedding_length_per_layer_input", 0) or 0)
-
+        self.ple_dim = self.meta_int("embedding_length_per_layer_input", 0, minimum=0)
+        base_full = self.meta_float("rope.freq_base", 10000.0)
+        base_swa = self.meta_float("rope.freq_base_swa", base_full)
+        n_rot_full = self.meta_int("rope.dimension_count", d_full)
+        n_rot_swa = self.meta_int("rope.dimension_count_swa", d_swa)
+        for key, n_rot, hd, hd_key in (("rope.dimension_count", n_rot_full, d_full, "attention.key_length"),
+                                       ("rope.dimension_count_swa", n_rot_swa, d_swa, "attention.key_length_swa")):
+            if n_rot % 2 or n_rot > hd:
+                raise GGUFError(f"{path}: metadata {self.meta_desc(**{key.replace('.', '__'): n_rot})} must be "
+                                f"even and at most {self.meta_desc(**{hd_key.replace('.', '__'): hd})}")
+        self.check_shapes(n_head, n_kv, d_full, d_swa, first_shared, n_rot_full)
+        if opts.metadata_only:
+            return
         self.embd = self.weight("token_embd.weight")
         self.n_vocab = self.embd.shape[0]
         self.out_norm = self.norm("output_norm.weight")
@@ -80,18 +87,16 @@ class Gemma4(MoEModel):
             inv = 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.int64, device=self.device).float() / n_rot))
             return inv if factors is None else inv / factors
 
-        base_full = float(g("rope.freq_base", 10000.0))
         factors = self.norm("rope_freqs.weight") if self.has("rope_freqs.weight") else None
-        self.inv_freq_full = inv_freq(base_full, int(g("rope.dimension_count", d_full)), factors)
-        self.inv_freq_swa = inv_freq(float(g("rope.freq_base_swa", base_full)),
-                                     int(g("rope.dimension_count_swa", d_swa)), None)
+        self.inv_freq_full = inv_freq(base_full, n_rot_full, factors)
+        self.inv_freq_swa = inv_freq(base_swa, n_rot_swa, None)
 
         self.blocks: list[dict] = []
         for i in range(self.n_layers):
             p = f"blk.{i}."
             hd = d_swa if self.is_swa[i] else d_full
             b: dict = {
-                "n_head": _per_layer(n_head, i), "n_kv": _per_layer(n_kv if n_kv is not None else n_head, i),
+                "n_head": n_head[i], "n_kv": n_kv[i],
                 "head_dim": hd, "swa": self.is_swa[i],
                 "attn_norm": self.norm(p + "attn_norm.weight"), "q": self.weight(p + "attn_q.weight"),
                 "q_norm": self.norm(p + "attn_q_norm.weight"), "o": self.weight(p + "attn_output.weight"),
@@ -127,12 +132,69 @@ class Gemma4(MoEModel):
             b["out_scale"] = self.norm(s) if self.has(s) else None  # [1]
             self.blocks.append(b)
 
+    def check_shapes(self, n_head: list[int], n_kv: list[int], d_full: int, d_swa: int, first_shared: int,
+                     n_rot_full: int) -> None:
+        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read."""
+        d, path, n_embd = self.meta_desc, self.gguf.path, self.n_embd
+        emb = d(embedding_length=n_embd)
+        vocab = self.check_common_shapes(n_embd, emb)
+        if self.has("rope_freqs.weight"):
+            self.expect_shape("rope_freqs.weight", (n_rot_full // 2,), d(rope__dimension_count=n_rot_full) + " / 2")
+        if self.ple_dim:
+            pd = d(block_count=self.n_layers, embedding_length_per_layer_input=self.ple_dim)
+            self.expect_shape("per_layer_token_embd.weight", (vocab, self.n_layers * self.ple_dim), pd)
+            self.expect_shape("per_layer_model_proj.weight", (self.n_layers * self.ple_dim, n_embd), pd + ", " + emb)
+            self.expect_shape("per_layer_proj_norm.weight", (self.ple_dim,),
+                              d(embedding_length_per_layer_input=self.ple_dim))
+        for i in range(self.n_layers):
+            p, nh = f"blk.{i}.", n_head[i]
+            hd, hd_key = (d_swa, "attention__key_length_swa") if self.is_swa[i] else (d_full, "attention__key_length")
+            heads = d(attention__head_count=nh, **{hd_key: hd}, embedding_length=n_embd) + f" (layer {i})"
+            self.expect_shape(p + "attn_q.weight", (nh * hd, n_embd), heads)
+            self.expect_shape(p + "attn_output.weight", (n_embd, nh * hd), heads)
+            self.expect_shape(p + "attn_q_norm.weight", (hd,), d(**{hd_key: hd}))
+            for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+                self.expect_shape(p + n + ".weight", (n_embd,), emb)
+            n_ff = self.gguf.tensor_info(p + "ffn_gate.weight").shape[0]
+            self.expect_shape(p + "ffn_gate.weight", (n_ff, n_embd), emb)
+            self.expect_shape(p + "ffn_up.weight", (n_ff, n_embd), emb + f" and ffn_gate's {n_ff} rows")
+            self.expect_shape(p + "ffn_down.weight", (n_embd, n_ff), emb + f" and ffn_gate's {n_ff} rows")
+            src = i if i < first_shared else max(
+                (j for j in range(first_shared) if self.is_swa[j] == self.is_swa[i]), default=i)
+            if nh % n_kv[src]:
+                raise GGUFError(f"{path}: metadata {d(attention__head_count=nh)} (layer {i}) is not a multiple of "
+                                f"{d(attention__head_count_kv=n_kv[src])} (layer {src})")
+            if i < first_shared:
+                kv = d(attention__head_count_kv=n_kv[i], **{hd_key: hd}, embedding_length=n_embd) + f" (layer {i})"
+                self.expect_shape(p + "attn_k.weight", (n_kv[i] * hd, n_embd), kv)
+                self.expect_shape(p + "attn_k_norm.weight", (hd,), d(**{hd_key: hd}))
+                if self.has(p + "attn_v.weight"):
+                    self.expect_shape(p + "attn_v.weight", (n_kv[i] * hd, n_embd), kv)
+            if i in self.layout:
+                self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
+                                  d(expert_count=self.n_experts, embedding_length=n_embd))
+                self.expect_shape(p + "ffn_gate_inp.scale", (n_embd,), emb)
+                if self.has(p + "ffn_down_exps.scale"):
+                    self.expect_shape(p + "ffn_down_exps.scale", (self.n_experts,), d(expert_count=self.n_experts))
+                for n in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+                    self.expect_shape(p + n + ".weight", (n_embd,), emb)
+            if self.ple_dim:
+                pd = d(embedding_length_per_layer_input=self.ple_dim, embedding_length=n_embd)
+                self.expect_shape(p + "inp_gate.weight", (self.ple_dim, n_embd), pd)
+                self.expect_shape(p + "proj.weight", (n_embd, self.ple_dim), pd)
+                self.expect_shape(p + "post_norm.weight", (n_embd,), emb)
+            if self.has(p + "layer_output_scale.weight"):
+                self.expect_shape(p + "layer_output_scale.weight", (1,), "a per-layer scalar")
+
     def new_cache(self, n_ctx: int) -> LayerKVCache:
         """KV cache for ``n_ctx`` positions: float32 [n_ctx, n_kv, head_dim] per layer that owns K/V (each layer
         with its own head dim and KV heads), none for the shared-KV layers."""
         shapes = [(b["n_kv"], b["head_dim"], b["head_dim"]) if b["kv_layer"] == i else None
                   for i, b in enumerate(self.blocks)]
         return LayerKVCache(n_ctx, shapes, self.device)
+
+    def cache_bytes(self, n_ctx: int) -> int:
+        return sum(4 * n_ctx * b["n_kv"] * 2 * b["head_dim"] for i, b in enumerate(self.blocks) if b["kv_layer"] == i)
 
     def route(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] residual stream (before any FFN norm) -> (ids [T, top_k] int64 real expert ids, weights

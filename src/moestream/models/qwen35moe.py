@@ -137,30 +137,49 @@ class Qwen35MoE(MoEModel):
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         g = gguf.arch_get
+        path = gguf.path
         # MTP (next-token prediction) blocks, if the file has them, come after the trunk and are not run.
-        self.n_layers = int(g("block_count", required=True)) - int(g("nextn_predict_layers", 0))
-        self.n_embd = int(g("embedding_length", required=True))
-        self.n_head = int(g("attention.head_count", required=True))
-        self.n_kv = int(g("attention.head_count_kv", self.n_head))
-        self.head_dim = int(g("attention.key_length", required=True))
-        self.n_rot = int(g("rope.dimension_count", self.head_dim))
-        self.eps = float(g("attention.layer_norm_rms_epsilon", 1e-6))
-        self.rope_base = float(g("rope.freq_base", 10000.0))
-        self.conv_kernel = int(g("ssm.conv_kernel", required=True))
-        self.d_k = int(g("ssm.state_size", required=True))
-        self.n_k_heads = int(g("ssm.group_count", required=True))
-        self.n_v_heads = int(g("ssm.time_step_rank", required=True))
-        self.d_v = int(g("ssm.inner_size", required=True)) // self.n_v_heads
+        n_blocks = self.meta_int("block_count", required=True)
+        n_mtp = self.meta_int("nextn_predict_layers", 0, minimum=0)
+        if n_mtp >= n_blocks:
+            raise GGUFError(f"{path}: metadata {self.meta_desc(nextn_predict_layers=n_mtp)} leaves no trunk layers "
+                            f"of {self.meta_desc(block_count=n_blocks)}")
+        self.n_layers = n_blocks - n_mtp
+        self.n_embd = self.meta_int("embedding_length", required=True)
+        self.n_head = self.meta_int("attention.head_count", required=True)
+        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
+        self.head_dim = self.meta_int("attention.key_length", required=True)
+        self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
+        self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
+        self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.conv_kernel = self.meta_int("ssm.conv_kernel", required=True)
+        self.d_k = self.meta_int("ssm.state_size", required=True)
+        self.n_k_heads = self.meta_int("ssm.group_count", required=True)
+        self.n_v_heads = self.meta_int("ssm.time_step_rank", required=True)
+        inner = self.meta_int("ssm.inner_size", required=True)
+        if inner % self.n_v_heads:
+            raise GGUFError(f"{path}: metadata {self.meta_desc(ssm__inner_size=inner)} is not a multiple of "
+                            f"{self.meta_desc(ssm__time_step_rank=self.n_v_heads)} (value heads)")
+        self.d_v = inner // self.n_v_heads
         self.conv_dim = 2 * self.n_k_heads * self.d_k + self.n_v_heads * self.d_v
         if self.n_v_heads % self.n_k_heads:
             raise GGUFError(f"{gguf.path}: ssm.time_step_rank {self.n_v_heads} (value heads) is not a multiple of "
                             f"ssm.group_count {self.n_k_heads} (key heads)")
+        if self.n_rot % 2 or self.n_rot > self.head_dim:
+            raise GGUFError(f"{path}: metadata {self.meta_desc(rope__dimension_count=self.n_rot)} must be even and "
+                            f"at most {self.meta_desc(attention__key_length=self.head_dim)}")
         recr = g("attention.recurrent_layers")
         if recr is None:
-            interval = int(g("full_attention_interval", 4))
+            interval = self.meta_int("full_attention_interval", 4)
             recr = [(i + 1) % interval != 0 for i in range(self.n_layers)]
+        if not isinstance(recr, (list, tuple)) or len(recr) < self.n_layers:
+            raise GGUFError(f"{path}: metadata key qwen35moe.attention.recurrent_layers must list {self.n_layers} "
+                            f"layers, got {recr!r}")
         self.recr_layers = [i for i in range(self.n_layers) if recr[i]]
         self.attn_layers = [i for i in range(self.n_layers) if not recr[i]]
+        self.check_shapes()
+        if opts.metadata_only:
+            return
 
         self.embd = self.weight("token_embd.weight")
         self.n_vocab = self.embd.shape[0]
@@ -190,8 +209,61 @@ class Qwen35MoE(MoEModel):
                          q_norm=self.norm(p + "attn_q_norm.weight"), k_norm=self.norm(p + "attn_k_norm.weight"))
             self.blocks.append(b)
 
+    def check_shapes(self) -> None:
+        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read."""
+        d, n_embd = self.meta_desc, self.n_embd
+        emb = d(embedding_length=n_embd)
+        self.check_common_shapes(n_embd, emb)
+        hd, nh, nkv, nv, dv = self.head_dim, self.n_head, self.n_kv, self.n_v_heads, self.d_v
+        ssm = d(ssm__state_size=self.d_k, ssm__group_count=self.n_k_heads, ssm__time_step_rank=nv,
+                ssm__inner_size=nv * dv)
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            if i not in self.layout:
+                raise GGUFError(f"{self.gguf.path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps); every "
+                                f"qwen35moe layer is an MoE layer")
+            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
+            self.expect_shape(p + "post_attention_norm.weight", (n_embd,), emb)
+            self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
+                              d(expert_count=self.n_experts, embedding_length=n_embd))
+            self.expect_shape(p + "ffn_gate_inp_shexp.weight", (1, n_embd), emb)
+            n_ff = self.gguf.tensor_info(p + "ffn_gate_shexp.weight").shape[0]
+            self.expect_shape(p + "ffn_gate_shexp.weight", (n_ff, n_embd), emb)
+            self.expect_shape(p + "ffn_up_shexp.weight", (n_ff, n_embd), emb + f" and ffn_gate_shexp's {n_ff} rows")
+            self.expect_shape(p + "ffn_down_shexp.weight", (n_embd, n_ff), emb + f" and ffn_gate_shexp's {n_ff} rows")
+            if i in self.recr_layers:
+                self.expect_shape(p + "attn_qkv.weight", (self.conv_dim, n_embd), ssm + ", " + emb)
+                self.expect_shape(p + "ssm_conv1d.weight", (self.conv_dim, self.conv_kernel),
+                                  ssm + ", " + d(ssm__conv_kernel=self.conv_kernel))
+                self.expect_shape(p + "attn_gate.weight", (nv * dv, n_embd), ssm + ", " + emb)
+                self.expect_shape(p + "ssm_beta.weight", (nv, n_embd), d(ssm__time_step_rank=nv) + ", " + emb)
+                self.expect_shape(p + "ssm_alpha.weight", (nv, n_embd), d(ssm__time_step_rank=nv) + ", " + emb)
+                self.expect_shape(p + "ssm_dt.bias", (nv,), d(ssm__time_step_rank=nv))
+                self.expect_shape(p + "ssm_a", (nv,), d(ssm__time_step_rank=nv))
+                self.expect_shape(p + "ssm_norm.weight", (dv,), ssm)
+                self.expect_shape(p + "ssm_out.weight", (n_embd, nv * dv), ssm + ", " + emb)
+            else:
+                self.expect_shape(p + "attn_q.weight", (nh * 2 * hd, n_embd),
+                                  d(attention__head_count=nh, attention__key_length=hd, embedding_length=n_embd)
+                                  + " (query and gate per head)")
+                kv = d(attention__head_count_kv=nkv, attention__key_length=hd, embedding_length=n_embd)
+                self.expect_shape(p + "attn_k.weight", (nkv * hd, n_embd), kv)
+                self.expect_shape(p + "attn_v.weight", (nkv * hd, n_embd), kv)
+                self.expect_shape(p + "attn_output.weight", (n_embd, nh * hd),
+                                  d(attention__head_count=nh, attention__key_length=hd, embedding_length=n_embd))
+                self.expect_shape(p + "attn_q_norm.weight", (hd,), d(attention__key_length=hd))
+                self.expect_shape(p + "attn_k_norm.weight", (hd,), d(attention__key_length=hd))
+        if nh % nkv:  # after the shapes: a wrong head count is best reported with the tensor it contradicts
+            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=nh)} is not a multiple of "
+                            f"{d(attention__head_count_kv=nkv)}")
+
     def new_cache(self, n_ctx: int) -> HybridCache:
         return HybridCache(self, n_ctx)
+
+    def cache_bytes(self, n_ctx: int) -> int:
+        attn = 4 * 2 * n_ctx * self.n_kv * self.head_dim * len(self.attn_layers)
+        recr = 4 * ((self.conv_kernel - 1) * self.conv_dim + self.n_v_heads * self.d_k * self.d_v)
+        return attn + recr * len(self.recr_layers)
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits: [T, n_experts] -> (ids [T, top_k] int64, weights [T, top_k] float32, sum 1)."""

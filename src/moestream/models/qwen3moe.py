@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
 from .layers import KVCache, attention, rms_norm, rope_neox
@@ -22,15 +23,17 @@ from .layers import KVCache, attention, rms_norm, rope_neox
 class Qwen3MoE(MoEModel):
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
-        g = gguf.arch_get
-        self.n_layers = int(g("block_count", required=True))
-        self.n_embd = int(g("embedding_length", required=True))
-        self.n_head = int(g("attention.head_count", required=True))
-        self.n_kv = int(g("attention.head_count_kv", self.n_head))
-        self.head_dim = int(g("attention.key_length", self.n_embd // self.n_head))
-        self.head_dim_v = int(g("attention.value_length", self.head_dim))
-        self.eps = float(g("attention.layer_norm_rms_epsilon", 1e-6))
-        self.rope_base = float(g("rope.freq_base", 10000.0))
+        self.n_layers = self.meta_int("block_count", required=True)
+        self.n_embd = self.meta_int("embedding_length", required=True)
+        self.n_head = self.meta_int("attention.head_count", required=True)
+        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
+        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        self.head_dim_v = self.meta_int("attention.value_length", self.head_dim)
+        self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
+        self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.check_shapes()
+        if opts.metadata_only:
+            return
         self.embd = self.weight("token_embd.weight")
         self.n_vocab = self.embd.shape[0]
         self.out_norm = self.norm("output_norm.weight")
@@ -53,8 +56,46 @@ class Qwen3MoE(MoEModel):
                 b["down"] = self.weight(p + "ffn_down.weight")
             self.blocks.append(b)
 
+    def check_shapes(self) -> None:
+        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read."""
+        d = self.meta_desc
+        n_embd, n_head, n_kv, hd, hdv = self.n_embd, self.n_head, self.n_kv, self.head_dim, self.head_dim_v
+        if hd % 2:
+            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__key_length=hd)} must be even (RoPE rotates "
+                            f"pairs of dimensions)")
+        emb = d(embedding_length=n_embd)
+        self.check_common_shapes(n_embd, emb)
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
+            self.expect_shape(p + "attn_q.weight", (n_head * hd, n_embd),
+                              d(attention__head_count=n_head, attention__key_length=hd, embedding_length=n_embd))
+            self.expect_shape(p + "attn_k.weight", (n_kv * hd, n_embd),
+                              d(attention__head_count_kv=n_kv, attention__key_length=hd, embedding_length=n_embd))
+            self.expect_shape(p + "attn_v.weight", (n_kv * hdv, n_embd),
+                              d(attention__head_count_kv=n_kv, attention__value_length=hdv, embedding_length=n_embd))
+            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hdv),
+                              d(attention__head_count=n_head, attention__value_length=hdv, embedding_length=n_embd))
+            self.expect_shape(p + "attn_q_norm.weight", (hd,), d(attention__key_length=hd))
+            self.expect_shape(p + "attn_k_norm.weight", (hd,), d(attention__key_length=hd))
+            self.expect_shape(p + "ffn_norm.weight", (n_embd,), emb)
+            if i in self.layout:
+                self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
+                                  d(expert_count=self.n_experts, embedding_length=n_embd))
+            else:
+                n_ff = self.gguf.tensor_info(p + "ffn_gate.weight").shape[0]
+                self.expect_shape(p + "ffn_gate.weight", (n_ff, n_embd), emb)
+                self.expect_shape(p + "ffn_up.weight", (n_ff, n_embd), emb + f" and ffn_gate's {n_ff} rows")
+                self.expect_shape(p + "ffn_down.weight", (n_embd, n_ff), emb + f" and ffn_gate's {n_ff} rows")
+        if n_head % n_kv:  # after the shapes: a wrong head count is best reported with the tensor it contradicts
+            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
+                            f"{d(attention__head_count_kv=n_kv)}")
+
     def new_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, self.device)
+
+    def cache_bytes(self, n_ctx: int) -> int:
+        return 4 * self.n_layers * n_ctx * self.n_kv * (self.head_dim + self.head_dim_v)
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits: [T, n_experts] -> (ids [T, top_k] int64, weights [T, top_k] float32, sum 1)."""

@@ -1,0 +1,440 @@
+"""Bad input found by a newcomer's review: each gets one line ``moestream: error: FILE-or-OPTION: problem`` on
+stderr and a non-zero exit (argparse syntax errors: 2), no traceback, nothing half-written, never wrong output.
+
+All on the embedded default model (``default_gguf``) and bad copies of it made with ``ggufedit.rewrite``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ggufedit import rewrite
+from moestream import bench, cli
+from moestream.engine import Engine, check_cache_fits
+from moestream.errors import ConfigError, ForwardError, GGUFError, OutputError
+from moestream.memcap import parse_cap, parse_size
+from moestream.models.base import LoadOptions, load_model
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def moestream(*args: str, prefix: tuple[str, ...] = (), **kw) -> subprocess.CompletedProcess:
+    """``python -m moestream ARGS`` in a subprocess (optionally behind ``prefix``, e.g. setpriv)."""
+    if "stdout" not in kw and "stderr" not in kw:
+        kw["capture_output"] = True
+    return subprocess.run([*prefix, sys.executable, "-m", "moestream", *args], text=True, timeout=300, **kw)
+
+
+def python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess, *needles: str, stdout_empty: bool = True) -> str:
+    """Exit 1, exactly one non-empty stderr line ``moestream: error: ...`` holding every needle, no traceback,
+    and (by default) nothing on stdout. Returns the line."""
+    assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("moestream: error: "), lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]
+    if stdout_empty:
+        assert p.stdout == "", p.stdout
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def model(default_gguf):
+    """The default model, resident, loaded once in this process (for the in-process checks)."""
+    m = load_model(str(default_gguf), LoadOptions(moe_stream=False))
+    yield m
+    m.store.close()
+
+
+# ------------------------------------------------------------------------------------------------ 1. bench --json
+def test_write_json_follows_a_symlink(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    target.chmod(0o640)
+    link = tmp_path / "link.json"
+    link.symlink_to(target.name)
+    bench.write_json(str(link), {"a": 1})
+    assert link.is_symlink() and os.readlink(link) == target.name  # the link stays a link
+    assert target.read_text().strip().replace(" ", "").replace("\n", "") == '{"a":1}'
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640  # an existing file keeps its permissions
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json"]  # no temporary file left
+
+
+def test_write_json_writes_into_a_fifo_and_a_device(tmp_path):
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    bench.write_json(str(fifo), {"rows": []})
+    reader.join(timeout=30)
+    assert got and '"rows": []' in got[0]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)  # still a FIFO, not replaced by a regular file
+    bench.write_json("/dev/null", {"rows": []})
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    if os.path.exists("/dev/full"):
+        with pytest.raises(OutputError, match="--json /dev/full: cannot write the results"):
+            bench.write_json("/dev/full", {"rows": []})
+        assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+def test_bench_json_through_a_symlink_and_slots_deduplicated(tmp_path):
+    """End to end: the link stays a link, its target gets the JSON; ``--slots 4,4`` is one row, not two."""
+    target = tmp_path / "results.json"
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    p = moestream("bench", "-p", "4", "-n", "2", "-r", "1", "--moe-stream", "on", "--slots", "4,4",
+                  "--json", str(link))
+    assert p.returncode == 0, p.stderr
+    assert link.is_symlink() and target.is_file()
+    rows = json.loads(target.read_text())["rows"]
+    assert [(r["moe_stream"], r["slots"]) for r in rows] == [(True, 4)]
+    assert p.stdout.count("| default.gguf |") == 2  # one row: pp4 and tg2
+
+
+# ------------------------------------------------------------------------------------------------ 2. permissions
+def _no_dac_prefix() -> tuple[str, ...]:
+    """A command prefix under which file permissions apply: nothing for a normal user; for root, setpriv dropping
+    the capabilities that override them (skip when setpriv is missing)."""
+    if os.geteuid() != 0:
+        return ()
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: cannot drop CAP_DAC_OVERRIDE to test permissions")
+    caps = "-dac_override,-dac_read_search"
+    return (setpriv, f"--inh-caps={caps}", f"--bounding-set={caps}")
+
+
+@pytest.mark.parametrize("command", ["inspect", "run", "verify", "bench"])
+def test_unreadable_model_file(tmp_path, default_gguf, command):
+    prefix = _no_dac_prefix()
+    path = tmp_path / "secret.gguf"
+    shutil.copy(default_gguf, path)
+    path.chmod(0)
+    assert_one_line_error(moestream(command, "-m", str(path), prefix=prefix), str(path), "permission denied")
+
+
+def test_model_in_an_unsearchable_directory(tmp_path, default_gguf):
+    prefix = _no_dac_prefix()
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    path = locked / "m.gguf"
+    shutil.copy(default_gguf, path)
+    locked.chmod(0)
+    try:
+        line = assert_one_line_error(moestream("run", "-m", str(path), "-n", "2", prefix=prefix), str(path),
+                                     "permission denied")
+        assert "no such file" not in line
+    finally:
+        locked.chmod(0o755)
+
+
+# ------------------------------------------------------------------------------------------------ 3. non-finite numbers
+@pytest.mark.parametrize("key,value", [
+    ("qwen3moe.attention.layer_norm_rms_epsilon", float("nan")),
+    ("qwen3moe.rope.freq_base", -1.0),
+])
+def test_non_finite_or_negative_hyperparameters(tmp_path, default_gguf, key, value):
+    """Before: ``run --temp 0`` printed token 0 repeated, ``verify`` said identical."""
+    path = tmp_path / "bad.gguf"
+    rewrite(default_gguf, path, set_kv={key: value})
+    for cmd in (("run", "-n", "2", "--temp", "0"), ("verify", "--steps", "2")):
+        assert_one_line_error(moestream(cmd[0], "-m", str(path), *cmd[1:]), str(path),
+                              f"metadata key {key} is {value}, which must be a positive finite number")
+
+
+def _qwen3moe_with(default_gguf: Path, **fields: object) -> None:
+    """Build the default model's class on its metadata with ``fields`` replaced (no weight is read)."""
+    from moestream.gguf import GGUFModel
+    from moestream.models.qwen3moe import Qwen3MoE
+
+    g = GGUFModel(default_gguf)
+    g.fields.update({k.replace("__", "."): v for k, v in fields.items()})
+    Qwen3MoE(g, LoadOptions(moe_stream=False, metadata_only=True))
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("attention.layer_norm_rms_epsilon", 0.0, "is 0.0, which must be a positive finite number"),
+    ("attention.layer_norm_rms_epsilon", float("inf"), "is inf, which must be a positive finite number"),
+    ("attention.layer_norm_rms_epsilon", "x", "must be a number, got 'x'"),
+    ("rope.freq_base", float("nan"), "is nan, which must be a positive finite number"),
+    ("rope.freq_base", float("-inf"), "is -inf, which must be a positive finite number"),
+    ("attention.head_count", 0, "is 0, which must be at least 1"),
+    ("attention.key_length", 2.5, "must be an integer, got 2.5"),
+])
+def test_hyperparameters_checked_at_load(default_gguf, key, value, needle):
+    with pytest.raises(GGUFError, match=re.escape(f"metadata key qwen3moe.{key} {needle}")):
+        _qwen3moe_with(default_gguf, **{f"qwen3moe__{key.replace('.', '__')}": value})
+    _qwen3moe_with(default_gguf)  # the unchanged metadata passes
+
+
+def test_checked_getters(model):
+    """The getters every architecture reads its hyperparameters through (models/base.py)."""
+    fields = model.gguf.fields
+    saved = dict(fields)
+    try:
+        fields["qwen3moe.x"] = float("nan")
+        with pytest.raises(GGUFError, match=r"qwen3moe.x is nan, which must be 0 or a positive finite number"):
+            model.meta_float("x", allow_zero=True)
+        fields["qwen3moe.x"] = "abc"
+        with pytest.raises(GGUFError, match="qwen3moe.x must be a number, got 'abc'"):
+            model.meta_float("x")
+        fields["qwen3moe.x"] = 0
+        assert model.meta_float("x", allow_zero=True) == 0.0
+        with pytest.raises(GGUFError, match="qwen3moe.x is 0, which must be at least 1"):
+            model.meta_int("x")
+        fields["qwen3moe.x"] = [4, 4, 0]
+        with pytest.raises(GGUFError, match="lists 3 values, expected one per layer"):
+            model.meta_ints("x", 4)
+        with pytest.raises(GGUFError, match="qwen3moe.x is 0"):
+            model.meta_ints("x", 3)
+    finally:
+        fields.clear()
+        fields.update(saved)
+
+
+def _nan_first(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flat[0] = np.nan
+    return a
+
+
+@pytest.fixture(scope="module")
+def nan_models(default_gguf, tmp_path_factory) -> dict[str, Path]:
+    """A NaN in a norm weight (F32), and a NaN quantization scale (the first Q8_0 block of attn_q)."""
+    d = tmp_path_factory.mktemp("nan")
+    norm = d / "nan-norm.gguf"
+    rewrite(default_gguf, norm, convert={"blk.0.attn_norm.weight": _nan_first})
+    scale = d / "nan-q8-scale.gguf"
+    shutil.copy(default_gguf, scale)
+    from gguf import GGMLQuantizationType, GGUFReader
+    t = next(t for t in GGUFReader(str(default_gguf)).tensors if t.name == "blk.0.attn_q.weight")
+    assert t.tensor_type == GGMLQuantizationType.Q8_0
+    with open(scale, "r+b") as f:  # a Q8_0 block starts with its float16 scale
+        f.seek(int(t.data_offset))
+        f.write(np.array([np.nan], dtype=np.float16).tobytes())
+    return {"norm": norm, "scale": scale}
+
+
+@pytest.mark.parametrize("kind,args", [
+    ("norm", ("run", "-n", "4", "--temp", "0")),
+    ("norm", ("run", "-n", "4", "--temp", "0.8")),
+    ("norm", ("verify", "--steps", "2")),
+    ("scale", ("run", "-n", "4", "--temp", "0")),
+    ("scale", ("verify", "--steps", "2")),
+])
+def test_nan_weights_are_reported_not_decoded(nan_models, kind, args):
+    """Before: greedy printed token 0 forever, sampling crashed in torch, verify said "identical" (NaN bytes
+    compare equal). Now: one line naming the file and the first bad position, exit 1, nothing on stdout."""
+    path = str(nan_models[kind])
+    line = assert_one_line_error(moestream(*args[:1], "-m", path, *args[1:]), path, "non-finite logits at position",
+                                 "(the weights or metadata produce NaN/Inf)")
+    assert "identical" not in line
+
+
+# ------------------------------------------------------------------------------------------------ 4. shapes
+def test_head_count_disagreeing_with_attn_q(tmp_path, default_gguf):
+    path = tmp_path / "heads.gguf"
+    rewrite(default_gguf, path, set_kv={"qwen3moe.attention.head_count": 3})
+    for cmd in (("run", "-n", "4", "-p", "Hi"), ("inspect",)):
+        assert_one_line_error(moestream(cmd[0], "-m", str(path), *cmd[1:]), str(path), "tensor blk.0.attn_q.weight",
+                              "qwen3moe.attention.head_count=3", "implies [96, 64]")
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"qwen3moe__attention__head_count_kv": 4}, "tensor blk.0.attn_k.weight has shape [64, 64] but the metadata "
+     "(qwen3moe.attention.head_count_kv=4, qwen3moe.attention.key_length=32, qwen3moe.embedding_length=64) "
+     "implies [128, 64]"),
+    ({"qwen3moe__attention__value_length": 16}, "tensor blk.0.attn_v.weight"),
+    ({"qwen3moe__attention__key_length": 16}, "tensor blk.0.attn_q.weight"),
+    ({"qwen3moe__embedding_length": 128}, "tensor blk.0.ffn_down_exps.weight has shape [64, 64, 128] but the "
+     "metadata (qwen3moe.embedding_length=128) implies [64, 128, 128]"),
+    ({"qwen3moe__attention__head_count": 8, "qwen3moe__attention__head_count_kv": 4,
+      "qwen3moe__attention__key_length": 16, "qwen3moe__attention__value_length": 16},
+     "tensor blk.0.attn_q_norm.weight has shape [32] but the metadata (qwen3moe.attention.key_length=16)"),
+    ({"qwen3moe__attention__head_count_kv": 3, "qwen3moe__attention__head_count": 3,
+      "qwen3moe__attention__key_length": 42}, "tensor blk.0.attn_q.weight"),
+])
+def test_shape_bearing_metadata(default_gguf, fields, needle):
+    with pytest.raises(GGUFError, match=re.escape(needle)):
+        _qwen3moe_with(default_gguf, **fields)
+
+
+def test_torch_error_in_a_forward_pass_is_one_line(default_gguf):
+    """The last line of defence: a torch RuntimeError inside forward -> one line naming the file, exit 1."""
+    code = ("import sys\n"
+            "from moestream.models import qwen3moe\n"
+            "def boom(*a, **k):\n"
+            "    raise RuntimeError('shape [1, 3, 32] is invalid for input of size 128\\nmore detail')\n"
+            "qwen3moe.Qwen3MoE.forward = boom\n"
+            "from moestream.cli import main\n"
+            f"sys.exit(main(['run', '-m', {str(default_gguf)!r}, '-n', '2']))\n")
+    assert_one_line_error(python(code), str(default_gguf), "the forward pass at positions 0..",
+                          "(internal error: RuntimeError: shape [1, 3, 32] is invalid for input of size 128)")
+
+
+def test_only_torch_runtime_errors_are_wrapped(model, monkeypatch):
+    def raising(exc: BaseException):
+        def forward(*args, **kwargs):
+            raise exc
+        return forward
+
+    eng = Engine(model)
+    cache = model.new_cache(4)
+    monkeypatch.setattr(model, "forward", raising(RuntimeError("bad shape")))
+    with pytest.raises(ForwardError, match="internal error: RuntimeError: bad shape"):
+        eng.prefill([1, 2], cache)
+    for exc in (NotImplementedError("todo"), KeyError("k"), ValueError("context full")):
+        monkeypatch.setattr(model, "forward", raising(exc))
+        with pytest.raises(type(exc)):
+            eng.prefill([1, 2], cache)
+
+
+# ------------------------------------------------------------------------------------------------ 5. huge sizes
+def test_cache_bytes_matches_the_cache(model):
+    for n in (1, 37, 300):
+        assert model.cache_bytes(n) == model.new_cache(n).nbytes
+    with pytest.raises(ConfigError, match=r"-n 9: a context of 100000000000 tokens is more than"):
+        check_cache_fits(model, 10**11, "-n 9")
+
+
+@pytest.mark.parametrize("args,needles", [
+    (("run", "-n", "100000000"), ("-n 100000000: a context of 100000006 tokens needs", "GiB of KV cache",
+                                  "GiB of memory is available")),
+    (("run", "-c", "2000000000", "-n", "4"), ("-c 2000000000: a context of 2000000000 tokens needs",)),
+    (("run", "-c", "99999999999"), ("-c must be at most 2^31, got 99999999999",)),
+    (("run", "-n", "99999999999999999999"), ("-n must be at most 2^31, got 99999999999999999999",)),
+    (("verify", "--steps", "100000000"), ("--steps 100000000: a context of", "GiB of KV cache")),
+    (("bench", "-p", "99999999999", "-n", "1"), ("-p and -n must be at most 2^31",)),
+])
+def test_absurd_sizes(args, needles):
+    assert_one_line_error(moestream(*args), *needles)
+
+
+# ------------------------------------------------------------------------------------------------ 6. stdout
+def test_stdout_that_cannot_be_written():
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    with open("/dev/full", "w") as full:
+        p = moestream("inspect", stdout=full, stderr=subprocess.PIPE)
+        assert_one_line_error(p, "cannot write to stdout (No space left on device)", stdout_empty=False)
+        p = moestream("run", "-n", "5", "--temp", "0", stdout=full, stderr=subprocess.PIPE)
+    # run prints its description line first; the error is the one error line, and the last
+    assert p.returncode == 1 and "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert lines[-1] == "moestream: error: cannot write to stdout (No space left on device)", p.stderr
+    assert sum(ln.startswith("moestream: error:") for ln in lines) == 1
+
+
+def test_closed_pipe_is_quiet():
+    proc = subprocess.Popen([sys.executable, "-m", "moestream", "run", "-n", "64", "--temp", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.read(5)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "error" not in err, err
+
+
+# ------------------------------------------------------------------------------------------------ 7. empty values
+@pytest.mark.parametrize("args,needle", [
+    (("run", "-m", ""), "-m: the model path is empty"),
+    (("inspect", "-m", ""), "-m: the model path is empty"),
+    (("bench", "-m", ""), "-m: the model path is empty"),
+    (("bench", "--mem-cap", ""), "--mem-cap: the value is empty"),
+    (("bench", "--json", ""), "--json: the value is empty"),
+    (("bench", "--vs", ""), "--vs: the value is empty"),
+])
+def test_empty_values_are_not_unset(args, needle):
+    """Before: ``--mem-cap ''`` ran uncapped with exit 0, ``-m ''`` ran the embedded model."""
+    assert_one_line_error(moestream(*args), needle)
+
+
+# ------------------------------------------------------------------------------------------------ 8. --mem-cap
+def test_mem_cap_units():
+    assert parse_size("1TiB") == parse_size("1T") == parse_size("1t") == 2**40
+    assert parse_size("4G") == parse_size("4GiB") == 4 * 2**30  # binary, as documented
+    assert parse_size("100000GiB") == 100000 * 2**30
+    assert parse_size("2TB") == 2 * 10**12 and parse_size("512K") == 512 * 2**10 and parse_size("7B") == 7
+    assert parse_cap("64MiB") == 64 * 2**20
+    for zero in ("0", "0GiB", "-1G"):
+        with pytest.raises(ConfigError, match="must be positive"):
+            parse_size(zero)
+    for small in ("100", "1k", "63MiB"):
+        with pytest.raises(ConfigError, match="below the 64 MiB minimum"):
+            parse_cap(small)
+    for bad in ("1e400G", "4XB", "GiB", "nan"):
+        with pytest.raises(ConfigError, match="--mem-cap: cannot read"):
+            parse_size(bad)
+
+
+@pytest.mark.parametrize("cap,needle", [("0GiB", "must be positive"), ("1k", "below the 64 MiB minimum")])
+def test_mem_cap_cli(cap, needle):
+    assert_one_line_error(moestream("bench", "-p", "4", "-n", "2", "--mem-cap", cap), "--mem-cap", needle)
+
+
+# ------------------------------------------------------------------------------------------------ 9. minor
+def test_inspect_clamps_slots_like_run():
+    p = moestream("inspect", "--slots", "1000")
+    assert p.returncode == 0, p.stderr
+    assert "--slots 64 " in p.stdout and "(100.0% of experts)" in p.stdout and "clamped" in p.stdout
+
+
+def test_inspect_unknown_architecture_like_run(tmp_path, default_gguf):
+    path = tmp_path / "other.gguf"
+    rewrite(default_gguf, path, arch="llama")
+    lines = {assert_one_line_error(moestream(cmd, "-m", str(path))) for cmd in ("inspect", "run")}
+    assert lines == {f"moestream: error: {path}: architecture 'llama' is not supported; supported: "
+                     f"gemma4, qwen35moe, qwen3moe"}
+
+
+def test_device_is_not_a_model():
+    assert_one_line_error(moestream("inspect", "-m", "/dev/zero"), "/dev/zero: is a character device",
+                          "not a regular file")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("run", "--io-threads", "257"), "--io-threads must be at most 256, got 257"),
+    (("bench", "--io-threads", "8,1000"), "--io-threads must be at most 256, got 1000"),
+    (("run", "-t", str(4 * (os.cpu_count() or 1) + 1)), f"-t must be at most {cli.max_threads()} (4 x the"),
+    (("verify", "-t", "100000"), "-t must be at most "),
+])
+def test_thread_bounds(args, needle):
+    assert_one_line_error(moestream(*args), needle)
+
+
+def test_verify_refuses_moe_stream_with_its_own_usage():
+    p = moestream("verify", "--moe-stream", "off")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.startswith("usage: moestream verify"), p.stderr
+    assert "moestream verify: error: --moe-stream does not apply to verify" in p.stderr
+    p = moestream("verify", "--bogus")
+    assert p.returncode == 2 and p.stderr.startswith("usage: moestream verify"), p.stderr
+
+
+# ------------------------------------------------------------------------------------------------ 10. --vs message
+def test_vs_llamacpp_missing_points_at_the_installer(default_gguf):
+    code = ("import sys\n"
+            "sys.modules['llama_cpp'] = None  # import llama_cpp -> ImportError, as when it is not installed\n"
+            "from moestream.cli import main\n"
+            f"sys.exit(main(['bench', '-m', {str(default_gguf)!r}, '-p', '4', '-n', '2', '--vs', 'llama.cpp']))\n")
+    line = assert_one_line_error(python(code), "--vs llama.cpp needs llama-cpp-python",
+                                 "tools/llamacpp.py install", "about 5 minutes")
+    assert "pip install" not in line
