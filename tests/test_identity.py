@@ -21,16 +21,150 @@ def resident(qwen3moe_tiny):
     return model, ids
 
 
-@pytest.mark.parametrize("slots,io_threads,policy,ubatch", [
-    ("top_k", 1, "lfu", 128),      # the smallest legal pool
-    ("top_k", 8, "lfu", 7),        # smallest pool, prompt in several chunks
-    ("half", 8, "lfu", 128),       # fewer slots than the prompt's distinct experts: tiled prefill
-    ("half", 1, "lru", 128),
-    ("all", 8, "lfu", 128),        # every expert fits
+@pytest.mark.parametrize("slots,io_threads,policy,ubatch,overlap", [
+    ("top_k", 1, "lfu", 128, True),      # the smallest legal pool
+    ("top_k", 8, "lfu", 7, True),        # smallest pool, prompt in several chunks
+    ("top_k", 8, "lfu", 128, False),     # tiles of the whole pool, no prefetch of the next tile
+    ("half", 8, "lfu", 128, True),       # fewer slots than the prompt's distinct experts: tiled prefill
+    ("half", 1, "lru", 128, True),
+    ("half", 8, "lru", 128, False),
+    ("all", 8, "lfu", 128, True),        # every expert fits
 ])
-def test_verify_identical(resident, slots, io_threads, policy, ubatch):
+def test_verify_identical(resident, slots, io_threads, policy, ubatch, overlap):
     model, ids = resident
-    verify_identical(model, ids, 32, slots, ubatch=ubatch, io_threads=io_threads, policy=policy)
+    verify_identical(model, ids, 32, slots, ubatch=ubatch, io_threads=io_threads, policy=policy, overlap=overlap)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_tiled_prefill_prefetches_the_next_tile_with_overlap(resident, monkeypatch, overlap):
+    """With overlap on, a tiled prefill starts tile i+1's reads (tile i pinned) before joining tile i's, and
+    tiles are half the pool; with overlap off each tile fills the pool and is prepared after the previous one's
+    compute. verify() must pass its overlap setting on to the streaming run."""
+    from moestream.experts.pool import StreamingStore
+    model, ids = resident
+    events: list[tuple] = []
+    real_prepare, real_wait = StreamingStore.prepare, StreamingStore.wait
+
+    def prepare(self, layer, experts, pinned=()):
+        slot_ids, ticket = real_prepare(self, layer, experts, pinned)
+        events.append(("prepare", layer, len(experts), tuple(pinned), id(ticket) if ticket else None))
+        return slot_ids, ticket
+
+    def wait(self, ticket, through=None):
+        events.append(("wait", id(ticket) if ticket else None, through))
+        return real_wait(self, ticket, through)
+
+    monkeypatch.setattr(StreamingStore, "prepare", prepare)
+    monkeypatch.setattr(StreamingStore, "wait", wait)
+    slots = model.top_k
+    res = verify(model, ids, 2, LoadOptions(slots=slots, io_threads=4, overlap=overlap), ubatch=len(ids))
+    assert res.identical
+    # the first MoE layer's prefill: every event until the first prepare of another layer
+    end = next(i for i, e in enumerate(events) if e[0] == "prepare" and e[1] != events[0][1])
+    prefill = events[:end]
+    preps = [e for e in prefill if e[0] == "prepare"]
+    assert len(preps) > 2, "the prompt must need several tiles in a layer"
+    sizes = {e[2] for e in preps[:-1]}
+    if overlap:
+        assert sizes == {slots // 2}
+        # the second prepare comes before the first wait, with the first tile pinned
+        assert [e[0] for e in prefill[:3]] == ["prepare", "prepare", "wait"]
+        assert len(prefill[1][3]) == slots // 2
+    else:
+        assert sizes == {slots}
+        assert [e[0] for e in prefill[:4]] == ["prepare", "wait", "prepare", "wait"]
+        assert all(not e[3] for e in preps)
+
+
+def test_decode_computes_hits_first_and_each_miss_after_its_own_join(resident, monkeypatch):
+    """With overlap, a decode step's hits are computed before any join, and each miss right after the join of
+    its own reads (not one join for all); identical logits are covered by verify above."""
+    from moestream.experts import moe as moe_mod
+    from moestream.experts.pool import ResidentStore, StreamingStore
+    model, ids = resident
+    store = model.make_store(LoadOptions(slots=model.n_experts // 2, io_threads=2))
+    model.set_store(store)
+    events: list[tuple] = []
+    real_wait, real_expert = StreamingStore.wait, moe_mod.MoE._expert
+
+    def wait(self, ticket, through=None):
+        events.append(("wait", through))
+        return real_wait(self, ticket, through)
+
+    def expert(self, st, slot, xs):
+        events.append(("expert", int(st.slots[self.layer].expert_of[slot])))
+        return real_expert(self, st, slot, xs)
+
+    try:
+        engine = Engine(model)
+        cache = model.new_cache(len(ids) + 8)
+        engine.prefill(ids, cache)
+        monkeypatch.setattr(StreamingStore, "wait", wait)
+        monkeypatch.setattr(moe_mod.MoE, "_expert", expert)
+        seen_mixed = False
+        for pos in range(len(ids), len(ids) + 8):
+            events.clear()
+            engine.decode_step(ids[pos % len(ids)], pos, cache)
+            ends = [i for i, e in enumerate(events) if e[0] == "expert"]
+            layer0 = events[: ends[model.top_k - 1] + 1]  # a token uses top_k experts in the first MoE layer
+            waited = [e[1] for e in layer0 if e[0] == "wait"]
+            computed = [e[1] for e in layer0 if e[0] == "expert"]
+            assert None not in waited, "overlap on joins expert by expert, never the whole ticket at once"
+            hits = [e for e in computed if e not in waited]
+            assert computed == hits + waited, "hits first, then the misses in read order"
+            for e in waited:  # each miss is computed right after its own join
+                i = layer0.index(("wait", e))
+                assert layer0[i + 1] == ("expert", e)
+            seen_mixed |= bool(hits) and bool(waited)
+        assert seen_mixed, "no decode step had both hits and misses in layer 0: the test checked nothing"
+    finally:
+        store.close()
+        model.set_store(ResidentStore(model.gguf, model.layout))
+
+
+def test_read_error_in_a_prefetched_tile_leaves_no_half_read_slot(resident, monkeypatch):
+    """A read error while the next tile is in flight: the error surfaces, and afterwards every slot that still
+    maps an expert holds that expert's exact bytes (unjoined reads are discarded, their slots emptied)."""
+    from moestream.errors import ExpertReadError
+    from moestream.experts import reader as reader_mod
+    from moestream.experts.pool import ResidentStore
+    model, ids = resident
+    real = reader_mod.ExpertReader._read
+    last = max(model.layout.layers)
+    last_ranges = [(m.expert_offset(0), m.expert_offset(m.n_experts - 1) + m.bytes_per_expert)
+                   for m in model.layout[last].values()]
+    calls = {"n": 0}
+
+    def flaky(self, job):  # fails a read of the last MoE layer's second tile (3 matrices x 4 experts a tile)
+        if any(a <= job.offset < b for a, b in last_ranges):
+            calls["n"] += 1
+            if calls["n"] == 3 * 4 + 4:
+                raise ExpertReadError(job.path, job.offset, len(job.dest), "injected")
+        return real(self, job)
+
+    monkeypatch.setattr(reader_mod.ExpertReader, "_read", flaky)
+    store = model.make_store(LoadOptions(slots=model.top_k * 2, io_threads=1))
+    model.set_store(store)
+    try:
+        with pytest.raises(ExpertReadError, match="injected"):
+            Engine(model, ubatch=len(ids)).prefill(ids, model.new_cache(len(ids)))
+        checked = 0
+        for layer, sm in store.slots.items():
+            for slot, expert in enumerate(sm.expert_of.tolist()):
+                if expert < 0:
+                    continue
+                assert sm.slot_of[expert] == slot
+                for name, m in model.layout[layer].items():
+                    with open(m.path, "rb") as f:
+                        f.seek(m.expert_offset(expert))
+                        want = f.read(m.bytes_per_expert)
+                    assert bytes(store.matrix(layer, name)[slot].numpy()) == want, (layer, expert, name)
+                    checked += 1
+        assert checked > 0
+        assert (store.slots[last].expert_of < 0).all(), "the failed tile and the prefetched one are emptied"
+    finally:
+        store.close()
+        model.set_store(ResidentStore(model.gguf, model.layout))
 
 
 def test_pool_smaller_than_prompt_experts_really_tiles(resident):

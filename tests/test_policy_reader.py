@@ -77,6 +77,30 @@ def test_random_plans_stay_consistent():
         check_consistent(slots)
 
 
+def test_pinned_experts_are_never_evicted():
+    """The tile being computed is pinned while the next tile's slots are chosen (prefill's tile prefetch)."""
+    rng = np.random.default_rng(1)
+    slots, pol = SlotMap(64, 8), LFUPolicy(64)
+    prev: list[int] = []
+    for _ in range(500):
+        ids = rng.choice(64, size=rng.integers(1, 5), replace=False).tolist()
+        before = {e: int(slots.slot_of[e]) for e in prev}
+        plan = pol.plan(slots, ids, pinned=prev)
+        assert {e: int(slots.slot_of[e]) for e in prev} == before  # same slots, still mapped
+        assert not {s for _, s in plan.loads} & set(before.values())
+        assert [slots.expert_of[s] for s in plan.slot_ids] == ids
+        check_consistent(slots)
+        prev = ids
+
+
+def test_plan_with_pinned_larger_than_pool_is_refused():
+    slots, pol = SlotMap(8, 4), LFUPolicy(8)
+    pol.plan(slots, [0, 1])
+    pol.plan(slots, [2, 3], pinned=[0, 1])  # exactly fills the pool
+    with pytest.raises(ValueError, match="3 experts in one step and 2 pinned but the pool has 4 slots"):
+        pol.plan(slots, [4, 5, 0], pinned=[0, 1, 2])
+
+
 def test_reader_reads_into_slot_memory(tmp_path):
     data = os.urandom(1 << 20)
     path = tmp_path / "f.bin"
@@ -91,6 +115,43 @@ def test_reader_reads_into_slot_memory(tmp_path):
             assert bytes(pool[s].numpy()) == data[o:o + 4096]
         assert r.bytes_read == 4 * 4096
         r.close()
+
+
+def test_reader_joins_a_prefix_then_the_rest(tmp_path):
+    """wait(ticket, upto) joins the first reads only (what the per-expert join of a decode step uses); a later
+    wait joins the rest; bytes are counted once."""
+    data = os.urandom(1 << 16)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    pool = torch.zeros((6, 1024), dtype=torch.uint8)
+    views = [memoryview(pool.numpy()[s]) for s in range(6)]
+    r = ExpertReader(1)
+    ticket = r.submit([ReadJob(str(path), 1024 * s, views[s]) for s in range(6)])
+    r.wait(ticket, 2)
+    assert ticket.joined == 2 and r.bytes_read == 2 * 1024
+    assert bytes(pool[:2].numpy()) == data[:2048]
+    r.wait(ticket, 2)  # nothing new to join
+    assert r.bytes_read == 2 * 1024
+    r.wait(ticket)
+    assert ticket.joined == 6 and r.bytes_read == 6 * 1024 and r.reads == 6
+    assert bytes(pool.numpy()) == data[: 6 * 1024]
+    r.close()
+
+
+def test_reader_error_in_a_prefix_settles_every_read(tmp_path):
+    """An error while joining a prefix waits for the ticket's other reads too, so none is still writing into
+    slot memory when the caller empties the slots."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"y" * 8192)
+    pool = torch.zeros((3, 4096), dtype=torch.uint8)
+    views = [memoryview(pool.numpy()[s]) for s in range(3)]
+    r = ExpertReader(2)
+    ticket = r.submit([ReadJob(str(path), 6000, views[0]), ReadJob(str(path), 0, views[1]),
+                       ReadJob(str(path), 4096, views[2])])
+    with pytest.raises(ExpertReadError, match="short read"):
+        r.wait(ticket, 1)
+    assert ticket.joined == 3 and all(f.done() for f in ticket.futures)
+    r.close()
 
 
 def test_reader_short_read_is_an_error(tmp_path):

@@ -2,11 +2,16 @@
 
 Each row runs in a fresh process so that its peak RSS and disk reads are its own. A row does one warm-up
 pass, then ``-r`` repetitions of the pp test (prefill ``-p`` random tokens into an empty context) and the
-tg test (``-n`` greedy decode steps from one token), and reports mean +- sd tok/s, the expert hit rate,
+tg test (``-n`` single-token decode steps), and reports mean +- sd tok/s, the expert hit rate,
 the IO stall (share of the test's time the compute thread spent blocked waiting for expert reads: what
 ``--overlap on`` hides behind the shared/dense FFN), GiB streamed into slots, GiB read from disk
 (/proc/self/io), and peak RSS. No timing is asserted anywhere:
 this is a measurement tool.
+
+Tokens are random, as llama-bench's (tools/llama-bench/llama-bench.cpp, test_prompt / test_gen): each tg
+step decodes a random token rather than the previous step's argmax, so that greedy decoding of random
+weights (which repeats a few tokens) does not turn decode into a cache-hit test. The token sequence comes
+from a fixed seed, so every row of a run, llama.cpp's included, decodes the same tokens.
 """
 
 from __future__ import annotations
@@ -165,6 +170,8 @@ def write_json(path: str, obj: object) -> None:
 
 def run_row(cfg: dict) -> dict:
     """Run one configuration in this process; returns the row as a dict."""
+    import random
+
     import torch
 
     from .engine import Engine, check_cache_fits, disk_read_bytes, peak_rss_bytes
@@ -180,7 +187,7 @@ def run_row(cfg: dict) -> dict:
     load_seconds = time.perf_counter() - t_load
     check_cache_fits(model, max(cfg["n_prompt"], cfg["n_gen"] + 1), "-p/-n")
     engine = Engine(model, cfg.get("ubatch", 128))
-    gen = torch.Generator().manual_seed(1234)
+    rng = random.Random(1234)  # the same seed and draws as run_llamacpp_row: every row sees the same tokens
     store = model.store
     result = {**cfg, "load_seconds": load_seconds, "tests": []}
 
@@ -188,18 +195,18 @@ def run_row(cfg: dict) -> dict:
         return store.stats.hits, store.stats.misses, store.bytes_read, disk_read_bytes(), store.stats.stall_seconds
 
     def pp(n: int) -> float:
-        toks = torch.randint(0, model.n_vocab, (n,), generator=gen).tolist()
+        toks = [rng.randrange(model.n_vocab) for _ in range(n)]
         cache = model.new_cache(n)
         t0 = time.perf_counter()
         engine.prefill(toks, cache)
         return time.perf_counter() - t0
 
     def tg(n: int) -> float:
-        tok = int(torch.randint(0, model.n_vocab, (1,), generator=gen))
+        toks = [rng.randrange(model.n_vocab) for _ in range(n)]
         cache = model.new_cache(n + 1)
         t0 = time.perf_counter()
-        for pos in range(n):
-            tok = int(torch.argmax(engine.decode_step(tok, pos, cache)))
+        for pos, tok in enumerate(toks):
+            engine.decode_step(tok, pos, cache)
         return time.perf_counter() - t0
 
     # warm-up, as llama-bench does: fills the slot pools and the page cache a little
@@ -267,11 +274,10 @@ def run_llamacpp_row(cfg: dict) -> dict:
 
     def tg(n: int) -> float:
         llm.reset()
-        tok = rng.randrange(n_vocab)
+        toks = [rng.randrange(n_vocab) for _ in range(n)]
         t0 = time.perf_counter()
-        for _ in range(n):
+        for tok in toks:
             llm.eval([tok])
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
         return time.perf_counter() - t0
 
     from .engine import disk_read_bytes, peak_rss_bytes

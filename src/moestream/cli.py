@@ -249,7 +249,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 1
     write_stdout(f"identical: {res.steps} steps (the prefill of a {len(ids)}-token prompt, every position, then "
                  f"{args.steps} greedy decode steps), {res.n_logits} logits compared bytewise; "
-                 f"streamed {res.streamed_bytes / GiB:.4f} GiB, "
+                 f"overlap {'on' if opts.overlap else 'off'}, streamed {res.streamed_bytes / GiB:.4f} GiB, "
                  f"hit rate {100 * res.hit_rate:.1f}%\n")
     return 0
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,16 +66,20 @@ def _run(engine: Engine, prompt: list[int], steps: int,
 
 def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ubatch: int = 128) -> VerifyResult:
     """Run ``prompt`` + ``steps`` greedy tokens resident, then streaming with ``opts`` (slots, io_threads,
-    policy, overlap), comparing logits bytewise at every step and prompt position."""
+    policy, overlap: ``opts.overlap`` applies to the streaming run whatever ``model`` was loaded with),
+    comparing logits bytewise at every step and prompt position."""
     engine = Engine(model, ubatch)
     model.set_store(ResidentStore(model.gguf, model.layout))
     ref, _, ref_tokens = _run(engine, prompt, steps, None)
     stream_opts = LoadOptions(**{**opts.__dict__, "moe_stream": True})
     store = model.make_store(stream_opts)
     model.set_store(store)
+    saved = model.opts
+    model.opts = replace(saved, overlap=opts.overlap)  # the streaming run uses the overlap asked for here
     try:
         got, diff, tokens = _run(engine, prompt, steps, ref)
     finally:
+        model.opts = saved
         store.close()
     n_logits = sum(t.numel() for t in got[: len(got) - (1 if diff else 0)])
     return VerifyResult(identical=diff is None, steps=len(got) if diff is None else diff[0],

@@ -49,30 +49,67 @@ class MoE:
         ``overlap`` (else before the reads start). expert_scale: optional [n_experts] per-expert output
         scale, indexed by real expert id. Returns (routed output [tokens, hidden], shared output or None).
 
-        When a chunk selects more distinct experts than the pool holds, the experts are walked in tiles of
-        pool capacity: load a tile, compute every token routed to it, next tile. Each token's top-k outputs
-        are summed in top-k order at the end, so tiling never changes the result.
+        With ``overlap`` (the default) the reads hide behind every computation that does not need them:
+        after the router's top-k the misses go to the IO threads, the shared/dense FFN runs, then the hits'
+        matmuls, then each miss's matmul right after its own reads are joined (reads finish roughly in the
+        order they were queued). Without it: shared FFN, then the reads, one join, then the experts.
+
+        When a chunk selects more distinct experts than the pool holds (prefill through a small pool), the
+        experts are walked in tiles: load a tile, compute every token routed to it, next tile. With
+        ``overlap`` a tile is half the pool, and the next tile's reads start (its slots chosen with the current
+        tile pinned) before the current tile is computed, so reads hide behind expert compute too; without it,
+        tiles fill the pool and each load waits for the previous tile's compute. Each token's top-k outputs are
+        summed in top-k order at the end and every expert sees the same tokens either way, so neither tiling
+        nor overlap changes a bit of the result.
         """
         store = self.store_of()
         n_tok, top_k = ids.shape
         experts = torch.unique(ids).tolist()  # sorted real ids
         cap = store.capacity(self.layer)
-        tiles = [experts[i:i + cap] for i in range(0, len(experts), cap)]
+        size = cap // 2 if overlap and len(experts) > cap and cap >= 2 else cap
+        tiles = [experts[i:i + size] for i in range(0, len(experts), size)]
         if expert_scale is not None:
             weights = weights * expert_scale[ids]  # real ids, never slot ids
         out = x.new_zeros((n_tok, top_k, x.shape[-1]))
         shared_out = None
         if shared is not None and not overlap:
             shared_out = shared(x)
-        for ti, tile in enumerate(tiles):
-            slot_ids, ticket = store.prepare(self.layer, tile)
-            if ti == 0 and shared is not None and overlap:
-                shared_out = shared(x)  # runs while the IO threads read this tile's misses
-            store.wait(ticket)
-            for expert, slot in zip(tile, slot_ids, strict=True):
-                tok, kk = (ids == expert).nonzero(as_tuple=True)
-                y = self._expert(store, slot, x[tok])
-                out[tok, kk] = y * weights[tok, kk, None]
+        unjoined: list = []  # tickets whose reads were started and not yet joined (discarded on an error)
+
+        def start(tile: list[int], pinned: list[int] = ()) -> tuple[list[int], object]:
+            slot_ids, ticket = store.prepare(self.layer, tile, pinned=pinned)
+            unjoined.append(ticket)
+            return slot_ids, ticket
+
+        try:
+            nxt = start(tiles[0])
+            if shared is not None and overlap:
+                shared_out = shared(x)  # runs while the IO threads read the first tile's misses
+            for ti, tile in enumerate(tiles):
+                slot_ids, ticket = nxt
+                if overlap and ti + 1 < len(tiles):  # start the next tile's reads; this tile stays pinned
+                    nxt = start(tiles[ti + 1], pinned=tile)
+                slot_of = dict(zip(tile, slot_ids, strict=True))
+                if overlap:  # hits first, then each miss as soon as its own reads are joined
+                    reading = store.reading(ticket)
+                    misses = set(reading)
+                    order = [e for e in tile if e not in misses] + reading
+                else:  # one join, then the tile in order
+                    store.wait(ticket)
+                    misses, order = set(), tile
+                for expert in order:
+                    if expert in misses:
+                        store.wait(ticket, through=expert)
+                    tok, kk = (ids == expert).nonzero(as_tuple=True)
+                    y = self._expert(store, slot_of[expert], x[tok])
+                    out[tok, kk] = y * weights[tok, kk, None]
+                unjoined.remove(ticket)  # every read of it was joined above
+                if not overlap and ti + 1 < len(tiles):
+                    nxt = start(tiles[ti + 1])
+        except BaseException:
+            for ticket in unjoined:
+                store.discard(ticket)
+            raise
         return out.sum(dim=1), shared_out
 
     def _expert(self, store: ExpertStore, slot: int, xs: torch.Tensor) -> torch.Tensor:

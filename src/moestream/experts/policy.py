@@ -27,7 +27,8 @@ class SlotMap:
 class CachePolicy:
     """Base policy. ``plan(slots, experts)`` assigns slots to the distinct ``experts`` of one step.
 
-    All of ``experts`` are pinned for the step: a miss never evicts another expert of the same step.
+    All of ``experts`` are pinned for the step: a miss never evicts another expert of the same step, nor an
+    expert passed as ``pinned``.
     Subclasses define ``_keys(candidate_experts)``: the expert with the smallest key is evicted first.
     """
 
@@ -41,10 +42,15 @@ class CachePolicy:
     def _keys(self, experts: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def plan(self, slots: SlotMap, experts: list[int]) -> Plan:
-        """experts: distinct real expert ids, len <= slots.n_slots. Returns the Plan; updates the slot map."""
-        if len(experts) > slots.n_slots:
-            raise ValueError(f"{len(experts)} experts in one step but the pool has {slots.n_slots} slots")
+    def plan(self, slots: SlotMap, experts: list[int], pinned: list[int] = ()) -> Plan:
+        """experts: distinct real expert ids, len <= slots.n_slots. pinned: other real expert ids whose slots
+        must survive this plan (a tile still being computed while this one loads); they are not counted as
+        uses. Returns the Plan; updates the slot map. ValueError if experts and pinned need more slots than
+        the pool has."""
+        keep = [e for e in pinned if e not in set(experts)]
+        if len(experts) + len(keep) > slots.n_slots:
+            also = f" and {len(keep)} pinned" if keep else ""
+            raise ValueError(f"{len(experts)} experts in one step{also} but the pool has {slots.n_slots} slots")
         self.clock += 1
         ids = np.asarray(experts, dtype=np.int64)
         self.uses[ids] += 1
@@ -58,6 +64,8 @@ class CachePolicy:
             occupied = resident >= 0
             keys[occupied] = self._keys(resident[occupied])
             keys[np.isin(resident, ids)] = np.inf  # pinned: needed by this step
+            if keep:
+                keys[np.isin(resident, np.asarray(keep, dtype=np.int64))] = np.inf  # in use by the previous tile
             victims = np.argsort(keys, kind="stable")[: len(miss)]
             for i, slot in zip(miss.tolist(), victims.tolist(), strict=True):
                 old = resident[slot]

@@ -37,8 +37,9 @@ class StoreStats:
 
 
 class ExpertStore:
-    """Interface. ``capacity(layer)``: experts that fit at once. ``prepare(layer, experts)`` -> (slot ids,
-    ticket); ``wait(ticket)``; ``matrix(layer, name)`` -> uint8 tensor [capacity, bytes_per_expert]."""
+    """Interface. ``capacity(layer)``: experts that fit at once. ``prepare(layer, experts, pinned)`` -> (slot
+    ids, ticket), never evicting ``pinned``; ``wait(ticket)``; ``discard(ticket)`` (a prepared tile that will
+    not be computed); ``matrix(layer, name)`` -> uint8 tensor [capacity, bytes_per_expert]."""
 
     streaming = False
 
@@ -49,10 +50,17 @@ class ExpertStore:
     def capacity(self, layer: int) -> int:
         raise NotImplementedError
 
-    def prepare(self, layer: int, experts: list[int]) -> tuple[list[int], Ticket | None]:
+    def prepare(self, layer: int, experts: list[int], pinned: list[int] = ()) -> tuple[list[int], Ticket | None]:
         raise NotImplementedError
 
-    def wait(self, ticket: Ticket | None) -> None:
+    def wait(self, ticket: Ticket | None, through: int | None = None) -> None:
+        pass
+
+    def reading(self, ticket: Ticket | None) -> list[int]:
+        """Real ids of the experts ``ticket`` is reading (the misses of its prepare()), in read order."""
+        return []
+
+    def discard(self, ticket: Ticket | None) -> None:
         pass
 
     def matrix(self, layer: int, name: str) -> torch.Tensor:
@@ -81,7 +89,7 @@ class ResidentStore(ExpertStore):
     def capacity(self, layer: int) -> int:
         return self.layout.n_experts(layer)
 
-    def prepare(self, layer: int, experts: list[int]) -> tuple[list[int], Ticket | None]:
+    def prepare(self, layer: int, experts: list[int], pinned: list[int] = ()) -> tuple[list[int], Ticket | None]:
         self.stats.hits += len(experts)
         return list(experts), None
 
@@ -132,9 +140,10 @@ class StreamingStore(ExpertStore):
     def capacity(self, layer: int) -> int:
         return self.slots[layer].n_slots
 
-    def prepare(self, layer: int, experts: list[int]) -> tuple[list[int], Ticket | None]:
-        """Assign slots to ``experts`` (distinct real ids) and start reading the misses."""
-        plan = self.policies[layer].plan(self.slots[layer], experts)
+    def prepare(self, layer: int, experts: list[int], pinned: list[int] = ()) -> tuple[list[int], Ticket | None]:
+        """Assign slots to ``experts`` (distinct real ids) and start reading the misses. ``pinned``: experts
+        whose slots are still in use (the tile being computed while this one loads); never evicted."""
+        plan = self.policies[layer].plan(self.slots[layer], experts, pinned)
         self.stats.misses += len(plan.loads)
         self.stats.hits += len(experts) - len(plan.loads)
         if not plan.loads:
@@ -144,24 +153,47 @@ class StreamingStore(ExpertStore):
                 for e, s in plan.loads for name, m in mats.items()]
         ticket = self.reader.submit(jobs)
         ticket.loads = (layer, plan.loads)  # type: ignore[attr-defined]
+        ticket.n_mats = len(mats)  # type: ignore[attr-defined]  # jobs per expert, consecutive
         return plan.slot_ids, ticket
 
-    def wait(self, ticket: Ticket | None) -> None:
-        """Join the reads of one prepare(). On a read error the slots being filled are emptied first."""
+    def reading(self, ticket: Ticket | None) -> list[int]:
+        return [] if ticket is None else [e for e, _ in ticket.loads[1]]  # type: ignore[attr-defined]
+
+    def wait(self, ticket: Ticket | None, through: int | None = None) -> None:
+        """Join the reads of one prepare(): all of them, or (``through`` = a real expert id from
+        ``reading(ticket)``) those of the experts up to and including that one, in read order. On a read error
+        every read of the ticket settles and its slots are emptied before the error is raised."""
         if ticket is None:
             return
+        upto = None
+        if through is not None:
+            upto = (self.reading(ticket).index(through) + 1) * ticket.n_mats  # type: ignore[attr-defined]
         t0 = time.perf_counter()
         try:
-            self.reader.wait(ticket)
+            self.reader.wait(ticket, upto)
         except BaseException:
-            layer, loads = ticket.loads  # type: ignore[attr-defined]
-            slots = self.slots[layer]
-            for e, s in loads:
-                slots.slot_of[e] = -1
-                slots.expert_of[s] = -1
+            self._forget(ticket)
             raise
         finally:
             self.stats.stall_seconds += time.perf_counter() - t0
+
+    def discard(self, ticket: Ticket | None) -> None:
+        """Abandon a prepared tile (an error came first): let its reads settle, then empty its slots, so no
+        later step uses a slot whose read was never joined."""
+        if ticket is None:
+            return
+        try:
+            self.reader.wait(ticket)
+        except BaseException:  # noqa: BLE001 - the error that made us discard is the one to report
+            pass
+        self._forget(ticket)
+
+    def _forget(self, ticket: Ticket) -> None:
+        layer, loads = ticket.loads  # type: ignore[attr-defined]
+        slots = self.slots[layer]
+        for e, s in loads:
+            slots.slot_of[e] = -1
+            slots.expert_of[s] = -1
 
     def matrix(self, layer: int, name: str) -> torch.Tensor:
         return self.pools[layer][name]

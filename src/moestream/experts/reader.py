@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -21,10 +22,12 @@ class ReadJob:
 
 
 class Ticket:
-    """Handle of one submit(); pass it to ExpertReader.wait()."""
+    """Handle of one submit(); pass it to ExpertReader.wait(). ``joined``: how many of its reads (a prefix, in
+    submit order) have been joined so far."""
 
     def __init__(self, futures: list[Future]):
         self.futures = futures
+        self.joined = 0
 
 
 class ExpertReader:
@@ -79,23 +82,33 @@ class ExpertReader:
         futures[0].t0 = t0  # type: ignore[attr-defined]
         return Ticket(futures)
 
-    def wait(self, ticket: Ticket) -> None:
-        """Block until every read of ``ticket`` is done. Raises the first ExpertReadError."""
-        if not ticket.futures:
+    def wait(self, ticket: Ticket, upto: int | None = None) -> None:
+        """Block until the reads of ``ticket`` are done: all of them, or the first ``upto`` in submit order (the
+        rest keep running). Raises the first ExpertReadError; after an error every read of the ticket has
+        settled (none is left writing into slot memory)."""
+        end = len(ticket.futures) if upto is None else min(upto, len(ticket.futures))
+        if end <= ticket.joined:
             return
         t_wait = time.perf_counter()
         error: BaseException | None = None
         n = 0
-        for f in ticket.futures:
+        for f in ticket.futures[ticket.joined:end]:
             try:
                 n += f.result()
             except BaseException as e:  # noqa: BLE001 - re-raised below after all reads settle
                 error = error or e
+        if error is not None:  # let the reads not yet joined finish before the caller reuses their slots
+            for f in ticket.futures[end:]:
+                with contextlib.suppress(BaseException):
+                    f.result()
+            end = len(ticket.futures)
         now = time.perf_counter()
         self.wait_seconds += now - t_wait
-        self.read_seconds += now - ticket.futures[0].t0  # type: ignore[attr-defined]
+        if end == len(ticket.futures):
+            self.read_seconds += now - ticket.futures[0].t0  # type: ignore[attr-defined]
         self.bytes_read += n
-        self.reads += len(ticket.futures)
+        self.reads += end - ticket.joined
+        ticket.joined = end
         if error is not None:
             raise error
 
