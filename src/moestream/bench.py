@@ -4,7 +4,7 @@ Each row runs in a fresh process so that its peak RSS and disk reads are its own
 pass, then ``-r`` repetitions of the pp test (prefill ``-p`` random tokens into an empty context) and the
 tg test (``-n`` single-token decode steps), and reports mean +- sd tok/s, the expert hit rate,
 the IO stall (share of the test's time the compute thread spent blocked waiting for expert reads: what
-``--overlap on`` hides behind the shared/dense FFN), GiB streamed into slots, GiB read from disk
+``--overlap on`` hides behind the shared/dense FFN and the expert matmuls), GiB streamed into slots, GiB read from disk
 (/proc/self/io), and peak RSS. No timing is asserted anywhere:
 this is a measurement tool.
 

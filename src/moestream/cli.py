@@ -72,7 +72,8 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
         p.add_argument("--policy", default="lfu", type=str.lower,
                        help="slot replacement policy: lfu (default) or lru")
         p.add_argument("--overlap", type=_on_off, default=True, metavar="on|off",
-                       help="run the shared/dense FFN while expert reads are in flight (default on)")
+                       help="hide expert reads behind the shared/dense FFN, the hits' matmuls and the "
+                       "previous prefill tile (default on; off: read, then compute)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: torch's; at most 4 "
                    "x the CPUs; on a busy machine -t 1 can be much faster)")
     p.add_argument("--expand-dense", action="store_true",

@@ -34,7 +34,8 @@ class LoadOptions:
     moe_stream: stream routed experts through slot pools (True) or address them in a memory map (False).
     slots: slots per MoE layer (None: a quarter of the experts, at least top-k). io_threads: reader threads.
     policy: slot replacement policy name. expand_dense: dequantize dense weights to float32 at load.
-    overlap: run the shared/dense FFN while expert reads are in flight. device: torch device string.
+    overlap: compute while expert reads are in flight (the shared/dense FFN, the hits, the previous prefill
+    tile; see experts/moe.py) instead of reading, then computing. device: torch device string.
     metadata_only: read and check the hyperparameters against the tensor table (shapes, ggml types) and stop:
     no weight is read and no expert store is made (``inspect`` uses it to refuse what ``run`` would refuse).
     """
