@@ -108,6 +108,49 @@ def test_bench_json_through_a_symlink_and_slots_deduplicated(tmp_path):
     assert p.stdout.count("| default.gguf |") == 2  # one row: pp4 and tg2
 
 
+def test_bench_json_never_replaces_the_model(tmp_path, default_gguf):
+    """A typo (``--json`` naming the model) is refused before any row runs; the model is left as it was."""
+    model = tmp_path / "m.gguf"
+    shutil.copyfile(default_gguf, model)
+    before = model.read_bytes()
+    link = tmp_path / "link.json"
+    link.symlink_to(model)
+    for target in (model, link):
+        assert_one_line_error(moestream("bench", "-m", str(model), "-p", "4", "-n", "2", "-r", "1", "--json",
+                                        str(target)), "that is the model file")
+    assert model.read_bytes() == before
+
+
+@pytest.mark.parametrize("target,needle", [
+    ("new.json/", "the path ends with '/'"),
+    ("/proc/moestream-results.json", "cannot write a file there"),
+])
+def test_bench_json_paths_checked_before_any_row(tmp_path, target, needle):
+    path = target if target.startswith("/") else f"{tmp_path}/{target}"  # (pathlib would drop the '/')
+    assert_one_line_error(moestream("bench", "-p", "4", "-n", "2", "-r", "1", "--json", path), needle)
+    assert not (tmp_path / "new.json").exists()
+
+
+def test_on_off_values_take_any_case():
+    """run/verify and bench read on|off alike (case and surrounding spaces do not matter)."""
+    p = moestream("bench", "-p", "4", "-n", "2", "-r", "1", "--moe-stream", "ON", "--slots", "4",
+                  "--overlap", "Off, off")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("| off |") == 2 and "| on |" not in p.stdout
+    p = moestream("verify", "--steps", "2", "--overlap", " OFF")
+    assert p.returncode == 0, p.stderr
+    assert "overlap off" in p.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("run", "--policy", "bogus", "-n", "2"), "--policy: unknown cache policy 'bogus'"),
+    (("bench", "--policy", "bogus", "-p", "4", "-n", "2"), "--policy: unknown cache policy 'bogus'"),
+    (("bench", "--slots", "abc", "-p", "4", "-n", "2"), "--slots: expected a comma-separated list of integers"),
+])
+def test_option_named_in_the_message(args, needle):
+    assert_one_line_error(moestream(*args), needle)
+
+
 # ------------------------------------------------------------------------------------------------ 2. permissions
 def _no_dac_prefix() -> tuple[str, ...]:
     """A command prefix under which file permissions apply: nothing for a normal user; for root, setpriv dropping
@@ -320,8 +363,11 @@ def test_cache_bytes_matches_the_cache(model):
     (("run", "-c", "2000000000", "-n", "4"), ("-c 2000000000: a context of 2000000000 tokens needs",)),
     (("run", "-c", "99999999999"), ("-c must be at most 2^31, got 99999999999",)),
     (("run", "-n", "99999999999999999999"), ("-n must be at most 2^31, got 99999999999999999999",)),
-    (("verify", "--steps", "100000000"), ("--steps 100000000: a context of", "GiB of KV cache")),
+    (("verify", "--steps", "100000000"), ("--steps 100000000: a context of", "GiB of KV cache",
+                                          "use a smaller --steps or prompt")),
     (("bench", "-p", "99999999999", "-n", "1"), ("-p and -n must be at most 2^31",)),
+    # refused before the table's header is printed (one line, empty stdout), not as a failed row per config
+    (("bench", "-p", "100000000", "-n", "1"), ("-p/-n: a context of 100000000 tokens needs", "use a smaller -p or -n")),
 ])
 def test_absurd_sizes(args, needles):
     assert_one_line_error(moestream(*args), *needles)

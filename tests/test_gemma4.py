@@ -246,6 +246,15 @@ def test_expert_scale_taken_by_slot_id_would_differ(resident: tuple, monkeypatch
 
 
 # ------------------------------------------------------------------------------------------- (d) commands
+def test_cache_bytes_from_metadata_alone(resident: tuple, gemma4_tiny: dict) -> None:
+    """``cache_bytes`` (what run/verify/bench check against free memory before anything is printed; bench from a
+    metadata-only load) equals the bytes the KV cache really allocates."""
+    model, _ = resident
+    shape_only = load_model(str(gemma4_tiny["q8_0"]), LoadOptions(metadata_only=True))
+    for n in (1, 7, 300):
+        assert model.cache_bytes(n) == shape_only.cache_bytes(n) == model.new_cache(n).nbytes
+
+
 def test_inspect(gemma4_tiny: dict) -> None:
     p = moestream("inspect", "-m", str(gemma4_tiny["q8_0"]), "--slots", "8")
     assert p.returncode == 0, p.stderr

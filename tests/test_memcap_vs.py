@@ -46,6 +46,23 @@ def test_cap_limits_and_reports_peak():
 
 
 @needs_cgroup
+def test_bench_row_that_fails_says_so_on_stderr(tmp_path):
+    """A row OOM-killed under the cap: the table says "failed", the JSON keeps the row, and stderr ends with one
+    error line naming the model; exit status 1."""
+    out = tmp_path / "b.json"
+    p = subprocess.run([sys.executable, "-m", "moestream", "bench", "-p", "4", "-n", "2", "-r", "1", "--slots", "4",
+                        "--moe-stream", "on", "--mem-cap", "64MiB", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("moestream: error: ") and "default.gguf: 1 of 1 bench rows failed" in last, p.stderr
+    assert "OOM-killed under the 64MiB memory cap" in last
+    assert "Traceback" not in p.stderr
+    assert "failed: OOM-killed" in p.stdout
+    assert "error" in json.loads(out.read_text())["rows"][0]
+
+
+@needs_cgroup
 @pytest.mark.llamacpp
 def test_bench_vs_llamacpp_under_a_cap(tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by scripts/test.sh")

@@ -88,6 +88,13 @@ def top_k(q35) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ structure
+def test_cache_bytes_from_metadata_alone(q35, resident_f32):
+    """``cache_bytes`` from a metadata-only load (bench's pre-flight check) equals what the cache allocates."""
+    shape_only = load_model(str(q35["f32"]), LoadOptions(metadata_only=True))
+    for n in (1, 7, 300):
+        assert resident_f32.cache_bytes(n) == shape_only.cache_bytes(n) == resident_f32.new_cache(n).nbytes
+
+
 def test_layer_pattern_and_gguf_transforms(q35, resident_f32):
     """The stack the file describes: DeltaNet layers 0-2, attention layer 3; and the converter's transforms,
     checked against the checkpoint: ssm_a = -exp(A_log), zero-centred norms + 1 (ssm_norm not), value heads of

@@ -34,7 +34,7 @@ from .errors import ConfigError, OutputError
 GiB = 2**30
 
 
-def _list(s: str, conv, name: str) -> list:  # noqa: ANN001
+def _list(s: str, conv, name: str, what: str = "integers") -> list:  # noqa: ANN001
     """A comma-separated option as a list of ``conv`` values, duplicates dropped (first occurrence kept)."""
     items = [x.strip() for x in str(s).split(",")]
     if not items or any(not x for x in items):
@@ -42,7 +42,7 @@ def _list(s: str, conv, name: str) -> list:  # noqa: ANN001
     try:
         return _dedupe([conv(x) for x in items])
     except ValueError:
-        raise ConfigError(f"{name}: expected a comma-separated list, got {s!r}") from None
+        raise ConfigError(f"{name}: expected a comma-separated list of {what}, got {s!r}") from None
 
 
 def _dedupe(items: list) -> list:
@@ -51,12 +51,13 @@ def _dedupe(items: list) -> list:
 
 
 def _on_off_list(s: str, name: str) -> list[bool]:
+    """``on``, ``off`` or both, comma-separated; case does not matter (as run's and verify's on|off)."""
     out = []
-    for x in _list(s, str, name):
+    for x in _list(s, str.lower, name, "on/off values"):
         if x not in ("on", "off"):
             raise ConfigError(f"{name}: expected on, off or on,off, got {s!r}")
         out.append(x == "on")
-    return out
+    return _dedupe(out)
 
 
 def evict_page_cache(paths: list[str]) -> None:
@@ -104,8 +105,9 @@ def disk_read_bandwidth(path: str, chunk_bytes: int, n_reads: int = 48, threads:
         os.close(fd)
 
 
-def check_json_path(path: str) -> None:
-    """ConfigError, before any row runs, when ``--json PATH`` cannot be written (see ``write_json``)."""
+def check_json_path(path: str, inputs: list[str] = ()) -> None:
+    """ConfigError, before any row runs, when ``--json PATH`` cannot be written (see ``write_json``) or names
+    one of ``inputs`` (the model's files: a typo must not replace the model with the results)."""
     if path == "":
         raise ConfigError("--json: the path is empty")
     real = os.path.realpath(path)
@@ -118,6 +120,13 @@ def check_json_path(path: str) -> None:
         raise ConfigError(f"{cannot} ({e.strerror})") from None
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"{cannot} (it is a directory)")
+    if path.endswith(os.sep):
+        raise ConfigError(f"{cannot} (the path ends with '{os.sep}': a folder, not a file name)")
+    for inp in inputs:
+        with contextlib.suppress(OSError):
+            if st is not None and os.path.samefile(real, inp):
+                raise ConfigError(f"--json {path}: that is the model file {inp}; choose another path for the "
+                                  f"results")
     if st is not None and not stat.S_ISREG(st.st_mode):  # a FIFO, /dev/null, a terminal: written into as it is
         if not os.access(real, os.W_OK):
             raise ConfigError(f"{cannot} (not writable)")
@@ -127,6 +136,12 @@ def check_json_path(path: str) -> None:
     d = os.path.dirname(real)
     if not os.path.isdir(d) or not os.access(d, os.W_OK | os.X_OK):
         raise ConfigError(f"{cannot} (its folder {d} is missing or not writable)")
+    try:  # what write_json will do: a temporary file beside the target (some folders refuse, e.g. /proc)
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".moestream-probe-")
+    except OSError as e:
+        raise ConfigError(f"{cannot} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_json(path: str, obj: object) -> None:
@@ -185,7 +200,7 @@ def run_row(cfg: dict) -> dict:
     t_load = time.perf_counter()
     model = load_model(cfg["model"], opts)
     load_seconds = time.perf_counter() - t_load
-    check_cache_fits(model, max(cfg["n_prompt"], cfg["n_gen"] + 1), "-p/-n")
+    check_cache_fits(model, max(cfg["n_prompt"], cfg["n_gen"] + 1), "-p/-n", "-p or -n")
     engine = Engine(model, cfg.get("ubatch", 128))
     rng = random.Random(1234)  # the same seed and draws as run_llamacpp_row: every row sees the same tokens
     store = model.store
@@ -376,15 +391,19 @@ def run_bench(args: argparse.Namespace) -> int:
     top_k = int(g.arch_get("expert_used_count", 0))
     n_exp = int(g.arch_get("expert_count", 0))
     if args.json is not None:
-        check_json_path(args.json)
+        check_json_path(args.json, g.paths)
     if args.policy not in ("lfu", "lru"):
-        raise ConfigError(f"unknown cache policy {args.policy!r}; choose one of lfu, lru")
+        raise ConfigError(f"--policy: unknown cache policy {args.policy!r}; choose one of lfu, lru")
     if args.repetitions < 1:
         raise ConfigError(f"-r must be at least 1, got {args.repetitions}")
     if args.n_prompt < 0 or args.n_gen < 0 or (args.n_prompt == 0 and args.n_gen == 0):
         raise ConfigError("-p and -n must be >= 0 and not both 0")
     if args.n_prompt > MAX_TOKENS or args.n_gen > MAX_TOKENS:
         raise ConfigError(f"-p and -n must be at most 2^31, got -p {args.n_prompt} -n {args.n_gen}")
+    from .engine import check_cache_fits
+    from .models.base import LoadOptions, load_model
+    shape = load_model(model, LoadOptions(metadata_only=True))  # hyperparameters only, no weights read
+    check_cache_fits(shape, max(args.n_prompt, args.n_gen + 1), "-p/-n", "-p or -n")
     modes = _on_off_list(args.moe_stream, "--moe-stream")
     overlaps = _on_off_list(args.overlap, "--overlap")
     from .models.base import default_slots
@@ -473,7 +492,11 @@ def run_bench(args: argparse.Namespace) -> int:
                 "disk_read_bandwidth_bytes_s": bandwidth, "mem_cap": args.mem_cap,
                 "file_gib": g.file_bytes / GiB, "command": " ".join(sys.argv)}
         write_json(args.json, {"meta": meta, "rows": rows})
-    return 1 if any("error" in r for r in rows) else 0
+    failed = [r for r in rows if "error" in r]
+    if failed:  # the table says which rows; stderr gets the one error line every failing command gives
+        print(f"moestream: error: {model}: {len(failed)} of {len(rows)} bench rows failed (first: "
+              f"{failed[0]['error'].removeprefix('moestream: error: ')})", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

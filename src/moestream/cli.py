@@ -53,7 +53,7 @@ def write_stdout(text: str) -> None:
 
 
 def _on_off(v: str) -> bool:
-    v = v.lower()
+    v = v.strip().lower()
     if v in ("on", "1", "true", "yes"):
         return True
     if v in ("off", "0", "false", "no"):
@@ -237,7 +237,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ids = tok.encode(args.prompt, add_special=True)
     if not ids:
         raise ConfigError("the prompt is empty after tokenization")
-    check_cache_fits(model, len(ids) + args.steps, f"--steps {args.steps}")
+    check_cache_fits(model, len(ids) + args.steps, f"--steps {args.steps}", "--steps or prompt")
     slots = opts.slots if opts.slots is not None else None
     if slots is not None and slots < model.top_k:
         raise ConfigError(f"--slots {slots} is below the experts used per token ({model.top_k}); "

@@ -20,7 +20,7 @@ GiB = 2**30
 MAX_TOKENS = 2**31
 
 
-def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c") -> None:
+def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c", hint: str = "-n or -c") -> None:
     """ConfigError (naming ``option``) unless ``model.new_cache(n_ctx)`` fits in the memory available now.
 
     Computed from the cache's shapes without allocating, so an absurd -n or -c is refused before anything is
@@ -33,7 +33,7 @@ def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c") -> None:
     if need > avail:
         raise ConfigError(f"{option}: a context of {n_ctx} tokens needs {need / GiB:.1f} GiB of KV cache for "
                           f"{os.path.basename(model.gguf.path)}, but {avail / GiB:.1f} GiB of memory is available; "
-                          f"use a smaller -n or -c")
+                          f"use a smaller {hint}")
 
 
 @dataclass

@@ -114,7 +114,7 @@ class StreamingStore(ExpertStore):
             raise ConfigError(f"--slots {n_slots} is below the experts used per token ({min_slots}); "
                               f"a step needs at least {min_slots} slots per layer")
         if policy not in POLICIES:
-            raise ConfigError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
+            raise ConfigError(f"--policy: unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.reader = ExpertReader(io_threads)
         self.n_slots = n_slots
         self.slots: dict[int, SlotMap] = {}

@@ -71,6 +71,8 @@ class Gemma4(MoEModel):
                 raise GGUFError(f"{path}: metadata {self.meta_desc(**{key.replace('.', '__'): n_rot})} must be "
                                 f"even and at most {self.meta_desc(**{hd_key.replace('.', '__'): hd})}")
         self.check_shapes(n_head, n_kv, d_full, d_swa, first_shared, n_rot_full)
+        # (KV heads, head dim) of each layer that owns a KV cache; K and V both cached (K = V layers too)
+        self.kv_owners = [(n_kv[i], d_swa if self.is_swa[i] else d_full) for i in range(first_shared)]
         if opts.metadata_only:
             return
         self.embd = self.weight("token_embd.weight")
@@ -194,7 +196,7 @@ class Gemma4(MoEModel):
         return LayerKVCache(n_ctx, shapes, self.device)
 
     def cache_bytes(self, n_ctx: int) -> int:
-        return sum(4 * n_ctx * b["n_kv"] * 2 * b["head_dim"] for i, b in enumerate(self.blocks) if b["kv_layer"] == i)
+        return sum(4 * n_ctx * n_kv * 2 * hd for n_kv, hd in self.kv_owners)
 
     def route(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] residual stream (before any FFN norm) -> (ids [T, top_k] int64 real expert ids, weights
