@@ -139,7 +139,7 @@ def check_json_path(path: str, inputs: list[str] = ()) -> None:
     try:  # what write_json will do: a temporary file beside the target (some folders refuse, e.g. /proc)
         fd, probe = tempfile.mkstemp(dir=d, prefix=".moestream-probe-")
     except OSError as e:
-        raise ConfigError(f"{cannot} ({e.strerror or e})") from None
+        raise ConfigError(f"{cannot} (its folder {d} refuses new files: {e.strerror or e})") from None
     os.close(fd)
     os.unlink(probe)
 
@@ -475,6 +475,7 @@ def run_bench(args: argparse.Namespace) -> int:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             err = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+            err = err.removeprefix("moestream: error: ")
             rows.append({**cfg, "error": err, "mem_cap": args.mem_cap, "cgroup_peak_gib": peak})
         else:
             row = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -495,7 +496,7 @@ def run_bench(args: argparse.Namespace) -> int:
     failed = [r for r in rows if "error" in r]
     if failed:  # the table says which rows; stderr gets the one error line every failing command gives
         print(f"moestream: error: {model}: {len(failed)} of {len(rows)} bench rows failed (first: "
-              f"{failed[0]['error'].removeprefix('moestream: error: ')})", file=sys.stderr)
+              f"{failed[0]['error']})", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -36,7 +37,9 @@ def parse_size(text: str) -> int:
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(num):]
     bad = f"--mem-cap: cannot read {text!r} as a size"
-    try:
+    try:  # plain decimals only: float() alone would also take 1e3, 1_000, +1, nan, inf
+        if not re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", num):
+            raise ValueError(num)
         value = float(num)
     except ValueError:
         raise ConfigError(f"{bad} (e.g. 4GiB, 800MiB; units B, K/KiB, M/MiB, G/GiB, T/TiB, KB, MB, GB, TB)") from None
