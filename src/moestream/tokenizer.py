@@ -38,6 +38,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
@@ -214,6 +215,7 @@ class GGUFTokenizer:
         self._strip_left = _decoder_strip(backend)
         self._piece_cache: dict[int, bytes] = {}
         self._char_bytes: dict[str, int] | None = None
+        self._plain_lock = threading.Lock()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -356,22 +358,34 @@ class GGUFTokenizer:
         return cls.from_fields(fields, path)
 
     # ------------------------------------------------------------------ encode / decode
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids (list of int) for ``text``.
 
-        Special tokens written in the text (``<|im_start|>``, ``<｜User｜>``, ``<start_of_turn>``...: every
-        token the file marks CONTROL or USER_DEFINED) become their single ids, as llama.cpp's
-        tokenizer does with ``parse_special=True``.
+        With ``parse_special`` (the default), special tokens written in the text (``<|im_start|>``,
+        ``<｜User｜>``, ``<start_of_turn>``...: every token the file marks CONTROL or USER_DEFINED) become
+        their single ids, as llama.cpp's tokenizer does with ``parse_special=True``. Without it, CONTROL
+        tokens written in the text are tokenized as the plain text they spell (so user text can never
+        forge a turn or an end of generation); USER_DEFINED tokens are still matched whole, as llama.cpp
+        does with ``parse_special=False`` (``tokenizer_st_partition`` in llama-vocab.cpp).
 
         Args:
             add_special: add BOS in front when the file says to (``tokenizer.ggml.add_bos_token``; when
                 absent, yes for SentencePiece vocabularies, no for byte-level BPE) unless the text
                 already starts with the BOS token; add EOS at the end when
                 ``tokenizer.ggml.add_eos_token`` is true.
+            parse_special: match CONTROL tokens written in the text (see above).
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        if parse_special:
+            ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        else:
+            with self._plain_lock:  # the backend's flag is shared state: one plain encode at a time
+                self.backend.encode_special_tokens = True
+                try:
+                    ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+                finally:
+                    self.backend.encode_special_tokens = False
         if add_special:
             if self.add_bos and not (ids and ids[0] == self.bos_id):
                 ids.insert(0, self.bos_id)
