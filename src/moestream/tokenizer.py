@@ -208,7 +208,10 @@ class GGUFTokenizer:
         self.chat_template = chat_template
         self.token_types = token_types
         self._template_tokens = template_tokens
-        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._tokens = tokens
+        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special) | {
+            i for i, kind in enumerate(token_types) if kind == TokenType.CONTROL
+        }
         self._unused_ids = frozenset(i for i, kind in enumerate(token_types) if kind == TokenType.UNUSED)
         self._byte_level = model == "gpt2"
         self._byte_fallback = not self._byte_level
@@ -404,10 +407,8 @@ class GGUFTokenizer:
         Raises:
             TokenizerError: an id outside the vocabulary.
         """
-        ids = self._checked(ids)
-        if self._unused_ids:
-            ids = [i for i in ids if i not in self._unused_ids]
-        return self.backend.decode(ids, skip_special_tokens=skip_special)
+        dec = StreamDecoder(self, skip_special)
+        return "".join(dec.push(i) for i in self._checked(ids)) + dec.flush()
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
         """A fresh :class:`StreamDecoder` for printing tokens as they are generated."""
@@ -433,20 +434,32 @@ class GGUFTokenizer:
         cached = self._piece_cache.get(token_id)
         if cached is not None:
             return cached
-        piece = self.backend.id_to_token(token_id)
-        if self._byte_level:
-            if self._char_bytes is None:
-                self._char_bytes = _byte_decoder()
-            table = self._char_bytes
-            if all(c in table for c in piece):
-                out = bytes(table[c] for c in piece)
-            else:  # what the ByteLevel decoder does with a token outside its alphabet
+        kind = self.token_types[token_id]
+        if self._byte_level or self.backend.token_to_id(piece := self.backend.id_to_token(token_id) or "") != token_id:
+            # the file's own text (byte-level files always; a SentencePiece id the conversion lost to a text
+            # another id shares): CONTROL / USER_DEFINED text as written, NORMAL text decoded (llama.cpp's
+            # token_to_piece)
+            piece = self._tokens[token_id]
+            if kind in (TokenType.CONTROL, TokenType.USER_DEFINED):
                 out = piece.encode("utf-8")
+            elif self._byte_level:
+                if self._char_bytes is None:
+                    self._char_bytes = _byte_decoder()
+                table = self._char_bytes
+                if all(c in table for c in piece):
+                    out = bytes(table[c] for c in piece)
+                else:  # what the ByteLevel decoder does with a token outside its alphabet
+                    out = piece.encode("utf-8")
+            else:
+                out = self._sentencepiece_bytes(piece)
         else:
-            m = _BYTE_TOKEN.fullmatch(piece) if self._byte_fallback else None
-            out = bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
+            out = self._sentencepiece_bytes(piece)
         self._piece_cache[token_id] = out
         return out
+
+    def _sentencepiece_bytes(self, piece: str) -> bytes:
+        m = _BYTE_TOKEN.fullmatch(piece) if self._byte_fallback else None
+        return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
 
     def _checked(self, ids: Iterable[int]) -> list[int]:
         out = []
@@ -583,51 +596,38 @@ def _no_space_prefix(backend: Any, architecture: str) -> None:
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
 
 
+def _placeholder(i: int) -> str:
+    """A vocabulary string for id ``i`` that no text can produce: private-use characters are outside the
+    byte-level alphabet and no merge builds them. Used for ids whose text another id owns (duplicates)."""
+    return f"\ue000{i}\ue001"
+
+
 def _repair(
     backend: Any, tokens: list[str], types: list[int], merges: list[str] | None, byte_level: bool, path: str
 ) -> Any:
-    """Make the converted tokenizer's ids exactly the file's, with its special tokens whole.
+    """Make the converted tokenizer's ids the file's, with its special tokens whole.
 
-    1. Drop added tokens with ids past the file's vocabulary (GPT2Tokenizer's default
-       ``<|endoftext|>`` when the file has none).
-    2. Byte-level: a CONTROL / USER_DEFINED token whose text uses characters outside the byte
-       alphabet is stored by transformers respelled in that alphabet and is not added as a token, so
-       ``<｜User｜>`` in text would be cut into pieces. Put it back into the vocabulary under its own
-       text (same id) and add it (special if CONTROL), unless a merge needs the respelled form.
-    3. SentencePiece: every CONTROL / USER_DEFINED token is matched whole in the raw text, as llama.cpp
-       and SentencePiece match user-defined symbols (see :func:`_add_raw_tokens`; Gemma's runs of 2..31
-       spaces, ids 138-167, which transformers respells as ``\u2581`` runs and leaves to the BPE merges).
+    Byte-level BPE (``gpt2``): the vocabulary is rebuilt from ``tokenizer.ggml.tokens`` as the file spells it
+    (:func:`_file_vocab`), with the file's merges and the converted normalizer, pre-tokenizer and decoder. Every
+    CONTROL / USER_DEFINED token is an added token matched whole in the raw text under its own id (transformers
+    respells those outside the byte alphabet, ``<｜User｜>``, and collapses ids whose respelled text collides
+    with another entry). About 0.5 s for 152k tokens.
 
-    Only when something needs fixing: a byte-level BPE is rebuilt from the converted vocabulary, the
-    file's merges and the converted model's options, keeping the converted normalizer, pre-tokenizer,
-    decoder and post-processor (about 0.5 s for 152k tokens); any other model goes through its JSON.
+    SentencePiece: transformers' vocabulary is kept; added tokens it invents past the file's ids are dropped and
+    every CONTROL / USER_DEFINED token is matched whole in the raw text, as llama.cpp and SentencePiece match
+    user-defined symbols (see :func:`_add_raw_tokens`; Gemma's runs of 2..31 spaces, ids 138-167, which
+    transformers respells as ``\u2581`` runs and leaves to the BPE merges). Ids the conversion lost (a text two
+    ids share) stay ids: they are never produced by tokenization and detokenize from the file's text.
     """
-    from tokenizers import AddedToken, Tokenizer, models
+    from tokenizers import Tokenizer, models
 
     n = len(tokens)
-    added = backend.get_added_tokens_decoder()
-    extra = [i for i in added if i >= n]
-    missing = []
-    missing = [
-        i for i, kind in enumerate(types) if kind in (TokenType.CONTROL, TokenType.USER_DEFINED) and i not in added
-    ]
-    if not extra and not missing:
-        return backend
-    keep = [added[i] for i in sorted(added) if i < n]
     if byte_level and merges is not None and isinstance(backend.model, models.BPE):
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-        vocab = backend.get_vocab(with_added_tokens=False)
-        if missing:
-            in_merges: set[str] = set()
-            for left, right in pairs:
-                in_merges.update((left, right, left + right))
-            for i in missing:
-                raw, spelled = tokens[i], backend.id_to_token(i)
-                if raw in vocab or spelled in in_merges or vocab.get(spelled) != i:
-                    continue
-                del vocab[spelled]
-                vocab[raw] = i
-                keep.append(AddedToken(raw, normalized=False, special=types[i] == TokenType.CONTROL))
+        try:
+            vocab, added = _file_vocab(tokens, types, pairs)
+        except ValueError as e:
+            raise TokenizerError(f"{path}: {e}") from None
         old = backend.model
         try:
             fixed = Tokenizer(
@@ -649,21 +649,79 @@ def _repair(
             value = getattr(backend, part)
             if value is not None:
                 setattr(fixed, part, value)
-        fixed.add_special_tokens([t for t in keep if t.special])
-        fixed.add_tokens([t for t in keep if not t.special])
-    else:
-        data = json.loads(backend.to_str())
-        data["added_tokens"] = [a for a in data["added_tokens"] if a["id"] < n]
-        if missing and not byte_level:
-            _add_raw_tokens(data, tokens, types, missing)
-        try:
-            fixed = Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
-        except Exception as e:  # noqa: BLE001
-            raise TokenizerError(f"{path}: cannot rebuild the tokenizer ({_one_line(e)})") from None
+        fixed.add_special_tokens([t for t in added if t.special])
+        fixed.add_tokens([t for t in added if not t.special])
+        wrong = [t.content for t in added if fixed.token_to_id(t.content) != vocab[t.content]]
+        if wrong or len(set(vocab.values())) != n or max(vocab.values()) != n - 1:
+            raise TokenizerError(f"{path}: cannot keep the file's token ids (first: {wrong[:1]})")
+        return fixed
+    added = backend.get_added_tokens_decoder()
+    extra = [i for i in added if i >= n]
+    missing = [
+        i for i, kind in enumerate(types) if kind in (TokenType.CONTROL, TokenType.USER_DEFINED) and i not in added
+    ]
+    if not extra and not missing:
+        return backend
+    data = json.loads(backend.to_str())
+    data["added_tokens"] = [a for a in data["added_tokens"] if a["id"] < n]
+    if missing and not byte_level:
+        _add_raw_tokens(data, tokens, types, missing)
+    try:
+        fixed = Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
+    except Exception as e:  # noqa: BLE001
+        raise TokenizerError(f"{path}: cannot rebuild the tokenizer ({_one_line(e)})") from None
     got = fixed.get_vocab_size(with_added_tokens=True)
-    if got != n:
+    if got > n:
         raise TokenizerError(f"{path}: the converted tokenizer has {got} ids for the file's {n} tokens")
     return fixed
+
+
+def _file_vocab(tokens: list[str], types: list[int], pairs: list[tuple[str, ...]]) -> tuple[dict[str, int], list]:
+    """A byte-level BPE vocabulary with every id of the file, and the added tokens (CONTROL / USER_DEFINED, raw
+    text, ``special`` for CONTROL) in id order.
+
+    Ids whose text another id owns get :func:`_placeholder` strings (unreachable), as llama.cpp resolves them:
+    of NORMAL (and UNUSED, BYTE, ...) tokens sharing a text the last id keeps it (llama.cpp's ``token_to_id``
+    map is filled in id order); an added token takes its text from a NORMAL entry (it is matched in the raw
+    text first), unless a merge needs that entry, and of added tokens sharing a text the first id keeps it.
+    """
+    from tokenizers import AddedToken
+
+    vocab: dict[str, int] = {}
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind in (TokenType.CONTROL, TokenType.USER_DEFINED):
+            continue
+        if text in vocab:
+            vocab[_placeholder(vocab[text])] = vocab[text]
+        vocab[text] = i
+    in_merges: set[str] = set()
+    for pair in pairs:
+        in_merges.update((*pair, "".join(pair)))
+    added: list[Any] = []
+    taken: set[str] = set()
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind not in (TokenType.CONTROL, TokenType.USER_DEFINED):
+            continue
+        if text in taken or (text in vocab and text in in_merges):
+            vocab[_placeholder(i)] = i
+            continue
+        if text in vocab:
+            vocab[_placeholder(vocab[text])] = vocab[text]
+        vocab[text] = i
+        taken.add(text)
+        added.append(AddedToken(text, normalized=False, special=kind == TokenType.CONTROL))
+    # A merge may build a string the file no longer has: the converter writes an added token's decoded text
+    # (" Hello" for a vocabulary entry "ĠHello" that the tokenizer marks added). The BPE model needs the string;
+    # alias it to the added token that owns its text, which the raw-text match always takes first, so the
+    # alias is never produced.
+    table = _byte_decoder()
+    owner = {text: i for text, i in vocab.items() if text in taken}
+    for text in sorted(in_merges - vocab.keys()):
+        raw = bytes(table[c] for c in text).decode("utf-8", "replace") if all(c in table for c in text) else None
+        if raw not in owner:
+            raise ValueError(f"the merges use {text!r}, which is not a token")
+        vocab[text] = owner[raw]
+    return vocab, added
 
 
 def _add_raw_tokens(data: dict, tokens: list[str], types: list[int], ids: list[int]) -> None:
