@@ -226,8 +226,8 @@ def test_qwen_metadata(qwen: GGUFTokenizer) -> None:
     assert qwen.vocab_size == 152064
     assert qwen.backend.get_vocab_size(with_added_tokens=True) == 152064  # no id past the file's tokens
     assert qwen.bos_id == 151646 and qwen.add_bos and not qwen.add_eos
-    # eos_token_id is <｜end▁of▁sentence｜>; the file marks no other end-of-turn token CONTROL
-    assert qwen.eos_ids == {151643}
+    # eos_token_id is <｜end▁of▁sentence｜>; llama.cpp also ends generation at the NORMAL '</s>' (by its name)
+    assert qwen.eos_ids == {151643, 128247}
     assert qwen.chat_template is not None and "<｜Assistant｜>" in qwen.chat_template
 
 
@@ -264,12 +264,18 @@ def test_qwen_special_tokens_whole_where_transformers_splits_them(qwen: GGUFToke
     assert qwen.decode([151646, 151644]) == "<｜begin▁of▁sentence｜><｜User｜>"
 
 
-def test_qwen_normal_s_token_is_text(qwen: GGUFTokenizer, qwen_oracle) -> None:  # noqa: ANN001
-    """'</s>' is a NORMAL token (128247) here; llama.cpp force-promotes every '</s>' to an end-of-generation
-    control token (a paddleocr rule) and so matches it whole in text. We follow the file and transformers."""
-    ids = qwen.encode("a </s> b", add_special=False)
-    assert ids == qwen_oracle("a </s> b", add_special_tokens=False).input_ids
-    assert 128247 not in ids and 128247 not in qwen.eos_ids
+@pytest.mark.llamacpp
+def test_qwen_normal_s_token_is_control_as_in_llama_cpp(qwen: GGUFTokenizer, qwen_llama: Any) -> None:  # noqa: ANN401
+    """'</s>' is a NORMAL token (128247) in this file; llama.cpp promotes every token named '</s>' to an
+    end-of-generation control token (a paddleocr rule in llama-vocab.cpp), so it is matched whole in text with
+    special parsing, is text without, ends generation and is left out of detokenization without control text.
+    moestream follows llama.cpp on GGUF files (transformers keeps it NORMAL)."""
+    for special in (True, False):
+        ids = qwen.encode("a </s> b", add_special=False, parse_special=special)
+        assert ids == list(qwen_llama.tokenize(b"a </s> b", add_bos=False, special=special))
+        assert (128247 in ids) == special
+    assert 128247 in qwen.eos_ids
+    assert qwen.token_bytes(128247, skip_special=True) == llama_decode(qwen_llama, [128247], False) == b""
 
 
 def test_qwen_bos(qwen: GGUFTokenizer) -> None:
@@ -303,8 +309,10 @@ def test_gemma_metadata(gemma: GGUFTokenizer) -> None:
     assert gemma.vocab_size == 262144
     assert gemma.backend.get_vocab_size(with_added_tokens=True) == 262144
     assert gemma.bos_id == 2 and gemma.add_bos
-    assert gemma.eos_ids == {1, 106}  # <eos> and <end_of_turn> (CONTROL)
-    assert gemma.token_to_id("</s>") == 212  # USER_DEFINED HTML tag here, not an end of turn
+    # <eos>, <end_of_turn> (CONTROL) and the USER_DEFINED '</s>' (212), which llama.cpp makes an end of
+    # generation by its name (test_eos_ids_are_llama_cpps)
+    assert gemma.eos_ids == {1, 106, 212}
+    assert gemma.token_to_id("</s>") == 212
     assert gemma.chat_template is None
 
 
@@ -411,6 +419,16 @@ def test_random_ids_detokenize_like_llama_cpp(name: str, request: pytest.Fixture
             if ours != theirs or (text is not None and tok.decode(ids, skip_special=skip) != text):
                 bad.append((ids, skip, ours, theirs))
     assert not bad, f"{len(bad)} of {2 * N_RANDOM} differ; first: {bad[:3]}"
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("name", ["qwen", "gemma"])
+def test_eos_ids_are_llama_cpps(name: str, request: pytest.FixtureRequest) -> None:
+    import llama_cpp
+
+    tok: GGUFTokenizer = request.getfixturevalue(name)
+    vocab = request.getfixturevalue(f"{name}_llama")._model.vocab
+    assert tok.eos_ids == {i for i in range(tok.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, i)}
 
 
 def _unused(llm: Any) -> set[int]:  # noqa: ANN401

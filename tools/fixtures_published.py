@@ -18,9 +18,8 @@ converter) with those values:
 * ``qwen3moe-collide`` -- the tokenizer a user gets by loading a GGUF tokenizer with transformers and saving it
   (``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` on the DeepSeek-R1-Distill-Qwen header, then
   ``save_pretrained``: 152,067 entries, two CONTROL tokens whose raw text is also in the vocabulary in byte-level
-  spelling), plus two added tokens made with the ordinary ``add_tokens`` API that the converter writes as the
-  same text at two ids. ``vocab_size`` 152,128 (61 UNUSED pads). This file reproduced "the converted tokenizer has
-  152126 ids for the file's 152128 tokens".
+  spelling), plus an added token " Hello" whose byte-level spelling is a NORMAL entry. ``vocab_size`` 152,128
+  (60 UNUSED pads). This file reproduced "the converted tokenizer has 152126 ids for the file's 152128 tokens".
 * ``qwen35moe-published`` -- Qwen3.5-35B-A3B's text config (``vocab_size`` 248,320 over the 151,646-entry Qwen2
   vocabulary: 96,674 pads, rope_theta 1e7, partial rotary 0.25 with MRoPE sections [11, 11, 10] of a 256 head
   dim, 262,144 context) with Qwen 3.5's chat template (``models/templates/Qwen3.5-4B.jinja``).
@@ -110,11 +109,12 @@ GEMMA4_VOCAB = "models/ggml-vocab-gemma-4.gguf"
 QWEN3_TEMPLATE = "models/templates/Qwen-Qwen3-0.6B.jinja"
 QWEN35_TEMPLATE = "models/templates/Qwen3.5-4B.jinja"
 
-#: Added tokens of ``qwen2-collide`` beyond what transformers' GGUF loading makes: ``"ĠHello"`` is already a
-#: vocabulary entry (byte-level spelling of " Hello"), so adding it marks that id added; the converter decodes
-#: a non-normalized added token to its text, so it writes " Hello" there, and " Hello" again for the second,
-#: new id. Two ids, one text (USER_DEFINED both).
-COLLIDE_ADDED = ("\u0120Hello", " Hello")
+#: Added token of ``qwen2-collide`` beyond what transformers' GGUF loading makes: " Hello", whose byte-level
+#: spelling "ĠHello" is a NORMAL vocabulary entry, so the two ids' texts collide once transformers respells
+#: the added token. (The same text at two ids in the file itself is not loadable: llama.cpp asserts
+#: ``id_to_token.size() == token_to_id.size()``; the converter writes it for a tokenizer that marks an existing
+#: vocabulary entry added, e.g. "ĠHello", next to " Hello".)
+COLLIDE_ADDED = " Hello"
 
 
 def _tok_key(name: str, **extra: Any) -> str:
@@ -156,8 +156,9 @@ def _qwen2_published(header: Path, out: Path, template: str) -> None:
     n_used = next(i for i, t in enumerate(tokens) if t.startswith("[PAD"))
     vocab = {t: i for i, t in enumerate(tokens[:n_used]) if types[i] != control}
     special = {"bos": None, "eos": "<|im_end|>", "padding": "<|endoftext|>"}  # Qwen3's tokenizer_config.json
+    # special tokens are named in tokenizer_config.json only: given here, they would be added out of id order
     tok = Qwen2Tokenizer(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], unk_token=None,
-                         bos_token=None, eos_token=special["eos"], pad_token=special["padding"])
+                         bos_token=None, eos_token=None, pad_token=None)
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for i, t in enumerate(tokens[:n_used])
                     if types[i] == control], special_tokens=True)
     if len(tok) != n_used or any(tok.convert_tokens_to_ids(tokens[i]) != i for i in range(n_used)):
@@ -191,15 +192,13 @@ def _qwen2_collide(header: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(header.parent), gguf_file=header.name)
-    # the first is a vocabulary entry already: the backend marks that id added (transformers' add_tokens would
-    # skip it); the second gets a new id
-    tok.backend_tokenizer.add_tokens([AddedToken(COLLIDE_ADDED[0], normalized=False)])
-    tok.add_tokens([AddedToken(COLLIDE_ADDED[1], normalized=False)])
+    tok.add_tokens([AddedToken(COLLIDE_ADDED, normalized=False)])
     tok.backend_tokenizer.post_processor = None
     with tempfile.TemporaryDirectory() as tmp:
         tok.save_pretrained(tmp)
         cfg = json.loads((Path(tmp) / "tokenizer_config.json").read_text())
-        cfg.update(add_bos_token=False, add_eos_token=False)
+        cfg.update(add_bos_token=False, add_eos_token=False, chat_template=tok.chat_template)  # transformers 5
+        # saves the template as chat_template.jinja, which the converter does not read
         tok_json = (Path(tmp) / "tokenizer.json").read_text()
     (out / "tokenizer.json").write_text(tok_json)
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")

@@ -103,25 +103,123 @@ END_OF_TURN_NAMES = frozenset(
 )
 
 
-def _end_of_generation_ids(
-    tokens: list[str], types: list[int], declared: Iterable[int | None]
-) -> set[int]:
-    """``eos_ids``: the declared eos/eot/eom ids plus CONTROL tokens named in ``END_OF_TURN_NAMES``.
+#: Fill-in-the-middle token names llama.cpp looks for when the file declares none of a kind
+#: (``tokenizer.ggml.fim_<kind>_token_id``), as of llama-cpp-python 0.3.36; a token so found becomes CONTROL,
+#: and the pad, repo and file-separator ones end generation.
+FIM_NAMES: dict[str, tuple[str, ...]] = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "\u2581<PRE>",
+            "<|code_prefix|>", "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "\u2581<SUF>",
+            "<|code_suffix|>", "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "\u2581<MID>",
+            "<|code_middle|>", "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
 
-    As llama.cpp does, ``<|end|>`` is dropped when ``<|return|>`` and ``<|call|>`` (gpt-oss's harmony
-    format) or ``<|calls|>`` and ``<|flush|>`` are there: it ends a message there, not the generation.
+
+def _llama_types(
+    tokens: list[str], types: list[int], declared: Iterable[int | None], fim: Mapping[str, int | None]
+) -> tuple[list[int], set[int]]:
+    """Token types as llama.cpp uses them after loading a vocabulary, and the end-of-generation ids.
+
+    llama.cpp (llama-vocab.cpp, ``load``) adjusts the file's types by name, and moestream does the same so that
+    tokenization, detokenization and stopping agree with it on every file:
+
+    * a token named in :data:`END_OF_TURN_NAMES` ends generation and becomes CONTROL (matched whole in text
+      with special parsing, plain text without; left out of detokenization without control text), whatever
+      the file says (Qwen's NORMAL ``</s>``, Gemma 4's USER_DEFINED ``<|tool_response>``);
+    * gpt-oss's ``<|channel|>``, ``<|message|>``, ``<|start|>``, ``<|constrain|>`` become USER_DEFINED (always
+      rendered);
+    * ``<|end|>`` neither ends generation nor is CONTROL (USER_DEFINED) when ``<|return|>`` and ``<|call|>``
+      (harmony) or ``<|calls|>`` and ``<|flush|>`` end it; ``</s>`` stays NORMAL text when
+      ``<|tool_response>`` or ``<|plamo:eos|>`` end generation (Gemma 4, PLaMo).
+
+    * the fill-in-the-middle tokens of :data:`FIM_NAMES` become CONTROL where ``fim`` (kind -> declared id)
+      declares none of their kind; the pad, repo and file-separator ones (declared or found) end generation.
+
+    The declared eos / eot / eom ids end generation too. Returns (types, eos_ids).
     """
-    ids = {i for i in declared if i is not None}
-    named: dict[str, int] = {}
-    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
-        if kind == TokenType.CONTROL and text in END_OF_TURN_NAMES:
-            named.setdefault(text, i)
-            ids.add(i)
-    if "<|end|>" in named and (
-        ("<|return|>" in named and "<|call|>" in named) or ("<|calls|>" in named and "<|flush|>" in named)
+    out = list(types)
+    by_text = {text: i for i, text in enumerate(tokens)}  # llama.cpp's token_to_id: the last id of a text
+    eos = {i for i in declared if i is not None}
+    for kind, names in FIM_NAMES.items():
+        i = fim.get(kind)
+        if i is None:
+            i = next((by_text[name] for name in names if name in by_text), None)
+            if i is not None:
+                out[i] = TokenType.CONTROL
+        if i is not None and kind in ("pad", "rep", "sep"):
+            eos.add(i)
+    for name in END_OF_TURN_NAMES:
+        i = by_text.get(name)
+        if i is not None:
+            eos.add(i)
+            out[i] = TokenType.CONTROL
+    for name in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):
+        if name in by_text:
+            out[by_text[name]] = TokenType.USER_DEFINED
+    texts = {tokens[i] for i in eos}
+    if "<|end|>" in texts and (
+        ("<|return|>" in texts and texts & {"<|call|>", "<|calls|>"}) or (texts & {"<|call|>", "<|calls|>"}
+                                                                         and "<|flush|>" in texts)
     ):
-        ids.discard(named["<|end|>"])
-    return ids
+        i = next(i for i in eos if tokens[i] == "<|end|>")
+        eos.discard(i)
+        out[i] = TokenType.USER_DEFINED
+    if "</s>" in texts and texts & {"<|tool_response>", "<|plamo:eos|>"}:
+        i = next(i for i in eos if tokens[i] == "</s>")
+        eos.discard(i)
+        out[i] = TokenType.NORMAL
+    return out, eos
+
+
+#: ``tokenizer.ggml.pre`` values for which llama.cpp does not clean up spaces when it detokenizes a byte-level
+#: BPE sequence (llama-vocab.cpp, llama-cpp-python 0.3.36); every other BPE vocabulary is cleaned.
+NO_CLEAN_SPACES_PRE = frozenset({
+    "deepseek-llm", "deepseek-coder", "deepseek-v3", "spark2_5", "youtu", "sarvam-moe", "command-r", "qwen2",
+    "deepseek-r1-qwen", "kormo", "f2llmv2", "qwen35", "poro-chat", "viking",
+})
+
+
+def _clean_up_spaces(data: bytes) -> bytes:
+    """llama.cpp's ``clean_up_tokenization_spaces`` on detokenized bytes (``llama_vocab::impl::detokenize``):
+    drop the space before ``? ! . ,``, the spaces around a lone ``'``, and the space before ``'s 'm 're 've``.
+    Three in-place passes over a byte buffer, each reading what the previous writes left (as the C code does)."""
+    text = bytearray(data)
+    total = len(text)
+    # pass 1
+    n, total = total, 1 if total else 0
+    for i in range(1, n):
+        x = text[i]
+        if text[i - 1] == 0x20 and x in b"?!.,":
+            total -= 1
+        text[total] = x
+        total += 1
+    # pass 2
+    n, total = total, 1 if total else 0
+    i = 1
+    while i < n:
+        x = text[i]
+        if x == 0x27 and i + 1 < n and text[i - 1] == 0x20 and text[i + 1] == 0x20:
+            total -= 1
+            i += 1
+            text[i] = 0
+        text[total] = x
+        total += 1
+        i += 1
+    # pass 3
+    n, total = total, 1 if total else 0
+    for i in range(1, n):
+        x = text[i]
+        if text[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
+            x1 = text[i + 1]
+            if x1 in b"sm" or (i + 2 < n and bytes(text[i + 1:i + 3]) in (b"re", b"ve")):
+                total -= 1
+        text[total] = x
+        total += 1
+    return bytes(text[:total])
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -194,6 +292,7 @@ class GGUFTokenizer:
         add_eos: bool,
         chat_template: str | None,
         template_tokens: dict[str, str],
+        pre: str | None = None,
     ):
         """Use :meth:`from_fields` or :meth:`from_gguf`; this only stores what they computed."""
         self.backend = backend
@@ -209,6 +308,8 @@ class GGUFTokenizer:
         self.token_types = token_types
         self._template_tokens = template_tokens
         self._tokens = tokens
+        #: llama.cpp cleans up spaces in detokenized byte-level BPE text unless the pre-tokenizer says not to
+        self._clean_spaces = model in ("gpt2", "gemma4") and pre not in NO_CLEAN_SPACES_PRE
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special) | {
             i for i, kind in enumerate(token_types) if kind == TokenType.CONTROL
         }
@@ -287,6 +388,8 @@ class GGUFTokenizer:
 
         bos_id, eos_id = token_id("bos_token_id"), token_id("eos_token_id")
         special_ids = {name: token_id(f"{name}_token_id") for name in ("unknown", "padding", "eot", "eom")}
+        fim = {kind: token_id(f"fim_{kind}_token_id") for kind in FIM_NAMES}
+        token_types, eos_ids = _llama_types(tokens, token_types, (eos_id, special_ids["eot"], special_ids["eom"]), fim)
 
         architecture = str(fields.get("general.architecture") or "")
         pre = fields.get("tokenizer.ggml.pre")
@@ -302,7 +405,6 @@ class GGUFTokenizer:
         if add_eos and eos_id is None:
             add_eos = False
 
-        eos_ids = _end_of_generation_ids(tokens, token_types, (eos_id, special_ids["eot"], special_ids["eom"]))
 
         template = fields.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
@@ -329,6 +431,7 @@ class GGUFTokenizer:
             add_eos=add_eos,
             chat_template=template or None,
             template_tokens=template_tokens,
+            pre=pre if isinstance(pre, str) else None,
         )
 
     @classmethod
@@ -399,7 +502,10 @@ class GGUFTokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text for token ids.
 
-        Tokens the file marks UNUSED (Qwen's ``[PAD151665]``... fillers) decode to nothing, as in llama.cpp.
+        Tokens the file marks UNUSED (Qwen's ``[PAD151665]``... fillers) decode to nothing, as in llama.cpp. The
+        text is llama.cpp's ``llama_detokenize``: each token's bytes (:meth:`token_bytes`), then, for byte-level
+        BPE vocabularies whose pre-tokenizer is not in :data:`NO_CLEAN_SPACES_PRE`, its space clean-up (so a
+        whole decode may differ from the concatenated stream of pieces, as llama-cli's printed text does).
 
         Args:
             ids: token ids, each in ``[0, vocab_size)``.
@@ -407,8 +513,15 @@ class GGUFTokenizer:
         Raises:
             TokenizerError: an id outside the vocabulary.
         """
+        ids = self._checked(ids)
+        if self._clean_spaces:
+            data = b"".join(self.token_bytes(i, skip_special) for i in ids)
+            strip = self._strip_left
+            while strip and data.startswith(b" "):
+                data, strip = data[1:], strip - 1
+            return _clean_up_spaces(data).decode("utf-8", errors="replace")
         dec = StreamDecoder(self, skip_special)
-        return "".join(dec.push(i) for i in self._checked(ids)) + dec.flush()
+        return "".join(dec.push(i) for i in ids) + dec.flush()
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
         """A fresh :class:`StreamDecoder` for printing tokens as they are generated."""
@@ -656,14 +769,18 @@ def _repair(
             raise TokenizerError(f"{path}: cannot keep the file's token ids (first: {wrong[:1]})")
         return fixed
     added = backend.get_added_tokens_decoder()
-    extra = [i for i in added if i >= n]
+    extra = [i for i in added if i >= n or types[i] == TokenType.NORMAL]  # past the file; made text by name
     missing = [
         i for i, kind in enumerate(types) if kind in (TokenType.CONTROL, TokenType.USER_DEFINED) and i not in added
     ]
-    if not extra and not missing:
+    promoted = {i for i, t in added.items() if i < n and types[i] == TokenType.CONTROL and not t.special}
+    if not extra and not missing and not promoted:
         return backend
     data = json.loads(backend.to_str())
-    data["added_tokens"] = [a for a in data["added_tokens"] if a["id"] < n]
+    data["added_tokens"] = [a for a in data["added_tokens"] if a["id"] < n and types[a["id"]] != TokenType.NORMAL]
+    for a in data["added_tokens"]:
+        if a["id"] in promoted:
+            a["special"] = True
     if missing and not byte_level:
         _add_raw_tokens(data, tokens, types, missing)
     try:
