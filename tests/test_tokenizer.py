@@ -226,8 +226,9 @@ def test_qwen_metadata(qwen: GGUFTokenizer) -> None:
     assert qwen.vocab_size == 152064
     assert qwen.backend.get_vocab_size(with_added_tokens=True) == 152064  # no id past the file's tokens
     assert qwen.bos_id == 151646 and qwen.add_bos and not qwen.add_eos
-    # eos_token_id is <｜end▁of▁sentence｜>; llama.cpp also ends generation at the NORMAL '</s>' (by its name)
-    assert qwen.eos_ids == {151643, 128247}
+    # eos_token_id is <｜end▁of▁sentence｜>; llama.cpp also ends generation at the NORMAL '</s>' and at the
+    # fill-in-the-middle pad, repo-name and file-separator tokens, by their names (test_eos_ids_are_llama_cpps)
+    assert qwen.eos_ids == {151643, 128247, 151662, 151663, 151664}
     assert qwen.chat_template is not None and "<｜Assistant｜>" in qwen.chat_template
 
 
