@@ -20,6 +20,11 @@ Nothing here writes GGUF tensors by hand. The pipeline is the one a user's model
    each ftype in :data:`QUANT_FTYPES` (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, IQ4_XS). Needs ``llama-cpp-python``
    installed in this interpreter's environment (``python tools/llamacpp.py install``); each quantization
    runs in a subprocess with its log kept beside the file.
+6. **Importance-matrix quantizations** -- ``build_fixture("qwen3moe-tiny-iquants")`` uses llama.cpp's own
+   ``llama-imatrix`` and ``llama-quantize`` tools (built once from the same pinned sdist by
+   ``tools/llamacpp.py tools``): an importance matrix of the F32 file on :data:`IMATRIX_TEXT`, then
+   ``llama-quantize --imatrix`` for each of :data:`TOOL_QUANTS` (IQ1_S ... IQ3_S, TQ1_0, TQ2_0, MXFP4_MOE and a
+   mixed per-tensor file). The types actually written are recorded in the manifest (``types``).
 
 Every product is keyed by a hash of its build parameters, this file's source and the versions of the
 tools involved, so a rebuild happens only when one of those changes. Each product is built in a temporary

@@ -423,10 +423,10 @@ def ensure_tools(*, force: bool = False) -> Path:
                     "recipe": TOOLS_RECIPE, "key": tools_key(), "cmake": _cmake_version(),
                     "download_extract_seconds": round(t_src, 1), "build_seconds": seconds,
                     "machine": platform.machine(), "cpus": os.cpu_count()}
-            shutil.copy2(log_file, tmp / "build.log.txt")
             shutil.rmtree(build)
             shutil.rmtree(tmp / "src")
             sdist.unlink()
+            (tmp / "requirements.txt").unlink()
             (tmp / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
             if final.exists():
                 old = final.with_name(f".tmp-tools-old-{os.getpid()}")
