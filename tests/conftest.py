@@ -89,7 +89,7 @@ def qwen3moe_tiny_quants(fixtures_tool: ModuleType, llama_cpp: ModuleType) -> di
 
 @pytest.fixture(scope="session")
 def qwen3moe_tiny_iquants(fixtures_tool: ModuleType, llama_cpp: ModuleType) -> dict[str, Any]:
-    """``{"types", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "tq1_0", "tq2_0",
+    """``{"types", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_m", "iq3_xxs", "iq3_s", "tq1_0", "tq2_0",
     "mxfp4_moe", "mix", ...}``: llama.cpp's ``llama-quantize`` of the ``qwen3moe-tiny`` F32 file with an
     importance matrix from ``llama-imatrix`` (fixture ``qwen3moe-tiny-iquants``; the tools are built once)."""
     return fixtures_tool.build_fixture("qwen3moe-tiny-iquants")

@@ -155,7 +155,7 @@ def test_real_linear_matches_dequantized_weight(real_samples):
 # ---------------------------------------------------------------------------
 
 #: file of the fixture -> the type llama.cpp's quantizer must have written for its routed experts
-IQUANT_FILES = {"iq1_s": T.IQ1_S, "iq1_m": T.IQ1_M, "iq2_xxs": T.IQ2_XXS, "iq2_xs": T.IQ2_XS, "iq2_s": T.IQ2_S,
+IQUANT_FILES = {"iq1_s": T.IQ1_S, "iq1_m": T.IQ1_M, "iq2_xxs": T.IQ2_XXS, "iq2_xs": T.IQ2_XS, "iq2_m": T.IQ2_S,
                 "iq3_xxs": T.IQ3_XXS, "iq3_s": T.IQ3_S, "tq1_0": T.TQ1_0, "tq2_0": T.TQ2_0, "mxfp4_moe": T.MXFP4}
 
 

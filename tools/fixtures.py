@@ -141,12 +141,13 @@ QUANT_FTYPES: dict[str, str] = {
 
 #: llama.cpp quantizations made by its ``llama-quantize`` tool with an importance matrix from its
 #: ``llama-imatrix`` tool (both built by ``tools/llamacpp.py tools``), by our name -> (``llama-quantize``
-#: options, ftype). IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S and IQ3_XXS need the importance matrix; IQ3_S, TQ1_0,
+#: options, ftype). IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S (ftype IQ2_M) and IQ3_XXS need the importance matrix; IQ3_S, TQ1_0,
 #: TQ2_0 and MXFP4_MOE (experts MXFP4) get it too. ``mix`` is shaped like the 1-2 bit "dynamic" files people
 #: stream: experts IQ1_M / IQ2_XXS / IQ3_XXS with some Q4_K / Q6_K expert matrices, attention Q8_0 and BF16,
 #: token embedding Q4_K, output Q6_K (``--tensor-type`` patterns are regexes; the first match wins).
 TOOL_QUANTS: dict[str, tuple[tuple[str, ...], str]] = {
-    **{q.lower(): ((), q) for q in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0",
+    # (the IQ2_S ftype writes IQ2_XS experts; IQ2_M is the one whose default type is IQ2_S)
+    **{q.lower(): ((), q) for q in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ3_XXS", "IQ3_S", "TQ1_0",
                                     "TQ2_0", "MXFP4_MOE")},
     "mix": (("--token-embedding-type", "q4_k", "--output-tensor-type", "q6_k",
              *(a for pat in (r"attn_q=q8_0", r"attn_k=bf16", r"attn_v=q8_0", r"attn_output=bf16",
