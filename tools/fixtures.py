@@ -141,10 +141,11 @@ QUANT_FTYPES: dict[str, str] = {
 
 #: llama.cpp quantizations made by its ``llama-quantize`` tool with an importance matrix from its
 #: ``llama-imatrix`` tool (both built by ``tools/llamacpp.py tools``), by our name -> (``llama-quantize``
-#: options, ftype). IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S (ftype IQ2_M) and IQ3_XXS need the importance matrix; IQ3_S, TQ1_0,
-#: TQ2_0 and MXFP4_MOE (experts MXFP4) get it too. ``mix`` is shaped like the 1-2 bit "dynamic" files people
-#: stream: experts IQ1_M / IQ2_XXS / IQ3_XXS with some Q4_K / Q6_K expert matrices, attention Q8_0 and BF16,
-#: token embedding Q4_K, output Q6_K (``--tensor-type`` patterns are regexes; the first match wins).
+#: options, ftype). IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S (ftype IQ2_M) and IQ3_XXS need the importance
+#: matrix; IQ3_S, TQ1_0, TQ2_0 and MXFP4_MOE (experts MXFP4) get it too. ``mix`` is shaped like the 1-2 bit
+#: "dynamic" files people stream: experts IQ1_M / IQ2_XXS / IQ3_XXS with some Q4_K / Q6_K expert matrices,
+#: attention Q8_0 and BF16, token embedding Q4_K, output Q6_K (``--tensor-type`` patterns are regexes; the
+#: first match wins).
 TOOL_QUANTS: dict[str, tuple[tuple[str, ...], str]] = {
     # (the IQ2_S ftype writes IQ2_XS experts; IQ2_M is the one whose default type is IQ2_S)
     **{q.lower(): ((), q) for q in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ3_XXS", "IQ3_S", "TQ1_0",
@@ -1061,7 +1062,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, spec in FIXTURES.items():
             print(name, json.dumps(spec.to_json()))
         for name, (base, quants) in QUANTIZED.items():
-            print(name, json.dumps({"from": f"{base} f32", "llama.cpp ftypes": [QUANT_FTYPES[q] for q in quants]}))
+            print(name, json.dumps({"from": f"{base} f32",
+                                    "llama.cpp ftypes": [QUANT_FTYPES.get(q) or TOOL_QUANTS[q] for q in quants]}))
         return 0
     names = [args.only] if args.only else [*FIXTURES, *FAMILY_MODULES, *QUANTIZED]
     if not args.only and importlib.util.find_spec("llama_cpp") is None:

@@ -202,6 +202,17 @@ def _build(dest: Path, log_file: Path) -> None:
                             + "\n  ".join(tail))
 
 
+def _move_into_place(tmp: Path, final: Path, old_prefix: str) -> None:
+    """Rename the finished build ``tmp`` to ``final``, replacing (then deleting) an older ``final``."""
+    if final.exists():
+        old = final.with_name(f"{old_prefix}{os.getpid()}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+
+
 def ensure_wheel(*, force: bool = False) -> Path:
     """Return the path of the cached ``llama_cpp_python`` wheel, building it first if needed."""
     final = wheel_dir()
@@ -233,13 +244,7 @@ def ensure_wheel(*, force: bool = False) -> Path:
                     "key": build_key(), "wheel": built[0].name, "build_seconds": seconds,
                     "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count()}
             (tmp / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
-            if final.exists():
-                old = final.with_name(f".tmp-{PROJECT}-old-{os.getpid()}")
-                final.rename(old)
-                tmp.rename(final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(final)
+            _move_into_place(tmp, final, f".tmp-{PROJECT}-old-")
             log(f"built {built[0].name} in {seconds:.0f}s")
             others = sorted((d for d in parent.glob(f"{PROJECT}-*-*") if d.is_dir() and d != final),
                             key=lambda d: d.stat().st_mtime, reverse=True)
@@ -428,13 +433,7 @@ def ensure_tools(*, force: bool = False) -> Path:
             sdist.unlink()
             (tmp / "requirements.txt").unlink()
             (tmp / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
-            if final.exists():
-                old = final.with_name(f".tmp-tools-old-{os.getpid()}")
-                final.rename(old)
-                tmp.rename(final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(final)
+            _move_into_place(tmp, final, ".tmp-tools-old-")
             log(f"built {', '.join(TOOL_TARGETS)} in {seconds:.0f}s (download and unpack {t_src:.0f}s)")
         finally:
             if tmp.exists():
