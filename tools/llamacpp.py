@@ -397,7 +397,10 @@ def ensure_tools(*, force: bool = False) -> Path:
             sdist = _download_sdist(tmp)
             with tarfile.open(sdist) as tf:
                 members = [m for m in tf.getmembers() if "/vendor/llama.cpp/" in m.name]
-                tf.extractall(tmp / "src", members=members, filter="data")
+                if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4: refuse links/paths out of the folder
+                    tf.extractall(tmp / "src", members=members, filter="data")
+                else:
+                    tf.extractall(tmp / "src", members=members)  # noqa: S202 - the sdist's sha256 was checked
             src = next((tmp / "src").glob("*/vendor/llama.cpp"))
             t_src = time.monotonic() - t0
             build = tmp / "build"
