@@ -9,6 +9,10 @@ an IEEE fp16 value widened to float32, every product and difference is a single
 float32 operation performed in the same order as the reference, and no fused
 multiply-add is used.
 
+The i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) index code books ("grids") of 4 or 8
+values; those tables are format data and are taken from the pinned ``gguf`` package at run time
+(``gguf.quants.<TYPE>.grid``, ``IQ2_XXS.ksigns``, ``MXFP4.kvalues``); the block arithmetic is written here.
+
 Everything here is vectorized torch code (no Python loop over blocks, no numpy),
 so it runs on whatever device the raw bytes live on (CPU or CUDA). Multi-byte
 fields are read the way GGUF stores them, little-endian, through views of the
@@ -605,8 +609,10 @@ def dequantize(raw: torch.Tensor, ggml_type: int, n_cols: int) -> torch.Tensor:
         raw: uint8 tensor ``[..., row_bytes(ggml_type, n_cols)]``: the bytes of rows, any leading
             shape (e.g. ``[n_experts, n_rows, row_bytes]``), any strides, on any device.
         ggml_type: a ``GGMLQuantizationType`` (or its int); see :data:`SUPPORTED_TYPES`. Block
-            layouts are ggml's (``ggml-common.h``): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and IQ4_NL blocks
-            of 32, k-quants Q2_K..Q6_K and IQ4_XS super-blocks of 256; F32/F16/BF16 plain.
+            layouts are ggml's (``ggml-common.h``): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, IQ4_NL and MXFP4
+            blocks of 32; k-quants Q2_K..Q6_K, the i-quants IQ1_S..IQ4_XS and TQ1_0/TQ2_0 super-blocks
+            of 256; F32/F16/BF16 plain. The i-quant code books (grids, sign table) come from the
+            ``gguf`` package.
         n_cols: elements per row (a multiple of the type's block size).
 
     Returns:
