@@ -76,7 +76,6 @@ class _CheckedReader(GGUFReader):
             raise _Truncated(offset, end, len(plain))
         return plain[offset:end].view(dt)
 
-
     def _build_tensors(self, start_offs, fields):  # noqa: ANN001 - mirrors the base class
         # name the tensor whose type id the gguf package does not know (it raises a bare ValueError)
         for field in fields:
