@@ -8,7 +8,8 @@ files llama.cpp's converter makes from it (built once by ``tools/fixtures.py`` a
 ``tools/llamacpp.py`` and installed by ``scripts/test.sh``; tests that use it are marked ``llamacpp``. Where
 it is not installed they are skipped, unless ``MOESTREAM_REQUIRE_LLAMACPP=1`` (``scripts/test.sh`` sets it)
 makes that a failure. ``qwen3moe_tiny_quants`` holds llama.cpp's own quantizations (Q4_K_M, Q5_K_M, Q6_K,
-Q8_0, Q4_0, IQ4_XS) of the F32 file.
+Q8_0, Q4_0, IQ4_XS) of the F32 file; ``qwen3moe_tiny_iquants`` the importance-matrix types (IQ1_S ... IQ3_S,
+TQ1_0, TQ2_0, MXFP4_MOE) and a mixed per-tensor file made by llama.cpp's ``llama-quantize`` tool.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def qwen3moe_tiny_quants(fixtures_tool: ModuleType, llama_cpp: ModuleType) -> di
     """``{"source", "types", "q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "iq4_xs", ...}``: llama.cpp's
     quantizations of the ``qwen3moe-tiny`` F32 file (fixture ``qwen3moe-tiny-llamacpp``)."""
     return fixtures_tool.build_fixture("qwen3moe-tiny-llamacpp")
+
+
+@pytest.fixture(scope="session")
+def qwen3moe_tiny_iquants(fixtures_tool: ModuleType, llama_cpp: ModuleType) -> dict[str, Any]:
+    """``{"types", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_m", "iq3_xxs", "iq3_s", "tq1_0", "tq2_0",
+    "mxfp4_moe", "mix", ...}``: llama.cpp's ``llama-quantize`` of the ``qwen3moe-tiny`` F32 file with an
+    importance matrix from ``llama-imatrix`` (fixture ``qwen3moe-tiny-iquants``; the tools are built once)."""
+    return fixtures_tool.build_fixture("qwen3moe-tiny-iquants")
 
 
 @pytest.fixture(scope="session")

@@ -484,3 +484,59 @@ def test_vs_llamacpp_missing_points_at_the_installer(default_gguf):
     line = assert_one_line_error(python(code), "--vs llama.cpp needs llama-cpp-python",
                                  "tools/llamacpp.py install", "about 5 minutes")
     assert "pip install" not in line
+
+
+# ------------------------------------------------------------------------------------------------ 10. ggml types
+def _set_type_id(src: Path, dst: Path, tensor: str, type_id: int) -> None:
+    """Copy ``src`` to ``dst`` with the ggml type id of ``tensor`` in the tensor table overwritten (bad input
+    only: nothing else changes, so the data no longer matches the type)."""
+    from gguf import GGUFReader
+
+    t = next(t for t in GGUFReader(str(src)).tensors if t.name == tensor)
+    name_len, name, n_dims, dims = t.field.parts[:4]
+    offset = t.field.offset + name_len.nbytes + name.nbytes + n_dims.nbytes + dims.nbytes
+    data = bytearray(src.read_bytes())
+    assert int.from_bytes(data[offset:offset + 4], "little") == int(t.tensor_type)
+    data[offset:offset + 4] = type_id.to_bytes(4, "little")
+    dst.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("tensor", ["blk.1.ffn_down_exps.weight", "blk.0.attn_q.weight"])
+def test_unknown_type_id_names_the_file_and_tensor(tmp_path, default_gguf, tensor):
+    path = tmp_path / "type99.gguf"
+    _set_type_id(default_gguf, path, tensor, 99)
+    lines = {assert_one_line_error(moestream(cmd, "-m", str(path), *args))
+             for cmd, args in (("inspect", ()), ("run", ("-n", "2")))}
+    assert lines == {f"moestream: error: {path}: tensor {tensor} has ggml type 99, which is not a known ggml type "
+                     "(a newer llama.cpp, or a corrupt tensor table)"}
+
+
+@pytest.mark.parametrize("tensor", ["blk.0.attn_q.weight", "output_norm.weight", "blk.2.ffn_up_exps.weight"])
+def test_inspect_refuses_a_type_run_refuses(tmp_path, default_gguf, tensor):
+    """A dense or expert tensor in a type moestream cannot compute (F64): ``inspect`` gives run's line."""
+    path = tmp_path / "f64.gguf"
+    rewrite(default_gguf, path, convert={tensor: lambda a: a.astype(np.float64)})
+    lines = {assert_one_line_error(moestream(cmd, "-m", str(path), *args))
+             for cmd, args in (("inspect", ()), ("run", ("-n", "2")))}
+    assert lines == {f"moestream: error: {path}: tensor {tensor} is ggml type 28 (F64), which moestream cannot "
+                     "compute"}
+
+
+def test_inspect_checks_the_tensors_loading_reads(default_gguf, monkeypatch):
+    """``check_dense_types`` + the expert check (inspect) cover exactly the tensors a full load checks (run)."""
+    from moestream.models import base, layers
+
+    seen: list[str] = []
+    real = layers.check_computable
+
+    def spy(info):  # noqa: ANN001
+        seen.append(info.name)
+        return real(info)
+
+    monkeypatch.setattr(layers, "check_computable", spy)
+    monkeypatch.setattr(base, "check_computable", spy)
+    m = load_model(str(default_gguf), LoadOptions(moe_stream=False))
+    m.store.close()
+    loaded, seen[:] = set(seen), []
+    base.architecture_of(m.gguf)(m.gguf, LoadOptions(moe_stream=False, metadata_only=True)).check_dense_types()
+    assert set(seen) == loaded == set(m.gguf.tensors)

@@ -219,3 +219,33 @@ def test_verify_detects_a_difference(resident, monkeypatch):
     monkeypatch.setattr(reader_mod.ExpertReader, "_read", corrupt)
     res = verify(model, ids, 4, LoadOptions(slots=model.top_k, io_threads=2))
     assert not res.identical and res.first_diff[0] == 0
+
+
+# ------------------------------------------------------------------------------------------------ mixed types
+@pytest.fixture(scope="module")
+def mixed(qwen3moe_tiny_iquants):
+    """llama-quantize's mixed file (tools/fixtures.py TOOL_QUANTS["mix"]): experts IQ1_M / IQ2_XXS / IQ3_XXS /
+    Q4_K / Q6_K matrix by matrix, attention Q8_0 and BF16, output Q6_K, token embedding Q4_K."""
+    path = qwen3moe_tiny_iquants["mix"]
+    model = load_model(path, LoadOptions(moe_stream=False))
+    ids = GGUFTokenizer.from_gguf(path).encode(PROMPT)
+    yield model, ids
+    model.store.close()
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("slots,overlap,ubatch", [
+    ("top_k", True, 128), ("top_k", False, 128), ("half", True, 7), ("all", True, 128),
+])
+def test_verify_identical_mixed_types(mixed, slots, overlap, ubatch):
+    model, ids = mixed
+    types = {m.type_name for mats in model.layout.layers.values() for m in mats.values()}
+    assert {"IQ1_M", "IQ2_XXS", "IQ3_XXS", "Q4_K", "Q6_K"} <= types, types
+    verify_identical(model, ids, 32, slots, ubatch=ubatch, overlap=overlap, io_threads=4, label="mix: ")
+
+
+@pytest.mark.llamacpp
+def test_mixed_types_slot_ids_differ_from_expert_ids(mixed):
+    model, ids = mixed
+    with streaming_prefill(model, ids, LoadOptions(slots=model.top_k + 1, io_threads=2)) as store:
+        assert [(e, s) for e, s in expert_slots(store) if e != s], "every expert sat in the slot of its own id"

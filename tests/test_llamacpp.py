@@ -11,6 +11,9 @@ rounding also flips some router choices), against 1.4e-5 with these settings.
   on an F32 *twin* whose tensors are the exact dequantization of the quantized file (``gguf.quants``), i.e.
   the same model in float32, and moestream on the quantized file itself, streaming through a small pool
   (top-k + 2 slots), must match it within the same 1e-4 (prompt and 32 greedy steps).
+* A mixed file from llama-quantize's ``--tensor-type`` overrides, shaped like the 1-2 bit "dynamic" files
+  people stream (experts IQ1_M / IQ2_XXS / IQ3_XXS / Q4_K / Q6_K matrix by matrix, attention Q8_0 and BF16,
+  output Q6_K): the same twin check, greedy tokens equal and logits within 1e-4.
 * The same quantized files straight in llama.cpp: a looser bound, explained at ``DIRECT_REL_TOL``, plus the
   proof that the whole gap is llama.cpp's own: on the same tokens, llama.cpp on the F32 twin is within 1e-4
   of moestream, so the gap is between llama.cpp's quantized and float32 arithmetic.
@@ -267,3 +270,65 @@ def test_twin_is_exact_dequantization(qwen3moe_tiny_quants: dict, tmp_path: Path
         raw = torch.from_numpy(np.asarray(ta.data).copy().view(np.uint8).reshape(-1))
         ours = quant.dequantize(raw, int(ta.tensor_type), ref.size)
         assert torch.equal(ours.reshape(-1), torch.tensor(ref)), ta.name
+
+
+# ------------------------------------------------------------------------------------------------ mixed types
+#: What the mixed file's recipe (tools/fixtures.py TOOL_QUANTS["mix"], llama-quantize --tensor-type) asks for:
+#: checked in the file itself, since llama.cpp's quantizer may silently pick other types.
+MIX_TYPES = {
+    "token_embd.weight": "Q4_K", "output.weight": "Q6_K",
+    "blk.0.attn_q.weight": "Q8_0", "blk.0.attn_k.weight": "BF16", "blk.0.attn_v.weight": "Q8_0",
+    "blk.0.attn_output.weight": "BF16",
+    "blk.0.ffn_gate_exps.weight": "IQ1_M", "blk.0.ffn_up_exps.weight": "IQ1_M", "blk.0.ffn_down_exps.weight": "IQ2_XXS",
+    "blk.1.ffn_gate_exps.weight": "IQ2_XXS", "blk.1.ffn_up_exps.weight": "IQ2_XXS",
+    "blk.1.ffn_down_exps.weight": "IQ3_XXS",
+    "blk.2.ffn_gate_exps.weight": "IQ3_XXS", "blk.2.ffn_up_exps.weight": "IQ2_XXS",
+    "blk.2.ffn_down_exps.weight": "Q4_K",
+    "blk.3.ffn_gate_exps.weight": "Q4_K", "blk.3.ffn_up_exps.weight": "IQ1_M", "blk.3.ffn_down_exps.weight": "Q6_K",
+}
+
+
+@dataclasses.dataclass
+class MixCase:
+    path: Path
+    twin: Run  # llama.cpp's greedy run on the F32 twin
+    ours: Run  # moestream on the mixed file, streaming, fed the twin run's tokens
+
+
+@pytest.fixture(scope="module")
+def mixcase(qwen3moe_tiny_iquants: dict, llama_cpp: Any, prompt_ids: list[int],
+            tmp_path_factory: pytest.TempPathFactory) -> MixCase:
+    path = qwen3moe_tiny_iquants["mix"]
+    twin_path = write_twin(path, tmp_path_factory.mktemp("twin-mix") / "mix-twin-f32.gguf")
+    try:
+        twin = llama_greedy(llama_cpp, twin_path, prompt_ids)
+    finally:
+        twin_path.unlink()
+    model = load(path, stream=True, slots=qwen3moe_tiny_iquants["base"]["config"]["num_experts_per_tok"] + 2)
+    try:
+        ours = ours_forced(model, prompt_ids, twin.tokens)
+    finally:
+        model.store.close()
+        del model
+        gc.collect()
+    return MixCase(path, twin, ours)
+
+
+def test_mixed_file_types(qwen3moe_tiny_iquants: dict) -> None:
+    from moestream.gguf import GGUFModel
+
+    g = GGUFModel(str(qwen3moe_tiny_iquants["mix"]))
+    got = {name: g.tensors[name].type_name for name in MIX_TYPES}
+    assert got == MIX_TYPES
+    for i in range(1, 4):  # attention of every layer as in layer 0
+        assert [g.tensors[f"blk.{i}.attn_{m}.weight"].type_name for m in ("q", "k", "v", "output")] == \
+            ["Q8_0", "BF16", "Q8_0", "BF16"]
+
+
+def test_mixed_matches_llama_cpp_on_f32_twin(mixcase: MixCase) -> None:
+    """Greedy tokens equal, every logit of the prompt and of 32 greedy steps within 1e-4 (streaming, small pool)."""
+    diff = max_diff(mixcase.ours, mixcase.twin)
+    print(f"mix: moestream (mixed file, streaming) vs llama.cpp (F32 twin): max |logit diff| {diff:.3g}; "
+          f"llama.cpp {mixcase.twin.seconds:.1f}s, moestream {mixcase.ours.seconds:.1f}s")
+    assert diff < TOL, f"mix: max |logit diff| {diff:.3g} at {where(mixcase.ours, mixcase.twin)}"
+    assert mixcase.ours.tokens == mixcase.twin.tokens

@@ -27,10 +27,25 @@ FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.Q6_K: (208,),
     T.IQ4_NL: (0,),
     T.IQ4_XS: (0,),
+    T.IQ1_S: (0,),
+    T.IQ1_M: (),  # its fp16 scale is spread over the top nibbles of four u16 (set by random_blocks)
+    T.IQ2_XXS: (0,),
+    T.IQ2_XS: (0,),
+    T.IQ2_S: (0,),
+    T.IQ3_XXS: (0,),
+    T.IQ3_S: (0,),
+    T.TQ1_0: (52,),
+    T.TQ2_0: (64,),
+    T.MXFP4: (),  # an e8m0 exponent byte: every value is a finite scale
 }
+#: Types whose fp16 scale is split into nibbles: byte offset of the four little-endian u16 whose top nibbles
+#: hold it (ggml-common.h block_iq1_m: nibble k of the scale in u16 k).
+SPLIT_FP16: dict[GGMLQuantizationType, int] = {T.IQ1_M: 48}
+#: The types issue 9 added, all written by llama.cpp's quantizer into MoE files.
+IQUANTS = (T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.TQ1_0, T.TQ2_0, T.MXFP4)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 REQUIRED = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
-            T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+            T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, *IQUANTS}
 # Types that the gguf package can quantize itself (used for "realistic" synthetic blocks).
 GGUF_QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 
@@ -67,12 +82,23 @@ def random_blocks(qtype: GGMLQuantizationType, n_rows: int, blocks_per_row: int,
     _, type_size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n_rows, blocks_per_row * type_size), dtype=np.uint8)
     blocks = raw.reshape(n_rows, blocks_per_row, type_size)
-    for off in FP16_FIELDS[qtype]:
+    if qtype == T.MXFP4 and scales is None:  # e8m0 exponents of sane scales (2^-13 .. 2^2); all: edge test
+        blocks[..., 0] = rng.integers(127 - 13, 127 + 3, (n_rows, blocks_per_row))
+    offsets = FP16_FIELDS[qtype] + ((SPLIT_FP16[qtype],) if qtype in SPLIT_FP16 else ())
+    for off in offsets:
         if scales is None:
-            blocks[..., off:off + 2] = random_fp16(rng, (n_rows, blocks_per_row))
+            field = random_fp16(rng, (n_rows, blocks_per_row))
         else:
             picked = rng.choice(scales, (n_rows, blocks_per_row))
-            blocks[..., off:off + 2] = picked.astype(np.float16).view(np.uint8).reshape(n_rows, blocks_per_row, 2)
+            field = picked.astype(np.float16).view(np.uint8).reshape(n_rows, blocks_per_row, 2)
+        if qtype in SPLIT_FP16:  # nibble k of the scale into the top nibble of u16 k, other bits kept
+            bits = field.view(np.uint16)[..., 0]
+            words = blocks[..., off:off + 8].copy().view(np.uint16)
+            for k in range(4):
+                words[..., k] = (words[..., k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
+            blocks[..., off:off + 8] = words.view(np.uint8)
+        else:
+            blocks[..., off:off + 2] = field
     return raw
 
 
@@ -124,6 +150,41 @@ def test_real_linear_matches_dequantized_weight(real_samples):
 
 
 # ---------------------------------------------------------------------------
+# 1b. real blocks from llama.cpp's quantizer with an importance matrix (fixture qwen3moe-tiny-iquants:
+#     llama-imatrix + llama-quantize on the qwen3moe-tiny F32 file)
+# ---------------------------------------------------------------------------
+
+#: file of the fixture -> the type llama.cpp's quantizer must have written for its routed experts
+IQUANT_FILES = {"iq1_s": T.IQ1_S, "iq1_m": T.IQ1_M, "iq2_xxs": T.IQ2_XXS, "iq2_xs": T.IQ2_XS, "iq2_m": T.IQ2_S,
+                "iq3_xxs": T.IQ3_XXS, "iq3_s": T.IQ3_S, "tq1_0": T.TQ1_0, "tq2_0": T.TQ2_0, "mxfp4_moe": T.MXFP4}
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("name", list(IQUANT_FILES))
+def test_llamacpp_quantized_blocks_bit_exact(qwen3moe_tiny_iquants, name):
+    """Every quantized tensor of the file (up to 512 rows of each, spread over the tensor: every expert), in
+    the types llama.cpp actually wrote (read from the file, not assumed from the ftype's name)."""
+    from moestream.gguf import GGUFModel
+
+    path = qwen3moe_tiny_iquants[name]
+    want = IQUANT_FILES[name]
+    g = GGUFModel(str(path))
+    experts = {t.ggml_type for n, t in g.tensors.items() if n.endswith("_exps.weight")}
+    assert experts == {int(want)}, f"{path}: routed experts are {sorted(T(t).name for t in experts)}"
+    checked: dict[str, int] = {}
+    for info in g.tensors.values():
+        if info.ggml_type == T.F32:
+            continue
+        rows = g.read(info).view(-1, info.row_bytes)
+        step = max(1, rows.shape[0] // 512)
+        raw = rows[::step][:512].numpy()
+        assert_bit_exact(raw, T(info.ggml_type), info.shape[-1], f"{path.name} {info.name}")
+        checked[info.type_name] = checked.get(info.type_name, 0) + 1
+    print(f"{name}: bit-exact on " + ", ".join(f"{k} x{v}" for k, v in sorted(checked.items())))
+    assert checked.get(want.name, 0) >= 12  # 4 layers x gate, up, down at least
+
+
+# ---------------------------------------------------------------------------
 # 2. random blocks of every supported type
 # ---------------------------------------------------------------------------
 
@@ -131,6 +192,22 @@ def test_real_linear_matches_dequantized_weight(real_samples):
 def test_every_required_type_is_supported():
     assert REQUIRED <= quant.SUPPORTED_TYPES
     assert set(FP16_FIELDS) | set(FLOAT_TYPES) == set(quant.SUPPORTED_TYPES)
+
+
+def test_random_blocks_set_the_split_iq1_m_scale():
+    """The harness: random IQ1_M blocks get the fp16 scale asked for (else every block could be NaN/Inf)."""
+    raw = random_blocks(T.IQ1_M, n_rows=8, blocks_per_row=2, seed=3, scales=np.array([0.5], dtype=np.float32))
+    words = raw.reshape(16, 56)[:, 48:56].copy().view(np.uint16)
+    bits = (words[:, 0] >> 12) | ((words[:, 1] >> 8) & 0xF0) | ((words[:, 2] >> 4) & 0xF00) | (words[:, 3] & 0xF000)
+    assert (bits.astype(np.uint16).view(np.float16) == 0.5).all()
+
+
+def test_every_mxfp4_exponent_bit_exact():
+    """All 256 e8m0 exponents (subnormal half-scales 0 and 1, the largest 255) with every code."""
+    blocks = np.zeros((256, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256)
+    blocks[:, 1:] = np.arange(16, dtype=np.uint8) * 0x11  # code i in both nibbles of byte i
+    assert_bit_exact(blocks, T.MXFP4, 32, "every MXFP4 exponent")
 
 
 @pytest.mark.parametrize("qtype", list(FP16_FIELDS), ids=lambda t: t.name)
@@ -180,7 +257,8 @@ def test_every_16bit_pattern_bit_exact(qtype):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q8_0, T.Q4_K, T.Q6_K, T.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q8_0, T.Q4_K, T.Q6_K, T.Q2_K, T.IQ2_S, T.MXFP4],
+                         ids=lambda t: t.name)
 def test_linear_equals_functional_linear(qtype):
     n_rows, n_cols = 48, 512
     if qtype in FLOAT_TYPES:
@@ -216,8 +294,8 @@ def test_f32_is_a_view_not_a_copy():
     assert w.data_ptr() == raw.data_ptr() and tuple(w.shape) == (8, 64)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q5_0, T.Q6_K, T.Q3_K, T.F32, T.F16, T.BF16],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q5_0, T.Q6_K, T.Q3_K, T.F32, T.F16, T.BF16, T.IQ2_XXS,
+                                   T.IQ1_M, T.IQ3_S, T.TQ1_0, T.MXFP4], ids=lambda t: t.name)
 def test_batched_noncontiguous_leading_dims(qtype):
     n_experts, n_rows = 6, 10
     block_size, _ = GGML_QUANT_SIZES[qtype]
@@ -308,15 +386,15 @@ def test_row_bytes_matches_gguf_sizes(qtype):
 
 
 def test_unsupported_type_errors():
-    assert quant.is_supported(T.Q4_K) and quant.is_supported(int(T.Q6_K))
-    assert not quant.is_supported(T.IQ2_XXS)
+    assert quant.is_supported(T.Q4_K) and quant.is_supported(int(T.Q6_K)) and quant.is_supported(T.IQ2_XXS)
+    assert not quant.is_supported(T.Q8_K)  # ggml's activation type: never in a model file
     assert not quant.is_supported(999)
-    raw = torch.zeros(2, 66, dtype=torch.uint8)
-    with pytest.raises(quant.UnsupportedTypeError, match=r"IQ2_XXS \(16\)") as err:
-        quant.dequantize(raw, T.IQ2_XXS, 256)
+    raw = torch.zeros(2, 292, dtype=torch.uint8)
+    with pytest.raises(quant.UnsupportedTypeError, match=r"Q8_K \(15\)") as err:
+        quant.dequantize(raw, T.Q8_K, 256)
     assert isinstance(err.value, ValueError)
-    with pytest.raises(quant.UnsupportedTypeError, match=r"IQ2_XXS \(16\)"):
-        quant.linear(torch.zeros(1, 256), raw, T.IQ2_XXS, 256)
+    with pytest.raises(quant.UnsupportedTypeError, match=r"Q8_K \(15\)"):
+        quant.linear(torch.zeros(1, 256), raw, T.Q8_K, 256)
     with pytest.raises(quant.UnsupportedTypeError, match="999"):
         quant.dequantize(raw, 999, 256)
     with pytest.raises(quant.UnsupportedTypeError, match="999"):

@@ -20,6 +20,11 @@ Nothing here writes GGUF tensors by hand. The pipeline is the one a user's model
    each ftype in :data:`QUANT_FTYPES` (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, IQ4_XS). Needs ``llama-cpp-python``
    installed in this interpreter's environment (``python tools/llamacpp.py install``); each quantization
    runs in a subprocess with its log kept beside the file.
+6. **Importance-matrix quantizations** -- ``build_fixture("qwen3moe-tiny-iquants")`` uses llama.cpp's own
+   ``llama-imatrix`` and ``llama-quantize`` tools (built once from the same pinned sdist by
+   ``tools/llamacpp.py tools``): an importance matrix of the F32 file on :data:`IMATRIX_TEXT`, then
+   ``llama-quantize --imatrix`` for each of :data:`TOOL_QUANTS` (IQ1_S ... IQ3_S, TQ1_0, TQ2_0, MXFP4_MOE and a
+   mixed per-tensor file). The types actually written are recorded in the manifest (``types``).
 
 Every product is keyed by a hash of its build parameters, this file's source and the versions of the
 tools involved, so a rebuild happens only when one of those changes. Each product is built in a temporary
@@ -134,6 +139,41 @@ QUANT_FTYPES: dict[str, str] = {
     "iq4_xs": "IQ4_XS",
 }
 
+#: llama.cpp quantizations made by its ``llama-quantize`` tool with an importance matrix from its
+#: ``llama-imatrix`` tool (both built by ``tools/llamacpp.py tools``), by our name -> (``llama-quantize``
+#: options, ftype). IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S (ftype IQ2_M) and IQ3_XXS need the importance
+#: matrix; IQ3_S, TQ1_0, TQ2_0 and MXFP4_MOE (experts MXFP4) get it too. ``mix`` is shaped like the 1-2 bit
+#: "dynamic" files people stream: experts IQ1_M / IQ2_XXS / IQ3_XXS with some Q4_K / Q6_K expert matrices,
+#: attention Q8_0 and BF16, token embedding Q4_K, output Q6_K (``--tensor-type`` patterns are regexes; the
+#: first match wins).
+TOOL_QUANTS: dict[str, tuple[tuple[str, ...], str]] = {
+    # (the IQ2_S ftype writes IQ2_XS experts; IQ2_M is the one whose default type is IQ2_S)
+    **{q.lower(): ((), q) for q in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ3_XXS", "IQ3_S", "TQ1_0",
+                                    "TQ2_0", "MXFP4_MOE")},
+    "mix": (("--token-embedding-type", "q4_k", "--output-tensor-type", "q6_k",
+             *(a for pat in (r"attn_q=q8_0", r"attn_k=bf16", r"attn_v=q8_0", r"attn_output=bf16",
+                             r"blk\.0\.ffn_(gate|up)_exps=iq1_m", r"blk\.0\.ffn_down_exps=iq2_xxs",
+                             r"blk\.1\.ffn_(gate|up)_exps=iq2_xxs", r"blk\.1\.ffn_down_exps=iq3_xxs",
+                             r"blk\.2\.ffn_gate_exps=iq3_xxs", r"blk\.2\.ffn_up_exps=iq2_xxs",
+                             r"blk\.2\.ffn_down_exps=q4_k", r"blk\.3\.ffn_gate_exps=q4_k",
+                             r"blk\.3\.ffn_up_exps=iq1_m", r"blk\.3\.ffn_down_exps=q6_k")
+               for a in ("--tensor-type", pat))), "IQ2_XXS"),
+}
+
+#: The text ``llama-imatrix`` runs the F32 model on (a few hundred tokens, in chunks of ``IMATRIX_CTX``).
+IMATRIX_TEXT = " ".join([
+    "The printing press spread across Europe within a few decades of its invention.",
+    "Workshops in Mainz, Venice, Paris and Lyon produced books, pamphlets and broadsheets",
+    "that carried news, sermons, grammars and tables of numbers to readers who had never owned a book.",
+    "Paper mills grew beside rivers, type founders cast letters in lead and tin, and binders sewed",
+    "signatures into covers of leather and board. Merchants used printed price lists; astronomers",
+    "shared tables of the planets; physicians argued over printed herbals. Errors were copied too,",
+    "but a corrected edition could replace a faulty one in a year rather than a generation.",
+    "def quantize(rows, scale): return [round(x / scale) for x in rows]  # 1, 2, 3, 4, 5, 6, 7, 8",
+    "In 2024 the river rose 3.5 metres; by 2025 the new bridge (span 120 m) carried 14,000 cars a day.",
+] * 4)
+IMATRIX_CTX = 64
+
 #: Packages whose versions change what the checkpoint/tokenizer bytes look like.
 _VERSIONED_PACKAGES = ("torch", "transformers", "tokenizers", "gguf", "safetensors")
 
@@ -224,9 +264,11 @@ def _family_module(name: str) -> Any:
 
 
 #: Quantized fixtures: name -> (the fixture whose F32 file is quantized, the quantizations (keys of
-#: :data:`QUANT_FTYPES`)). Built by llama.cpp's quantizer, see :func:`build_quantized`.
+#: :data:`QUANT_FTYPES` or of :data:`TOOL_QUANTS`)). Built by llama.cpp's quantizer, see :func:`build_quantized`.
 QUANTIZED: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen3moe-tiny-llamacpp": ("qwen3moe-tiny", tuple(QUANT_FTYPES)),
+    # keys of TOOL_QUANTS: made by the llama-quantize tool with an importance matrix
+    "qwen3moe-tiny-iquants": ("qwen3moe-tiny", tuple(TOOL_QUANTS)),
 }
 
 
@@ -887,13 +929,15 @@ def build_quantized(name: str, *, force: bool = False) -> dict[str, Any]:
     Keyed by the source fixture's key, the quantizations and the installed llama-cpp-python version.
     """
     base_name, quants = QUANTIZED[name]
-    bad = [q for q in quants if q not in QUANT_FTYPES]
+    bad = [q for q in quants if q not in QUANT_FTYPES and q not in TOOL_QUANTS]
     if bad:
-        raise FixtureError(f"{name}: unknown quantizations {bad}; choose from {sorted(QUANT_FTYPES)}")
+        raise FixtureError(f"{name}: unknown quantizations {bad}; choose from {sorted([*QUANT_FTYPES, *TOOL_QUANTS])}")
     base = build_fixture(base_name)  # ``force`` rebuilds the quantizations, not the model
+    tools = [q for q in quants if q in TOOL_QUANTS]
     key = _sha({"name": name, "base": base["dir"].name, "quants": quants,
-                "ftypes": [QUANT_FTYPES[q] for q in quants], "llama_cpp_python": _llama_cpp_version(),
-                "src": _source_hash()})[:16]
+                "ftypes": [QUANT_FTYPES.get(q) or TOOL_QUANTS[q] for q in quants],
+                "llama_cpp_python": _llama_cpp_version(), "src": _source_hash(),
+                **({"tools": _llamacpp_tools().tools_key()} if tools else {})})[:16]
     root = cache_root() / "quantized"
     final = root / f"{name}-{key}"
     if not force and (final / "manifest.json").exists():
@@ -907,23 +951,56 @@ def build_quantized(name: str, *, force: bool = False) -> dict[str, Any]:
         log(f"{name}: quantizing {base['f32'].name} with llama.cpp into {final}")
         with _staging(final) as tmp:
             timings, types = {}, {}
+            imatrix = _imatrix(base["f32"], tmp) if tools else None
             for q in quants:
                 t1 = time.monotonic()
                 dest = tmp / f"{base_name}-{q}.gguf"
-                _run([sys.executable, str(tool), "quantize", str(base["f32"]), str(dest), QUANT_FTYPES[q]],
-                     f"llama.cpp quantize {QUANT_FTYPES[q]} ({base_name})", tmp / f"quantize-{q}.log")
+                if q in TOOL_QUANTS:
+                    opts, ftype = TOOL_QUANTS[q]
+                    _run([str(_llamacpp_tools().tool("llama-quantize")), "--imatrix", str(imatrix), *opts,
+                          str(base["f32"]), str(dest), ftype, "2"],
+                         f"llama-quantize {ftype} ({base_name})", tmp / f"quantize-{q}.log")
+                else:
+                    ftype = QUANT_FTYPES[q]
+                    _run([sys.executable, str(tool), "quantize", str(base["f32"]), str(dest), ftype],
+                         f"llama.cpp quantize {ftype} ({base_name})", tmp / f"quantize-{q}.log")
                 timings[q] = round(time.monotonic() - t1, 2)
                 types[q] = tensor_types(dest)
-                log(f"{name}: {QUANT_FTYPES[q]} ({dest.stat().st_size / 2**20:.1f} MiB, {timings[q]:.1f}s): "
+                log(f"{name}: {q} ({dest.stat().st_size / 2**20:.1f} MiB, {timings[q]:.1f}s): "
                     + ", ".join(f"{k} x{v}" for k, v in types[q].items()))
             info = {"name": name, "key": final.name, "base": base["dir"].name,
-                    "llama_cpp_python": _llama_cpp_version(), "ftypes": {q: QUANT_FTYPES[q] for q in quants},
+                    "llama_cpp_python": _llama_cpp_version(),
+                    "ftypes": {q: QUANT_FTYPES.get(q) or TOOL_QUANTS[q] for q in quants},
                     "quantize_seconds": timings, "types": types,
                     "files": {q: f"{base_name}-{q}.gguf" for q in quants}}
             (tmp / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
         _prune(root, name, final)
         log(f"{name}: done in {time.monotonic() - t0:.1f}s")
         return _quantized_paths(final, name, base, quants)
+
+
+def _llamacpp_tools() -> Any:
+    """``tools/llamacpp.py`` as a module (it builds and caches llama.cpp's ``llama-imatrix``/``llama-quantize``)."""
+    import importlib
+
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("llamacpp")
+
+
+def _imatrix(f32: Path, out_dir: Path) -> Path:
+    """``llama-imatrix`` on :data:`IMATRIX_TEXT` with the F32 model ``f32``: ``out_dir/imatrix.gguf``."""
+    text, out = out_dir / "imatrix-text.txt", out_dir / "imatrix.gguf"
+    text.write_text(IMATRIX_TEXT + "\n")
+    t0 = time.monotonic()
+    _run([str(_llamacpp_tools().tool("llama-imatrix")), "-m", str(f32), "-f", str(text), "-o", str(out),
+          "-c", str(IMATRIX_CTX), "-b", str(IMATRIX_CTX), "-t", "2", "--no-ppl"],
+         f"llama-imatrix ({f32.name})", out_dir / "imatrix.log")
+    if not out.is_file():
+        raise FixtureError(f"llama-imatrix exited 0 but wrote no {out}")
+    log(f"importance matrix from {len(IMATRIX_TEXT)} characters of text in {time.monotonic() - t0:.1f}s")
+    return out
 
 
 def build_fixture(name: str, *, force: bool = False) -> dict[str, Any]:
@@ -985,7 +1062,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, spec in FIXTURES.items():
             print(name, json.dumps(spec.to_json()))
         for name, (base, quants) in QUANTIZED.items():
-            print(name, json.dumps({"from": f"{base} f32", "llama.cpp ftypes": [QUANT_FTYPES[q] for q in quants]}))
+            print(name, json.dumps({"from": f"{base} f32",
+                                    "llama.cpp ftypes": [QUANT_FTYPES.get(q) or TOOL_QUANTS[q] for q in quants]}))
         return 0
     names = [args.only] if args.only else [*FIXTURES, *FAMILY_MODULES, *QUANTIZED]
     if not args.only and importlib.util.find_spec("llama_cpp") is None:

@@ -26,6 +26,7 @@ Command line::
     python tools/llamacpp.py wheel        # build if needed, print the wheel's path
     python tools/llamacpp.py install      # ... and install it into this interpreter's environment
     python tools/llamacpp.py quantize SRC.gguf DST.gguf Q4_K_M   # llama.cpp's quantizer (needs install)
+    python tools/llamacpp.py tools        # build llama-imatrix + llama-quantize once (CMake, -j2), print bin/
 """
 
 from __future__ import annotations
@@ -201,6 +202,17 @@ def _build(dest: Path, log_file: Path) -> None:
                             + "\n  ".join(tail))
 
 
+def _move_into_place(tmp: Path, final: Path, old_prefix: str) -> None:
+    """Rename the finished build ``tmp`` to ``final``, replacing (then deleting) an older ``final``."""
+    if final.exists():
+        old = final.with_name(f"{old_prefix}{os.getpid()}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+
+
 def ensure_wheel(*, force: bool = False) -> Path:
     """Return the path of the cached ``llama_cpp_python`` wheel, building it first if needed."""
     final = wheel_dir()
@@ -232,13 +244,7 @@ def ensure_wheel(*, force: bool = False) -> Path:
                     "key": build_key(), "wheel": built[0].name, "build_seconds": seconds,
                     "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count()}
             (tmp / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
-            if final.exists():
-                old = final.with_name(f".tmp-{PROJECT}-old-{os.getpid()}")
-                final.rename(old)
-                tmp.rename(final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(final)
+            _move_into_place(tmp, final, f".tmp-{PROJECT}-old-")
             log(f"built {built[0].name} in {seconds:.0f}s")
             others = sorted((d for d in parent.glob(f"{PROJECT}-*-*") if d.is_dir() and d != final),
                             key=lambda d: d.stat().st_mtime, reverse=True)
@@ -301,6 +307,151 @@ def _check(cmd: list[str], what: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# llama.cpp's own command-line tools (llama-imatrix, llama-quantize), from the same vendored source
+# ---------------------------------------------------------------------------------------------------------
+
+#: The tool targets built (CMake target names); nothing else of llama.cpp is compiled.
+TOOL_TARGETS: tuple[str, ...] = ("llama-imatrix", "llama-quantize")
+
+#: The wheel's CPU-only flags with the tools switched on, static libraries (self-contained binaries), no
+#: server/app/HTTP code.
+TOOLS_CMAKE_ARGS: tuple[str, ...] = (
+    *(a for a in CMAKE_ARGS if not a.startswith("-DLLAMA_BUILD_TOOLS=")),
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+)
+
+#: Parallel compile jobs (the build machine has 2 cores and is shared).
+TOOLS_JOBS = 2
+
+#: Bump when the tools recipe changes in a way the values above do not show.
+TOOLS_RECIPE = 1
+
+
+def _cmake_version() -> str:
+    proc = subprocess.run(["cmake", "--version"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0 or not proc.stdout:
+        raise LlamaCppError("building llama.cpp's tools needs cmake on PATH (cmake --version failed)")
+    return proc.stdout.splitlines()[0].strip()
+
+
+def tools_key() -> str:
+    """Hash of everything that determines the tool binaries: the pinned sdist, the CMake flags and targets,
+    the recipe, the machine and the cmake version."""
+    spec = {"project": PROJECT, "version": VERSION, "sdist": SDIST_SHA256, "cmake": TOOLS_CMAKE_ARGS,
+            "targets": TOOL_TARGETS, "recipe": TOOLS_RECIPE, "machine": platform.machine(),
+            "system": platform.system(), "cmake_version": _cmake_version()}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tools_dir() -> Path:
+    """``$MOESTREAM_CACHE/llama-tools/llama.cpp-<version>-<key>``: ``bin/<target>`` and ``build-info.json``."""
+    return cache_root() / "llama-tools" / f"llama.cpp-{VERSION}-{tools_key()}"
+
+
+def _tools_ready(d: Path) -> bool:
+    return (d / "build-info.json").is_file() and all(os.access(d / "bin" / t, os.X_OK) for t in TOOL_TARGETS)
+
+
+def _download_sdist(dest: Path) -> Path:
+    """``pip download`` the pinned sdist (hash-checked by pip, and again here) into ``dest``."""
+    req = dest / "requirements.txt"
+    req.write_text(f"{PROJECT}=={VERSION} --hash=sha256:{SDIST_SHA256}\n")
+    _check([sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
+            "--no-binary", ":all:", "--require-hashes", "-r", str(req), "-d", str(dest)],
+           f"pip download {PROJECT}=={VERSION} (sdist)")
+    found = sorted(dest.glob(f"{PROJECT.replace('-', '_')}-{VERSION}.tar.gz"))
+    if len(found) != 1 or hashlib.sha256(found[0].read_bytes()).hexdigest() != SDIST_SHA256:
+        raise LlamaCppError(f"pip download left {[p.name for p in dest.iterdir()]}, not the sdist with sha256 "
+                            f"{SDIST_SHA256}")
+    return found[0]
+
+
+def ensure_tools(*, force: bool = False) -> Path:
+    """Return the directory of the cached ``llama-imatrix``/``llama-quantize`` build (``bin/`` inside),
+    building it first if needed: the pinned sdist's vendored llama.cpp, ``cmake`` with
+    :data:`TOOLS_CMAKE_ARGS`, ``cmake --build -j TOOLS_JOBS --target`` :data:`TOOL_TARGETS` only. Built in a
+    temporary directory and renamed into place under a file lock; the build time is logged and recorded in
+    ``build-info.json``."""
+    import tarfile
+
+    final = tools_dir()
+    if _tools_ready(final) and not force:
+        return final
+    with _lock(".llamacpp-tools.lock"):
+        if _tools_ready(final) and not force:
+            return final
+        parent = final.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        for p in parent.glob(".tmp-tools-*"):  # leftovers of killed builds (we hold the lock)
+            shutil.rmtree(p, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-tools-", dir=parent))
+        tmp.chmod(0o755)
+        try:
+            log(f"building {', '.join(TOOL_TARGETS)} of {PROJECT}=={VERSION}'s vendored llama.cpp into {final} "
+                f"(once; -j{TOOLS_JOBS})")
+            t0 = time.monotonic()
+            sdist = _download_sdist(tmp)
+            with tarfile.open(sdist) as tf:
+                members = [m for m in tf.getmembers() if "/vendor/llama.cpp/" in m.name]
+                if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4: refuse links/paths out of the folder
+                    tf.extractall(tmp / "src", members=members, filter="data")
+                else:
+                    tf.extractall(tmp / "src", members=members)  # noqa: S202 - the sdist's sha256 was checked
+            src = next((tmp / "src").glob("*/vendor/llama.cpp"))
+            t_src = time.monotonic() - t0
+            build = tmp / "build"
+            log_file = tmp / "build.log"
+            env = dict(os.environ)
+            for var in ("CMAKE_ARGS", "CMAKE_GENERATOR_PLATFORM", "CUDACXX", "CC_LD"):
+                env.pop(var, None)
+            with open(log_file, "w") as logf:
+                for cmd in (["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *TOOLS_CMAKE_ARGS],
+                            ["cmake", "--build", str(build), "-j", str(TOOLS_JOBS), "--target", *TOOL_TARGETS]):
+                    t1 = time.monotonic()
+                    log("$ " + " ".join(cmd))
+                    logf.write("$ " + " ".join(cmd) + "\n")
+                    logf.flush()
+                    rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                        stdin=subprocess.DEVNULL).returncode
+                    log(f"  exit {rc} after {time.monotonic() - t1:.0f}s")
+                    if rc != 0:
+                        tail = log_file.read_text(errors="replace").strip().splitlines()[-20:]
+                        raise LlamaCppError(f"building llama.cpp's tools failed (exit {rc}); full log: "
+                                            f"{log_file}\n  " + "\n  ".join(tail))
+            (tmp / "bin").mkdir()
+            for t in TOOL_TARGETS:
+                shutil.copy2(build / "bin" / t, tmp / "bin" / t)
+            seconds = round(time.monotonic() - t0, 1)
+            info = {"project": PROJECT, "version": VERSION, "sdist_sha256": SDIST_SHA256,
+                    "cmake_args": TOOLS_CMAKE_ARGS, "targets": TOOL_TARGETS, "jobs": TOOLS_JOBS,
+                    "recipe": TOOLS_RECIPE, "key": tools_key(), "cmake": _cmake_version(),
+                    "download_extract_seconds": round(t_src, 1), "build_seconds": seconds,
+                    "machine": platform.machine(), "cpus": os.cpu_count()}
+            shutil.rmtree(build)
+            shutil.rmtree(tmp / "src")
+            sdist.unlink()
+            (tmp / "requirements.txt").unlink()
+            (tmp / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
+            _move_into_place(tmp, final, ".tmp-tools-old-")
+            log(f"built {', '.join(TOOL_TARGETS)} in {seconds:.0f}s (download and unpack {t_src:.0f}s)")
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+
+def tool(name: str) -> Path:
+    """Path of the cached llama.cpp tool ``name`` (one of :data:`TOOL_TARGETS`), built if needed."""
+    if name not in TOOL_TARGETS:
+        raise LlamaCppError(f"no llama.cpp tool {name!r}; built: {', '.join(TOOL_TARGETS)}")
+    return ensure_tools() / "bin" / name
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Using it (needs the wheel installed)
 # ---------------------------------------------------------------------------------------------------------
 
@@ -330,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--force", action="store_true", help="rebuild even if cached")
     i = sub.add_parser("install", help="install the wheel (built if needed) into this environment")
     i.add_argument("--force", action="store_true", help="reinstall even if that wheel is installed")
+    t = sub.add_parser("tools", help="build llama-imatrix and llama-quantize if needed; print their folder")
+    t.add_argument("--force", action="store_true", help="rebuild even if cached")
     q = sub.add_parser("quantize", help="llama.cpp's quantizer: SRC DST FTYPE (e.g. Q4_K_M)")
     q.add_argument("src")
     q.add_argument("dst")
@@ -341,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             print(ensure_wheel(force=args.force))
         elif args.cmd == "install":
             print(install(force=args.force))
+        elif args.cmd == "tools":
+            print(ensure_tools(force=args.force) / "bin")
         else:
             quantize(args.src, args.dst, args.ftype, nthread=args.nthread)
     except LlamaCppError as e:

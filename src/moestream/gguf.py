@@ -76,6 +76,24 @@ class _CheckedReader(GGUFReader):
             raise _Truncated(offset, end, len(plain))
         return plain[offset:end].view(dt)
 
+    def _build_tensors(self, start_offs, fields):  # noqa: ANN001 - mirrors the base class
+        # name the tensor whose type id the gguf package does not know (it raises a bare ValueError)
+        for field in fields:
+            _len, name_data, _n_dims, _dims, raw_dtype, _offset = field.parts
+            type_id = int(raw_dtype[0])
+            try:
+                known = GGMLQuantizationType(type_id) in GGML_QUANT_SIZES
+            except ValueError:
+                known = False
+            if not known:
+                raise _UnknownType(bytes(name_data).decode("utf-8", errors="replace"), type_id)
+        return super()._build_tensors(start_offs, fields)
+
+
+class _UnknownType(Exception):
+    def __init__(self, tensor: str, type_id: int):
+        self.tensor, self.type_id = tensor, type_id
+
 
 class _Truncated(Exception):
     def __init__(self, offset: int, need: int, size: int):
@@ -151,6 +169,9 @@ def _open_reader(path: str) -> GGUFReader:
         raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
         return _CheckedReader(path, "r")
+    except _UnknownType as e:
+        raise GGUFError(f"{path}: tensor {e.tensor} has ggml type {e.type_id}, which is not a known ggml type "
+                        "(a newer llama.cpp, or a corrupt tensor table)") from None
     except _Truncated as e:
         if e.need > 2 * size + (1 << 20):  # a length field far past the end: garbage, not a cut file
             raise GGUFError(f"{path}: corrupt GGUF header (a length field points {e.need} bytes in, "
@@ -160,9 +181,6 @@ def _open_reader(path: str) -> GGUFReader:
         ) from None
     except ValueError as e:
         msg = str(e)
-        m = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", msg)
-        if m:
-            raise GGUFError(f"{path}: unknown ggml type {m.group(1)} in the tensor table") from None
         m = re.search(r"version (\d+) which we cannot handle", msg)
         if m:
             raise GGUFError(f"{path}: GGUF version {m.group(1)} is not supported (versions 2 and 3 are)") from None

@@ -9,6 +9,10 @@ an IEEE fp16 value widened to float32, every product and difference is a single
 float32 operation performed in the same order as the reference, and no fused
 multiply-add is used.
 
+The i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) index code books ("grids") of 4 or 8
+values; those tables are format data and are taken from the pinned ``gguf`` package at run time
+(``gguf.quants.<TYPE>.grid``, ``IQ2_XXS.ksigns``, ``MXFP4.kvalues``); the block arithmetic is written here.
+
 Everything here is vectorized torch code (no Python loop over blocks, no numpy),
 so it runs on whatever device the raw bytes live on (CPU or CUDA). Multi-byte
 fields are read the way GGUF stores them, little-endian, through views of the
@@ -27,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 __all__ = [
     "SUPPORTED_TYPES",
@@ -65,14 +70,59 @@ def _type_label(ggml_type: int) -> str:
 # of shift amounts or writing through strided ``out=`` views.
 # ---------------------------------------------------------------------------
 
-_TABLES: dict[torch.device, torch.Tensor] = {}
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _table(name: str, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Lookup table ``name`` on ``device``, made once by ``make()`` (on the CPU) and cached."""
+    t = _TABLES.get((name, device))
+    if t is None:
+        t = _TABLES[(name, device)] = make().to(device)
+    return t
 
 
 def _iq4nl_table(device: torch.device) -> torch.Tensor:
-    t = _TABLES.get(device)
-    if t is None:
-        t = _TABLES[device] = torch.tensor(_IQ4NL_VALUES, dtype=torch.float32, device=device)
-    return t
+    return _table("iq4nl", device, lambda: torch.tensor(_IQ4NL_VALUES, dtype=torch.float32))
+
+
+def _gguf_grid(qtype: GGMLQuantizationType, device: torch.device) -> torch.Tensor:
+    """The code book of an i-quant as float32 ``[n_entries, width]`` (IQ2_XXS: 256 x 8, IQ3_S: 512 x 4, ...).
+
+    Format data, not code: taken from the pinned ``gguf`` package (``gguf.quants.<TYPE>.grid``, ggml's
+    ``iq2xxs_grid`` etc. with each byte mapped to its value).
+    """
+    def make() -> torch.Tensor:
+        cls = getattr(gguf_quants, qtype.name)
+        cls.init_grid()
+        return torch.from_numpy(cls.grid.reshape(cls.grid_shape).astype("float32", copy=True))
+
+    return _table(qtype.name, device, make)
+
+
+def _ksigns_table(device: torch.device) -> torch.Tensor:
+    """float32 ``[128, 8]``: entry ``k`` is the 8 signs (+1 / -1) that ggml's ``ksigns_iq2xs[k]`` encodes
+    (bit ``j`` set = element ``j`` negative; bit 7 is the parity of the other seven)."""
+    def make() -> torch.Tensor:
+        bits = _bit_bytes(torch.frombuffer(bytearray(gguf_quants.IQ2_XXS.ksigns), dtype=torch.uint8), 0)
+        return _sign_of(bits.view(128, 8))
+
+    return _table("ksigns", device, make)
+
+
+def _mxfp4_table(device: torch.device) -> torch.Tensor:
+    # e2m1 code book, doubled (ggml-common.h kvalues_mxfp4; the e8m0 scale is halved to match)
+    return _table("mxfp4", device, lambda: torch.tensor(gguf_quants.MXFP4.kvalues, dtype=torch.float32))
+
+
+def _lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``table[idx]``: rows of a ``[n, w]`` table (float32 ``[*idx.shape, w]``) or entries of a ``[n]`` one."""
+    flat = table.index_select(0, idx.reshape(-1).to(torch.int32))
+    return flat.view(*idx.shape, *table.shape[1:])
+
+
+def _sign_of(bits: torch.Tensor) -> torch.Tensor:
+    """float32 +1 where ``bits`` (uint8 0/1) is 0, -1 where it is 1."""
+    return bits.to(torch.float32).mul_(-2.0).add_(1.0)
 
 
 def _reinterpret(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -313,6 +363,162 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return _iq4nl_lookup(q).mul_(dl).flatten(-2)
 
 
+def _u16(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Little-endian uint16 fields of bytes ``start:stop`` of every block, as int32 ``[..., n_blocks, n]``."""
+    return _reinterpret(blocks[..., start:stop], torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
+
+
+def _u32(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Little-endian uint32 fields of bytes ``start:stop`` of every block, as int64 ``[..., n_blocks, n]``."""
+    return _reinterpret(blocks[..., start:stop], torch.int32).to(torch.int64).bitwise_and_(0xFFFFFFFF)
+
+
+def _ksigns(words: torch.Tensor) -> torch.Tensor:
+    """Signs of 4 groups of 8 from the 4 seven-bit ksigns indices in bits 0-27 of each uint32 word.
+
+    ``words``: int64 ``[...]``; returns float32 ``[..., 4, 8]`` of +1 / -1.
+    """
+    idx = torch.stack([(words >> (7 * k)).bitwise_and_(0x7F) for k in range(4)], dim=-1)
+    return _lookup(_ksigns_table(words.device), idx)
+
+
+def _half_up_scale(d: torch.Tensor, codes: torch.Tensor, factor: float) -> torch.Tensor:
+    """``d * (0.5 + codes) * factor`` in float32, in that order (IQ2/IQ3_XXS sub-block scales)."""
+    return (d * codes.to(torch.float32).add_(0.5)).mul_(factor)
+
+
+def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq2_xxs: fp16 d | 8 x (u32 grid indices: 4 bytes into iq2xxs_grid (256 x 8);
+    # u32 signs: 4 x 7-bit ksigns indices, bits 28-31 the scale). 8 groups of 32:
+    # x = (d * (0.5 + scale) * 0.25) * grid[idx] * sign
+    d = _f16(blocks, 0)
+    aux = _u32(blocks, 2, 66).unflatten(-1, (8, 2))  # [..., n_blocks, 8, 2]
+    db = _half_up_scale(d, aux[..., 1] >> 28, 0.25)  # [..., n_blocks, 8]
+    idx = blocks[..., 2:66].unflatten(-1, (8, 8))[..., 0:4]  # [..., n_blocks, 8, 4]
+    grid = _lookup(_gguf_grid(T.IQ2_XXS, blocks.device), idx)  # [..., n_blocks, 8, 4, 8]
+    return grid.mul_(db[..., None, None]).mul_(_ksigns(aux[..., 1])).flatten(-3)
+
+
+def _iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq2_xs: fp16 d | 32 u16 (bits 0-8 index into iq2xs_grid (512 x 8), bits 9-15 a ksigns index)
+    # | 8 bytes of 4-bit scales, one per 16 elements (low nibble first):
+    # x = (d * (0.5 + scale) * 0.25) * grid[idx] * sign
+    d = _f16(blocks, 0)
+    qs = _u16(blocks, 2, 66)  # [..., n_blocks, 32]
+    sc = _planes(blocks[..., 66:74], 4, dim=-1).flatten(-2)  # [..., n_blocks, 16]
+    db = _half_up_scale(d, sc, 0.25)
+    grid = _lookup(_gguf_grid(T.IQ2_XS, blocks.device), qs & 511)  # [..., n_blocks, 32, 8]
+    signs = _lookup(_ksigns_table(blocks.device), qs >> 9)
+    out = grid.unflatten(-2, (16, 2)).mul_(db[..., None, None]).mul_(signs.unflatten(-2, (16, 2)))
+    return out.flatten(-3)
+
+
+def _iq2_s(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq2_s: fp16 d | 32 bytes low index bits | 32 bytes of sign bits (one per element) | 8 bytes of
+    # 2-bit high index bits (4 per byte) | 8 bytes of 4-bit scales, one per 16 elements (low nibble first).
+    # grid: iq2s_grid (1024 x 8); x = (d * (0.5 + scale) * 0.25) * grid[idx] * sign
+    d = _f16(blocks, 0)
+    sc = _planes(blocks[..., 74:82], 4, dim=-1).flatten(-2)  # [..., n_blocks, 16]
+    db = _half_up_scale(d, sc, 0.25)
+    high = _planes(blocks[..., 66:74], 2, dim=-1).flatten(-2).to(torch.int32) << 8  # [..., n_blocks, 32]
+    idx = blocks[..., 2:34].to(torch.int32).bitwise_or_(high)
+    grid = _lookup(_gguf_grid(T.IQ2_S, blocks.device), idx).unflatten(-2, (16, 2))  # [..., 16, 2, 8]
+    signs = _sign_of(_bit_bytes(blocks[..., 34:66], 0)).unflatten(-1, (16, 2, 8))
+    return grid.mul_(db[..., None, None]).mul_(signs).flatten(-3)
+
+
+def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq3_xxs: fp16 d | 64 bytes of indices into iq3xxs_grid (256 x 4) | 8 u32 (4 x 7-bit ksigns
+    # indices, bits 28-31 the scale), one per 32 elements: x = (d * (0.5 + scale) * 0.5) * grid[idx] * sign
+    d = _f16(blocks, 0)
+    aux = _u32(blocks, 66, 98)  # [..., n_blocks, 8]
+    db = _half_up_scale(d, aux >> 28, 0.5)
+    grid = _lookup(_gguf_grid(T.IQ3_XXS, blocks.device), blocks[..., 2:66])  # [..., n_blocks, 64, 4]
+    grid = grid.view(*grid.shape[:-2], 8, 4, 8)
+    return grid.mul_(db[..., None, None]).mul_(_ksigns(aux)).flatten(-3)
+
+
+def _iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq3_s: fp16 d | 64 bytes low index bits | 8 bytes of 9th index bits (one per index, LSB first)
+    # | 32 bytes of sign bits | 4 bytes of 4-bit scales, one per 32 elements (low nibble first).
+    # grid: iq3s_grid (512 x 4); x = (d * (1 + 2 * scale)) * grid[idx] * sign
+    d = _f16(blocks, 0)
+    sc = _planes(blocks[..., 106:110], 4, dim=-1).flatten(-2)  # [..., n_blocks, 8]
+    db = d * sc.to(torch.float32).mul_(2.0).add_(1.0)
+    idx = blocks[..., 2:66].to(torch.int32).bitwise_or_(_bit_bytes(blocks[..., 66:74], 0).to(torch.int32) << 8)
+    grid = _lookup(_gguf_grid(T.IQ3_S, blocks.device), idx)  # [..., n_blocks, 64, 4]
+    grid = grid.view(*grid.shape[:-2], 8, 4, 8)
+    signs = _sign_of(_bit_bytes(blocks[..., 74:106], 0)).unflatten(-1, (8, 4, 8))
+    return grid.mul_(db[..., None, None]).mul_(signs).flatten(-3)
+
+
+_IQ1_DELTA = 0.125  # ggml-common.h IQ1S_DELTA (also IQ1_M's)
+
+
+def _iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq1_s: fp16 d | 32 bytes low index bits | 8 u16, one per 32 elements: bits 0-11 four 3-bit high
+    # index parts, bits 12-14 the scale, bit 15 the sign of delta. grid: iq1s_grid (2048 x 8, values -1/0/1);
+    # x = (d * (2 * scale + 1)) * (grid[idx] + (bit15 ? -delta : delta))
+    d = _f16(blocks, 0)
+    qh = _u16(blocks, 34, 50)  # [..., n_blocks, 8]
+    dl = d * ((qh >> 12).bitwise_and_(7).mul_(2).add_(1)).to(torch.float32)
+    delta = torch.where((qh & 0x8000) == 0, _IQ1_DELTA, -_IQ1_DELTA).to(torch.float32)
+    high = torch.stack([(qh >> (3 * k)).bitwise_and_(7) for k in range(4)], dim=-1).flatten(-2) << 8
+    idx = blocks[..., 2:34].to(torch.int32).bitwise_or_(high)
+    grid = _lookup(_gguf_grid(T.IQ1_S, blocks.device), idx).unflatten(-2, (8, 4))  # [..., n_blocks, 8, 4, 8]
+    return grid.add_(delta[..., None, None]).mul_(dl[..., None, None]).flatten(-3)
+
+
+def _iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq1_m: 32 bytes low index bits | 16 bytes qh: per nibble a 3-bit high index part and the sign of
+    # delta (bit 3) | 4 u16 scales: 3-bit scales, one per 16 elements, in bits 0-11, and the fp16 super-scale
+    # d spread over their top nibbles (nibble k of d in u16 k). x = (d * (2 * scale + 1)) * (grid[idx] +- delta)
+    sc = _u16(blocks, 48, 56)  # [..., n_blocks, 4]
+    top = sc & 0xF000
+    d_bits = (top[..., 0] >> 12) | (top[..., 1] >> 8) | (top[..., 2] >> 4) | top[..., 3]
+    d = d_bits.to(torch.int16).view(torch.float16).to(torch.float32).unsqueeze(-1)  # [..., n_blocks, 1]
+    scales = torch.stack([(sc >> (3 * k)).bitwise_and_(7) for k in range(4)], dim=-1).flatten(-2)  # [..., 16]
+    dl = d * scales.mul_(2).add_(1).to(torch.float32)
+    halves = _planes(blocks[..., 32:48], 4, dim=-1).flatten(-2)  # [..., n_blocks, 32]
+    delta = torch.where((halves & 8) == 0, _IQ1_DELTA, -_IQ1_DELTA).to(torch.float32)
+    idx = blocks[..., 0:32].to(torch.int32).bitwise_or_((halves & 7).to(torch.int32) << 8)
+    grid = _lookup(_gguf_grid(T.IQ1_M, blocks.device), idx)  # [..., n_blocks, 32, 8]
+    grid = grid.add_(delta[..., None]).unflatten(-2, (16, 2))  # [..., n_blocks, 16, 2, 8]
+    return grid.mul_(dl[..., None, None]).flatten(-3)
+
+
+def _tq1_0(blocks: torch.Tensor) -> torch.Tensor:
+    # block_tq1_0: 48 bytes qs | 4 bytes qh | fp16 d. Each byte holds 5 (qs) or 4 (qh) base-3 digits as a
+    # fixed-point fraction: digit m of byte b is ((b * 3**m mod 256) * 3) >> 8. Element order: digit m of
+    # qs[j] (j < 32) is element 32m + j, of qs[32 + j] (j < 16) element 160 + 16m + j, of qh[j] element
+    # 240 + 4m + j. x = d * (digit - 1)
+    d = _f16(blocks, 52)
+    parts = []
+    for start, stop, digits in ((0, 32, 5), (32, 48, 5), (48, 52, 4)):
+        v = blocks[..., start:stop]
+        parts.append(torch.stack([v * (3**m) for m in range(digits)], dim=-2).flatten(-2))  # uint8 wraps
+    q = torch.cat(parts, dim=-1).to(torch.int16).mul_(3).bitwise_right_shift_(8).sub_(1)
+    return q.to(torch.float32).mul_(d)
+
+
+def _tq2_0(blocks: torch.Tensor) -> torch.Tensor:
+    # block_tq2_0: 64 bytes of 2-bit codes | fp16 d. Element 128c + 32k + j is bits 2k.. of byte 32c + j;
+    # x = d * (code - 1)
+    d = _f16(blocks, 64)
+    q = _planes(blocks[..., 0:64].unflatten(-1, (2, 32)), 2).flatten(-3)
+    return _codes_minus(q, 1).mul_(d)
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    # block_mxfp4: e8m0 exponent e | 16 bytes of e2m1 codes (element i low nibble of byte i, 16 + i high).
+    # The code book is doubled, so the scale is half of 2**(e - 127): float32 bits (e - 1) << 23, or for
+    # e < 2 the subnormal 0x00200000 << e = (e + 1) * 0x00200000 (ggml_e8m0_to_fp32_half). x = scale * kvalues[q]
+    e = blocks[..., 0:1].to(torch.int32)
+    d = torch.where(e < 2, (e + 1) * 0x00200000, (e - 1) << 23).view(torch.float32)  # [..., n_blocks, 1]
+    q = _nibbles(blocks[..., 1:17], 16).flatten(-3)
+    return _lookup(_mxfp4_table(blocks.device), q).mul_(d)
+
+
 _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q4_0: _q4_0,
     T.Q4_1: _q4_1,
@@ -326,6 +532,16 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tenso
     T.Q6_K: _q6_k,
     T.IQ4_NL: _iq4_nl,
     T.IQ4_XS: _iq4_xs,
+    T.IQ1_S: _iq1_s,
+    T.IQ1_M: _iq1_m,
+    T.IQ2_XXS: _iq2_xxs,
+    T.IQ2_XS: _iq2_xs,
+    T.IQ2_S: _iq2_s,
+    T.IQ3_XXS: _iq3_xxs,
+    T.IQ3_S: _iq3_s,
+    T.TQ1_0: _tq1_0,
+    T.TQ2_0: _tq2_0,
+    T.MXFP4: _mxfp4,
 }
 
 _FLOAT_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
@@ -393,8 +609,10 @@ def dequantize(raw: torch.Tensor, ggml_type: int, n_cols: int) -> torch.Tensor:
         raw: uint8 tensor ``[..., row_bytes(ggml_type, n_cols)]``: the bytes of rows, any leading
             shape (e.g. ``[n_experts, n_rows, row_bytes]``), any strides, on any device.
         ggml_type: a ``GGMLQuantizationType`` (or its int); see :data:`SUPPORTED_TYPES`. Block
-            layouts are ggml's (``ggml-common.h``): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and IQ4_NL blocks
-            of 32, k-quants Q2_K..Q6_K and IQ4_XS super-blocks of 256; F32/F16/BF16 plain.
+            layouts are ggml's (``ggml-common.h``): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, IQ4_NL and MXFP4
+            blocks of 32; k-quants Q2_K..Q6_K, the i-quants IQ1_S..IQ4_XS and TQ1_0/TQ2_0 super-blocks
+            of 256; F32/F16/BF16 plain. The i-quant code books (grids, sign table) come from the
+            ``gguf`` package.
         n_cols: elements per row (a multiple of the type's block size).
 
     Returns:

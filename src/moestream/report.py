@@ -25,7 +25,7 @@ def inspect_model(path: str, slots: int | None = None) -> str:
     g = GGUFModel(path)
     # the same one-line refusals as run: an architecture moestream cannot compute, metadata that disagrees with
     # the tensors (hyperparameters, shapes, ggml types) -- checked from the tensor table, no weight is read
-    architecture_of(g)(g, LoadOptions(moe_stream=False, metadata_only=True))
+    architecture_of(g)(g, LoadOptions(moe_stream=False, metadata_only=True)).check_dense_types()
     layout = ExpertLayout(g)
     if not layout.moe_layers:
         raise GGUFError(f"{path}: no routed-expert tensors (blk.N.ffn_*_exps) found")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -10,10 +11,13 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, GGUFError
+from ..experts.layout import _EXPS_RE as EXPERT_TENSOR
 from ..experts.layout import ExpertLayout
 from ..experts.pool import ExpertStore, ResidentStore, StreamingStore
 from ..gguf import GGUFModel
-from .layers import Weight
+from .layers import Weight, check_computable
+
+BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
 
 ARCHITECTURES: dict[str, type[MoEModel]] = {}
 
@@ -192,12 +196,21 @@ class MoEModel:
         return name in self.gguf.tensors
 
     def check_expert_types(self) -> None:
-        from .. import quant
-        for mats in self.layout.layers.values():
-            for m in mats.values():
-                if not quant.is_supported(m.ggml_type):
-                    raise GGUFError(f"{m.path}: tensor blk.{m.layer}.ffn_{m.matrix}_exps.weight is ggml type "
-                                    f"{m.ggml_type} ({m.type_name}), which moestream cannot compute")
+        """GGUFError naming the file and tensor for the first routed-expert tensor of a type moestream cannot
+        compute (every MoE layer of the file, as the expert store is made for all of them)."""
+        for name, info in self.gguf.tensors.items():
+            if EXPERT_TENSOR.match(name):
+                check_computable(info)
+
+    def check_dense_types(self) -> None:
+        """What loading the weights refuses, from the tensor table alone (``inspect``): GGUFError for the first
+        dense tensor the forward pass reads (every tensor but the routed experts and the blocks at or past
+        ``self.n_layers``, such as MTP blocks, which are not run) whose ggml type moestream cannot compute."""
+        for name, info in self.gguf.tensors.items():
+            block = BLOCK_TENSOR.match(name)
+            if EXPERT_TENSOR.match(name) or (block and int(block.group(1)) >= self.n_layers):
+                continue
+            check_computable(info)
 
     # --- expert store ---------------------------------------------------------------------------
     def make_store(self, opts: LoadOptions) -> ExpertStore:

@@ -12,6 +12,13 @@ from ..errors import GGUFError
 from ..gguf import GGUFModel, TensorInfo
 
 
+def check_computable(info: TensorInfo) -> None:
+    """GGUFError naming the file and the tensor unless moestream can compute ``info``'s ggml type."""
+    if not quant.is_supported(info.ggml_type):
+        raise GGUFError(f"{info.path}: tensor {info.name} is ggml type {info.ggml_type} "
+                        f"({info.type_name}), which moestream cannot compute")
+
+
 class Weight:
     """A resident dense weight, kept in the file's own ggml format unless ``expand``.
 
@@ -20,9 +27,7 @@ class Weight:
     """
 
     def __init__(self, model: GGUFModel, info: TensorInfo, device: torch.device, expand: bool = False):
-        if not quant.is_supported(info.ggml_type):
-            raise GGUFError(f"{info.path}: tensor {info.name} is ggml type {info.ggml_type} "
-                            f"({info.type_name}), which moestream cannot compute")
+        check_computable(info)
         self.name, self.ggml_type, self.shape = info.name, info.ggml_type, info.shape
         self.cols = info.shape[-1]
         self.rows = math.prod(info.shape[:-1])
