@@ -405,9 +405,9 @@ def run_bench(args: argparse.Namespace) -> int:
     shape = load_model(model, LoadOptions(metadata_only=True))  # hyperparameters only, no weights read
     n_ctx = max(args.n_prompt, args.n_gen + 1)
     warning = check_trained_context(shape, n_ctx, f"-p {args.n_prompt} / -n {args.n_gen}", args.override_ctx)
+    check_cache_fits(shape, n_ctx, "-p/-n", "-p or -n")
     if warning:
         print(f"moestream: {warning}", file=sys.stderr, flush=True)
-    check_cache_fits(shape, n_ctx, "-p/-n", "-p or -n")
     modes = _on_off_list(args.moe_stream, "--moe-stream")
     overlaps = _on_off_list(args.overlap, "--overlap")
     from .models.base import default_slots

@@ -165,15 +165,22 @@ def _check_common(args: argparse.Namespace) -> None:
         raise ConfigError(f"--io-threads must be at most {MAX_IO_THREADS}, got {io}")
 
 
-def default_threads() -> int:
-    """Compute threads when -t is not given: the CPUs this process may use (``os.sched_getaffinity``), at most
-    torch's own default (the physical cores), less the CPUs other jobs keep busy, at least 1.
+def choose_threads(cpus: int, torch_threads: int, running: list[int], load1: float) -> int:
+    """The default -t from what :func:`default_threads` reads: ``cpus`` usable, at most ``torch_threads`` (torch's
+    own default, the physical cores), less the busy ones -- the larger of the median of ``running`` (other
+    runnable tasks, sampled) and the 1-minute load average ``load1`` rounded down -- at least 1."""
+    busy = max(sorted(running)[len(running) // 2] if running else 0, int(load1))
+    return max(1, min(cpus, torch_threads) - busy)
 
-    Busy CPUs: the larger of the other runnable tasks now (``/proc/loadavg``'s running count, median of 5 reads
-    over 20 ms, this process excluded) and the 1-minute load average rounded down. More compute threads than
-    free CPUs collapses torch's thread pool (each of the thousands of small parallel ops per token waits for a
-    thread the scheduler has given to the other job: 3.9 vs 43 tok/s measured), while one thread too few costs
-    little; so a busy machine gets fewer threads."""
+
+def default_threads() -> int:
+    """Compute threads when -t is not given (:func:`choose_threads`): the CPUs this process may use
+    (``os.sched_getaffinity``), at most torch's default, less the CPUs other jobs keep busy: the runnable tasks
+    other than this one (``/proc/loadavg``'s running count, 5 reads over 20 ms) or the 1-minute load average.
+
+    More compute threads than free CPUs collapses torch's thread pool (each of the thousands of small parallel
+    ops per token waits for a thread the scheduler gave to the other job: 3.9 vs 43 tok/s measured), while one
+    thread too few costs little; so a busy machine gets fewer threads."""
     import time
 
     import torch
@@ -182,7 +189,6 @@ def default_threads() -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    cpus = min(cpus, torch.get_num_threads())
     running, load = [], 0.0
     try:
         for i in range(5):
@@ -193,9 +199,8 @@ def default_threads() -> int:
             running.append(int(fields[3].split("/")[0]) - 1)  # this process is running while it reads
             load = float(fields[0])
     except (OSError, ValueError, IndexError):
-        return max(1, cpus)
-    busy = max(sorted(running)[len(running) // 2], int(load))
-    return max(1, cpus - busy)
+        running, load = [], 0.0
+    return choose_threads(cpus, torch.get_num_threads(), running, load)
 
 
 def read_prompt_file(path: str) -> str:
@@ -303,10 +308,10 @@ def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int) -> 
     else:
         n_ctx, option = n_prompt + n_predict, f"-n {n_predict}"
     warning = check_trained_context(model, n_ctx, option, args.override_ctx)
-    if warning:
-        print(f"moestream: {warning}", file=sys.stderr, flush=True)
     # before anything is printed: an absurd -n or -c is refused here, not by torch's allocator
     check_cache_fits(model, n_ctx, option)
+    if warning:
+        print(f"moestream: {warning}", file=sys.stderr, flush=True)
     return n_ctx
 
 
@@ -448,9 +453,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not ids:
         raise ConfigError("the prompt is empty after tokenization")
     warning = check_trained_context(model, len(ids) + args.steps, f"--steps {args.steps}", args.override_ctx)
+    check_cache_fits(model, len(ids) + args.steps, f"--steps {args.steps}", "--steps or prompt")
     if warning:
         print(f"moestream: {warning}", file=sys.stderr, flush=True)
-    check_cache_fits(model, len(ids) + args.steps, f"--steps {args.steps}", "--steps or prompt")
     slots = opts.slots if opts.slots is not None else None
     if slots is not None and slots < model.top_k:
         raise ConfigError(f"--slots {slots} is below the experts used per token ({model.top_k}); "
