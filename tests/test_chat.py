@@ -348,3 +348,17 @@ def test_interactive_on_a_terminal_prompts_and_exits_on_eof() -> None:
             os.kill(pid, signal.SIGKILL)
     assert os.waitstatus_to_exitcode(status) == 0, buf
     assert buf.count(b"prompt ") == 1
+
+
+def test_ctrl_c_at_the_prompt_exits_cleanly() -> None:
+    proc = Proc("run", "-cnv", "-n", "2", "--temp", "0", "-t", "1", "-p", "Hi")
+    try:
+        proc.wait_for(lambda: b"prompt " in proc.err)  # the first reply's stats: now it waits for a line
+        time.sleep(0.5)
+        proc.p.send_signal(signal.SIGINT)
+        rc = proc.finish()
+    finally:
+        proc.p.kill()
+    err = proc.err.decode()
+    assert rc == 130 and "Traceback" not in err, err
+    assert len(stats_lines(err)) == 1

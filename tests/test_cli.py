@@ -225,3 +225,21 @@ def test_default_threads_leave_busy_cpus_alone():
     assert choose_threads(2, 2, [5, 0, 0], 0.0) == 2  # one read catching a burst is not a busy CPU
     assert choose_threads(2, 2, [3, 3, 3], 9.0) == 1
     assert 1 <= default_threads() <= max(1, len(os.sched_getaffinity(0)))
+
+
+def test_default_context_is_capped_by_memory(monkeypatch):
+    """-n -1 without -c: the trained context (4096) unless its KV cache would take more than half the memory
+    available; then the largest context that fits, said on stderr, and generation stops when it is full."""
+    import types
+
+    from moestream import engine
+    from moestream.models.base import LoadOptions, load_model
+
+    shape = load_model(str(DEFAULT_GGUF), LoadOptions(metadata_only=True))
+    avail = 2 * shape.cache_bytes(40) + 1  # half of it holds 40 positions, not 41
+    monkeypatch.setattr(engine.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=avail))
+    p = cli("run", "-n", "-1", "--temp", "0", "-t", "1")
+    assert p.returncode == 0, p.stderr
+    assert "context 40 tokens: the file's 4096 would need more than half of the memory" in p.stderr.splitlines()[0]
+    s = stats(p.stderr)
+    assert s["prompt"] == "6" and s["decode"] == "33" and s["stopped"] == "context full (-c)"
