@@ -186,9 +186,17 @@ class ChatSession:
         if segments is not None:
             at = next(k for k, s in enumerate(segments) if s.message == last)
             return encode_segments(self.tok, segments[at + 1:], add_special=False)
-        # a template that transforms content: the text after the last reply, checked as a whole
+        # a template that transforms content: the text after the last reply (after the rendering of the
+        # conversation so far when the template does not show replies), checked as a whole
+        before = self.tok.apply_chat_template(shown[:-1], False, **self.template_vars)
+
         def tail(rendering: str) -> str:
-            return rendering[rendering.rindex(_REPLY_PLACEHOLDER) + len(_REPLY_PLACEHOLDER):]
+            if _REPLY_PLACEHOLDER in rendering:
+                return rendering[rendering.rindex(_REPLY_PLACEHOLDER) + len(_REPLY_PLACEHOLDER):]
+            if rendering.startswith(before):
+                return rendering[len(before):]
+            raise TokenizerError(f"{self.tok.path}: the chat template renders the conversation so far differently "
+                                 f"once a message is added, so the new turn cannot be appended to the cache")
 
         marked = [*shown[:-1], {"role": "user", "content": _PLACEHOLDER.format(0)}]
         skeleton = self.tok.apply_chat_template(marked, True, **self.template_vars)
