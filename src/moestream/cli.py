@@ -389,7 +389,8 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
                  sampler) -> int:  # noqa: ANN001
     """Interactive chat (-cnv): a prompt loop on one KV cache (moestream.chat.ChatSession). Each reply streams to
     stdout, its stats line goes to stderr. Ends at EOF or /exit (status 0) or Ctrl-C at the prompt (130); Ctrl-C
-    during a reply stops that reply."""
+    during a reply stops that reply. A turn that does not fit, or that the template cannot take, is refused with a
+    line on stderr and the session goes on."""
     from .chat import ChatSession, ContextFullError
     from .tokenizer import TokenizerError
 
@@ -423,7 +424,7 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
         with interruptible() as interrupted:
             try:
                 gen = session.turn(text, n_predict, sampler, interrupted)
-            except ContextFullError as e:
+            except (ContextFullError, TokenizerError) as e:  # this turn is refused, the cache is untouched
                 print(f"moestream: {e}; /exit ends the session", file=sys.stderr, flush=True)
                 continue
             _print_reply(gen, tok.stream_decoder())
