@@ -1,7 +1,8 @@
 """Helpers shared by the test modules (imported as ``helpers``; ``conftest.py`` registers it for pytest's
 assertion rewriting).
 
-* :func:`moestream` -- the command line in a subprocess.
+* :func:`moestream` -- the command line in a subprocess; :func:`cli` -- the same in this process (the fast tier).
+* :func:`llama_cpp_template` -- a chat template from llama.cpp's own collection.
 * :func:`load` -- a model resident or streaming through a small pool; :func:`ours_greedy` -- its logits over a
   prompt and its greedy continuation.
 * transformers reference runs: :func:`hf_logits`, :func:`hf_greedy`.
@@ -41,6 +42,58 @@ def moestream(*args: str, timeout: float | None = 600) -> subprocess.CompletedPr
     """``python -m moestream ARGS`` with its output captured (killed after ``timeout`` seconds)."""
     return subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def cli(*args: str, stdin: str | bytes = "") -> subprocess.CompletedProcess:
+    """``moestream ARGS`` run in this process by ``moestream.cli.main``, with ``stdin`` as its standard input (a
+    text stream over those bytes, not a terminal) and its stdout / stderr captured; the return value looks like
+    :func:`moestream`'s (``returncode``, ``stdout``, ``stderr``; argparse's exits give their status)."""
+    import io
+
+    from moestream import cli as cli_mod
+
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    out, err = io.StringIO(), io.StringIO()
+    saved = sys.stdin
+    sys.stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = cli_mod.main(list(args))
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.stdin = saved
+    return subprocess.CompletedProcess(list(args), rc, out.getvalue(), err.getvalue())
+
+
+def llama_cpp_template(name: str) -> str:
+    """Chat template ``NAME.jinja`` of llama.cpp's collection of real models' templates
+    (``vendor/llama.cpp/models/templates`` in the pinned llama-cpp-python sdist of ``tools/llamacpp.py``). The
+    sdist is fetched once with ``pip download`` into ``$MOESTREAM_CACHE/wheels`` and checked against its
+    ``SDIST_SHA256``."""
+    import hashlib
+    import importlib.util
+    import tarfile
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("moestream_tools_llamacpp_pins", root / "tools" / "llamacpp.py")
+    assert spec is not None and spec.loader is not None
+    pins = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pins)
+    wheels = pins.cache_root() / "wheels"
+    sdist = wheels / f"llama_cpp_python-{pins.VERSION}.tar.gz"
+    if not sdist.exists():
+        wheels.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        f"{pins.PROJECT}=={pins.VERSION}", "-d", str(wheels)], check=True, timeout=600)
+    digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    assert digest == pins.SDIST_SHA256, f"{sdist}: sha256 {digest}, expected {pins.SDIST_SHA256}"
+    with tarfile.open(sdist) as tar:
+        member = f"llama_cpp_python-{pins.VERSION}/vendor/llama.cpp/models/templates/{name}.jinja"
+        f = tar.extractfile(member)
+        assert f is not None, member
+        return f.read().decode("utf-8")
 
 
 # ------------------------------------------------------------------------------------------------ models

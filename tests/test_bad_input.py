@@ -358,16 +358,20 @@ def test_cache_bytes_matches_the_cache(model):
 
 
 @pytest.mark.parametrize("args,needles", [
-    (("run", "-n", "100000000"), ("-n 100000000: a context of 100000006 tokens needs", "GiB of KV cache",
-                                  "GiB of memory is available")),
-    (("run", "-c", "2000000000", "-n", "4"), ("-c 2000000000: a context of 2000000000 tokens needs",)),
+    # past the file's trained context (4096) is refused first; --override-ctx reaches the memory check
+    (("run", "-n", "100000000"), ("-n 100000000: a context of 100000006 tokens is past the 4096 tokens",)),
+    (("run", "-n", "100000000", "--override-ctx"), ("-n 100000000: a context of 100000006 tokens needs",
+                                                    "GiB of KV cache", "GiB of memory is available")),
+    (("run", "-c", "2000000000", "-n", "4", "--override-ctx"),
+     ("-c 2000000000: a context of 2000000000 tokens needs",)),
     (("run", "-c", "99999999999"), ("-c must be at most 2^31, got 99999999999",)),
     (("run", "-n", "99999999999999999999"), ("-n must be at most 2^31, got 99999999999999999999",)),
-    (("verify", "--steps", "100000000"), ("--steps 100000000: a context of", "GiB of KV cache",
-                                          "use a smaller --steps or prompt")),
+    (("verify", "--steps", "100000000", "--override-ctx"), ("--steps 100000000: a context of", "GiB of KV cache",
+                                                            "use a smaller --steps or prompt")),
     (("bench", "-p", "99999999999", "-n", "1"), ("-p and -n must be at most 2^31",)),
     # refused before the table's header is printed (one line, empty stdout), not as a failed row per config
-    (("bench", "-p", "100000000", "-n", "1"), ("-p/-n: a context of 100000000 tokens needs", "use a smaller -p or -n")),
+    (("bench", "-p", "100000000", "-n", "1", "--override-ctx"), ("-p/-n: a context of 100000000 tokens needs",
+                                                                 "use a smaller -p or -n")),
 ])
 def test_absurd_sizes(args, needles):
     assert_one_line_error(moestream(*args), *needles)

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+from pathlib import Path
 
-from helpers import moestream
+import pytest
+
+from helpers import cli, moestream
 from moestream.engine import Sampler, SamplingParams
+
+DEFAULT_GGUF = Path(__file__).resolve().parents[1] / "src" / "moestream" / "data" / "default.gguf"
 
 
 def test_run_default_model_streams_and_reports():
@@ -75,3 +82,164 @@ def test_sampler_greedy_and_filters():
     a = [Sampler(SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=9))(logits) for _ in range(5)]
     b = [Sampler(SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=9))(logits) for _ in range(5)]
     assert a == b
+
+
+# ------------------------------------------------------------------------------------------------ in process
+# The fast tier: moestream.cli.main in this process (helpers.cli), on the embedded model (context_length 4096).
+def test_version():
+    p = cli("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"moestream {importlib.metadata.version('moestream')}"
+
+
+def test_prompt_from_file_and_stdin(tmp_path):
+    """-f FILE and -f - give the prompt without one trailing newline: the same run as -p with that text."""
+    text = "The printing press\nand its history"
+    f = tmp_path / "prompt.txt"
+    f.write_text(text + "\n")
+    args = ("run", "-n", "6", "--temp", "0", "-t", "1")
+    a, b, c = cli(*args, "-p", text), cli(*args, "-f", str(f)), cli(*args, "-f", "-", stdin=text + "\n")
+    assert a.returncode == b.returncode == c.returncode == 0, a.stderr + b.stderr + c.stderr
+    assert a.stdout.startswith(text) and a.stdout == b.stdout == c.stdout
+
+
+@pytest.mark.parametrize("case", ["missing", "dir", "not-utf8", "empty", "and-p", "cnv-stdin"])
+def test_prompt_file_errors(tmp_path, case):
+    f = tmp_path / "p.txt"
+    extra: tuple[str, ...] = ()
+    if case == "dir":
+        f = tmp_path
+    elif case == "not-utf8":
+        f.write_bytes(b"caf\xe9\n")
+    elif case == "empty":
+        f.write_text("\n")
+    elif case == "and-p":
+        f.write_text("x")
+        extra = ("-p", "y")
+    elif case == "cnv-stdin":
+        f, extra = Path("-"), ("-cnv",)
+    p = cli("run", "-f", str(f), *extra)
+    assert p.returncode == 1 and p.stdout == ""
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moestream: error: "), p.stderr
+    want = {"missing": "no such file", "dir": "is a directory", "not-utf8": "not valid UTF-8 (bad byte at offset 3)",
+            "empty": "the prompt is empty", "and-p": "-p and -f", "cnv-stdin": "-f -: stdin"}[case]
+    assert want in lines[0], lines[0]
+
+
+def test_system_prompt_needs_chat():
+    p = cli("run", "-sys", "Be brief.", "-n", "2")
+    assert p.returncode == 1 and "-sys" in p.stderr and "--chat or -cnv" in p.stderr
+    q = cli("run", "--chat", "-sys", "Be brief.", "-n", "4", "--temp", "0", "-t", "1")
+    r = cli("run", "--chat", "-n", "4", "--temp", "0", "-t", "1")
+    assert q.returncode == r.returncode == 0, q.stderr + r.stderr
+    from moestream.tokenizer import GGUFTokenizer
+
+    n_sys = len(GGUFTokenizer.from_gguf(str(DEFAULT_GGUF)).encode("Be brief.", add_special=False))
+    assert int(stats(q.stderr)["prompt"]) == int(stats(r.stderr)["prompt"]) + n_sys
+
+
+def stats(err: str) -> dict[str, str]:
+    """The stats line (the last stderr line) as {"prompt": n, "decode": n, "stopped": reason}."""
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("prompt "), err
+    out = {"prompt": line.split()[1], "decode": line.split("decode ")[1].split()[0]}
+    if "stopped: " in line:
+        out["stopped"] = line.split("stopped: ")[1]
+    return out
+
+
+@pytest.mark.parametrize("args", [("run", "-n", "5000"), ("run", "-c", "4097", "-n", "2"),
+                                  ("run", "-p", "x", "-n", "4096"), ("verify", "--steps", "5000"),
+                                  ("bench", "-p", "5000", "-n", "0")])
+def test_past_the_trained_context_is_refused(args):
+    """The embedded model was trained for 4096 tokens (qwen3moe.context_length): a context past it is one error
+    line naming that length and the override, before anything is printed."""
+    p = cli(*args)
+    assert p.returncode == 1 and p.stdout == "", p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert "past the 4096 tokens default.gguf was trained for (qwen3moe.context_length)" in lines[0]
+    assert "--override-ctx" in lines[0]
+
+
+def test_override_ctx_warns_and_runs():
+    p = cli("run", "-c", "4100", "-n", "3", "--temp", "0", "-t", "1", "--override-ctx")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.startswith("moestream: warning: -c 4100: a context of 4100 tokens is past the 4096 tokens")
+    assert stats(p.stderr)["decode"] == "2"
+
+
+def test_fixture_context_is_the_checkpoints_max_position_embeddings(qwen3moe_tiny):
+    """A converted file's context_length is its checkpoint's max_position_embeddings; -c one past it is refused."""
+    n = qwen3moe_tiny["config"]["max_position_embeddings"]
+    p = cli("run", "-m", str(qwen3moe_tiny["q8_0"]), "-c", str(n + 1), "-n", "2")
+    assert p.returncode == 1 and f"past the {n} tokens" in p.stderr, p.stderr
+
+
+def test_n_minus_one_runs_until_the_context_is_full():
+    p = cli("run", "-n", "-1", "-c", "20", "--temp", "0", "-t", "1")  # a 6-token prompt
+    assert p.returncode == 0, p.stderr
+    s = stats(p.stderr)
+    assert s["prompt"] == "6" and s["decode"] == "13" and s["stopped"] == "context full (-c)"
+
+
+def test_n_minus_one_stops_at_end_of_generation(monkeypatch):
+    """-n -1 without -c: the trained context (4096), ended by an end-of-generation token. The embedded model's
+    random weights do not pick its EOS soon, so the test makes its 5th greedy token an end-of-generation id."""
+    from moestream import tokenizer
+    from moestream.engine import Engine
+    from moestream.models.base import LoadOptions, load_model
+
+    tok = tokenizer.GGUFTokenizer.from_gguf(str(DEFAULT_GGUF))
+    greedy = Engine(load_model(str(DEFAULT_GGUF), LoadOptions(moe_stream=False))).generate(
+        tok.encode("The history of the printing press"), 8, Sampler(SamplingParams(temp=0))).tokens
+    fifth = greedy[4]
+    assert fifth not in greedy[:4]
+    real = tokenizer.GGUFTokenizer.from_fields.__func__
+
+    def with_stop(cls, fields, path):
+        t = real(cls, fields, path)
+        t.eos_ids = {*t.eos_ids, fifth}
+        return t
+
+    monkeypatch.setattr(tokenizer.GGUFTokenizer, "from_fields", classmethod(with_stop))
+    p = cli("run", "-n", "-1", "--temp", "0", "-t", "1")
+    assert p.returncode == 0, p.stderr
+    s = stats(p.stderr)
+    # 4 tokens, each fed back by a decode step; the 4th step's logits pick the end-of-generation token
+    assert s["decode"] == "4" and "stopped" not in s
+
+
+def test_n_below_minus_one_is_refused():
+    p = cli("run", "-n", "-2")
+    assert p.returncode == 1 and "-n must be -1" in p.stderr
+
+
+def test_default_threads_leave_busy_cpus_alone():
+    """The default -t: the usable CPUs (at most torch's count) less the busy ones, at least 1."""
+    from moestream.cli import choose_threads, default_threads
+
+    assert choose_threads(64, 2, [0, 0, 0], 0.0) == 2  # idle: torch's count
+    assert choose_threads(4, 4, [1, 1, 0, 1, 1], 0.1) == 3  # a job that just started: the run queue
+    assert choose_threads(4, 4, [0, 0, 0], 1.9) == 3  # a job that keeps a CPU busy on and off: the load average
+    assert choose_threads(2, 2, [5, 0, 0], 0.0) == 2  # one read catching a burst is not a busy CPU
+    assert choose_threads(2, 2, [3, 3, 3], 9.0) == 1
+    assert 1 <= default_threads() <= max(1, len(os.sched_getaffinity(0)))
+
+
+def test_default_context_is_capped_by_memory(monkeypatch):
+    """-n -1 without -c: the trained context (4096) unless its KV cache would take more than half the memory
+    available; then the largest context that fits, said on stderr, and generation stops when it is full."""
+    import types
+
+    from moestream import engine
+    from moestream.models.base import LoadOptions, load_model
+
+    shape = load_model(str(DEFAULT_GGUF), LoadOptions(metadata_only=True))
+    avail = 2 * shape.cache_bytes(40) + 1  # half of it holds 40 positions, not 41
+    monkeypatch.setattr(engine.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=avail))
+    p = cli("run", "-n", "-1", "--temp", "0", "-t", "1")
+    assert p.returncode == 0, p.stderr
+    assert "context 40 tokens: the file's 4096 would need more than half of the memory" in p.stderr.splitlines()[0]
+    s = stats(p.stderr)
+    assert s["prompt"] == "6" and s["decode"] == "33" and s["stopped"] == "context full (-c)"

@@ -400,10 +400,14 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ConfigError("-p and -n must be >= 0 and not both 0")
     if args.n_prompt > MAX_TOKENS or args.n_gen > MAX_TOKENS:
         raise ConfigError(f"-p and -n must be at most 2^31, got -p {args.n_prompt} -n {args.n_gen}")
-    from .engine import check_cache_fits
+    from .engine import check_cache_fits, check_trained_context
     from .models.base import LoadOptions, load_model
     shape = load_model(model, LoadOptions(metadata_only=True))  # hyperparameters only, no weights read
-    check_cache_fits(shape, max(args.n_prompt, args.n_gen + 1), "-p/-n", "-p or -n")
+    n_ctx = max(args.n_prompt, args.n_gen + 1)
+    warning = check_trained_context(shape, n_ctx, f"-p {args.n_prompt} / -n {args.n_gen}", args.override_ctx)
+    check_cache_fits(shape, n_ctx, "-p/-n", "-p or -n")
+    if warning:
+        print(f"moestream: {warning}", file=sys.stderr, flush=True)
     modes = _on_off_list(args.moe_stream, "--moe-stream")
     overlaps = _on_off_list(args.overlap, "--overlap")
     from .models.base import default_slots
@@ -418,8 +422,10 @@ def run_bench(args: argparse.Namespace) -> int:
             raise ConfigError(f"--io-threads must be at least 1, got {t}")
         if t > MAX_IO_THREADS:
             raise ConfigError(f"--io-threads must be at most {MAX_IO_THREADS}, got {t}")
+    from .cli import default_threads
+    threads = args.threads if args.threads is not None else default_threads()  # one count for every row
     base = {"model": model, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
-            "threads": args.threads, "ubatch": args.ubatch, "expand_dense": args.expand_dense,
+            "threads": threads, "ubatch": args.ubatch, "expand_dense": args.expand_dense,
             "policy": args.policy}
     cfgs = []
     for on in modes:

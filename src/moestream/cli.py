@@ -7,8 +7,11 @@ bad command-line syntax exits 2 (argparse).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import os
 import sys
+from collections.abc import Callable, Iterator
 from importlib import resources
 
 GiB = 2**30
@@ -16,11 +19,25 @@ DEFAULT_PROMPT = "The history of the printing press"
 #: Upper bounds of thread options: more IO threads than this only adds contention; more compute threads than
 #: 4 per CPU only oversubscribes the cores.
 MAX_IO_THREADS = 256
+THREADS_HELP = ("compute threads (default: the free CPUs when the command starts -- the CPUs this process may use, "
+                "at most the physical cores, less those other jobs keep busy by the run queue and the 1-minute load "
+                "average -- at least 1; at most 4 x the CPUs)")
 
 
 def max_threads() -> int:
     """Upper bound of -t: 4 x the CPUs."""
     return 4 * (os.cpu_count() or 1)
+
+
+def version() -> str:
+    """The installed package's version (``pyproject.toml``)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("moestream")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def default_model_path() -> str:
@@ -74,8 +91,7 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
         p.add_argument("--overlap", type=_on_off, default=True, metavar="on|off",
                        help="hide expert reads behind the shared/dense FFN, the hits' matmuls and the "
                        "previous prefill tile (default on; off: read, then compute)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: torch's; at most 4 "
-                   "x the CPUs; on a busy machine -t 1 can be much faster)")
+    p.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--expand-dense", action="store_true",
                    help="dequantize dense weights to float32 at load (faster, more memory: see inspect)")
     p.add_argument("-ub", "--ubatch", type=int, default=128, help="prefill chunk size in tokens (default 128)")
@@ -86,8 +102,7 @@ def _load(args: argparse.Namespace, moe_stream: bool):
 
     from .models.base import LoadOptions, load_model
     _check_common(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads if args.threads is not None else default_threads())
     opts = LoadOptions(moe_stream=moe_stream, slots=getattr(args, "slots", None),
                        io_threads=getattr(args, "io_threads", 8), policy=getattr(args, "policy", "lfu"),
                        overlap=getattr(args, "overlap", True), expand_dense=args.expand_dense)
@@ -112,16 +127,17 @@ def _describe(model) -> str:  # noqa: ANN001
             f"layers, top-{model.top_k} of {model.n_experts} experts | {mode}")
 
 
-def _check_prompt(prompt: str) -> str:
+def _check_prompt(prompt: str, option: str = "-p") -> str:
     """The prompt as valid text; ConfigError if it is empty or not UTF-8 (argv bytes arrive surrogate-escaped)."""
     from .errors import ConfigError
 
+    what = "the system prompt" if option == "-sys" else "the prompt"
     if prompt == "":
-        raise ConfigError("the prompt is empty: give a non-empty -p")
+        raise ConfigError(f"{what} is empty: give a non-empty {option}")
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ConfigError(f"the prompt is not valid UTF-8 (bad byte at character {e.start})") from None
+        raise ConfigError(f"{what} is not valid UTF-8 (bad byte at character {e.start})") from None
     return prompt
 
 
@@ -149,70 +165,270 @@ def _check_common(args: argparse.Namespace) -> None:
         raise ConfigError(f"--io-threads must be at most {MAX_IO_THREADS}, got {io}")
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    import contextlib
+def choose_threads(cpus: int, torch_threads: int, running: list[int], load1: float) -> int:
+    """The default -t from what :func:`default_threads` reads: ``cpus`` usable, at most ``torch_threads`` (torch's
+    own default, the physical cores), less the busy ones -- the larger of the median of ``running`` (other
+    runnable tasks, sampled) and the 1-minute load average ``load1`` rounded down -- at least 1."""
+    busy = max(sorted(running)[len(running) // 2] if running else 0, int(load1))
+    return max(1, min(cpus, torch_threads) - busy)
 
-    from .engine import MAX_TOKENS, Engine, Sampler, SamplingParams, check_cache_fits
-    from .errors import ConfigError, MoestreamError
 
-    _check_prompt(args.prompt)
-    _check_common(args)
-    if args.n_predict < 0:
-        raise ConfigError(f"-n must be 0 or more, got {args.n_predict}")
-    if args.n_predict > MAX_TOKENS:
-        raise ConfigError(f"-n must be at most 2^31, got {args.n_predict}")
+def default_threads() -> int:
+    """Compute threads when -t is not given (:func:`choose_threads`): the CPUs this process may use
+    (``os.sched_getaffinity``), at most torch's default, less the CPUs other jobs keep busy: the runnable tasks
+    other than this one (``/proc/loadavg``'s running count, 5 reads over 20 ms) or the 1-minute load average.
+
+    More compute threads than free CPUs collapses torch's thread pool (each of the thousands of small parallel
+    ops per token waits for a thread the scheduler gave to the other job: 3.9 vs 43 tok/s measured), while one
+    thread too few costs little; so a busy machine gets fewer threads."""
+    import time
+
+    import torch
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    running, load = [], 0.0
+    try:
+        for i in range(5):
+            if i:
+                time.sleep(0.005)
+            with open("/proc/loadavg") as f:
+                fields = f.read().split()
+            running.append(int(fields[3].split("/")[0]) - 1)  # this process is running while it reads
+            load = float(fields[0])
+    except (OSError, ValueError, IndexError):
+        running, load = [], 0.0
+    return choose_threads(cpus, torch.get_num_threads(), running, load)
+
+
+def read_prompt_file(path: str) -> str:
+    """The text of ``-f PATH`` (``-`` reads stdin) without one trailing newline, as llama.cpp's ``-f``. ConfigError
+    naming the file when it cannot be read or is not UTF-8."""
+    from .errors import ConfigError
+
+    if path == "":
+        raise ConfigError("-f: the path is empty (use -f - to read the prompt from stdin)")
+    name = "stdin" if path == "-" else path
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"-f {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"-f {path}: is a directory, not a file") from None
+    except PermissionError:
+        raise ConfigError(f"-f {path}: permission denied") from None
+    except OSError as e:
+        raise ConfigError(f"-f {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"-f {name}: not valid UTF-8 (bad byte at offset {e.start})") from None
+    if text.endswith("\n"):
+        text = text[:-1]
+    if text == "":
+        raise ConfigError(f"-f {name}: the prompt is empty")
+    return text
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[Callable[[], bool]]:
+    """While inside, the first SIGINT (Ctrl-C) only sets a flag -- yields the function that reads it, for a
+    Generation to stop between forward passes -- and a second one raises KeyboardInterrupt as usual."""
+    import signal
+
+    count = 0
+
+    def handler(signum: int, frame: object) -> None:
+        nonlocal count
+        count += 1
+        if count > 1:
+            raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: Ctrl-C keeps its usual meaning
+        old = None
+    try:
+        yield lambda: count > 0
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+
+
+def _run_options(args: argparse.Namespace) -> tuple[str | None, int]:
+    """The prompt (None: interactive mode waits for the first line) and -n, checked before the model loads."""
+    from .engine import MAX_TOKENS
+    from .errors import ConfigError
+
+    if args.prompt is not None and args.file is not None:
+        raise ConfigError("-p and -f both give the prompt: use one of them")
+    if args.interactive and args.file == "-":
+        raise ConfigError("-f -: stdin cannot hold both the prompt and the conversation of interactive mode; put "
+                          "the prompt in a file")
+    if args.system_prompt is not None and not (args.chat or args.interactive):
+        raise ConfigError("-sys: a system prompt goes through the chat template: add --chat or -cnv")
+    if args.system_prompt is not None:
+        _check_prompt(args.system_prompt, "-sys")
+    prompt = read_prompt_file(args.file) if args.file is not None else args.prompt
+    if prompt is None and not args.interactive:
+        prompt = DEFAULT_PROMPT
+    if prompt is not None:
+        _check_prompt(prompt)
+    n = args.n_predict if args.n_predict is not None else (-1 if args.interactive else 128)
+    if n < -1:
+        raise ConfigError(f"-n must be -1 (until end of generation or a full context) or 0 or more, got {n}")
+    if n > MAX_TOKENS:
+        raise ConfigError(f"-n must be at most 2^31, got {n}")
     if args.ctx_size is not None and args.ctx_size < 0:
         raise ConfigError(f"-c must be 0 (prompt + -n) or more, got {args.ctx_size}")
     if args.ctx_size is not None and args.ctx_size > MAX_TOKENS:
         raise ConfigError(f"-c must be at most 2^31, got {args.ctx_size}")
+    return prompt, n
+
+
+def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int) -> int:  # noqa: ANN001
+    """The context size of a run (see the -c help) after the trained-context and memory checks; prints the
+    --override-ctx warning and the memory-cap note on stderr."""
+    from .engine import check_cache_fits, check_trained_context, default_context
+
+    if args.ctx_size:
+        n_ctx, option = args.ctx_size, f"-c {args.ctx_size}"
+    elif n_predict < 0 or args.interactive:
+        n_ctx, capped_from = default_context(model)
+        option = "-n -1" if not args.interactive else "-cnv"
+        if capped_from is not None:
+            print(f"moestream: context {n_ctx} tokens: the file's {capped_from} would need more than half of the "
+                  f"memory available for its KV cache (-c sets the context)", file=sys.stderr, flush=True)
+    else:
+        n_ctx, option = n_prompt + n_predict, f"-n {n_predict}"
+    warning = check_trained_context(model, n_ctx, option, args.override_ctx)
+    # before anything is printed: an absurd -n or -c is refused here, not by torch's allocator
+    check_cache_fits(model, n_ctx, option)
+    if warning:
+        print(f"moestream: {warning}", file=sys.stderr, flush=True)
+    return n_ctx
+
+
+def _print_reply(gen, dec) -> None:  # noqa: ANN001
+    """Stream the tokens of ``gen`` through the stream decoder ``dec`` to stdout, then end the line; on an error
+    the partial line is ended too (the error itself may be that stdout cannot be written)."""
+    from .errors import MoestreamError
+
+    try:
+        for t in gen:
+            write_stdout(dec.push(t))
+    except BaseException:
+        with contextlib.suppress(MoestreamError, OSError):
+            write_stdout(dec.flush() + "\n")
+        raise
+    write_stdout(dec.flush() + "\n")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .chat import encode_chat
+    from .engine import Engine, Sampler, SamplingParams
+    from .errors import ConfigError
+
+    prompt, n_predict = _run_options(args)
+    _check_common(args)
     params = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     model, _ = _load(args, args.moe_stream)
     try:
         tok = _tokenizer(model)
-        text = args.prompt
+        engine = Engine(model, args.ubatch)
+        if args.interactive:
+            return _interactive(args, model, tok, engine, prompt, n_predict, Sampler(params))
         if args.chat:
-            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = tok.encode(text, add_special=True)
+            msgs = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else [])
+            ids = encode_chat(tok, [*msgs, {"role": "user", "content": prompt}])
+        else:
+            ids = tok.encode(prompt, add_special=True)
         if not ids:
             raise ConfigError("the prompt is empty after tokenization")
-        n_ctx = args.ctx_size or len(ids) + args.n_predict
-        if len(ids) >= n_ctx and args.n_predict > 0 or len(ids) > n_ctx:
+        n_ctx = _context(args, model, len(ids), n_predict)
+        if len(ids) >= n_ctx and n_predict != 0 or len(ids) > n_ctx:
             raise ConfigError(f"the prompt has {len(ids)} tokens; the context size -c {n_ctx} leaves no room to "
                               f"generate")
-        # before anything is printed: an absurd -n or -c is refused here, not by torch's allocator
-        check_cache_fits(model, n_ctx, f"-c {args.ctx_size}" if args.ctx_size else f"-n {args.n_predict}")
         dec = tok.stream_decoder()
-        started = False
-
-        def start() -> None:
-            # The description line and the prompt echo wait for the prefill's logits: a file whose weights or
-            # metadata fail in the first forward pass leaves one error line and nothing on stdout.
-            nonlocal started
-            if not started:
-                started = True
-                print(_describe(model), file=sys.stderr, flush=True)
-                if not args.chat:
-                    write_stdout(args.prompt)
-
-        def emit(t: int) -> None:
-            start()
-            write_stdout(dec.push(t))
-
-        engine = Engine(model, args.ubatch)
-        try:
-            st = engine.generate(ids, args.n_predict, Sampler(params), stop_ids=tok.eos_ids, n_ctx=n_ctx,
-                                 on_token=emit)
-        except BaseException:
-            if started:  # end the partial line; the error itself may be that stdout cannot be written
-                with contextlib.suppress(MoestreamError, OSError):
-                    write_stdout(dec.flush() + "\n")
-            raise
-        start()
-        write_stdout(dec.flush() + "\n")
+        with interruptible() as interrupted:
+            gen = engine.stream(ids, n_predict, Sampler(params), stop_ids=tok.eos_ids, n_ctx=n_ctx,
+                                interrupted=interrupted)
+            tokens = iter(gen)
+            # The description line and the prompt echo wait for the prefill's logits (the first token): a file
+            # whose weights or metadata fail in the first forward pass leaves one error line and nothing on stdout.
+            first = next(tokens, None)
+            print(_describe(model), file=sys.stderr, flush=True)
+            if not args.chat:
+                write_stdout(prompt)
+            _print_reply(itertools.chain([] if first is None else [first], tokens), dec)
     finally:
         model.store.close()
-    print(st.line(), file=sys.stderr, flush=True)
-    return 0
+    print(gen.stats.line(), file=sys.stderr, flush=True)
+    return 130 if gen.stats.stop_reason == "interrupted" else 0
+
+
+def _read_turn(tty: bool) -> str:
+    """One line of user input without its newline (EOFError at the end of input)."""
+    if tty:
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401 - line editing and history for input()
+        return input("> ")
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.removesuffix("\n").removesuffix("\r")
+
+
+def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | None, n_predict: int,  # noqa: ANN001
+                 sampler) -> int:  # noqa: ANN001
+    """Interactive chat (-cnv): a prompt loop on one KV cache (moestream.chat.ChatSession). Each reply streams to
+    stdout, its stats line goes to stderr. Ends at EOF or /exit (status 0) or Ctrl-C at the prompt (130); Ctrl-C
+    during a reply stops that reply. A turn that does not fit, or that the template cannot take, is refused with a
+    line on stderr and the session goes on."""
+    from .chat import ChatSession, ContextFullError
+    from .tokenizer import TokenizerError
+
+    if tok.chat_template is None:
+        raise TokenizerError(f"{tok.path}: the GGUF has no tokenizer.chat_template, which -cnv needs")
+    n_ctx = _context(args, model, 0, n_predict)
+    session = ChatSession(engine, tok, n_ctx, system=args.system_prompt)
+    print(_describe(model), file=sys.stderr, flush=True)
+    tty = sys.stdin.isatty()
+    pending = prompt
+    while True:
+        if pending is not None:
+            text, pending = pending, None
+        else:
+            try:
+                text = _read_turn(tty)
+            except EOFError:
+                if tty:
+                    write_stdout("\n")
+                return 0
+            except KeyboardInterrupt:
+                write_stdout("\n")
+                return 130
+            except UnicodeDecodeError:
+                print("moestream: that line is not valid UTF-8; type it again", file=sys.stderr, flush=True)
+                continue
+            if text.strip() == "/exit":
+                return 0
+            if not text.strip():
+                continue
+        with interruptible() as interrupted:
+            try:
+                gen = session.turn(text, n_predict, sampler, interrupted)
+            except (ContextFullError, TokenizerError) as e:  # this turn is refused, the cache is untouched
+                print(f"moestream: {e}; /exit ends the session", file=sys.stderr, flush=True)
+                continue
+            _print_reply(gen, tok.stream_decoder())
+        print(gen.stats.line(), file=sys.stderr, flush=True)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -222,7 +438,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .engine import MAX_TOKENS, check_cache_fits
+    from .engine import MAX_TOKENS, check_cache_fits, check_trained_context
     from .errors import ConfigError
     from .verify import verify
 
@@ -237,7 +453,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ids = tok.encode(args.prompt, add_special=True)
     if not ids:
         raise ConfigError("the prompt is empty after tokenization")
+    warning = check_trained_context(model, len(ids) + args.steps, f"--steps {args.steps}", args.override_ctx)
     check_cache_fits(model, len(ids) + args.steps, f"--steps {args.steps}", "--steps or prompt")
+    if warning:
+        print(f"moestream: {warning}", file=sys.stderr, flush=True)
     slots = opts.slots if opts.slots is not None else None
     if slots is not None and slots < model.top_k:
         raise ConfigError(f"--slots {slots} is below the experts used per token ({model.top_k}); "
@@ -264,17 +483,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="moestream", description="Run MoE GGUF models with routed experts "
                                  "streamed from disk into per-layer slot caches.")
+    ap.add_argument("--version", action="version", version=f"moestream {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="generate text")
     _add_model_args(r)
-    r.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text")
-    r.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    r.add_argument("-p", "--prompt", default=None, help=f"prompt text (default {DEFAULT_PROMPT!r}; with -cnv: the "
+                   f"first user message, else -cnv waits for one)")
+    r.add_argument("-f", "--file", default=None, metavar="FILE",
+                   help="read the prompt from FILE (- = stdin), without one trailing newline, as llama.cpp")
+    r.add_argument("-n", "--n-predict", type=int, default=None,
+                   help="tokens to generate (default 128; with -cnv, per reply, default -1); -1 = until an "
+                   "end-of-generation token or the context is full")
     r.add_argument("-c", "--ctx-size", type=int, default=None,
-                   help="context size in tokens; 0 or unset = prompt + -n (generation stops when it is full)")
+                   help="context size in tokens, prompt included; 0 or unset = prompt + -n (with -n -1 or -cnv: the "
+                   "file's trained context_length, capped so that the KV cache takes at most half the memory "
+                   "available); generation stops when it is full. Past the trained context_length it is refused "
+                   "unless --override-ctx")
+    r.add_argument("--override-ctx", action="store_true",
+                   help="allow a context past the file's trained context_length (warns; the text may degrade)")
     r.add_argument("--moe-stream", type=_on_off, default=True, metavar="on|off",
                    help="stream routed experts (on, default) or address them in a memory map (off)")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    r.add_argument("-sys", "--system-prompt", default=None, metavar="TEXT",
+                   help="system message (with --chat or -cnv)")
+    r.add_argument("-cnv", "--conversation", "-i", "--interactive", dest="interactive", action="store_true",
+                   help="interactive chat: a prompt loop on the chat template, one KV cache across turns (each "
+                   "turn prefills only its new tokens); /exit or end of input ends it; Ctrl-C stops a reply")
     r.add_argument("--temp", type=float, default=0.8, help="temperature; <= 0 = greedy (default 0.8)")
     r.add_argument("--top-k", type=int, default=40)
     r.add_argument("--top-p", type=float, default=0.95)
@@ -291,6 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(v)
     v.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
     v.add_argument("--steps", type=int, default=32, help="greedy decode steps (default 32)")
+    v.add_argument("--override-ctx", action="store_true",
+                   help="allow prompt + --steps past the file's trained context_length (warns)")
     # verify always runs streaming off, then on: --moe-stream is refused with verify's own usage (see main)
     v.add_argument("--moe-stream", dest="verify_moe_stream", default=None, help=argparse.SUPPRESS)
     v.set_defaults(func=cmd_verify)
@@ -305,7 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{MAX_IO_THREADS})")
     b.add_argument("--moe-stream", default="on,off", help="on, off or on,off")
     b.add_argument("--overlap", default="on", help="on, off or on,off")
-    b.add_argument("-t", "--threads", type=int, default=None)
+    b.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP.replace("the command starts",
+                   "bench starts (one count for every row, llama.cpp's included)"))
+    b.add_argument("--override-ctx", action="store_true",
+                   help="allow -p or -n past the file's trained context_length (warns)")
     b.add_argument("-ub", "--ubatch", type=int, default=128)
     b.add_argument("--expand-dense", action="store_true")
     b.add_argument("--cold", action="store_true", help="evict the file from the page cache before each row")

@@ -6,7 +6,7 @@ import math
 import os
 import resource
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import psutil
@@ -34,6 +34,55 @@ def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c", hint: str 
         raise ConfigError(f"{option}: a context of {n_ctx} tokens needs {need / GiB:.1f} GiB of KV cache for "
                           f"{os.path.basename(model.gguf.path)}, but {avail / GiB:.1f} GiB of memory is available; "
                           f"use a smaller {hint}")
+
+
+def trained_context(model: MoEModel) -> int:
+    """The context the file was trained for: ``{arch}.context_length`` (4096 when the file has none, as
+    ``MoEModel.n_ctx_train``)."""
+    return model.n_ctx_train
+
+
+def check_trained_context(model: MoEModel, n_ctx: int, option: str, override: bool) -> str | None:
+    """ConfigError (naming ``option`` and the file's context length) when ``n_ctx`` is past the trained context
+    and ``override`` is false; with ``override``, the warning to print instead; None when it is within."""
+    train = trained_context(model)
+    if n_ctx <= train:
+        return None
+    key = f"{model.gguf.arch}.context_length"
+    where = f"the {train} tokens {os.path.basename(model.gguf.path)} was trained for ({key})"
+    if not override:
+        raise ConfigError(f"{option}: a context of {n_ctx} tokens is past {where}; stay within {train}, or pass "
+                          f"--override-ctx to go past it")
+    return (f"warning: {option}: a context of {n_ctx} tokens is past {where} (--override-ctx); the text may "
+            f"degrade past {train} tokens")
+
+
+#: Share of the memory available now that a context sized by default (-n -1, interactive mode) may take for its
+#: KV cache; the rest is left to the expert pools, activations and everything else on the machine.
+DEFAULT_CTX_MEMORY_SHARE = 0.5
+
+
+def default_context(model: MoEModel, share: float = DEFAULT_CTX_MEMORY_SHARE) -> tuple[int, int | None]:
+    """The context to use when none is asked for and generation has no length (-n -1, interactive mode): the
+    trained context, capped so that its KV cache takes at most ``share`` of the memory available now.
+
+    Returns ``(n_ctx, capped_from)``: ``capped_from`` is the trained context when the cap applied, else None.
+    ConfigError when not even a context of 16 tokens fits."""
+    train = trained_context(model)
+    budget = share * psutil.virtual_memory().available
+    if model.cache_bytes(train) <= budget:
+        return train, None
+    lo, hi = 0, train  # largest n with cache_bytes(n) <= budget (cache_bytes grows with n)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.cache_bytes(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo < 16:
+        raise ConfigError(f"{os.path.basename(model.gguf.path)}: not even a 16-token KV cache fits in "
+                          f"{share:.0%} of the {budget / share / GiB:.1f} GiB of memory available")
+    return lo, train
 
 
 @dataclass
@@ -125,7 +174,8 @@ class GenStats:
                 f"{self.decode_tps:.2f} tok/s | expert hit rate {100 * self.hit_rate:.1f}% | "
                 f"streamed {self.streamed_bytes / GiB:.3f} GiB, disk read {self.disk_bytes / GiB:.3f} GiB | "
                 f"peak RSS {self.peak_rss / GiB:.2f} GiB"
-                + (" | stopped: context full (-c)" if self.stop_reason == "context full" else ""))
+                + {"context full": " | stopped: context full (-c)",
+                   "interrupted": " | stopped: interrupted"}.get(self.stop_reason, ""))
 
 
 def peak_rss_bytes() -> int:
@@ -199,47 +249,142 @@ class Engine:
                                f"NaN/Inf)")
         return logits
 
+    def stream(self, tokens: list[int], n_predict: int, sampler: Callable[[torch.Tensor], int], *,
+               stop_ids: Iterable[int] = (), cache: object | None = None, start: int = 0, n_ctx: int | None = None,
+               interrupted: Callable[[], bool] | None = None,
+               on_finish: Callable[[Generation], None] | None = None) -> Generation:
+        """A :class:`Generation`: iterate it for the generated token ids (see there).
+
+        ``tokens`` are prefilled into ``cache`` at positions ``start``.. (``cache`` None: a new cache of ``n_ctx``
+        positions, default ``len(tokens) + n_predict``; ConfigError when it does not fit in memory).
+        ``n_predict`` < 0: until an end-of-generation token or the cache is full. ConfigError, before anything
+        runs, when ``tokens`` is empty or does not fit in the cache.
+        """
+        if not tokens:
+            raise ConfigError("the prompt is empty: give a non-empty -p")
+        if cache is None:
+            if n_ctx is None and n_predict < 0:
+                raise ConfigError("n_predict -1 (until end of generation) needs a context size")
+            n_ctx = n_ctx or start + len(tokens) + n_predict
+            if start + len(tokens) >= n_ctx and n_predict != 0 or start + len(tokens) > n_ctx:
+                raise ConfigError(f"the prompt has {len(tokens)} tokens; the context size -c {n_ctx} leaves no "
+                                  f"room to generate")
+            check_cache_fits(self.model, n_ctx)
+            cache = self.model.new_cache(n_ctx)
+        elif start + len(tokens) > cache.n_ctx:  # type: ignore[attr-defined]
+            raise ConfigError(f"{len(tokens)} more tokens at position {start} do not fit in the context of "
+                              f"{cache.n_ctx} tokens")  # type: ignore[attr-defined]
+        return Generation(self, list(tokens), n_predict, sampler, set(stop_ids), cache, start, interrupted, on_finish)
+
     def generate(self, prompt: list[int], n_predict: int, sampler: Callable[[torch.Tensor], int],
                  stop_ids: Iterable[int] = (), n_ctx: int | None = None,
                  on_token: Callable[[int], None] | None = None) -> GenStats:
         """Prefill ``prompt`` then sample up to ``n_predict`` tokens, stopping at any of ``stop_ids``
-        (not emitted). ``on_token`` is called with each new token as it is produced."""
-        if not prompt:
-            raise ConfigError("the prompt is empty: give a non-empty -p")
-        n_ctx = n_ctx or len(prompt) + n_predict
-        if len(prompt) >= n_ctx and n_predict > 0 or len(prompt) > n_ctx:
-            raise ConfigError(f"the prompt has {len(prompt)} tokens; the context size -c {n_ctx} leaves no room "
-                              f"to generate")
-        check_cache_fits(self.model, n_ctx)
-        ctx_limited = len(prompt) + n_predict > n_ctx
-        n_predict = min(n_predict, n_ctx - len(prompt))
-        stop = set(stop_ids)
-        store = self.model.store
-        st = GenStats(n_prompt=len(prompt))
-        h0, m0, b0, d0 = store.stats.hits, store.stats.misses, store.bytes_read, disk_read_bytes()
-        cache = self.model.new_cache(n_ctx)
-        t0 = time.perf_counter()
-        logits = self.prefill(prompt, cache)[-1]
-        st.prompt_seconds = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        pos = len(prompt)
-        st.stop_reason = "context full" if ctx_limited else "n_predict"
-        for i in range(n_predict):
-            tok = sampler(logits)
-            if tok in stop:
-                st.stop_reason = "eos"
-                break
-            st.tokens.append(tok)
+        (not emitted). ``on_token`` is called with each new token as it is produced. (:meth:`stream`, consumed.)"""
+        gen = self.stream(prompt, n_predict, sampler, stop_ids=stop_ids, n_ctx=n_ctx)
+        for tok in gen:
             if on_token:
                 on_token(tok)
-            if i == n_predict - 1:
-                break
-            logits = self.decode_step(tok, pos, cache)
-            st.n_decode += 1
-            pos += 1
-        st.decode_seconds = time.perf_counter() - t1
-        st.hits, st.misses = store.stats.hits - h0, store.stats.misses - m0
-        st.streamed_bytes = store.bytes_read - b0
-        st.disk_bytes = disk_read_bytes() - d0
-        st.peak_rss = peak_rss_bytes()
-        return st
+        return gen.stats
+
+
+class Generation:
+    """One generation as an iterator of token ids (mlx-lm's ``stream_generate``, at the token level); made by
+    :meth:`Engine.stream`.
+
+    Iterating prefills the tokens (in chunks of the engine's ``ubatch``), then yields sampled tokens one by one:
+    the first from the prefill's logits, each next one after a decode step of the previous. It stops
+
+    - at a token of ``stop_ids`` (not yielded: it is :attr:`eog`), ``stats.stop_reason`` ``"eos"``;
+    - after ``n_predict`` tokens (``"n_predict"``; ``n_predict`` < 0: no limit);
+    - when the cache is full (``"context full"``: the last token yielded fills position ``cache.n_ctx``);
+    - when ``interrupted()`` returns true (``"interrupted"``). It is asked between forward passes only, never
+      inside one, so the cache stays consistent (a recurrent state is never half-updated) and can take the
+      next turn.
+
+    After the iteration (also when the consumer stops early or an error is raised) :attr:`stats` is complete,
+    :attr:`pos` is the number of positions the cache holds, and :attr:`unfed` lists the tokens that belong to the
+    sequence but are not in the cache yet (the rest of the prompt after an interrupted prefill, or the last
+    yielded token): a later :meth:`Engine.stream` on the same cache must start with them at ``pos``.
+    ``on_finish(self)`` is called then.
+    """
+
+    def __init__(self, engine: Engine, tokens: list[int], n_predict: int, sampler: Callable[[torch.Tensor], int],
+                 stop_ids: set[int], cache: object, start: int, interrupted: Callable[[], bool] | None,
+                 on_finish: Callable[[Generation], None] | None):
+        self.engine, self.tokens, self.n_predict, self.sampler = engine, tokens, n_predict, sampler
+        self.stop_ids, self.cache, self.start = stop_ids, cache, start
+        self.interrupted = interrupted or (lambda: False)
+        self.on_finish = on_finish
+        self.stats = GenStats(n_prompt=0)
+        self.eog: int | None = None
+        self.pos = start
+        self.unfed: list[int] = list(tokens)
+        self._started = False
+
+    def __iter__(self) -> Iterator[int]:
+        if self._started:
+            raise RuntimeError("a Generation can be iterated once")
+        self._started = True
+        return self._run()
+
+    def _run(self) -> Iterator[int]:
+        engine, model, st = self.engine, self.engine.model, self.stats
+        store = model.store
+        n_ctx = self.cache.n_ctx  # type: ignore[attr-defined]
+        h0, m0, b0, d0 = store.stats.hits, store.stats.misses, store.bytes_read, disk_read_bytes()
+        t0 = time.perf_counter()
+        t1 = None
+        try:
+            dev = model.device
+            toks = torch.tensor(self.tokens, dtype=torch.int64, device=dev)
+            logits = None
+            for s in range(0, len(self.tokens), engine.ubatch):
+                if s and self.interrupted():
+                    st.stop_reason = "interrupted"
+                    return
+                model.gguf.check_unchanged()
+                chunk = toks[s:s + engine.ubatch]
+                logits = engine.forward(chunk, self.pos, self.cache)
+                self.pos += chunk.shape[0]
+                st.n_prompt += chunk.shape[0]
+                self.unfed = self.tokens[s + chunk.shape[0]:]
+            st.prompt_seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            room = n_ctx - self.pos  # tokens that can still be generated: the last one fills position n_ctx
+            limit = room if self.n_predict < 0 else min(self.n_predict, room)
+            st.stop_reason = "context full" if self.n_predict < 0 or self.n_predict > room else "n_predict"
+            logits = logits[-1]
+            for i in range(limit):
+                if self.interrupted():
+                    st.stop_reason = "interrupted"
+                    return
+                tok = self.sampler(logits)
+                if tok in self.stop_ids:
+                    self.eog = tok
+                    st.stop_reason = "eos"
+                    return
+                st.tokens.append(tok)
+                self.unfed = [tok]
+                yield tok
+                if i == limit - 1:
+                    return
+                if self.interrupted():  # the consumer may have been interrupted while handling the token
+                    st.stop_reason = "interrupted"
+                    return
+                logits = engine.decode_step(tok, self.pos, self.cache)
+                self.unfed = []
+                self.pos += 1
+                st.n_decode += 1
+        finally:
+            now = time.perf_counter()
+            if t1 is None:
+                st.prompt_seconds = now - t0
+            else:
+                st.decode_seconds = now - t1
+            st.hits, st.misses = store.stats.hits - h0, store.stats.misses - m0
+            st.streamed_bytes = store.bytes_read - b0
+            st.disk_bytes = disk_read_bytes() - d0
+            st.peak_rss = peak_rss_bytes()
+            if self.on_finish:
+                self.on_finish(self)
