@@ -69,31 +69,11 @@ def cli(*args: str, stdin: str | bytes = "") -> subprocess.CompletedProcess:
 
 def llama_cpp_template(name: str) -> str:
     """Chat template ``NAME.jinja`` of llama.cpp's collection of real models' templates
-    (``vendor/llama.cpp/models/templates`` in the pinned llama-cpp-python sdist of ``tools/llamacpp.py``). The
-    sdist is fetched once with ``pip download`` into ``$MOESTREAM_CACHE/wheels`` and checked against its
-    ``SDIST_SHA256``."""
-    import hashlib
-    import importlib.util
-    import tarfile
+    (``vendor/llama.cpp/models/templates`` in the pinned llama-cpp-python sdist, ``tools/llamacpp.py``'s
+    ``sdist()``: fetched once into ``$MOESTREAM_CACHE/wheels`` and hash-checked)."""
+    from conftest import load_tool
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("moestream_tools_llamacpp_pins", root / "tools" / "llamacpp.py")
-    assert spec is not None and spec.loader is not None
-    pins = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pins)
-    wheels = pins.cache_root() / "wheels"
-    sdist = wheels / f"llama_cpp_python-{pins.VERSION}.tar.gz"
-    if not sdist.exists():
-        wheels.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        f"{pins.PROJECT}=={pins.VERSION}", "-d", str(wheels)], check=True, timeout=600)
-    digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
-    assert digest == pins.SDIST_SHA256, f"{sdist}: sha256 {digest}, expected {pins.SDIST_SHA256}"
-    with tarfile.open(sdist) as tar:
-        member = f"llama_cpp_python-{pins.VERSION}/vendor/llama.cpp/models/templates/{name}.jinja"
-        f = tar.extractfile(member)
-        assert f is not None, member
-        return f.read().decode("utf-8")
+    return load_tool("llamacpp").sdist_member(f"models/templates/{name}.jinja").decode("utf-8")
 
 
 # ------------------------------------------------------------------------------------------------ models

@@ -39,12 +39,9 @@ Use: ``build("qwen3moe-published")`` or ``python tools/fixtures_published.py [NA
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -63,41 +60,7 @@ FixtureError = fixtures.FixtureError
 # Inputs from the pinned llama-cpp-python sdist (llama.cpp's own tokenizer test vocabularies and templates)
 # ---------------------------------------------------------------------------------------------------------
 
-_VENDOR = f"llama_cpp_python-{llamacpp.VERSION}/vendor/llama.cpp/"
-
-
-def sdist() -> Path:
-    """The pinned llama-cpp-python sdist (``$MOESTREAM_CACHE/wheels/llama_cpp_python-<v>.tar.gz``), downloaded
-    once with ``pip download`` and checked against :data:`llamacpp.SDIST_SHA256`."""
-    dest = fixtures.cache_root() / "wheels" / f"llama_cpp_python-{llamacpp.VERSION}.tar.gz"
-    if dest.exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".dl-") as tmp:
-        fixtures.log(f"downloading the llama-cpp-python {llamacpp.VERSION} sdist (~77 MB, once)")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-input",
-             "--disable-pip-version-check", "-d", tmp, f"{llamacpp.PROJECT}=={llamacpp.VERSION}"],
-            capture_output=True, text=True, stdin=subprocess.DEVNULL,
-        )
-        got = Path(tmp) / dest.name
-        if proc.returncode != 0 or not got.exists():
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise FixtureError(f"pip download {llamacpp.PROJECT}=={llamacpp.VERSION} (sdist) failed: {last}")
-        digest = hashlib.sha256(got.read_bytes()).hexdigest()
-        if digest != llamacpp.SDIST_SHA256:
-            raise FixtureError(f"{dest.name}: sha256 {digest} is not the pinned {llamacpp.SDIST_SHA256}")
-        os.replace(got, dest)
-    return dest
-
-
-def sdist_member(rel: str) -> bytes:
-    """The bytes of ``vendor/llama.cpp/<rel>`` inside the sdist."""
-    with tarfile.open(sdist()) as tf:
-        f = tf.extractfile(_VENDOR + rel)
-        if f is None:
-            raise FixtureError(f"{sdist().name}: no {_VENDOR + rel}")
-        return f.read()
+sdist, sdist_member = llamacpp.sdist, llamacpp.sdist_member
 
 
 # ---------------------------------------------------------------------------------------------------------

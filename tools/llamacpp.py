@@ -356,18 +356,42 @@ def _tools_ready(d: Path) -> bool:
     return (d / "build-info.json").is_file() and all(os.access(d / "bin" / t, os.X_OK) for t in TOOL_TARGETS)
 
 
-def _download_sdist(dest: Path) -> Path:
-    """``pip download`` the pinned sdist (hash-checked by pip, and again here) into ``dest``."""
-    req = dest / "requirements.txt"
-    req.write_text(f"{PROJECT}=={VERSION} --hash=sha256:{SDIST_SHA256}\n")
-    _check([sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
-            "--no-binary", ":all:", "--require-hashes", "-r", str(req), "-d", str(dest)],
-           f"pip download {PROJECT}=={VERSION} (sdist)")
-    found = sorted(dest.glob(f"{PROJECT.replace('-', '_')}-{VERSION}.tar.gz"))
-    if len(found) != 1 or hashlib.sha256(found[0].read_bytes()).hexdigest() != SDIST_SHA256:
-        raise LlamaCppError(f"pip download left {[p.name for p in dest.iterdir()]}, not the sdist with sha256 "
-                            f"{SDIST_SHA256}")
-    return found[0]
+def sdist() -> Path:
+    """The pinned sdist, ``$MOESTREAM_CACHE/wheels/llama_cpp_python-<VERSION>.tar.gz``: downloaded once with
+    ``pip download --require-hashes`` (hash-checked by pip, and again here), kept for its vendored llama.cpp
+    (the tools build, llama.cpp's own tokenizer vocabularies and chat templates used by fixtures and tests)."""
+    dest = cache_root() / "wheels" / f"{PROJECT.replace('-', '_')}-{VERSION}.tar.gz"
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".dl-sdist-") as tmp:
+        req = Path(tmp) / "requirements.txt"
+        req.write_text(f"{PROJECT}=={VERSION} --hash=sha256:{SDIST_SHA256}\n")
+        _check([sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
+                "--no-binary", ":all:", "--require-hashes", "-r", str(req), "-d", tmp],
+               f"pip download {PROJECT}=={VERSION} (sdist)")
+        got = Path(tmp) / dest.name
+        if not got.is_file() or hashlib.sha256(got.read_bytes()).hexdigest() != SDIST_SHA256:
+            raise LlamaCppError(f"pip download left {sorted(p.name for p in Path(tmp).iterdir())}, not the sdist "
+                                f"with sha256 {SDIST_SHA256}")
+        os.replace(got, dest)
+    return dest
+
+
+def sdist_member(rel: str) -> bytes:
+    """The bytes of ``vendor/llama.cpp/<rel>`` in the pinned sdist (e.g. ``models/templates/X.jinja``).
+    LlamaCppError when it is not there."""
+    import tarfile
+
+    name = f"{PROJECT.replace('-', '_')}-{VERSION}/vendor/llama.cpp/{rel}"
+    with tarfile.open(sdist()) as tf:
+        try:
+            f = tf.extractfile(name)
+        except KeyError:
+            f = None
+        if f is None:
+            raise LlamaCppError(f"{sdist().name}: no {name}")
+        return f.read()
 
 
 def ensure_tools(*, force: bool = False) -> Path:
@@ -394,8 +418,7 @@ def ensure_tools(*, force: bool = False) -> Path:
             log(f"building {', '.join(TOOL_TARGETS)} of {PROJECT}=={VERSION}'s vendored llama.cpp into {final} "
                 f"(once; -j{TOOLS_JOBS})")
             t0 = time.monotonic()
-            sdist = _download_sdist(tmp)
-            with tarfile.open(sdist) as tf:
+            with tarfile.open(sdist()) as tf:
                 members = [m for m in tf.getmembers() if "/vendor/llama.cpp/" in m.name]
                 if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4: refuse links/paths out of the folder
                     tf.extractall(tmp / "src", members=members, filter="data")
@@ -433,8 +456,6 @@ def ensure_tools(*, force: bool = False) -> Path:
                     "machine": platform.machine(), "cpus": os.cpu_count()}
             shutil.rmtree(build)
             shutil.rmtree(tmp / "src")
-            sdist.unlink()
-            (tmp / "requirements.txt").unlink()
             (tmp / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
             _move_into_place(tmp, final, ".tmp-tools-old-")
             log(f"built {', '.join(TOOL_TARGETS)} in {seconds:.0f}s (download and unpack {t_src:.0f}s)")
