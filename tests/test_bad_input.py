@@ -220,6 +220,7 @@ def _qwen3moe_with(default_gguf: Path, **fields: object) -> None:
     ("rope.freq_base", float("-inf"), "is -inf, which must be a positive finite number"),
     ("attention.head_count", 0, "is 0, which must be at least 1"),
     ("attention.key_length", 2.5, "must be an integer, got 2.5"),
+    ("context_length", 0, "is 0, which must be at least 1"),
 ])
 def test_hyperparameters_checked_at_load(default_gguf, key, value, needle):
     with pytest.raises(GGUFError, match=re.escape(f"metadata key qwen3moe.{key} {needle}")):
@@ -359,9 +360,11 @@ def test_cache_bytes_matches_the_cache(model):
 
 @pytest.mark.parametrize("args,needles", [
     # past the file's trained context (4096) is refused first; --override-ctx reaches the memory check
-    (("run", "-n", "100000000"), ("-n 100000000: a context of 100000006 tokens is past the 4096 tokens",)),
-    (("run", "-n", "100000000", "--override-ctx"), ("-n 100000000: a context of 100000006 tokens needs",
-                                                    "GiB of KV cache", "GiB of memory is available")),
+    (("run", "-n", "100000000"),
+     ("the 6-token prompt + -n 100000000: a context of 100000006 tokens is past the 4096 tokens",)),
+    (("run", "-n", "100000000", "--override-ctx"),
+     ("the 6-token prompt + -n 100000000: a context of 100000006 tokens needs", "GiB of KV cache",
+      "GiB of memory is available")),
     (("run", "-c", "2000000000", "-n", "4", "--override-ctx"),
      ("-c 2000000000: a context of 2000000000 tokens needs",)),
     (("run", "-c", "99999999999"), ("-c must be at most 2^31, got 99999999999",)),

@@ -180,7 +180,7 @@ def test_n_minus_one_runs_until_the_context_is_full():
     p = cli("run", "-n", "-1", "-c", "20", "--temp", "0", "-t", "1")  # a 6-token prompt
     assert p.returncode == 0, p.stderr
     s = stats(p.stderr)
-    assert s["prompt"] == "6" and s["decode"] == "13" and s["stopped"] == "context full (-c)"
+    assert s["prompt"] == "6" and s["decode"] == "13" and s["stopped"] == "context full"
 
 
 def test_n_minus_one_stops_at_end_of_generation(monkeypatch):
@@ -242,4 +242,4 @@ def test_default_context_is_capped_by_memory(monkeypatch):
     assert p.returncode == 0, p.stderr
     assert "context 40 tokens: the file's 4096 would need more than half of the memory" in p.stderr.splitlines()[0]
     s = stats(p.stderr)
-    assert s["prompt"] == "6" and s["decode"] == "33" and s["stopped"] == "context full (-c)"
+    assert s["prompt"] == "6" and s["decode"] == "33" and s["stopped"] == "context full"

@@ -29,9 +29,12 @@ from .engine import Engine, Generation
 from .errors import ConfigError
 from .tokenizer import GGUFTokenizer, TokenizerError, TokenType
 
-#: Stand-in content of message i in the markup-only rendering (plain ASCII letters and digits: no template
-#: trims, splits or escapes it, and it cannot meet real text, which is never searched for it).
-_PLACEHOLDER = "MOESTREAMCONTENT{}X"
+#: Stand-in contents of message i in the markup-only renderings: plain ASCII letters and digits (no template trims,
+#: splits or escapes them; real text is never searched for them), in two spellings that share no character but
+#: the index digits, so that a template which rewrites some characters of the content (``replace('X', ...)``)
+#: shows it by giving two different markups.
+_PLACEHOLDERS = ("MOESTREAMCONTENT{}X", "qwzkjvqwzkj{}y")
+_PLACEHOLDER = _PLACEHOLDERS[0]
 #: Content given to previous replies when the next turn is rendered: the reply is in the cache already, only
 #: the markup after it is wanted.
 _REPLY_PLACEHOLDER = "MOESTREAMREPLYX"
@@ -81,20 +84,31 @@ def render_segments(tok: GGUFTokenizer, messages: list[dict], add_generation_pro
     located (see the module docstring). TokenizerError as ``apply_chat_template``."""
     rendered = tok.apply_chat_template(messages, add_generation_prompt, **template_vars)
     idx = _contents(messages)
+    markups = []
+    for placeholder in _PLACEHOLDERS:
+        skeleton = _skeleton(tok, messages, placeholder, add_generation_prompt, **template_vars)
+        markup, p = [], 0
+        for n in range(len(idx)):
+            ph = placeholder.format(n)
+            at = skeleton.find(ph, p)
+            if at < 0 or skeleton.count(ph) != 1:  # a template that drops or repeats a message's content
+                return rendered, None
+            markup.append(skeleton[p:at])
+            p = at + len(ph)
+        markup.append(skeleton[p:])
+        markups.append(markup)
+    if markups[0] != markups[1]:  # the markup depends on the content's characters: not plain markup
+        return rendered, None
+    return rendered, _align(rendered, markups[0], [messages[i]["content"] for i in idx], idx)
+
+
+def _skeleton(tok: GGUFTokenizer, messages: list[dict], placeholder: str, add_generation_prompt: bool,
+              **template_vars: object) -> str:
+    """The rendering with every message's content replaced by ``placeholder`` (formatted with its index)."""
     marked = [dict(m) for m in messages]
-    for n, i in enumerate(idx):
-        marked[i]["content"] = _PLACEHOLDER.format(n)
-    skeleton = tok.apply_chat_template(marked, add_generation_prompt, **template_vars)
-    markup, p = [], 0
-    for n in range(len(idx)):
-        ph = _PLACEHOLDER.format(n)
-        at = skeleton.find(ph, p)
-        if at < 0 or skeleton.count(ph) != 1:  # a template that drops or repeats a message's content
-            return rendered, None
-        markup.append(skeleton[p:at])
-        p = at + len(ph)
-    markup.append(skeleton[p:])
-    return rendered, _align(rendered, markup, [messages[i]["content"] for i in idx], idx)
+    for n, i in enumerate(_contents(messages)):
+        marked[i]["content"] = placeholder.format(n)
+    return tok.apply_chat_template(marked, add_generation_prompt, **template_vars)
 
 
 def _control_ids(tok: GGUFTokenizer, ids: list[int]) -> list[int]:
@@ -128,13 +142,11 @@ def encode_chat(tok: GGUFTokenizer, messages: list[dict], add_generation_prompt:
 def _checked_whole(tok: GGUFTokenizer, messages: list[dict], rendered: str, add_generation_prompt: bool,
                    **template_vars: object) -> list[int]:
     """The fallback: the whole rendering with special tokens parsed, accepted only when its control tokens are
-    the markup's (the rendering with every content replaced by a placeholder)."""
-    marked = [dict(m) for m in messages]
-    for n, i in enumerate(_contents(messages)):
-        marked[i]["content"] = _PLACEHOLDER.format(n)
-    skeleton = tok.apply_chat_template(marked, add_generation_prompt, **template_vars)
+    the markup's (the renderings with every content replaced by each placeholder)."""
     ids = tok.encode(rendered, add_special=True)
-    if _control_ids(tok, ids) != _control_ids(tok, tok.encode(skeleton, add_special=True)):
+    wanted = [_control_ids(tok, tok.encode(_skeleton(tok, messages, ph, add_generation_prompt, **template_vars),
+                                           add_special=True)) for ph in _PLACEHOLDERS]
+    if any(_control_ids(tok, ids) != w for w in wanted):
         raise TokenizerError(f"{tok.path}: the chat template changes the message text in a way that cannot be told "
                              f"apart from its markup, and the result holds control tokens the markup does not "
                              f"make; refusing (message text must not become control tokens)")

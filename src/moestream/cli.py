@@ -306,7 +306,7 @@ def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int) -> 
             print(f"moestream: context {n_ctx} tokens: the file's {capped_from} would need more than half of the "
                   f"memory available for its KV cache (-c sets the context)", file=sys.stderr, flush=True)
     else:
-        n_ctx, option = n_prompt + n_predict, f"-n {n_predict}"
+        n_ctx, option = n_prompt + n_predict, f"the {n_prompt}-token prompt + -n {n_predict}"
     warning = check_trained_context(model, n_ctx, option, args.override_ctx)
     # before anything is printed: an absurd -n or -c is refused here, not by torch's allocator
     check_cache_fits(model, n_ctx, option)
@@ -378,11 +378,17 @@ def _read_turn(tty: bool) -> str:
     if tty:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401 - line editing and history for input()
-        return input("> ")
-    line = sys.stdin.readline()
-    if not line:
-        raise EOFError
-    return line.removesuffix("\n").removesuffix("\r")
+        line = input("> ")
+    else:
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        line = line.removesuffix("\n").removesuffix("\r")
+    try:  # stdin decodes with surrogateescape under a C/UTF-8 locale: bad bytes arrive as lone surrogates
+        line.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnicodeDecodeError("utf-8", b"", 0, 1, f"bad byte at character {e.start}") from None
+    return line
 
 
 def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | None, n_predict: int,  # noqa: ANN001
@@ -396,6 +402,9 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
 
     if tok.chat_template is None:
         raise TokenizerError(f"{tok.path}: the GGUF has no tokenizer.chat_template, which -cnv needs")
+    # a template that cannot render a plain first turn fails here, at start, not on every turn
+    tok.apply_chat_template([*([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []),
+                             {"role": "user", "content": "hi"}], add_generation_prompt=True)
     n_ctx = _context(args, model, 0, n_predict)
     session = ChatSession(engine, tok, n_ctx, system=args.system_prompt)
     print(_describe(model), file=sys.stderr, flush=True)

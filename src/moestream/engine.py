@@ -20,6 +20,56 @@ GiB = 2**30
 MAX_TOKENS = 2**31
 
 
+def _cgroup_available() -> int | None:
+    """Bytes this process's memory cgroups still allow (limit - usage + reclaimable file pages), the tightest
+    over the cgroup and its ancestors, for cgroup v2 (``memory.max``) and v1 (``memory.limit_in_bytes``); None
+    when no limit applies or none can be read."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return None
+    best: int | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        ctrl, path = parts[1], parts[2].strip("/")
+        if ctrl == "":  # v2: the unified hierarchy, at /sys/fs/cgroup or (hybrid set-ups) /sys/fs/cgroup/unified
+            root = "/sys/fs/cgroup" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "/sys/fs/cgroup/unified"
+            names = ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in ctrl.split(","):
+            root, names = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                    "total_inactive_file")
+        else:
+            continue
+        segs = path.split("/") if path else []
+        for k in range(len(segs), -1, -1):
+            d = os.path.join(root, *segs[:k])
+            try:
+                limit_text = open(os.path.join(d, names[0])).read().strip()
+                if limit_text == "max" or int(limit_text) >= 2**60:
+                    continue
+                usage = int(open(os.path.join(d, names[1])).read())
+                inactive = 0
+                for stat in open(os.path.join(d, "memory.stat")).read().splitlines():
+                    key, _, value = stat.partition(" ")
+                    if key == names[2]:
+                        inactive = int(value)
+            except (OSError, ValueError):
+                continue
+            left = max(int(limit_text) - usage + inactive, 0)
+            best = left if best is None else min(best, left)
+    return best
+
+
+def available_memory() -> int:
+    """Bytes of memory available now: the system's (``MemAvailable``) or, when tighter, what the process's
+    memory cgroup still allows (a container's or ``--mem-cap``'s limit)."""
+    avail = psutil.virtual_memory().available
+    cg = _cgroup_available()
+    return avail if cg is None else min(avail, cg)
+
+
 def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c", hint: str = "-n or -c") -> None:
     """ConfigError (naming ``option``) unless ``model.new_cache(n_ctx)`` fits in the memory available now.
 
@@ -29,7 +79,7 @@ def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c", hint: str 
     if n_ctx > MAX_TOKENS:
         raise ConfigError(f"{option}: a context of {n_ctx} tokens is more than moestream supports (2^31)")
     need = model.cache_bytes(n_ctx)
-    avail = psutil.virtual_memory().available
+    avail = available_memory()
     if need > avail:
         raise ConfigError(f"{option}: a context of {n_ctx} tokens needs {need / GiB:.1f} GiB of KV cache for "
                           f"{os.path.basename(model.gguf.path)}, but {avail / GiB:.1f} GiB of memory is available; "
@@ -69,7 +119,7 @@ def default_context(model: MoEModel, share: float = DEFAULT_CTX_MEMORY_SHARE) ->
     Returns ``(n_ctx, capped_from)``: ``capped_from`` is the trained context when the cap applied, else None.
     ConfigError when not even a context of 16 tokens fits."""
     train = trained_context(model)
-    budget = share * psutil.virtual_memory().available
+    budget = share * available_memory()
     if model.cache_bytes(train) <= budget:
         return train, None
     lo, hi = 0, train  # largest n with cache_bytes(n) <= budget (cache_bytes grows with n)
@@ -174,7 +224,7 @@ class GenStats:
                 f"{self.decode_tps:.2f} tok/s | expert hit rate {100 * self.hit_rate:.1f}% | "
                 f"streamed {self.streamed_bytes / GiB:.3f} GiB, disk read {self.disk_bytes / GiB:.3f} GiB | "
                 f"peak RSS {self.peak_rss / GiB:.2f} GiB"
-                + {"context full": " | stopped: context full (-c)",
+                + {"context full": " | stopped: context full",
                    "interrupted": " | stopped: interrupted"}.get(self.stop_reason, ""))
 
 

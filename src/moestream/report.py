@@ -16,6 +16,27 @@ GiB = 2**30
 MiB = 2**20
 
 
+
+def _expert_lines(layout) -> list[str]:  # noqa: ANN001 - ExpertLayout
+    """The "expert matrices" and "bytes/expert" lines: one pair when every MoE layer stores its experts alike,
+    else one pair per group of consecutive layers that do (mixed-type files quantize layers differently)."""
+    groups: list[tuple[list[int], str, int]] = []
+    for layer in layout.moe_layers:
+        desc = ", ".join(f"{m.matrix} {m.type_name} [{m.rows}x{m.cols}] {m.bytes_per_expert} B"
+                         for m in layout[layer].values())
+        if groups and groups[-1][1] == desc:
+            groups[-1][0].append(layer)
+        else:
+            groups.append(([layer], desc, layout.bytes_per_expert(layer)))
+    if len(groups) == 1:
+        _, desc, per = groups[0]
+        return [f"expert matrices {desc}", f"bytes/expert    {per} ({_fmt(per)}) per layer, all matrices"]
+    out = []
+    for layers, desc, per in groups:
+        name = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+        out += [f"expert matrices {name}: {desc}", f"bytes/expert    {name}: {per} ({_fmt(per)}), all matrices"]
+    return out
+
 def _fmt(n: float) -> str:
     return f"{n / GiB:.3f} GiB" if n >= GiB / 4 else f"{n / MiB:.2f} MiB"
 
@@ -43,8 +64,6 @@ def inspect_model(path: str, slots: int | None = None) -> str:
     dense_f32 = sum(t.n_bytes if t.ggml_type == GGMLQuantizationType.F32 else 4 * math.prod(t.shape)
                     for t in dense)
     expert_bytes = layout.total_bytes
-    first = layout.moe_layers[0]
-    per_expert = layout.bytes_per_expert(first)
     pools = layout.pool_bytes(n_slots)
     per_token = sum(layout.bytes_per_expert(layer) * top_k for layer in layout.moe_layers)
     types = Counter(t.type_name for t in g.tensors.values())
@@ -55,9 +74,7 @@ def inspect_model(path: str, slots: int | None = None) -> str:
         f"layers          {g.arch_get('block_count', '?')} ({len(layout.moe_layers)} with routed experts)",
         f"experts         {n_exp} per layer, {top_k} used per token (top-k)",
         "tensor types    " + ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
-        "expert matrices " + ", ".join(f"{m.matrix} {m.type_name} [{m.rows}x{m.cols}] {m.bytes_per_expert} B"
-                                       for m in layout[first].values()),
-        f"bytes/expert    {per_expert} ({_fmt(per_expert)}) per layer, all matrices",
+        *_expert_lines(layout),
         f"file size       {_fmt(g.file_bytes)}",
         f"dense weights   {_fmt(dense_bytes)} (resident; {_fmt(dense_f32)} with --expand-dense)",
         f"routed experts  {_fmt(expert_bytes)} ({100 * expert_bytes / max(g.file_bytes, 1):.1f}% of the file)",

@@ -84,7 +84,7 @@ class MoEModel:
         self.n_experts = int(gguf.arch_get("expert_count", required=True))
         self.top_k = int(gguf.arch_get("expert_used_count", required=True))
         self.layout.check_counts(gguf.path, self.n_experts, self.top_k)
-        self.n_ctx_train = int(gguf.arch_get("context_length", 4096))
+        self.n_ctx_train = self.meta_int("context_length", 4096)
         self.dense_bytes = 0
         if opts.metadata_only:
             self.check_expert_types()
