@@ -13,21 +13,23 @@ Supported ``tokenizer.ggml.model`` values: ``gpt2`` (byte-level BPE: Qwen, DeepS
 
 Where this differs from transformers' GGUF tokenizer, on purpose:
 
-* In a byte-level vocabulary, control / user-defined tokens spelled with characters outside the
-  byte alphabet (DeepSeek's ``<｜User｜>``, ``<｜end▁of▁sentence｜>``, ...) are kept as whole tokens with
-  their own ids, as llama.cpp keeps them. transformers skips them, so text naming them (as every chat
-  prompt of such a model does) is cut into pieces, and its ``bos_token`` gets a new id past the
-  vocabulary.
-* Added tokens that transformers' builder class invents (GPT-2's ``<|endoftext|>`` default) and that
-  the file does not have are dropped: ids are exactly ``0 .. len(tokenizer.ggml.tokens) - 1``.
+* Every id of ``tokenizer.ggml.tokens`` is an id, as llama.cpp reads the file: a byte-level vocabulary is
+  rebuilt from the token list as written (transformers respells control / user-defined tokens outside the
+  byte alphabet, DeepSeek's ``<｜User｜>``, and collapses ids whose respelled text collides with a NORMAL
+  entry, which a tokenizer saved from transformers' own GGUF loading has); ``[PADn]`` fill of any length
+  stays; tokens transformers' builder invents (GPT-2's ``<|endoftext|>``) are dropped.
+* Token types follow llama.cpp's load-time rules by name (:func:`_llama_types`): end-of-generation and
+  fill-in-the-middle names become CONTROL, and the same ids end generation as in llama.cpp.
+* Pieces and whole-text decoding are llama.cpp's (``token_to_piece``, ``llama_detokenize`` with its space
+  clean-up where the pre-tokenizer uses it).
 * A ``llama`` (SentencePiece) file with ``tokenizer.ggml.add_space_prefix = false`` gets no dummy
   prefix space (transformers' LlamaTokenizer always adds one; Gemma's builder never does).
 * ``tokenizer.ggml.add_bos_token`` is followed as written (transformers forces it off for ``gemma4``),
   and ``add_special=True`` adds no second BOS when the text already starts with the BOS token (a chat
   template that writes ``{{ bos_token }}`` itself); llama.cpp adds it twice and warns.
 
-Measured on a 2-core machine: ``from_fields`` takes about 1 s for DeepSeek-R1-Distill-Qwen's 152,064
-tokens and 151,387 merges (transformers' conversion 0.6 s, re-adding the special tokens 0.4 s) and about
+Measured on a 2-core machine: ``from_fields`` takes about 1-3 s for a 152k-token byte-level vocabulary with
+151,387 merges (transformers' conversion, then the rebuild from the file's tokens; 2.7 s measured under load) and about
 2.7 s for Gemma 3's 262,144 tokens (transformers rebuilds the merges from the vocabulary); ``from_gguf``
 adds about 0.6 s of header reading, and the first call in a process about 2.5 s of importing transformers.
 Nothing is cached on disk.
