@@ -102,7 +102,7 @@ def test_prompt_from_file_and_stdin(tmp_path):
     assert a.stdout.startswith(text) and a.stdout == b.stdout == c.stdout
 
 
-@pytest.mark.parametrize("case", ["missing", "dir", "not-utf8", "empty", "and-p", "cnv-stdin"])
+@pytest.mark.parametrize("case", ["missing", "dir", "not-utf8", "empty", "and-p", "cnv-stdin", "endless"])
 def test_prompt_file_errors(tmp_path, case):
     f = tmp_path / "p.txt"
     extra: tuple[str, ...] = ()
@@ -117,12 +117,15 @@ def test_prompt_file_errors(tmp_path, case):
         extra = ("-p", "y")
     elif case == "cnv-stdin":
         f, extra = Path("-"), ("-cnv",)
+    elif case == "endless":  # a device that never ends: read up to the bound, then refused
+        f = Path("/dev/zero")
     p = cli("run", "-f", str(f), *extra)
     assert p.returncode == 1 and p.stdout == ""
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("moestream: error: "), p.stderr
     want = {"missing": "no such file", "dir": "is a directory", "not-utf8": "not valid UTF-8 (bad byte at offset 3)",
-            "empty": "the prompt is empty", "and-p": "-p and -f", "cnv-stdin": "-f -: stdin"}[case]
+            "empty": "the prompt is empty", "and-p": "-p and -f", "cnv-stdin": "-f -: stdin",
+            "endless": "-f /dev/zero: more than 256 MiB"}[case]
     assert want in lines[0], lines[0]
 
 

@@ -19,6 +19,9 @@ DEFAULT_PROMPT = "The history of the printing press"
 #: Upper bounds of thread options: more IO threads than this only adds contention; more compute threads than
 #: 4 per CPU only oversubscribes the cores.
 MAX_IO_THREADS = 256
+#: Largest -f prompt read: 256 MiB of text is millions of tokens past any trained context; it also bounds what
+#: a device such as /dev/zero makes us read.
+MAX_PROMPT_FILE_BYTES = 256 << 20
 THREADS_HELP = ("compute threads (default: the free CPUs when the command starts -- the CPUs this process may use, "
                 "at most the physical cores, less those other jobs keep busy by the run queue and the 1-minute load "
                 "average -- at least 1; at most 4 x the CPUs)")
@@ -213,10 +216,10 @@ def read_prompt_file(path: str) -> str:
     name = "stdin" if path == "-" else path
     try:
         if path == "-":
-            data = sys.stdin.buffer.read()
+            data = sys.stdin.buffer.read(MAX_PROMPT_FILE_BYTES + 1)
         else:
-            with open(path, "rb") as f:
-                data = f.read()
+            with open(path, "rb") as f:  # a FIFO (-f <(cmd)) is fine; /dev/zero is cut off below
+                data = f.read(MAX_PROMPT_FILE_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"-f {path}: no such file") from None
     except IsADirectoryError:
@@ -225,6 +228,9 @@ def read_prompt_file(path: str) -> str:
         raise ConfigError(f"-f {path}: permission denied") from None
     except OSError as e:
         raise ConfigError(f"-f {path}: cannot read it ({e.strerror or e})") from None
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        raise ConfigError(f"-f {name}: more than {MAX_PROMPT_FILE_BYTES >> 20} MiB, far past any context; not read "
+                          f"further")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
