@@ -1,0 +1,923 @@
+/* moestream's CPU kernels: y = x . W^T computed on ggml blocks as they are stored, and the routed-expert FFN
+ * of one MoE layer in one call.
+ *
+ * Arithmetic (the scheme of ggml's CPU backend, written here from the block formats of ggml-common.h):
+ *   - each activation row is quantized once per matmul to 8-bit blocks: "Q8_0" blocks of 32 (fp16-rounded
+ *     scale d = amax / 127, q = round(x / d)) for weights in blocks of 32, "Q8_K" super-blocks of 256
+ *     (float scale, q in [-127, 127], 16 sums of 16 q) for weights in super-blocks of 256;
+ *   - a weight block is unpacked to int8 codes and small integer scales (family A: 32 codes, one float scale d
+ *     and an optional float offset m; family B: 256 codes, 16 integer scales, one per 16 codes, a float d and
+ *     optionally a float dmin with 16 integer mins); float weights (F32, F16, BF16) are widened to float32
+ *     (family C) and meet float32 activations;
+ *   - integer dot products per block (AVX2 maddubs/madd, or AVX512-VNNI dpbusd, or portable C), then
+ *     float scales.
+ *
+ * Determinism: every output element is computed by one thread with a sequence of operations that depends
+ * only on the weight row, the activation row and the build (ISA), never on the thread count, on which other
+ * tokens or rows share the call, or on how the work is split. So streaming on/off and -t 1 / -t 8 give the
+ * same bits.
+ *
+ * The same source is compiled once per ISA (MS_ISA_AVX512, MS_ISA_AVX2, or neither = portable); Python picks
+ * the build the CPU runs (moestream/kernels.py). Family B's float arithmetic is scalar per super-block and
+ * its integer sums exact, so its results are identical across builds; family A and C accumulate in vector
+ * lanes on x86 builds.
+ *
+ * The API is plain C (ctypes): no Python headers.
+ */
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(MS_ISA_AVX2) || defined(MS_ISA_AVX512)
+#include <immintrin.h>
+#define MS_X86_SIMD 1
+#endif
+
+#define QK 32
+#define QKK 256
+#define MAX_THREADS 256
+#define TOK_TILE 64 /* tokens whose accumulators one pass over a weight row updates */
+
+enum { FAM_A = 1, FAM_B = 2, FAM_C = 3 }; /* 32-blocks x Q8_0, 256-blocks x Q8_K, float x float */
+
+/* ggml type numbers (ggml.h enum ggml_type) */
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+    T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ2_S = 22,
+    T_IQ4_XS = 23, T_BF16 = 30, T_IQ1_M = 29, T_TQ1_0 = 34, T_TQ2_0 = 35, T_MXFP4 = 39,
+};
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* half / bfloat16                                                                                         */
+
+static inline float fp32_from_bits(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
+static inline uint32_t fp32_to_bits(float f) { uint32_t w; memcpy(&w, &f, 4); return w; }
+
+/* IEEE binary16 -> binary32, exact (subnormals included). */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    if (exp == 0) {
+        if (man == 0) return fp32_from_bits(sign);
+        /* subnormal: man * 2^-24 (exact in float) */
+        float v = (float)man * 5.9604644775390625e-08f;
+        return sign ? -v : v;
+    }
+    if (exp == 31) return fp32_from_bits(sign | 0x7F800000u | (man << 13));
+    return fp32_from_bits(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+/* binary32 -> binary16, round to nearest even (what F16C's vcvtps2ph and ggml's fallback do). */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x = fp32_to_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000;
+    uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax >= 0x7F800000u) return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000u ? 0x200 : 0));
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00); /* rounds to >= 65520: inf */
+    if (ax < 0x38800000u) { /* below the smallest normal half: subnormal or zero */
+        /* value * 2^24 rounded to an integer, ties to even */
+        float v = fp32_from_bits(ax) * 16777216.0f;
+        uint32_t m = (uint32_t)v;
+        float frac = v - (float)m;
+        if (frac > 0.5f || (frac == 0.5f && (m & 1))) m++;
+        return (uint16_t)(sign | m);
+    }
+    uint32_t e = (ax >> 23) - 112, man = ax & 0x7FFFFFu;
+    uint32_t h = (e << 10) | (man >> 13);
+    uint32_t rest = man & 0x1FFF;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+}
+
+static inline float bf16_to_f32(uint16_t b) { return fp32_from_bits((uint32_t)b << 16); }
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline float rdh(const uint8_t *p) { return f16_to_f32(rd16(p)); }
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* activation blocks (internal formats, never in a file)                                                   */
+
+typedef struct { float d; float s; int8_t q[QK]; } act_q8_0;                /* x ~ d * q; s = d * sum(q) */
+typedef struct { float d; int16_t bsum[16]; int8_t q[QKK]; } act_q8_k;     /* x ~ d * q; bsum: 16 codes each */
+
+/* round half to even, as _mm256_round_ps(_MM_FROUND_TO_NEAREST_INT) (ggml's AVX quantizer) */
+static inline int round_even(float v) { return (int)nearbyintf(v); }
+
+static void quantize_q8_0(const float *x, act_q8_0 *y, int n) {
+    for (int b = 0; b < n / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) { float a = fabsf(xb[i]); amax = a > amax ? a : amax; }
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) { int q = round_even(xb[i] * id); y[b].q[i] = (int8_t)q; sum += q; }
+        y[b].d = f16_to_f32(f32_to_f16(d)); /* ggml keeps the activation scale as fp16 */
+        y[b].s = y[b].d * (float)sum;
+    }
+}
+
+static void quantize_q8_k(const float *x, act_q8_k *y, int n) {
+    for (int b = 0; b < n / QKK; b++) {
+        const float *xb = x + b * QKK;
+        float amax = 0.0f, mx = 0.0f;
+        for (int i = 0; i < QKK; i++) { float a = fabsf(xb[i]); if (a > amax) { amax = a; mx = xb[i]; } }
+        if (amax == 0.0f) {
+            y[b].d = 0.0f;
+            memset(y[b].q, 0, QKK);
+            memset(y[b].bsum, 0, sizeof y[b].bsum);
+            continue;
+        }
+        const float iscale = -127.0f / mx;
+        for (int i = 0; i < QKK; i++) {
+            int q = round_even(iscale * xb[i]);
+            y[b].q[i] = (int8_t)(q > 127 ? 127 : (q < -127 ? -127 : q));
+        }
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += y[b].q[g * 16 + i];
+            y[b].bsum[g] = (int16_t)s;
+        }
+        y[b].d = 1.0f / iscale;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* weight blocks -> unpacked form                                                                          */
+
+typedef struct { int8_t q[QK]; float d; float m; } ublk_a;  /* w_i = d * q_i + m */
+typedef struct {
+    int8_t q[QKK];
+    int16_t sc[16];  /* one integer scale per 16 codes */
+    int16_t mn[16];  /* integer mins per 16 codes (when dmin != 0 or has_min) */
+    float d, dmin;   /* w_i = d * sc[i/16] * q_i - dmin * mn[i/16] */
+    int has_min;
+} ublk_b;
+
+static const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* code-book tables of the 1-3 bit i-quants, handed in from Python (the gguf package's grids) */
+static const uint8_t *G_IQ2XXS, *G_IQ2XS, *G_IQ2S, *G_IQ3XXS, *G_IQ3S, *G_IQ1S, *G_KSIGNS;
+
+static inline void nibbles32(const uint8_t *qs, int8_t *out, int bias) {
+    for (int j = 0; j < 16; j++) {
+        out[j] = (int8_t)((qs[j] & 0x0F) - bias);
+        out[j + 16] = (int8_t)((qs[j] >> 4) - bias);
+    }
+}
+
+/* family A unpackers: one 32-element block */
+static void unpack_q4_0(const uint8_t *b, ublk_a *u) { u->d = rdh(b); u->m = 0.0f; nibbles32(b + 2, u->q, 8); }
+static void unpack_q4_1(const uint8_t *b, ublk_a *u) { u->d = rdh(b); u->m = rdh(b + 2); nibbles32(b + 4, u->q, 0); }
+static void unpack_q5_0(const uint8_t *b, ublk_a *u) {
+    u->d = rdh(b); u->m = 0.0f;
+    const uint32_t qh = rd32(b + 2);
+    const uint8_t *qs = b + 6;
+    for (int j = 0; j < 16; j++) {
+        u->q[j] = (int8_t)(((qs[j] & 0x0F) | (((qh >> j) & 1) << 4)) - 16);
+        u->q[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+}
+static void unpack_q5_1(const uint8_t *b, ublk_a *u) {
+    u->d = rdh(b); u->m = rdh(b + 2);
+    const uint32_t qh = rd32(b + 4);
+    const uint8_t *qs = b + 8;
+    for (int j = 0; j < 16; j++) {
+        u->q[j] = (int8_t)((qs[j] & 0x0F) | (((qh >> j) & 1) << 4));
+        u->q[j + 16] = (int8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+    }
+}
+static void unpack_q8_0(const uint8_t *b, ublk_a *u) { u->d = rdh(b); u->m = 0.0f; memcpy(u->q, b + 2, QK); }
+static void unpack_iq4_nl(const uint8_t *b, ublk_a *u) {
+    u->d = rdh(b); u->m = 0.0f;
+    for (int j = 0; j < 16; j++) { u->q[j] = KVALUES_IQ4NL[b[2 + j] & 0x0F]; u->q[j + 16] = KVALUES_IQ4NL[b[2 + j] >> 4]; }
+}
+static void unpack_mxfp4(const uint8_t *b, ublk_a *u) {
+    /* e8m0 scale halved (the code book is doubled): float bits (e - 1) << 23, subnormal below e = 2 */
+    const uint32_t e = b[0];
+    u->d = fp32_from_bits(e < 2 ? (e + 1) * 0x00200000u : (e - 1) << 23);
+    u->m = 0.0f;
+    for (int j = 0; j < 16; j++) { u->q[j] = KVALUES_MXFP4[b[1 + j] & 0x0F]; u->q[j + 16] = KVALUES_MXFP4[b[1 + j] >> 4]; }
+}
+
+/* family B unpackers: one 256-element super-block */
+static void unpack_q2_k(const uint8_t *b, ublk_b *u) {
+    const uint8_t *scales = b, *qs = b + 16;
+    u->d = rdh(b + 80); u->dmin = rdh(b + 82); u->has_min = 1;
+    for (int g = 0; g < 16; g++) { u->sc[g] = scales[g] & 0x0F; u->mn[g] = scales[g] >> 4; }
+    for (int n = 0; n < 2; n++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) u->q[n * 128 + j * 32 + l] = (int8_t)((qs[n * 32 + l] >> (2 * j)) & 3);
+}
+static void unpack_q3_k(const uint8_t *b, ublk_b *u) {
+    const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+    u->d = rdh(b + 108); u->dmin = 0.0f; u->has_min = 0;
+    for (int i = 0; i < 16; i++) {
+        int lo = i < 8 ? (s[i] & 0x0F) : (s[i - 8] >> 4);
+        int hi = (s[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        u->sc[i] = (int16_t)((lo | (hi << 4)) - 32);
+    }
+    for (int n = 0; n < 2; n++)
+        for (int j = 0; j < 4; j++) {
+            const uint8_t m = (uint8_t)(1u << (n * 4 + j));
+            for (int l = 0; l < 32; l++)
+                u->q[n * 128 + j * 32 + l] = (int8_t)(((qs[n * 32 + l] >> (2 * j)) & 3) - ((hm[l] & m) ? 0 : 4));
+        }
+}
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
+    else { *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+static void unpack_q4_k(const uint8_t *b, ublk_b *u) {
+    u->d = rdh(b); u->dmin = rdh(b + 2); u->has_min = 1;
+    const uint8_t *scales = b + 4, *qs = b + 16;
+    for (int j = 0; j < 8; j++) {
+        int sc, m; scale_min_k4(j, scales, &sc, &m);
+        u->sc[2 * j] = u->sc[2 * j + 1] = (int16_t)sc;
+        u->mn[2 * j] = u->mn[2 * j + 1] = (int16_t)m;
+    }
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++) {
+            u->q[64 * j + l] = (int8_t)(qs[32 * j + l] & 0x0F);
+            u->q[64 * j + 32 + l] = (int8_t)(qs[32 * j + l] >> 4);
+        }
+}
+static void unpack_q5_k(const uint8_t *b, ublk_b *u) {
+    u->d = rdh(b); u->dmin = rdh(b + 2); u->has_min = 1;
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + 48;
+    for (int j = 0; j < 8; j++) {
+        int sc, m; scale_min_k4(j, scales, &sc, &m);
+        u->sc[2 * j] = u->sc[2 * j + 1] = (int16_t)sc;
+        u->mn[2 * j] = u->mn[2 * j + 1] = (int16_t)m;
+    }
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++) {
+            u->q[64 * j + l] = (int8_t)((qs[32 * j + l] & 0x0F) | (((qh[l] >> (2 * j)) & 1) << 4));
+            u->q[64 * j + 32 + l] = (int8_t)((qs[32 * j + l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
+        }
+}
+static void unpack_q6_k(const uint8_t *b, ublk_b *u) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    u->d = rdh(b + 208); u->dmin = 0.0f; u->has_min = 0;
+    for (int g = 0; g < 16; g++) u->sc[g] = sc[g];
+    for (int n = 0; n < 2; n++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t *L = ql + 64 * n, *H = qh + 32 * n;
+            int8_t *q = u->q + 128 * n;
+            q[l] = (int8_t)(((L[l] & 0x0F) | (((H[l] >> 0) & 3) << 4)) - 32);
+            q[l + 32] = (int8_t)(((L[l + 32] & 0x0F) | (((H[l] >> 2) & 3) << 4)) - 32);
+            q[l + 64] = (int8_t)(((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32);
+            q[l + 96] = (int8_t)(((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32);
+        }
+}
+static void unpack_iq4_xs(const uint8_t *b, ublk_b *u) {
+    u->d = rdh(b); u->dmin = 0.0f; u->has_min = 0;
+    const uint16_t sh = rd16(b + 2);
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    for (int ib = 0; ib < 8; ib++) {
+        int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4);
+        u->sc[2 * ib] = u->sc[2 * ib + 1] = (int16_t)(ls - 32);
+        for (int j = 0; j < 16; j++) {
+            u->q[32 * ib + j] = KVALUES_IQ4NL[qs[16 * ib + j] & 0x0F];
+            u->q[32 * ib + 16 + j] = KVALUES_IQ4NL[qs[16 * ib + j] >> 4];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* dot products on unpacked blocks                                                                         */
+
+#ifdef MS_X86_SIMD
+static inline float hsum_ps(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+static inline int hsum_epi32(__m256i v) {
+    __m128i lo = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0x4E));
+    lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0xB1));
+    return _mm_cvtsi128_si32(lo);
+}
+/* 8 int32 lanes, each the sum of 4 products w*x of 32 int8 pairs */
+static inline __m256i dot32_epi32(__m256i w, __m256i x) {
+#if defined(MS_ISA_AVX512)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+#else
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
+}
+/* 16 int16 lanes: pair sums of w*x (|w| <= 128, |x| <= 127: no saturation) */
+static inline __m256i dot32_epi16(__m256i w, __m256i x) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+#endif
+
+/* Family A accumulator: per (row, token) 8 float lanes (x86) or one float (portable). */
+typedef struct {
+#ifdef MS_X86_SIMD
+    __m256 v;
+#else
+    float v;
+#endif
+    float m; /* sum of m_w * s_x (offset terms) */
+} acc_a;
+
+static inline void acc_a_zero(acc_a *a) {
+#ifdef MS_X86_SIMD
+    a->v = _mm256_setzero_ps();
+#else
+    a->v = 0.0f;
+#endif
+    a->m = 0.0f;
+}
+static inline float acc_a_total(const acc_a *a) {
+#ifdef MS_X86_SIMD
+    return hsum_ps(a->v) + a->m;
+#else
+    return a->v + a->m;
+#endif
+}
+static inline void dot_a(const ublk_a *w, const act_q8_0 *x, acc_a *a) {
+#ifdef MS_X86_SIMD
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)w->q);
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)x->q);
+    const __m256 p = _mm256_cvtepi32_ps(dot32_epi32(wv, xv));
+    a->v = _mm256_fmadd_ps(_mm256_set1_ps(w->d * x->d), p, a->v);
+#else
+    int isum = 0;
+    for (int i = 0; i < QK; i++) isum += (int)w->q[i] * (int)x->q[i];
+    a->v += (w->d * x->d) * (float)isum;
+#endif
+    a->m += w->m * x->s;
+}
+
+/* Family B: one super-block, returns the float contribution (scalar arithmetic: identical on every build). */
+static inline float dot_b(const ublk_b *w, const act_q8_k *x) {
+    int isum, msum = 0;
+#ifdef MS_X86_SIMD
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w->q + 32 * c));
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * c));
+        const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(w->sc[2 * c + 1]), _mm_set1_epi16(w->sc[2 * c]));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(dot32_epi16(wv, xv), sc));
+    }
+    isum = hsum_epi32(acc);
+    if (w->has_min) {
+        const __m256i mn = _mm256_loadu_si256((const __m256i *)w->mn);
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)x->bsum);
+        msum = hsum_epi32(_mm256_madd_epi16(mn, bs));
+    }
+#else
+    isum = 0;
+    for (int g = 0; g < 16; g++) {
+        int s = 0;
+        for (int i = 0; i < 16; i++) s += (int)w->q[16 * g + i] * (int)x->q[16 * g + i];
+        isum += s * w->sc[g];
+    }
+    if (w->has_min)
+        for (int g = 0; g < 16; g++) msum += (int)w->mn[g] * (int)x->bsum[g];
+#endif
+    float r = (w->d * x->d) * (float)isum;
+    if (w->has_min) r -= (w->dmin * x->d) * (float)msum;
+    return r;
+}
+
+/* Family C: float weights widened per 32-element block */
+static void widen_block(int t, const uint8_t *b, float *out) {
+    if (t == T_F32) { memcpy(out, b, QK * 4); return; }
+#if defined(MS_X86_SIMD)
+    if (t == T_F16) {
+        for (int i = 0; i < QK; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 2 * i))));
+        return;
+    }
+    for (int i = 0; i < QK; i += 8) {
+        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 2 * i)));
+        _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+#else
+    for (int i = 0; i < QK; i++) out[i] = t == T_F16 ? f16_to_f32(rd16(b + 2 * i)) : bf16_to_f32(rd16(b + 2 * i));
+#endif
+}
+
+typedef struct {
+#ifdef MS_X86_SIMD
+    __m256 v;
+#else
+    float v[8];
+#endif
+} acc_c;
+
+static inline void acc_c_zero(acc_c *a) {
+#ifdef MS_X86_SIMD
+    a->v = _mm256_setzero_ps();
+#else
+    for (int i = 0; i < 8; i++) a->v[i] = 0.0f;
+#endif
+}
+static inline float acc_c_total(const acc_c *a) {
+#ifdef MS_X86_SIMD
+    return hsum_ps(a->v);
+#else
+    return ((a->v[0] + a->v[1]) + (a->v[2] + a->v[3])) + ((a->v[4] + a->v[5]) + (a->v[6] + a->v[7]));
+#endif
+}
+static inline void dot_c(const float *w, const float *x, acc_c *a) {
+#ifdef MS_X86_SIMD
+    __m256 v = a->v;
+    for (int i = 0; i < QK; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), v);
+    a->v = v;
+#else
+    for (int i = 0; i < QK; i += 8)
+        for (int l = 0; l < 8; l++) a->v[l] += w[i + l] * x[i + l];
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* activation rows                                                                                         */
+
+/* bytes of one quantized activation row of n elements for weights of family fam */
+static size_t act_row_bytes(int fam, int n) {
+    if (fam == FAM_A) return (size_t)(n / QK) * sizeof(act_q8_0);
+    if (fam == FAM_B) return (size_t)(n / QKK) * sizeof(act_q8_k);
+    return (size_t)n * sizeof(float);
+}
+static void quantize_row(int fam, const float *x, void *out, int n) {
+    if (fam == FAM_A) quantize_q8_0(x, (act_q8_0 *)out, n);
+    else if (fam == FAM_B) quantize_q8_k(x, (act_q8_k *)out, n);
+    else memcpy(out, x, (size_t)n * sizeof(float));
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* the tile kernels: rows [r0, r1) of W against n_tok activation rows                                     */
+/* out[t * out_stride + r] = scale[t] * (W[r] . x[t])   (scale NULL: 1). One function per type, with the    */
+/* unpacker inlined; for each weight block the unpacked codes meet up to TOK_TILE tokens.                   */
+
+#define MM_HEAD                                                                                               \
+    for (int t0 = 0; t0 < n_tok; t0 += TOK_TILE) {                                                            \
+        const int nt = n_tok - t0 < TOK_TILE ? n_tok - t0 : TOK_TILE;                                         \
+        for (int r = r0; r < r1; r++) {                                                                       \
+            const uint8_t *wr = W + (size_t)r * row_bytes;                                                    \
+            float res[TOK_TILE];
+#define MM_TAIL                                                                                               \
+            for (int k = 0; k < nt; k++)                                                                      \
+                out[(size_t)(t0 + k) * out_stride + r] = scale ? scale[t0 + k] * res[k] : res[k];             \
+        }                                                                                                     \
+    }
+
+#define MM_ARGS const uint8_t *W, size_t row_bytes, int r0, int r1, int n_cols, const uint8_t *const *xq, \
+                int n_tok, float *out, size_t out_stride, const float *scale
+typedef void (*mm_fn)(MM_ARGS);
+
+#define DEFINE_MM_A(NAME, UNPACK, BYTES)                                                                      \
+    static void NAME(MM_ARGS) {                                                                               \
+        const int nb = n_cols / QK;                                                                           \
+        MM_HEAD                                                                                               \
+        acc_a acc[TOK_TILE];                                                                                  \
+        for (int k = 0; k < nt; k++) acc_a_zero(&acc[k]);                                                     \
+        ublk_a u;                                                                                             \
+        for (int b = 0; b < nb; b++) {                                                                        \
+            UNPACK(wr + (size_t)b * (BYTES), &u);                                                             \
+            for (int k = 0; k < nt; k++) dot_a(&u, (const act_q8_0 *)xq[t0 + k] + b, &acc[k]);                \
+        }                                                                                                     \
+        for (int k = 0; k < nt; k++) res[k] = acc_a_total(&acc[k]);                                           \
+        MM_TAIL                                                                                               \
+    }
+
+#define DEFINE_MM_B(NAME, UNPACK, BYTES)                                                                      \
+    static void NAME(MM_ARGS) {                                                                               \
+        const int nb = n_cols / QKK;                                                                          \
+        MM_HEAD                                                                                               \
+        float acc[TOK_TILE];                                                                                  \
+        for (int k = 0; k < nt; k++) acc[k] = 0.0f;                                                           \
+        ublk_b u;                                                                                             \
+        for (int b = 0; b < nb; b++) {                                                                        \
+            UNPACK(wr + (size_t)b * (BYTES), &u);                                                             \
+            for (int k = 0; k < nt; k++) acc[k] += dot_b(&u, (const act_q8_k *)xq[t0 + k] + b);              \
+        }                                                                                                     \
+        for (int k = 0; k < nt; k++) res[k] = acc[k];                                                         \
+        MM_TAIL                                                                                               \
+    }
+
+#define DEFINE_MM_C(NAME, TYPE, BYTES)                                                                        \
+    static void NAME(MM_ARGS) {                                                                               \
+        const int nb = n_cols / QK;                                                                           \
+        MM_HEAD                                                                                               \
+        acc_c acc[TOK_TILE];                                                                                  \
+        for (int k = 0; k < nt; k++) acc_c_zero(&acc[k]);                                                     \
+        float wf[QK] __attribute__((aligned(32)));                                                            \
+        for (int b = 0; b < nb; b++) {                                                                        \
+            widen_block(TYPE, wr + (size_t)b * (BYTES), wf);                                                  \
+            for (int k = 0; k < nt; k++) dot_c(wf, (const float *)xq[t0 + k] + b * QK, &acc[k]);              \
+        }                                                                                                     \
+        for (int k = 0; k < nt; k++) res[k] = acc_c_total(&acc[k]);                                           \
+        MM_TAIL                                                                                               \
+    }
+
+DEFINE_MM_A(mm_q4_0, unpack_q4_0, 18)
+DEFINE_MM_A(mm_q4_1, unpack_q4_1, 20)
+DEFINE_MM_A(mm_q5_0, unpack_q5_0, 22)
+DEFINE_MM_A(mm_q5_1, unpack_q5_1, 24)
+DEFINE_MM_A(mm_q8_0, unpack_q8_0, 34)
+DEFINE_MM_A(mm_iq4_nl, unpack_iq4_nl, 18)
+DEFINE_MM_A(mm_mxfp4, unpack_mxfp4, 17)
+DEFINE_MM_B(mm_q2_k, unpack_q2_k, 84)
+DEFINE_MM_B(mm_q3_k, unpack_q3_k, 110)
+DEFINE_MM_B(mm_q4_k, unpack_q4_k, 144)
+DEFINE_MM_B(mm_q5_k, unpack_q5_k, 176)
+DEFINE_MM_B(mm_q6_k, unpack_q6_k, 210)
+DEFINE_MM_B(mm_iq4_xs, unpack_iq4_xs, 136)
+DEFINE_MM_C(mm_f32, T_F32, 128)
+DEFINE_MM_C(mm_f16, T_F16, 64)
+DEFINE_MM_C(mm_bf16, T_BF16, 64)
+
+#include "iquants.h" /* unpackers and tile kernels of the 1-3 bit i-quants and the ternary types */
+
+typedef struct {
+    int family;
+    int block;       /* elements per block */
+    int block_bytes; /* bytes per block */
+    mm_fn mm;
+} type_info;
+
+static int type_of(int t, type_info *ti) {
+    switch (t) {
+    case T_F32: *ti = (type_info){FAM_C, QK, 128, mm_f32}; return 1;
+    case T_F16: *ti = (type_info){FAM_C, QK, 64, mm_f16}; return 1;
+    case T_BF16: *ti = (type_info){FAM_C, QK, 64, mm_bf16}; return 1;
+    case T_Q4_0: *ti = (type_info){FAM_A, QK, 18, mm_q4_0}; return 1;
+    case T_Q4_1: *ti = (type_info){FAM_A, QK, 20, mm_q4_1}; return 1;
+    case T_Q5_0: *ti = (type_info){FAM_A, QK, 22, mm_q5_0}; return 1;
+    case T_Q5_1: *ti = (type_info){FAM_A, QK, 24, mm_q5_1}; return 1;
+    case T_Q8_0: *ti = (type_info){FAM_A, QK, 34, mm_q8_0}; return 1;
+    case T_IQ4_NL: *ti = (type_info){FAM_A, QK, 18, mm_iq4_nl}; return 1;
+    case T_MXFP4: *ti = (type_info){FAM_A, QK, 17, mm_mxfp4}; return 1;
+    case T_Q2_K: *ti = (type_info){FAM_B, QKK, 84, mm_q2_k}; return 1;
+    case T_Q3_K: *ti = (type_info){FAM_B, QKK, 110, mm_q3_k}; return 1;
+    case T_Q4_K: *ti = (type_info){FAM_B, QKK, 144, mm_q4_k}; return 1;
+    case T_Q5_K: *ti = (type_info){FAM_B, QKK, 176, mm_q5_k}; return 1;
+    case T_Q6_K: *ti = (type_info){FAM_B, QKK, 210, mm_q6_k}; return 1;
+    case T_IQ4_XS: *ti = (type_info){FAM_B, QKK, 136, mm_iq4_xs}; return 1;
+    default: {
+        int fam = 0, block = 0, bytes = 0;
+        mm_fn f = iquant_mm(t, &fam, &block, &bytes);
+        if (!f) return 0;
+        *ti = (type_info){fam, block, bytes, f};
+        return 1;
+    }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* thread pool: workers sleep on a condition variable, spin briefly before sleeping; items are claimed     */
+/* with an atomic counter, so a thread the OS does not schedule delays only the item it holds.            */
+
+typedef void (*task_fn)(void *ctx, int item);
+
+typedef struct job {
+    task_fn fn;
+    void *ctx;
+    int n_items;
+    int n_helpers; /* workers allowed to join */
+    atomic_int next;
+    atomic_int refs; /* workers inside this job */
+    atomic_int joined;
+} job;
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_mutex_t run_mu; /* one job at a time */
+    pthread_t th[MAX_THREADS];
+    int n_workers;
+    job *cur;
+    atomic_ulong gen;
+    int sleepers;
+} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER};
+
+static void job_work(job *j) {
+    for (;;) {
+        int i = atomic_fetch_add(&j->next, 1);
+        if (i >= j->n_items) break;
+        j->fn(j->ctx, i);
+    }
+}
+
+static inline void cpu_relax(void) {
+#ifdef MS_X86_SIMD
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void *worker_main(void *arg) {
+    (void)arg;
+    unsigned long seen = atomic_load(&P.gen);
+    for (;;) {
+        /* spin a little (about 50-100 us) for the next job, then sleep */
+        for (int s = 0; s < 20000 && atomic_load_explicit(&P.gen, memory_order_acquire) == seen; s++) cpu_relax();
+        pthread_mutex_lock(&P.mu);
+        while (atomic_load(&P.gen) == seen) {
+            P.sleepers++;
+            pthread_cond_wait(&P.cv, &P.mu);
+            P.sleepers--;
+        }
+        seen = atomic_load(&P.gen);
+        job *j = P.cur;
+        if (j && atomic_fetch_add(&j->joined, 1) < j->n_helpers) atomic_fetch_add(&j->refs, 1);
+        else j = NULL;
+        pthread_mutex_unlock(&P.mu);
+        if (j) {
+            job_work(j);
+            atomic_fetch_sub_explicit(&j->refs, 1, memory_order_release);
+        }
+    }
+    return NULL;
+}
+
+static void pool_run(int n_threads, task_fn fn, void *ctx, int n_items) {
+    if (n_items <= 0) return;
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    if (n_threads <= 1 || n_items == 1) {
+        for (int i = 0; i < n_items; i++) fn(ctx, i);
+        return;
+    }
+    pthread_mutex_lock(&P.run_mu);
+    pthread_mutex_lock(&P.mu);
+    while (P.n_workers < n_threads - 1) {
+        if (pthread_create(&P.th[P.n_workers], NULL, worker_main, NULL) != 0) break;
+        pthread_detach(P.th[P.n_workers]);
+        P.n_workers++;
+    }
+    job j;
+    j.fn = fn; j.ctx = ctx; j.n_items = n_items;
+    j.n_helpers = n_threads - 1 < n_items - 1 ? n_threads - 1 : n_items - 1;
+    atomic_init(&j.next, 0);
+    atomic_init(&j.refs, 0);
+    atomic_init(&j.joined, 0);
+    P.cur = &j;
+    atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
+    if (P.sleepers) pthread_cond_broadcast(&P.cv);
+    pthread_mutex_unlock(&P.mu);
+    job_work(&j);
+    pthread_mutex_lock(&P.mu);
+    P.cur = NULL; /* late workers find no job */
+    pthread_mutex_unlock(&P.mu);
+    for (int s = 0; atomic_load_explicit(&j.refs, memory_order_acquire) > 0; s++) {
+        if (s > 4000) sched_yield(); else cpu_relax();
+    }
+    pthread_mutex_unlock(&P.run_mu);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* public API                                                                                              */
+
+/* The build's ISA: 2 = AVX512 (F, BW, VL, VNNI), 1 = AVX2+FMA+F16C, 0 = portable. */
+int ms_isa(void) {
+#if defined(MS_ISA_AVX512)
+    return 2;
+#elif defined(MS_ISA_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Elements per block and bytes per block of ggml type t; 0 if the kernels cannot compute t. */
+int ms_block_size(int t) { type_info ti; return type_of(t, &ti) ? ti.block : 0; }
+int ms_block_bytes(int t) { type_info ti; return type_of(t, &ti) ? ti.block_bytes : 0; }
+
+/* Hand in the i-quant code books (format data from the gguf package): name 0..6 as listed. */
+void ms_set_table(int which, const uint8_t *p) {
+    switch (which) {
+    case 0: G_IQ2XXS = p; break;
+    case 1: G_IQ2XS = p; break;
+    case 2: G_IQ2S = p; break;
+    case 3: G_IQ3XXS = p; break;
+    case 4: G_IQ3S = p; break;
+    case 5: G_IQ1S = p; break;
+    case 6: G_KSIGNS = p; break;
+    default: break;
+    }
+}
+
+/* Quantize n_rows float rows of n_cols to the activation format of weight type t (tests' use). */
+size_t ms_act_row_bytes(int t, int n_cols) { type_info ti; return type_of(t, &ti) ? act_row_bytes(ti.family, n_cols) : 0; }
+void ms_quantize_rows(int t, const float *x, int n_rows, int n_cols, uint8_t *out) {
+    type_info ti;
+    if (!type_of(t, &ti)) return;
+    size_t rb = act_row_bytes(ti.family, n_cols);
+    for (int r = 0; r < n_rows; r++) quantize_row(ti.family, x + (size_t)r * n_cols, out + rb * r, n_cols);
+}
+
+typedef struct {
+    int t; type_info ti;
+    const uint8_t *W; size_t row_bytes; int n_rows, n_cols;
+    const uint8_t *const *xq; int n_tok;
+    float *y; int rows_per_item;
+} linear_ctx;
+
+static void linear_item(void *c, int item) {
+    linear_ctx *L = (linear_ctx *)c;
+    int r0 = item * L->rows_per_item, r1 = r0 + L->rows_per_item;
+    if (r1 > L->n_rows) r1 = L->n_rows;
+    L->ti.mm(L->W, L->row_bytes, r0, r1, L->n_cols, L->xq, L->n_tok, L->y, (size_t)L->n_rows, NULL);
+}
+
+typedef struct { int fam; const float *x; uint8_t *xq; size_t rb; int n_cols; } quant_ctx;
+static void quant_item(void *c, int item) {
+    quant_ctx *Q = (quant_ctx *)c;
+    quantize_row(Q->fam, Q->x + (size_t)item * Q->n_cols, Q->xq + Q->rb * item, Q->n_cols);
+}
+
+static int rows_per_item(int n_rows, int n_threads, int n_tok) {
+    /* enough items to balance threads (8 per thread), at least 4 rows, fewer rows for long token tiles */
+    int per = n_rows / (8 * (n_threads > 0 ? n_threads : 1));
+    int cap = n_tok >= 16 ? 16 : 256;
+    if (per > cap) per = cap;
+    if (per < 4) per = 4;
+    return per;
+}
+
+/* y[n_tok, n_rows] = x[n_tok, n_cols] . W^T with W = n_rows rows of row_bytes bytes of ggml type t.
+ * Returns 0, or -1 for a type the kernels cannot compute / n_cols not a multiple of its block, -2 out of memory. */
+int ms_linear(int t, const uint8_t *W, size_t row_bytes, int n_rows, int n_cols, const float *x, int n_tok,
+              float *y, int n_threads) {
+    type_info ti;
+    if (!type_of(t, &ti) || n_cols % ti.block) return -1;
+    if (n_tok <= 0 || n_rows <= 0) return 0;
+    const size_t rb = act_row_bytes(ti.family, n_cols);
+    uint8_t *xq = NULL;
+    const uint8_t **rows = (const uint8_t **)malloc(sizeof(uint8_t *) * (size_t)n_tok);
+    if (!rows) return -2;
+    if (ti.family == FAM_C && t == T_F32) {
+        for (int k = 0; k < n_tok; k++) rows[k] = (const uint8_t *)(x + (size_t)k * n_cols);
+    } else {
+        xq = (uint8_t *)aligned_alloc(64, ((rb * (size_t)n_tok) + 63) / 64 * 64);
+        if (!xq) { free(rows); return -2; }
+        quant_ctx Q = {ti.family, x, xq, rb, n_cols};
+        pool_run(n_tok >= 4 ? n_threads : 1, quant_item, &Q, n_tok);
+        for (int k = 0; k < n_tok; k++) rows[k] = xq + rb * k;
+    }
+    linear_ctx L = {t, ti, W, row_bytes, n_rows, n_cols, rows, n_tok, y, rows_per_item(n_rows, n_threads, n_tok)};
+    pool_run(n_threads, linear_item, &L, (n_rows + L.rows_per_item - 1) / L.rows_per_item);
+    free(xq);
+    free(rows);
+    return 0;
+}
+
+/* --- the routed experts of one MoE layer in one call ------------------------------------------------------
+ *
+ * n_groups experts; group g's matrices start at gate[g], up[g], down[g] (for a merged gate_up tensor, up[g]
+ * is gate[g] + n_ff rows). Its pairs are pair_tok[pair_start[g] .. pair_start[g+1]) (token rows of x) with
+ * routing weights pair_w[...] and output rows pair_out[...] of y (each y row written by exactly one pair).
+ * y[pair_out[p], :] = pair_w[p] * down(act(gate(x[pair_tok[p]]), up(x[pair_tok[p]]))).
+ * act: 0 = SiLU(gate) * up, 1 = GELU-tanh(gate) * up.
+ */
+
+typedef struct {
+    int t_gu, t_down; type_info ti_gu, ti_down;
+    const uint8_t *const *gate, *const *up, *const *down;
+    size_t rb_gu, rb_down; /* weight row bytes */
+    int n_embd, n_ff, act;
+    const int *pair_start, *pair_tok, *pair_out; const float *pair_w;
+    const uint8_t **x_rows;   /* per pair: its token's quantized x row */
+    const uint8_t **h_rows;   /* per pair: its quantized hidden row */
+    float *G, *U;             /* [n_pairs, n_ff] gate / up outputs */
+    uint8_t *hq; size_t rb_h; /* quantized hidden rows */
+    float *y;
+    int items_per_group_gu, rows_gu, items_per_group_down, rows_down;
+} moe_ctx;
+
+static void moe_gu_item(void *c, int item) {
+    moe_ctx *M = (moe_ctx *)c;
+    int g = item / M->items_per_group_gu, part = item % M->items_per_group_gu;
+    int p0 = M->pair_start[g], np = M->pair_start[g + 1] - p0;
+    if (np <= 0) return;
+    /* parts alternate gate / up over row chunks */
+    int which = part & 1, chunk = part >> 1;
+    int r0 = chunk * M->rows_gu, r1 = r0 + M->rows_gu;
+    if (r1 > M->n_ff) r1 = M->n_ff;
+    if (r0 >= r1) return;
+    const uint8_t *W = which ? M->up[g] : M->gate[g];
+    float *out = (which ? M->U : M->G) + (size_t)p0 * M->n_ff;
+    M->ti_gu.mm(W, M->rb_gu, r0, r1, M->n_embd, M->x_rows + p0, np, out, (size_t)M->n_ff, NULL);
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+static inline float gelu_tanh(float v) {
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+    return 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v)));
+}
+
+static void moe_act_item(void *c, int p) {
+    moe_ctx *M = (moe_ctx *)c;
+    float *g = M->G + (size_t)p * M->n_ff;
+    const float *u = M->U + (size_t)p * M->n_ff;
+    if (M->act == 1) for (int i = 0; i < M->n_ff; i++) g[i] = gelu_tanh(g[i]) * u[i];
+    else for (int i = 0; i < M->n_ff; i++) g[i] = silu(g[i]) * u[i];
+    if (M->ti_down.family == FAM_C && M->t_down == T_F32) M->h_rows[p] = (const uint8_t *)g;
+    else {
+        quantize_row(M->ti_down.family, g, M->hq + M->rb_h * p, M->n_ff);
+        M->h_rows[p] = M->hq + M->rb_h * p;
+    }
+}
+
+static void moe_down_item(void *c, int item) {
+    moe_ctx *M = (moe_ctx *)c;
+    int g = item / M->items_per_group_down, chunk = item % M->items_per_group_down;
+    int p0 = M->pair_start[g], np = M->pair_start[g + 1] - p0;
+    if (np <= 0) return;
+    int r0 = chunk * M->rows_down, r1 = r0 + M->rows_down;
+    if (r1 > M->n_embd) r1 = M->n_embd;
+    if (r0 >= r1) return;
+    /* each pair has its own output row: write through a per-pair tile of one token */
+    for (int p = p0; p < p0 + np; p += TOK_TILE) {
+        int n = p0 + np - p < TOK_TILE ? p0 + np - p : TOK_TILE;
+        float tmp[TOK_TILE * 64];
+        const int span = r1 - r0;
+        if (span <= 64) {
+            /* compute into tmp[k * span + (r - r0)] then scatter to the pairs' output rows */
+            M->ti_down.mm(M->down[g] + (size_t)r0 * M->rb_down, M->rb_down, 0, span, M->n_ff,
+                    M->h_rows + p, n, tmp, (size_t)span, M->pair_w + p);
+            for (int k = 0; k < n; k++)
+                memcpy(M->y + (size_t)M->pair_out[p + k] * M->n_embd + r0, tmp + (size_t)k * span,
+                       sizeof(float) * (size_t)span);
+        } else {
+            for (int k = 0; k < n; k++)
+                M->ti_down.mm(M->down[g], M->rb_down, r0, r1, M->n_ff, M->h_rows + p + k, 1,
+                        M->y + (size_t)M->pair_out[p + k] * M->n_embd, 0, M->pair_w + p + k);
+        }
+    }
+}
+
+int ms_moe(int t_gu, int t_down, const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
+           size_t rb_gu, size_t rb_down, int n_embd, int n_ff, int act,
+           int n_groups, const int *pair_start, const int *pair_tok, const float *pair_w, const int *pair_out,
+           const float *x, int n_tok, float *y, int n_threads) {
+    moe_ctx M;
+    memset(&M, 0, sizeof M);
+    if (!type_of(t_gu, &M.ti_gu) || !type_of(t_down, &M.ti_down)) return -1;
+    if (n_embd % M.ti_gu.block || n_ff % M.ti_down.block) return -1;
+    const int n_pairs = pair_start[n_groups];
+    if (n_pairs <= 0) return 0;
+    M.t_gu = t_gu; M.t_down = t_down; M.gate = gate; M.up = up; M.down = down;
+    M.rb_gu = rb_gu; M.rb_down = rb_down; M.n_embd = n_embd; M.n_ff = n_ff; M.act = act;
+    M.pair_start = pair_start; M.pair_tok = pair_tok; M.pair_out = pair_out; M.pair_w = pair_w; M.y = y;
+
+    const size_t rbx = act_row_bytes(M.ti_gu.family, n_embd);
+    uint8_t *xq = NULL;
+    M.x_rows = (const uint8_t **)malloc(sizeof(uint8_t *) * (size_t)n_pairs);
+    M.h_rows = (const uint8_t **)malloc(sizeof(uint8_t *) * (size_t)n_pairs);
+    M.G = (float *)malloc(sizeof(float) * (size_t)n_pairs * n_ff);
+    M.U = (float *)malloc(sizeof(float) * (size_t)n_pairs * n_ff);
+    M.rb_h = act_row_bytes(M.ti_down.family, n_ff);
+    M.hq = (uint8_t *)malloc(M.rb_h * (size_t)n_pairs + 64);
+    int rc = 0;
+    if (!M.x_rows || !M.h_rows || !M.G || !M.U || !M.hq) { rc = -2; goto done; }
+    if (M.ti_gu.family == FAM_C && t_gu == T_F32) {
+        for (int p = 0; p < n_pairs; p++) M.x_rows[p] = (const uint8_t *)(x + (size_t)pair_tok[p] * n_embd);
+    } else {
+        xq = (uint8_t *)malloc(rbx * (size_t)n_tok + 64);
+        if (!xq) { rc = -2; goto done; }
+        quant_ctx Q = {M.ti_gu.family, x, xq, rbx, n_embd};
+        pool_run(n_tok >= 4 ? n_threads : 1, quant_item, &Q, n_tok);
+        for (int p = 0; p < n_pairs; p++) M.x_rows[p] = xq + rbx * pair_tok[p];
+    }
+    /* gate / up: items = groups x (2 matrices x row chunks) */
+    int nth = n_threads > 0 ? n_threads : 1;
+    int want = 8 * nth / (n_groups > 0 ? n_groups : 1); /* items per group for balance */
+    if (want < 2) want = 2;
+    int chunks = (want + 1) / 2;
+    M.rows_gu = (n_ff + chunks - 1) / chunks;
+    if (M.rows_gu < 4) M.rows_gu = 4;
+    chunks = (n_ff + M.rows_gu - 1) / M.rows_gu;
+    M.items_per_group_gu = 2 * chunks;
+    pool_run(n_threads, moe_gu_item, &M, n_groups * M.items_per_group_gu);
+    pool_run(n_pairs >= 4 ? n_threads : 1, moe_act_item, &M, n_pairs);
+    int dchunks = 8 * nth / (n_groups > 0 ? n_groups : 1);
+    if (dchunks < 1) dchunks = 1;
+    M.rows_down = (n_embd + dchunks - 1) / dchunks;
+    if (M.rows_down > 64) M.rows_down = 64;
+    if (M.rows_down < 4) M.rows_down = 4;
+    M.items_per_group_down = (n_embd + M.rows_down - 1) / M.rows_down;
+    pool_run(n_threads, moe_down_item, &M, n_groups * M.items_per_group_down);
+done:
+    free(xq); free(M.x_rows); free(M.h_rows); free(M.G); free(M.U); free(M.hq);
+    return rc;
+}

@@ -1,0 +1,253 @@
+"""moestream's CPU kernels (``csrc/moekern.c``): matmuls on ggml blocks as stored, and one call per MoE layer.
+
+The C source is the project's own; it is compiled on the user's machine at first use (a few seconds per ISA
+with gcc or clang) and cached under ``~/.cache/moestream/kernels/`` (``$XDG_CACHE_HOME`` respected), keyed by
+the source, the compiler and the flags, then loaded with ctypes (no Python headers needed). Calls release the
+GIL, so expert reads keep running on the IO threads while a kernel computes.
+
+The build is chosen at run time from the CPU: ``avx512`` (AVX-512 F/BW/VL + VNNI), ``avx2`` (AVX2 + FMA + F16C)
+or ``portable`` (plain C, any CPU: ARM included). ``MOESTREAM_KERNELS=portable|avx2|avx512`` forces one.
+
+Arithmetic, as ggml's CPU backend does it: each activation row is quantized once per matmul to 8-bit blocks
+(Q8_0 blocks of 32 for weight types in blocks of 32, Q8_K super-blocks of 256 for the k-quants and IQ4_XS),
+weight blocks are unpacked to int8 codes and integer scales, dot products are integer, scales are float.
+F32 / F16 / BF16 weights meet float32 activations. Every output element is computed by one thread in a fixed
+order, so the result does not depend on the thread count or on how tokens are grouped.
+
+Errors: :class:`KernelBuildError` (one line: no compiler, or the compile failed and where its log is).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import MoestreamError
+
+__all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports"]
+
+_SRC = Path(__file__).with_name("csrc")
+_SOURCES = ("moekern.c", "iquants.h")
+
+# flags per ISA build; -ffp-contract=off: no fused multiply-add the source does not spell out
+_ISA_FLAGS = {
+    "portable": [],
+    "avx2": ["-DMS_ISA_AVX2", "-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-DMS_ISA_AVX2", "-DMS_ISA_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
+               "-mavx512vl", "-mavx512vnni"],
+}
+_BASE_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
+
+ACT_SILU, ACT_GELU_TANH = 0, 1
+
+
+class KernelBuildError(MoestreamError):
+    """The C kernels could not be compiled (no compiler, or a compile error): the message is one line."""
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moestream" / "kernels"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def best_isa() -> str:
+    """The fastest build this CPU runs (``MOESTREAM_KERNELS`` overrides): avx512, avx2 or portable."""
+    forced = os.environ.get("MOESTREAM_KERNELS", "").strip().lower()
+    if forced:
+        if forced not in _ISA_FLAGS:
+            raise KernelBuildError(f"MOESTREAM_KERNELS={forced!r}: choose one of {', '.join(_ISA_FLAGS)}")
+        return forced
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return "portable"
+    f = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"} <= f:
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= f:
+        return "avx2"
+    return "portable"
+
+
+def _compiler() -> str:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return cand
+    raise KernelBuildError("no C compiler found (tried $CC, cc, gcc, clang): moestream compiles its CPU kernels "
+                           "at first use; install one (Debian/Ubuntu: apt install gcc; Fedora: dnf install gcc; "
+                           "macOS: xcode-select --install), or run with --matmul dequant")
+
+
+def _build(which: str) -> Path:
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"{cc} --version failed ({e}); set CC to a working C compiler") from None
+    flags = _BASE_FLAGS + _ISA_FLAGS[which]
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((_SRC / name).read_bytes())
+    h.update(" ".join([cc, version, *flags, sys.platform]).encode())
+    out_dir = _cache_root()
+    lib = out_dir / f"moekern-{which}-{h.hexdigest()[:16]}.so"
+    if lib.is_file():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"moestream: compiling the CPU kernels ({which}) once, a few seconds ...", file=sys.stderr, flush=True)
+    fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=out_dir)
+    os.close(fd)
+    log = out_dir / f"build-{which}.log"
+    cmd = [cc, *flags, str(_SRC / "moekern.c"), "-o", tmp, "-lm", "-lpthread"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as e:
+        os.unlink(tmp)
+        raise KernelBuildError(f"compiling {_SRC / 'moekern.c'} with {cc} failed to start: {e}") from None
+    if r.returncode != 0:
+        log.write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
+        os.unlink(tmp)
+        raise KernelBuildError(f"compiling {_SRC / 'moekern.c'} with {cc} failed (exit {r.returncode}); "
+                               f"the compiler's messages are in {log}")
+    os.replace(tmp, lib)  # atomic: concurrent builders each produce the same file
+    return lib
+
+
+_LIBS: dict[str, ctypes.CDLL] = {}
+_LOCK = threading.Lock()
+_THREADS = [0]  # 0: torch.get_num_threads()
+
+_P, _I, _SZ, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_float
+
+
+def load(which: str | None = None) -> ctypes.CDLL:
+    """The kernel library of build ``which`` (default :func:`best_isa`), compiled at first use.
+
+    Raises KernelBuildError (one line) when it cannot be built."""
+    which = which or best_isa()
+    with _LOCK:
+        lib = _LIBS.get(which)
+        if lib is None:
+            lib = ctypes.CDLL(str(_build(which)))
+            lib.ms_linear.argtypes = [_I, _P, _SZ, _I, _I, _P, _I, _P, _I]
+            lib.ms_linear.restype = _I
+            lib.ms_moe.argtypes = [_I, _I, _P, _P, _P, _SZ, _SZ, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _I]
+            lib.ms_moe.restype = _I
+            lib.ms_quantize_rows.argtypes = [_I, _P, _I, _I, _P]
+            lib.ms_quantize_rows.restype = None
+            lib.ms_act_row_bytes.argtypes = [_I, _I]
+            lib.ms_act_row_bytes.restype = _SZ
+            lib.ms_block_size.argtypes = [_I]
+            lib.ms_block_bytes.argtypes = [_I]
+            lib.ms_set_table.argtypes = [_I, _P]
+            lib.ms_set_table.restype = None
+            _set_tables(lib)
+            _LIBS[which] = lib
+        return lib
+
+
+_TABLE_KEEP: list[np.ndarray] = []
+
+
+def _set_tables(lib: ctypes.CDLL) -> None:
+    """Hand the i-quant code books (format data of the pinned ``gguf`` package) to the C side."""
+    from gguf import quants as q
+
+    def grid_bytes(cls: type) -> np.ndarray:
+        cls.init_grid()
+        g = np.ascontiguousarray(cls.grid.reshape(cls.grid_shape)).astype(np.int8)  # values fit int8
+        return g
+
+    tables = [grid_bytes(q.IQ2_XXS), grid_bytes(q.IQ2_XS), grid_bytes(q.IQ2_S), grid_bytes(q.IQ3_XXS),
+              grid_bytes(q.IQ3_S), grid_bytes(q.IQ1_S), np.frombuffer(bytes(q.IQ2_XXS.ksigns), dtype=np.uint8)]
+    for i, t in enumerate(tables):
+        t = np.ascontiguousarray(t)
+        _TABLE_KEEP.append(t)
+        lib.ms_set_table(i, t.ctypes.data)
+
+
+def isa() -> str:
+    """The build the kernels run (see :func:`best_isa`)."""
+    return best_isa()
+
+
+def set_threads(n: int) -> None:
+    """Kernel threads for every later call (``-t``); 0 = torch's intra-op thread count."""
+    _THREADS[0] = max(0, int(n))
+
+
+def threads() -> int:
+    return _THREADS[0] or torch.get_num_threads()
+
+
+def supports(ggml_type: int) -> bool:
+    """Whether the kernels compute ggml type ``ggml_type`` (F32, F16, BF16, the legacy and k-quants, ...)."""
+    return load().ms_block_size(int(ggml_type)) > 0
+
+
+def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int, lib: ctypes.CDLL | None = None
+           ) -> torch.Tensor:
+    """``x @ W.T`` on the ggml blocks of ``W``.
+
+    x: float32 ``[..., n_cols]`` (CPU); raw: uint8 ``[n_rows, row_bytes]`` (CPU, rows contiguous: a mapped
+    tensor, a slot, a resident weight). Returns float32 ``[..., n_rows]``. ValueError for a type the kernels
+    do not compute or n_cols not a multiple of its block.
+    """
+    lib = lib or load()
+    lead = x.shape[:-1]
+    xs = x.reshape(-1, n_cols)
+    if not xs.is_contiguous():
+        xs = xs.contiguous()
+    n_rows = raw.shape[0]
+    y = torch.empty((xs.shape[0], n_rows), dtype=torch.float32)
+    if raw.stride(-1) != 1:
+        raise ValueError("linear: raw rows must be contiguous")
+    rc = lib.ms_linear(int(ggml_type), raw.data_ptr(), raw.stride(0) * raw.element_size(), n_rows, n_cols,
+                       xs.data_ptr(), xs.shape[0], y.data_ptr(), threads())
+    if rc == -1:
+        raise ValueError(f"linear: the kernels do not compute ggml type {int(ggml_type)} with {n_cols} columns")
+    if rc == -2:
+        raise MemoryError("linear: out of memory for the activation blocks")
+    return y.view(*lead, n_rows)
+
+
+def moe(x: torch.Tensor, t_gu: int, t_down: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+        rb_gu: int, rb_down: int, n_ff: int, act: int, pair_start: np.ndarray, pair_tok: np.ndarray,
+        pair_w: np.ndarray, pair_out: np.ndarray, y: torch.Tensor, lib: ctypes.CDLL | None = None) -> None:
+    """The routed experts of one MoE layer, one call (ggml's ``mul_mat_id`` with the FFN fused around it).
+
+    x: float32 [tokens, hidden] (contiguous). gate / up / down: int64 [groups] addresses of each expert's
+    matrices (a slot of the pool, or the expert in the memory map; for a merged gate_up, ``up`` is gate +
+    n_ff rows). pair_start: int32 [groups + 1]; pairs ``pair_start[g]:pair_start[g+1]`` are group g's
+    (token, k) uses: pair_tok int32 (row of x), pair_w float32 (routing weight), pair_out int32 (row of y).
+    y: float32 [rows, hidden]; row pair_out[p] = pair_w[p] * down(act(gate(x), up(x))) for its token.
+    act: ACT_SILU (SiLU(gate) * up) or ACT_GELU_TANH. Raises ValueError for types the kernels do not compute.
+    """
+    lib = lib or load()
+    rc = lib.ms_moe(int(t_gu), int(t_down), gate.ctypes.data, up.ctypes.data, down.ctypes.data, rb_gu, rb_down,
+                    x.shape[1], n_ff, act, len(gate), pair_start.ctypes.data, pair_tok.ctypes.data,
+                    pair_w.ctypes.data, pair_out.ctypes.data, x.data_ptr(), x.shape[0], y.data_ptr(), threads())
+    if rc == -1:
+        raise ValueError(f"moe: the kernels do not compute ggml types {t_gu} / {t_down} at these sizes")
+    if rc == -2:
+        raise MemoryError("moe: out of memory for the expert FFN's buffers")
