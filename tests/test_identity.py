@@ -76,12 +76,14 @@ def test_tiled_prefill_prefetches_the_next_tile_with_overlap(resident, monkeypat
         assert all(not e[3] for e in preps)
 
 
-def test_decode_computes_hits_first_and_each_miss_after_its_own_join(resident, monkeypatch):
-    """With overlap, a decode step's hits are computed before any join, and each miss right after the join of
-    its own reads (not one join for all); identical logits are covered by verify above."""
+def test_decode_computes_hits_first_and_each_miss_after_its_own_join(qwen3moe_tiny, monkeypatch):
+    """``--matmul dequant`` (one call per expert): with overlap, a decode step's hits are computed before any
+    join, and each miss right after the join of its own reads (not one join for all); identical logits are
+    covered by verify above."""
     from moestream.experts import moe as moe_mod
     from moestream.experts.pool import ResidentStore, StreamingStore
-    model, ids = resident
+    model = load_model(qwen3moe_tiny["q8_0"], LoadOptions(moe_stream=False, matmul="dequant"))
+    ids = GGUFTokenizer.from_gguf(qwen3moe_tiny["q8_0"]).encode(PROMPT)
     store = model.make_store(LoadOptions(slots=model.n_experts // 2, io_threads=2))
     model.set_store(store)
     events: list[tuple] = []
@@ -116,6 +118,65 @@ def test_decode_computes_hits_first_and_each_miss_after_its_own_join(resident, m
                 i = layer0.index(("wait", e))
                 assert layer0[i + 1] == ("expert", e)
             seen_mixed |= bool(hits) and bool(waited)
+        assert seen_mixed, "no decode step had both hits and misses in layer 0: the test checked nothing"
+    finally:
+        store.close()
+        model.set_store(ResidentStore(model.gguf, model.layout))
+
+
+def test_fused_decode_computes_hits_in_one_call_then_misses_as_their_reads_are_joined(resident, monkeypatch):
+    """``--matmul blocks`` (one C call per set of experts): with overlap, a decode step's hits go to the kernels
+    in one call before any join; every later call computes misses only, right after a join that covers them
+    (``wait(through=its last expert)``), in read order, each miss once; identical logits: verify above."""
+    from moestream.experts import moe as moe_mod
+    from moestream.experts.pool import ResidentStore, StreamingStore
+    model, ids = resident
+    store = model.make_store(LoadOptions(slots=model.n_experts // 2, io_threads=2))
+    model.set_store(store)
+    events: list[tuple] = []
+    real_wait, real_fused = StreamingStore.wait, moe_mod.MoE._fused
+
+    def wait(self, ticket, through=None):
+        if ticket is not None and ticket.loads[0] == min(model.layout.layers):
+            events.append(("wait", through, tuple(self.reading(ticket))))
+        return real_wait(self, ticket, through)
+
+    def fused(self, st, groups, experts, slot_of, x, out):
+        if self.layer == min(model.layout.layers):
+            events.append(("compute", tuple(experts)))
+        return real_fused(self, st, groups, experts, slot_of, x, out)
+
+    try:
+        engine = Engine(model)
+        cache = model.new_cache(len(ids) + 8)
+        engine.prefill(ids, cache)
+        monkeypatch.setattr(StreamingStore, "wait", wait)
+        monkeypatch.setattr(moe_mod.MoE, "_fused", fused)
+        seen_mixed = False
+        for pos in range(len(ids), len(ids) + 8):
+            events.clear()
+            engine.decode_step(ids[pos % len(ids)], pos, cache)
+            first = next(i for i, e in enumerate(events) if e[0] == "compute")
+            waits = [e for e in events if e[0] == "wait"]
+            layer0 = events[: max(i for i, e in enumerate(events) if e[0] == "compute") + 1]
+            computed = [e for ev in layer0 if ev[0] == "compute" for e in ev[1]]
+            assert len(computed) == len(set(computed)) == model.top_k, "each of the top-k experts computed once"
+            reading = next((e[2] for e in waits), ())
+            hits = [e for e in computed if e not in reading]
+            if hits:
+                assert set(events[first][1]) == set(hits), "the hits go first, in one call"
+                assert all(ev[0] != "wait" for ev in events[:first]), "no join before the hits are computed"
+            assert [e for e in computed if e in reading] == list(reading), "misses in read order"
+            done: set = set()
+            for i, ev in enumerate(layer0):
+                if ev[0] != "compute" or (hits and i == first):
+                    continue
+                joined = [w for w in layer0[:i] if w[0] == "wait"][-1]
+                assert joined[1] is not None, "overlap joins a prefix of the reads, never the whole ticket at once"
+                assert joined[1] == ev[1][-1], "a batch of misses right after the join through its last expert"
+                assert not set(ev[1]) & done
+                done |= set(ev[1])
+            seen_mixed |= bool(hits) and bool(reading)
         assert seen_mixed, "no decode step had both hits and misses in layer 0: the test checked nothing"
     finally:
         store.close()

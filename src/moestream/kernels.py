@@ -35,7 +35,7 @@ import torch
 
 from .errors import MoestreamError
 
-__all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports"]
+__all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports", "computes"]
 
 _SRC = Path(__file__).with_name("csrc")
 _SOURCES = ("moekern.c", "iquants.h")
@@ -203,6 +203,12 @@ def threads() -> int:
 def supports(ggml_type: int) -> bool:
     """Whether the kernels compute ggml type ``ggml_type`` (F32, F16, BF16, the legacy and k-quants, ...)."""
     return load().ms_block_size(int(ggml_type)) > 0
+
+
+def computes(ggml_type: int, n_cols: int) -> bool:
+    """Whether the kernels compute a matrix of ggml type ``ggml_type`` with rows of ``n_cols`` elements."""
+    n = load().ms_block_size(int(ggml_type))
+    return n > 0 and n_cols % n == 0
 
 
 def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int, lib: ctypes.CDLL | None = None

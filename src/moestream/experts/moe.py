@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import quant
+from .. import kernels, quant
 from .layout import ExpertLayout
 from .pool import ExpertStore
 
@@ -25,20 +26,36 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+swiglu.kernel_act = kernels.ACT_SILU  # type: ignore[attr-defined]  # the C kernels' code for it
+
+
 class MoE:
     """Routed experts of one layer.
 
     layer: MoE layer index. layout: the file's ExpertLayout. store_of: callable returning the current
-    ExpertStore (so a model can swap resident/streaming stores). act: (gate, up) -> hidden activation.
+    ExpertStore (so a model can swap resident/streaming stores). act: (gate, up) -> hidden activation; an
+    ``act.kernel_act`` attribute names it for the C kernels. blocks: compute the experts with moestream's C
+    kernels on the ggml blocks, one call per set of ready experts (kernels.moe), where they compute the
+    layer's types and activation; otherwise one dequantize-then-matmul per matrix per expert.
     """
 
     def __init__(self, layer: int, layout: ExpertLayout, store_of: Callable[[], ExpertStore],
-                 act: Activation = swiglu):
+                 act: Activation = swiglu, blocks: bool = False):
         self.layer = layer
         self.mats = layout[layer]
         self.store_of = store_of
         self.act = act
         self.merged = "gate_up" in self.mats
+        m = self.mats
+        gate, up, down = (m["gate_up"], m["gate_up"], m["down"]) if self.merged else (m["gate"], m["up"], m["down"])
+        self.n_ff = gate.rows // 2 if self.merged else gate.rows
+        kact = getattr(act, "kernel_act", None)
+        #: one C call per set of experts (types equal for gate and up, computed by the kernels, CPU)
+        self.fused = (blocks and kact is not None and gate.ggml_type == up.ggml_type
+                      and kernels.computes(gate.ggml_type, gate.cols) and kernels.computes(down.ggml_type, down.cols))
+        #: per-matrix C kernels where the layer cannot be fused (mixed gate/up types)
+        self.blocks = blocks
+        self.kernel_act = kact
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -70,7 +87,13 @@ class MoE:
         tiles = [experts[i:i + size] for i in range(0, len(experts), size)]
         if expert_scale is not None:
             weights = weights * expert_scale[ids]  # real ids, never slot ids
-        out = x.new_zeros((n_tok, top_k, x.shape[-1]))
+        groups = None
+        if self.fused and x.device.type == "cpu":
+            x = x.contiguous()
+            groups = _Groups(ids, weights)
+            out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
+        else:
+            out = x.new_zeros((n_tok, top_k, x.shape[-1]))
         shared_out = None
         if shared is not None and not overlap:
             shared_out = shared(x)
@@ -96,13 +119,24 @@ class MoE:
                     order = [e for e in tile if e not in misses] + reading
                 else:  # one join, then the tile in order
                     store.wait(ticket)
-                    misses, order = set(), tile
-                for expert in order:
-                    if expert in misses:
-                        store.wait(ticket, through=expert)
-                    tok, kk = (ids == expert).nonzero(as_tuple=True)
-                    y = self._expert(store, slot_of[expert], x[tok])
-                    out[tok, kk] = y * weights[tok, kk, None]
+                    reading, misses, order = [], set(), tile
+                if groups is not None:  # hits in one call, then each batch of misses whose reads are joined
+                    hits = [e for e in order if e not in misses]
+                    if hits:
+                        self._fused(store, groups, hits, slot_of, x, out)
+                    done = 0
+                    while done < len(reading):
+                        ready = max(done + 1, store.ready(ticket))
+                        store.wait(ticket, through=reading[ready - 1])
+                        self._fused(store, groups, reading[done:ready], slot_of, x, out)
+                        done = ready
+                else:
+                    for expert in order:
+                        if expert in misses:
+                            store.wait(ticket, through=expert)
+                        tok, kk = (ids == expert).nonzero(as_tuple=True)
+                        y = self._expert(store, slot_of[expert], x[tok])
+                        out[tok, kk] = y * weights[tok, kk, None]
                 unjoined.remove(ticket)  # every read of it was joined above
                 if not overlap and ti + 1 < len(tiles):
                     nxt = start(tiles[ti + 1])
@@ -112,11 +146,35 @@ class MoE:
             raise
         return out.sum(dim=1), shared_out
 
+    def _fused(self, store: ExpertStore, groups: _Groups, experts: list[int], slot_of: dict[int, int],
+               x: torch.Tensor, out: torch.Tensor) -> None:
+        """``experts`` (real ids, their slots in ``slot_of``) for every token routed to them, in one C call:
+        writes their rows of ``out`` [tokens, top_k, hidden], routing weights applied."""
+        slots = np.fromiter((slot_of[e] for e in experts), dtype=np.int64, count=len(experts))
+        m = self.mats
+        if self.merged:
+            gu = store.matrix(self.layer, "gate_up")
+            gate = gu.data_ptr() + slots * gu.stride(0)
+            up = gate + self.n_ff * (m["gate_up"].bytes_per_expert // m["gate_up"].rows)
+            t_gu, gu_info = m["gate_up"].ggml_type, m["gate_up"]
+        else:
+            g, u = store.matrix(self.layer, "gate"), store.matrix(self.layer, "up")
+            gate, up = g.data_ptr() + slots * g.stride(0), u.data_ptr() + slots * u.stride(0)
+            t_gu, gu_info = m["gate"].ggml_type, m["gate"]
+        d = store.matrix(self.layer, "down")
+        down = d.data_ptr() + slots * d.stride(0)
+        start, tok, w, dst = groups.select(experts)
+        kernels.moe(x, t_gu, m["down"].ggml_type, gate, up, down, gu_info.bytes_per_expert // gu_info.rows,
+                    m["down"].bytes_per_expert // m["down"].rows, self.n_ff, self.kernel_act, start, tok, w, dst,
+                    out.view(-1, out.shape[-1]))
+
     def _expert(self, store: ExpertStore, slot: int, xs: torch.Tensor) -> torch.Tensor:
         """One expert's FFN on xs [n, hidden] with its matrices at ``slot`` of the store's pools."""
         def lin(name: str, v: torch.Tensor) -> torch.Tensor:
             m = self.mats[name]
             raw = store.matrix(self.layer, name)[slot].view(m.rows, -1)
+            if self.blocks and v.device.type == "cpu" and kernels.computes(m.ggml_type, m.cols):
+                return kernels.linear(v, raw, m.ggml_type, m.cols)
             return quant.linear(v, raw, m.ggml_type, m.cols)
 
         if self.merged:
@@ -125,3 +183,28 @@ class MoE:
         else:
             gate, up = lin("gate", xs), lin("up", xs)
         return lin("down", self.act(gate, up))
+
+
+class _Groups:
+    """The (token, k) pairs of one MoE call grouped by expert once (a stable sort of the real ids).
+
+    ids: [tokens, top_k] int64 real expert ids; weights: [tokens, top_k] float32 routing weights.
+    """
+
+    def __init__(self, ids: torch.Tensor, weights: torch.Tensor):
+        flat = ids.reshape(-1).cpu().numpy()
+        top_k = ids.shape[1]
+        order = np.argsort(flat, kind="stable")  # pairs sorted by expert, token order inside
+        self.tok = (order // top_k).astype(np.int32)  # row of x
+        self.dst = order.astype(np.int32)  # row of out viewed [tokens * top_k, hidden]
+        self.w = np.ascontiguousarray(weights.reshape(-1).detach().cpu().numpy()[order], dtype=np.float32)
+        experts, first, counts = np.unique(flat[order], return_index=True, return_counts=True)
+        self.span = {int(e): (int(f), int(f + c)) for e, f, c in zip(experts, first, counts, strict=True)}
+
+    def select(self, experts: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(start int32 [len(experts) + 1], tok int32, w float32, dst int32) of ``experts``' pairs, in that order."""
+        spans = [self.span[e] for e in experts]
+        start = np.zeros(len(spans) + 1, dtype=np.int32)
+        np.cumsum([b - a for a, b in spans], out=start[1:])
+        idx = np.concatenate([np.arange(a, b) for a, b in spans]) if len(spans) > 1 else np.arange(*spans[0])
+        return start, self.tok[idx], self.w[idx], self.dst[idx]

@@ -60,6 +60,11 @@ class ExpertStore:
         """Real ids of the experts ``ticket`` is reading (the misses of its prepare()), in read order."""
         return []
 
+    def ready(self, ticket: Ticket | None) -> int:
+        """How many of ``reading(ticket)``'s experts (a prefix, in read order) have every read finished, without
+        blocking (joining them is still ``wait``'s job)."""
+        return 0
+
     def discard(self, ticket: Ticket | None) -> None:
         pass
 
@@ -158,6 +163,17 @@ class StreamingStore(ExpertStore):
 
     def reading(self, ticket: Ticket | None) -> list[int]:
         return [] if ticket is None else [e for e, _ in ticket.loads[1]]  # type: ignore[attr-defined]
+
+    def ready(self, ticket: Ticket | None) -> int:
+        if ticket is None:
+            return 0
+        per = ticket.n_mats  # type: ignore[attr-defined]
+        n = 0
+        for f in ticket.futures:
+            if not f.done():
+                break
+            n += 1
+        return n // per
 
     def wait(self, ticket: Ticket | None, through: int | None = None) -> None:
         """Join the reads of one prepare(): all of them, or (``through`` = a real expert id from

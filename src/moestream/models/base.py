@@ -17,6 +17,9 @@ from ..experts.pool import ExpertStore, ResidentStore, StreamingStore
 from ..gguf import GGUFModel
 from .layers import Weight, check_computable
 
+#: --matmul modes: kernels on the ggml blocks, or dequantize-then-matmul (see LoadOptions)
+MATMUL_MODES = ("blocks", "dequant")
+
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
 
 ARCHITECTURES: dict[str, type[MoEModel]] = {}
@@ -40,6 +43,10 @@ class LoadOptions:
     policy: slot replacement policy name. expand_dense: dequantize dense weights to float32 at load.
     overlap: compute while expert reads are in flight (the shared/dense FFN, the hits, the previous prefill
     tile; see experts/moe.py) instead of reading, then computing. device: torch device string.
+    matmul: ``"blocks"`` (default): matmuls run moestream's C kernels on the file's ggml blocks, activations
+    quantized to 8-bit blocks as llama.cpp's CPU backend does (moestream/kernels.py; CPU only, a CUDA device
+    uses ``"dequant"``); ``"dequant"``: each weight is dequantized to float32 and multiplied by torch (exactly
+    the float32 model of the dequantized weights: the oracle path).
     metadata_only: read and check the hyperparameters against the tensor table (shapes, ggml types) and stop:
     no weight is read and no expert store is made (``inspect`` uses it to refuse what ``run`` would refuse).
     """
@@ -52,8 +59,11 @@ class LoadOptions:
     overlap: bool = True
     device: str = "cpu"
     metadata_only: bool = False
+    matmul: str = "blocks"
 
     def __post_init__(self) -> None:
+        if self.matmul not in MATMUL_MODES:
+            raise ConfigError(f"--matmul: unknown mode {self.matmul!r}; choose one of {', '.join(MATMUL_MODES)}")
         if self.slots is not None and self.slots < 1:
             raise ConfigError(f"--slots must be a positive number, got {self.slots}")
         if self.io_threads < 1:
@@ -78,6 +88,8 @@ class MoEModel:
     def __init__(self, gguf: GGUFModel, opts: LoadOptions):
         self.gguf, self.opts = gguf, opts
         self.device = torch.device(opts.device)
+        #: matmuls through moestream's C kernels (``--matmul blocks`` on a CPU device)
+        self.use_blocks = opts.matmul == "blocks" and self.device.type == "cpu"
         self.layout = ExpertLayout(gguf)
         if not self.layout.moe_layers:
             raise GGUFError(f"{gguf.path}: no routed-expert tensors (blk.N.ffn_*_exps) found")
@@ -184,7 +196,8 @@ class MoEModel:
 
     # --- weights ------------------------------------------------------------------------------
     def weight(self, name: str) -> Weight:
-        w = Weight(self.gguf, self.gguf.tensor_info(name), self.device, self.opts.expand_dense)
+        w = Weight(self.gguf, self.gguf.tensor_info(name), self.device, self.opts.expand_dense,
+                   blocks=self.use_blocks)
         self.dense_bytes += w.nbytes
         return w
 

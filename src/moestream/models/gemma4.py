@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
@@ -36,6 +37,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """GELU-tanh(gate) * up: the activation of Gemma's dense FFN and experts."""
     return gelu_tanh(gate) * up
+
+
+geglu.kernel_act = kernels.ACT_GELU_TANH  # type: ignore[attr-defined]  # the C kernels' code for it
 
 
 @register("gemma4")
@@ -125,7 +129,7 @@ class Gemma4(MoEModel):
                 b["pre_norm_2"] = self.norm(p + "pre_ffw_norm_2.weight")
                 b["post_norm_1"] = self.norm(p + "post_ffw_norm_1.weight")
                 b["post_norm_2"] = self.norm(p + "post_ffw_norm_2.weight")
-                b["moe"] = MoE(i, self.layout, lambda: self.store, act=geglu)
+                b["moe"] = MoE(i, self.layout, lambda: self.store, act=geglu, blocks=self.use_blocks)
             if self.ple_dim:
                 b["ple_gate"] = self.weight(p + "inp_gate.weight")  # [ple_dim, hidden]
                 b["ple_proj"] = self.weight(p + "proj.weight")  # [hidden, ple_dim]

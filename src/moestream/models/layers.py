@@ -7,7 +7,7 @@ import math
 import torch
 from gguf import GGMLQuantizationType
 
-from .. import quant
+from .. import kernels, quant
 from ..errors import GGUFError
 from ..gguf import GGUFModel, TensorInfo
 
@@ -23,10 +23,13 @@ class Weight:
     """A resident dense weight, kept in the file's own ggml format unless ``expand``.
 
     raw: uint8 [rows, row_bytes] (quantized types) or the float32 tensor itself (F32, or expanded).
-    shape: torch order, last dim = row length. Raises GGUFError for a type moestream cannot compute.
+    shape: torch order, last dim = row length. blocks: ``linear`` runs moestream's C kernels on the blocks
+    (moestream/kernels.py) where they compute the type; otherwise dequantize-then-matmul (quant.linear).
+    Raises GGUFError for a type moestream cannot compute.
     """
 
-    def __init__(self, model: GGUFModel, info: TensorInfo, device: torch.device, expand: bool = False):
+    def __init__(self, model: GGUFModel, info: TensorInfo, device: torch.device, expand: bool = False,
+                 blocks: bool = False):
         check_computable(info)
         self.name, self.ggml_type, self.shape = info.name, info.ggml_type, info.shape
         self.cols = info.shape[-1]
@@ -37,6 +40,8 @@ class Weight:
             self.raw: torch.Tensor | None = None
         else:
             self.dense, self.raw = None, data.to(device)
+        self.blocks = (blocks and self.raw is not None and self.raw.device.type == "cpu"
+                       and kernels.computes(info.ggml_type, self.cols))
 
     @property
     def nbytes(self) -> int:
@@ -47,6 +52,8 @@ class Weight:
         """x: [..., cols] float32 -> [..., rows] float32 (x @ W.T)."""
         if self.dense is not None:
             return torch.nn.functional.linear(x, self.dense)
+        if self.blocks:
+            return kernels.linear(x, self.raw, self.ggml_type, self.cols)
         return quant.linear(x, self.raw, self.ggml_type, self.cols)
 
     def float(self) -> torch.Tensor:
