@@ -12,9 +12,17 @@ from moestream import memcap
 from moestream.errors import ConfigError
 from moestream.memcap import MemCap, parse_size
 
-needs_cgroup = pytest.mark.skipif(
-    not __import__("os").path.isfile(f"{memcap.CGROUP_V1}/memory.limit_in_bytes"),
-    reason="no cgroup v1 memory controller on this machine")
+
+def _no_cap(version: int | None = None) -> str | None:
+    """Why no cap (of that cgroup version; None: either) can be applied on this machine, or None."""
+    try:
+        MemCap.check(version)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+needs_cgroup = pytest.mark.skipif(_no_cap() is not None, reason=f"no usable memory cgroup: {_no_cap()}")
 
 
 def test_parse_size():
@@ -29,20 +37,119 @@ def test_parse_size():
 
 
 def test_cap_that_cannot_be_applied_says_so(monkeypatch, tmp_path):
-    monkeypatch.setattr(memcap, "CGROUP_V1", str(tmp_path / "no-such-controller"))
-    with pytest.raises(ConfigError, match="needs the cgroup v1 memory controller"):
+    """Neither hierarchy usable (a v2 tree with no memory controller, no v1 memory mount): one line that names
+    what was found, before anything runs."""
+    _tree(monkeypatch, tmp_path, v2={"unified": "hugetlb"})
+    with pytest.raises(ConfigError) as e:
         MemCap.check()
+    msg = str(e.value)
+    assert "\n" not in msg and "needs a memory cgroup and found none" in msg
+    assert f"{tmp_path}/unified has no memory controller" in msg and "lists hugetlb" in msg
+    assert "no cgroup v1 memory controller is mounted" in msg and "nothing was run" in msg
 
 
-@needs_cgroup
-def test_cap_limits_and_reports_peak():
+@pytest.mark.parametrize("version", [1, 2])
+def test_cap_limits_and_reports_peak(version):
+    """A real capped process, on each cgroup version this machine has (the other is skipped): under the cap it
+    runs, and its peak is reported; over it, the OOM killer stops it inside the cap."""
+    why = _no_cap(version)
+    if why:
+        pytest.skip(f"cgroup v{version} cannot be used here: {why}")
     code = "x = bytearray({} * 2**20); x[::4096] = b'1' * len(x[::4096]); print(len(x))"
-    ok = MemCap(parse_size("256MiB")).run([sys.executable, "-c", code.format(64)])
+    ok = MemCap(parse_size("256MiB"), version).run([sys.executable, "-c", code.format(64)])
+    assert ok.version == version and ok.peak_exact
     assert ok.returncode == 0 and not ok.oom_killed
     assert 64 * 2**20 <= ok.peak_bytes <= 256 * 2**20
-    killed = MemCap(parse_size("96MiB")).run([sys.executable, "-c", code.format(400)])
+    killed = MemCap(parse_size("96MiB"), version).run([sys.executable, "-c", code.format(400)])
     assert killed.returncode != 0 and killed.oom_killed
     assert killed.peak_bytes <= 96 * 2**20 + 2**20
+
+
+# Which hierarchy is chosen: small trees under tmp_path, named by a mount table written like the kernel's.
+
+def _tree(monkeypatch, tmp_path, v2=None, v1=(), mounts_only=False, as_root=True):
+    """Mount points under ``tmp_path``: ``v2`` maps a name to its cgroup.controllers text, ``v1`` names v1 memory
+    mounts (each with a memory.limit_in_bytes); a cpu v1 mount is always there. The mount table goes to
+    MOUNTINFO (or, ``mounts_only``, to MOUNTS with MOUNTINFO missing)."""
+    def point(name: str) -> str:  # as the kernel writes a mount point: a space is \040
+        return f"{tmp_path}/{name}".replace(" ", "\\040")
+
+    (tmp_path / "cpu").mkdir()
+    info = ["22 1 0:20 / / rw - ext4 /dev/sda1 rw", f"31 22 0:28 / {point('')} rw - tmpfs tmpfs rw",
+            f"32 31 0:29 / {point('cpu')} rw,relatime - cgroup cgroup rw,cpu"]
+    mounts = [f"cgroup {point('cpu')} cgroup rw,cpu 0 0"]
+    for name in v1:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+        info.append(f"35 31 0:32 / {point(name)} rw - cgroup cgroup rw,memory")
+        mounts.append(f"cgroup {point(name)} cgroup rw,memory 0 0")
+    for name, ctrls in (v2 or {}).items():
+        d = tmp_path / name
+        d.mkdir()
+        for f, text in (("cgroup.controllers", ctrls), ("cgroup.subtree_control", ""), ("cgroup.procs", "1")):
+            (d / f).write_text(text + "\n")
+        info.append(f"41 31 0:38 / {point(name)} rw,relatime - cgroup2 cgroup2 rw")
+        mounts.append(f"cgroup2 {point(name)} cgroup2 rw 0 0")
+    if mounts_only:
+        monkeypatch.setattr(memcap, "MOUNTINFO", str(tmp_path / "no-mountinfo"))
+    else:
+        (tmp_path / "mountinfo").write_text("\n".join(info) + "\n")
+        monkeypatch.setattr(memcap, "MOUNTINFO", str(tmp_path / "mountinfo"))
+    (tmp_path / "mounts").write_text("\n".join(mounts) + "\n")
+    monkeypatch.setattr(memcap, "MOUNTS", str(tmp_path / "mounts"))
+    monkeypatch.setattr(memcap.os, "geteuid", lambda: 0 if as_root else 1000)
+
+
+def test_memcap_hybrid_without_v2_memory_uses_v1(monkeypatch, tmp_path):
+    """This machine's layout: v2 at .../unified with only hugetlb, the memory controller on v1."""
+    _tree(monkeypatch, tmp_path, v2={"unified": "hugetlb"}, v1=["memory"])
+    assert MemCap.check() == memcap.Hierarchy(1, str(tmp_path / "memory"))
+
+
+def test_memcap_v2_with_memory_is_chosen(monkeypatch, tmp_path):
+    """A v2 hierarchy with the memory controller wins, wherever it is mounted (a mount point with a space,
+    written \\040 in the table); the cpu-only v1 mount and a v2 mount without memory are passed over."""
+    _tree(monkeypatch, tmp_path, v2={"unified": "hugetlb", "my cgroup": "cpuset cpu io memory hugetlb pids"},
+          v1=["memory"])
+    assert MemCap.check() == memcap.Hierarchy(2, str(tmp_path / "my cgroup"))
+    assert MemCap.check(1) == memcap.Hierarchy(1, str(tmp_path / "memory"))
+
+
+def test_memcap_mounts_when_mountinfo_cannot_be_read(monkeypatch, tmp_path):
+    _tree(monkeypatch, tmp_path, v2={"cg": "cpu memory"}, mounts_only=True)
+    assert MemCap.check() == memcap.Hierarchy(2, str(tmp_path / "cg"))
+
+
+def test_memcap_forced_version_says_what_is_missing(monkeypatch, tmp_path):
+    _tree(monkeypatch, tmp_path, v2={"unified": "hugetlb"}, v1=["memory"])
+    with pytest.raises(ConfigError, match=r"unified has no memory controller \(.*cgroup.controllers lists hugetlb\)"):
+        MemCap.check(2)
+
+
+def test_memcap_forced_v1_on_a_v2_only_machine(monkeypatch, tmp_path):
+    _tree(monkeypatch, tmp_path, v2={"cg": "cpu memory"})
+    with pytest.raises(ConfigError, match="no cgroup v1 memory controller is mounted"):
+        MemCap.check(1)
+
+
+def test_memcap_v2_group_with_processes_cannot_enable_memory(monkeypatch, tmp_path):
+    """A v2 mount that is not the root cgroup (it has cgroup.type: a container's cgroup namespace), with processes
+    in it and memory not in its subtree_control: the no-internal-processes rule, said before anything runs. The
+    root cgroup is exempt from the rule, and where memory is already given to children there is nothing to do."""
+    _tree(monkeypatch, tmp_path, v2={"cg": "cpu memory"})
+    assert MemCap.check() == memcap.Hierarchy(2, str(tmp_path / "cg"))  # the root cgroup: no cgroup.type
+    (tmp_path / "cg" / "cgroup.type").write_text("domain\n")
+    with pytest.raises(ConfigError, match=r"cg/cgroup.subtree_control does not give the memory controller to child "
+                                          r"groups .* has processes in it \(cgroup v2's no-internal-processes rule\)"):
+        MemCap.check()
+    (tmp_path / "cg" / "cgroup.subtree_control").write_text("cpu memory\n")
+    assert MemCap.check().version == 2
+
+
+def test_memcap_needs_root(monkeypatch, tmp_path):
+    _tree(monkeypatch, tmp_path, v1=["memory"], as_root=False)
+    with pytest.raises(ConfigError, match="--mem-cap needs root"):
+        MemCap.check()
 
 
 @needs_cgroup

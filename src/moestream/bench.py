@@ -475,6 +475,8 @@ def run_bench(args: argparse.Namespace) -> int:
             res = cap.run(cmd)
             proc = subprocess.CompletedProcess(cmd, res.returncode, res.stdout, res.stderr)
             peak = res.peak_bytes / GiB
+            if not res.peak_exact and i == 1:
+                print(f"note: the cgroup peak column is {res.peak_source}", file=sys.stderr, flush=True)
             if res.oom_killed:
                 proc.stderr += f"\nOOM-killed under the {args.mem_cap} memory cap"
         else:

@@ -571,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add llama.cpp's own pp/tg rows on the same file and the ratio moestream / llama.cpp")
     b.add_argument("--mem-cap", default=None, metavar="SIZE",
                    help="run every row in a memory cgroup of SIZE (e.g. 4GiB), page cache included, with the "
-                        "file evicted from the page cache before each row (root, cgroup v1). K/M/G/T and "
+                        "file evicted from the page cache before each row (root; cgroup v2, else v1). K/M/G/T and "
                         "KiB/MiB/GiB/TiB are powers of 2 (4G = 4GiB), KB/MB/GB/TB powers of 10, no unit = bytes; "
                         "at least 64MiB")
     b.set_defaults(func=cmd_bench)
