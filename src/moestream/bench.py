@@ -192,10 +192,13 @@ def run_row(cfg: dict) -> dict:
     from .engine import Engine, check_cache_fits, disk_read_bytes, peak_rss_bytes
     from .models.base import LoadOptions, load_model
 
+    from . import kernels
     if cfg.get("threads"):
         torch.set_num_threads(cfg["threads"])
+        kernels.set_threads(cfg["threads"])
     opts = LoadOptions(moe_stream=cfg["moe_stream"], slots=cfg.get("slots"), io_threads=cfg.get("io_threads", 8),
                        overlap=cfg.get("overlap", True), expand_dense=cfg.get("expand_dense", False),
+                       matmul=cfg.get("matmul", "blocks"),
                        policy=cfg.get("policy", "lfu"))
     t_load = time.perf_counter()
     model = load_model(cfg["model"], opts)
@@ -426,6 +429,7 @@ def run_bench(args: argparse.Namespace) -> int:
     threads = args.threads if args.threads is not None else default_threads()  # one count for every row
     base = {"model": model, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
             "threads": threads, "ubatch": args.ubatch, "expand_dense": args.expand_dense,
+            "matmul": getattr(args, "matmul", "blocks"),
             "policy": args.policy}
     cfgs = []
     for on in modes:

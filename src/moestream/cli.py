@@ -96,7 +96,11 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
                        "previous prefill tile (default on; off: read, then compute)")
     p.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--expand-dense", action="store_true",
-                   help="dequantize dense weights to float32 at load (faster, more memory: see inspect)")
+                   help="dequantize dense weights to float32 at load (more memory: see inspect)")
+    p.add_argument("--matmul", default="blocks", type=str.lower, metavar="blocks|dequant",
+                   help="blocks (default): moestream's C kernels on the file's ggml blocks, activations quantized "
+                   "to 8 bits as llama.cpp does (compiled at first use); dequant: dequantize each weight to "
+                   "float32 and multiply with torch (slow; the float32 model of the dequantized weights)")
     p.add_argument("-ub", "--ubatch", type=int, default=128, help="prefill chunk size in tokens (default 128)")
 
 
@@ -105,10 +109,14 @@ def _load(args: argparse.Namespace, moe_stream: bool):
 
     from .models.base import LoadOptions, load_model
     _check_common(args)
-    torch.set_num_threads(args.threads if args.threads is not None else default_threads())
+    from . import kernels
+    threads = args.threads if args.threads is not None else default_threads()
+    torch.set_num_threads(threads)
+    kernels.set_threads(threads)
     opts = LoadOptions(moe_stream=moe_stream, slots=getattr(args, "slots", None),
                        io_threads=getattr(args, "io_threads", 8), policy=getattr(args, "policy", "lfu"),
-                       overlap=getattr(args, "overlap", True), expand_dense=args.expand_dense)
+                       overlap=getattr(args, "overlap", True), expand_dense=args.expand_dense,
+                       matmul=getattr(args, "matmul", "blocks"))
     return load_model(model_path(args), opts), opts
 
 
@@ -149,6 +157,10 @@ def _check_common(args: argparse.Namespace) -> None:
     from .errors import ConfigError
 
     model_path(args)
+    from .models.base import MATMUL_MODES
+    mm = getattr(args, "matmul", "blocks")
+    if mm not in MATMUL_MODES:
+        raise ConfigError(f"--matmul: unknown mode {mm!r}; choose one of {', '.join(MATMUL_MODES)}")
     ub = getattr(args, "ubatch", 1)
     if ub < 1:
         raise ConfigError(f"-ub must be at least 1, got {ub}")
@@ -563,6 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow -p or -n past the file's trained context_length (warns)")
     b.add_argument("-ub", "--ubatch", type=int, default=128)
     b.add_argument("--expand-dense", action="store_true")
+    b.add_argument("--matmul", default="blocks", type=str.lower, metavar="blocks|dequant",
+                   help="matmul path of the moestream rows (default blocks: the C kernels)")
     b.add_argument("--cold", action="store_true", help="evict the file from the page cache before each row")
     b.add_argument("--json", default=None, help="write the results as JSON to this file (a symlink is followed; a "
                    "FIFO or device is written into; a regular file is replaced atomically)")
