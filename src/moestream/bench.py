@@ -187,15 +187,12 @@ def run_row(cfg: dict) -> dict:
     """Run one configuration in this process; returns the row as a dict."""
     import random
 
-    import torch
-
     from .engine import Engine, check_cache_fits, disk_read_bytes, peak_rss_bytes
     from .models.base import LoadOptions, load_model
 
-    from . import kernels
     if cfg.get("threads"):
-        torch.set_num_threads(cfg["threads"])
-        kernels.set_threads(cfg["threads"])
+        from .cli import set_compute_threads
+        set_compute_threads(cfg["threads"], cfg.get("matmul", "blocks"))
     opts = LoadOptions(moe_stream=cfg["moe_stream"], slots=cfg.get("slots"), io_threads=cfg.get("io_threads", 8),
                        overlap=cfg.get("overlap", True), expand_dense=cfg.get("expand_dense", False),
                        matmul=cfg.get("matmul", "blocks"),

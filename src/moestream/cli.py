@@ -104,15 +104,23 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
     p.add_argument("-ub", "--ubatch", type=int, default=128, help="prefill chunk size in tokens (default 128)")
 
 
-def _load(args: argparse.Namespace, moe_stream: bool):
+def set_compute_threads(threads: int, matmul: str) -> None:
+    """``-t``: with ``--matmul blocks`` the C kernels get ``threads`` and torch one (what is left to torch --
+    norms, RoPE, attention, sampling -- is small per token, and torch's thread pool collapses when another job
+    competes for the CPUs; one thread also keeps those ops' bits independent of -t); with ``dequant`` torch
+    gets them all."""
     import torch
 
+    from . import kernels
+    kernels.set_threads(threads)
+    torch.set_num_threads(1 if matmul == "blocks" else threads)
+
+
+def _load(args: argparse.Namespace, moe_stream: bool):
     from .models.base import LoadOptions, load_model
     _check_common(args)
-    from . import kernels
     threads = args.threads if args.threads is not None else default_threads()
-    torch.set_num_threads(threads)
-    kernels.set_threads(threads)
+    set_compute_threads(threads, getattr(args, "matmul", "blocks"))
     opts = LoadOptions(moe_stream=moe_stream, slots=getattr(args, "slots", None),
                        io_threads=getattr(args, "io_threads", 8), policy=getattr(args, "policy", "lfu"),
                        overlap=getattr(args, "overlap", True), expand_dense=args.expand_dense,

@@ -20,6 +20,7 @@ Errors: :class:`KernelBuildError` (one line: no compiler, or the compile failed 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -72,6 +73,7 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+@functools.cache
 def best_isa() -> str:
     """The fastest build this CPU runs (``MOESTREAM_KERNELS`` overrides): avx512, avx2 or portable."""
     forced = os.environ.get("MOESTREAM_KERNELS", "").strip().lower()

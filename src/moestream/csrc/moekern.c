@@ -99,7 +99,11 @@ static inline float bf16_to_f32(uint16_t b) { return fp32_from_bits((uint32_t)b 
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+#ifdef MS_X86_SIMD
+static inline float rdh(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+#else
 static inline float rdh(const uint8_t *p) { return f16_to_f32(rd16(p)); }
+#endif
 
 /* ------------------------------------------------------------------------------------------------------ */
 /* activation blocks (internal formats, never in a file)                                                   */
@@ -159,7 +163,20 @@ typedef struct {
     int16_t mn[16];  /* integer mins per 16 codes (when dmin != 0 or has_min) */
     float d, dmin;   /* w_i = d * sc[i/16] * q_i - dmin * mn[i/16] */
     int has_min;
+#ifdef MS_X86_SIMD
+    __m256i scv[8];  /* per 32 codes: 16 int16 lanes, sc of the first 16 codes in the low half, then the next */
+#endif
 } ublk_b;
+
+/* after an unpacker: the scale vectors the SIMD dot reads */
+static inline void prep_b(ublk_b *u) {
+#ifdef MS_X86_SIMD
+    for (int c = 0; c < 8; c++)
+        u->scv[c] = _mm256_set_m128i(_mm_set1_epi16(u->sc[2 * c + 1]), _mm_set1_epi16(u->sc[2 * c]));
+#else
+    (void)u;
+#endif
+}
 
 static const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -174,7 +191,44 @@ static inline void nibbles32(const uint8_t *qs, int8_t *out, int bias) {
     }
 }
 
+
+#ifdef MS_X86_SIMD
+static inline __m256i nib_split(__m128i v) { /* 16 bytes -> 32 codes: low nibbles then high nibbles */
+    const __m128i m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+/* the 32 bits of qh as 32 bytes of 0 / 0xFF (byte j = bit j) */
+static inline __m256i bits_to_bytes(uint32_t qh) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+#endif
 /* family A unpackers: one 32-element block */
+#ifdef MS_X86_SIMD
+static void unpack_q4_0(const uint8_t *b, ublk_a *u) {
+    u->d = rdh(b); u->m = 0.0f;
+    _mm256_storeu_si256((__m256i *)u->q, _mm256_sub_epi8(nib_split(_mm_loadu_si128((const __m128i *)(b + 2))),
+                                                         _mm256_set1_epi8(8)));
+}
+static void unpack_q4_1(const uint8_t *b, ublk_a *u) {
+    u->d = rdh(b); u->m = rdh(b + 2);
+    _mm256_storeu_si256((__m256i *)u->q, nib_split(_mm_loadu_si128((const __m128i *)(b + 4))));
+}
+static void unpack_q5_0(const uint8_t *b, ublk_a *u) {
+    u->d = rdh(b); u->m = 0.0f;
+    __m256i q = nib_split(_mm_loadu_si128((const __m128i *)(b + 6)));
+    __m256i hb = _mm256_and_si256(bits_to_bytes(rd32(b + 2)), _mm256_set1_epi8(0x10));
+    _mm256_storeu_si256((__m256i *)u->q, _mm256_sub_epi8(_mm256_or_si256(q, hb), _mm256_set1_epi8(16)));
+}
+static void unpack_q5_1(const uint8_t *b, ublk_a *u) {
+    u->d = rdh(b); u->m = rdh(b + 2);
+    __m256i q = nib_split(_mm_loadu_si128((const __m128i *)(b + 8)));
+    __m256i hb = _mm256_and_si256(bits_to_bytes(rd32(b + 4)), _mm256_set1_epi8(0x10));
+    _mm256_storeu_si256((__m256i *)u->q, _mm256_or_si256(q, hb));
+}
+#else
 static void unpack_q4_0(const uint8_t *b, ublk_a *u) { u->d = rdh(b); u->m = 0.0f; nibbles32(b + 2, u->q, 8); }
 static void unpack_q4_1(const uint8_t *b, ublk_a *u) { u->d = rdh(b); u->m = rdh(b + 2); nibbles32(b + 4, u->q, 0); }
 static void unpack_q5_0(const uint8_t *b, ublk_a *u) {
@@ -195,11 +249,23 @@ static void unpack_q5_1(const uint8_t *b, ublk_a *u) {
         u->q[j + 16] = (int8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
     }
 }
+#endif
 static void unpack_q8_0(const uint8_t *b, ublk_a *u) { u->d = rdh(b); u->m = 0.0f; memcpy(u->q, b + 2, QK); }
+#ifdef MS_X86_SIMD
+static inline __m256i lut16(__m256i codes, const int8_t *table) {
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
+    return _mm256_shuffle_epi8(t, codes);
+}
+static void unpack_iq4_nl(const uint8_t *b, ublk_a *u) {
+    u->d = rdh(b); u->m = 0.0f;
+    _mm256_storeu_si256((__m256i *)u->q, lut16(nib_split(_mm_loadu_si128((const __m128i *)(b + 2))), KVALUES_IQ4NL));
+}
+#else
 static void unpack_iq4_nl(const uint8_t *b, ublk_a *u) {
     u->d = rdh(b); u->m = 0.0f;
     for (int j = 0; j < 16; j++) { u->q[j] = KVALUES_IQ4NL[b[2 + j] & 0x0F]; u->q[j + 16] = KVALUES_IQ4NL[b[2 + j] >> 4]; }
 }
+#endif
 static void unpack_mxfp4(const uint8_t *b, ublk_a *u) {
     /* e8m0 scale halved (the code book is doubled): float bits (e - 1) << 23, subnormal below e = 2 */
     const uint32_t e = b[0];
@@ -209,6 +275,117 @@ static void unpack_mxfp4(const uint8_t *b, ublk_a *u) {
 }
 
 /* family B unpackers: one 256-element super-block */
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
+    else { *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+
+#ifdef MS_X86_SIMD
+static void unpack_q2_k(const uint8_t *b, ublk_b *u) {
+    const uint8_t *scales = b, *qs = b + 16;
+    u->d = rdh(b + 80); u->dmin = rdh(b + 82); u->has_min = 1;
+    const __m128i sv = _mm_loadu_si128((const __m128i *)scales);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    _mm256_storeu_si256((__m256i *)u->sc, _mm256_cvtepu8_epi16(_mm_and_si128(sv, m4)));
+    _mm256_storeu_si256((__m256i *)u->mn, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sv, 4), m4)));
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int n = 0; n < 2; n++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+        _mm256_storeu_si256((__m256i *)(u->q + 128 * n), _mm256_and_si256(v, m3));
+        _mm256_storeu_si256((__m256i *)(u->q + 128 * n + 32), _mm256_and_si256(_mm256_srli_epi16(v, 2), m3));
+        _mm256_storeu_si256((__m256i *)(u->q + 128 * n + 64), _mm256_and_si256(_mm256_srli_epi16(v, 4), m3));
+        _mm256_storeu_si256((__m256i *)(u->q + 128 * n + 96), _mm256_and_si256(_mm256_srli_epi16(v, 6), m3));
+    }
+}
+static void unpack_q3_k(const uint8_t *b, ublk_b *u) {
+    const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+    u->d = rdh(b + 108); u->dmin = 0.0f; u->has_min = 0;
+    for (int i = 0; i < 16; i++) {
+        int lo = i < 8 ? (s[i] & 0x0F) : (s[i - 8] >> 4);
+        int hi = (s[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        u->sc[i] = (int16_t)((lo | (hi << 4)) - 32);
+    }
+    const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)hm);
+    for (int n = 0; n < 2; n++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+        for (int j = 0; j < 4; j++) {
+            const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * n + j)));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+            const __m256i q = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * j)), m3);
+            _mm256_storeu_si256((__m256i *)(u->q + 128 * n + 32 * j), _mm256_sub_epi8(q, _mm256_andnot_si256(set, four)));
+        }
+    }
+}
+static inline void scales_k4(const uint8_t *scales, ublk_b *u) {
+    for (int j = 0; j < 8; j++) {
+        int sc, m; scale_min_k4(j, scales, &sc, &m);
+        u->sc[2 * j] = u->sc[2 * j + 1] = (int16_t)sc;
+        u->mn[2 * j] = u->mn[2 * j + 1] = (int16_t)m;
+    }
+}
+static void unpack_q4_k(const uint8_t *b, ublk_b *u) {
+    u->d = rdh(b); u->dmin = rdh(b + 2); u->has_min = 1;
+    scales_k4(b + 4, u);
+    const uint8_t *qs = b + 16;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        _mm256_storeu_si256((__m256i *)(u->q + 64 * j), _mm256_and_si256(v, m4));
+        _mm256_storeu_si256((__m256i *)(u->q + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+    }
+}
+static void unpack_q5_k(const uint8_t *b, ublk_b *u) {
+    u->d = rdh(b); u->dmin = rdh(b + 2); u->has_min = 1;
+    scales_k4(b + 4, u);
+    const uint8_t *qs = b + 48;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * j)), one);
+        const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * j + 1)), one);
+        _mm256_storeu_si256((__m256i *)(u->q + 64 * j),
+                            _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_slli_epi16(h0, 4)));
+        _mm256_storeu_si256((__m256i *)(u->q + 64 * j + 32),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_slli_epi16(h1, 4)));
+    }
+}
+static void unpack_q6_k(const uint8_t *b, ublk_b *u) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    u->d = rdh(b + 208); u->dmin = 0.0f; u->has_min = 0;
+    _mm256_storeu_si256((__m256i *)u->sc, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)));
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    for (int n = 0; n < 2; n++) {
+        const __m256i L0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n));
+        const __m256i L1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n + 32));
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * n));
+        int8_t *q = u->q + 128 * n;
+        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(H, m3), 4);
+        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4);
+        const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4);
+        const __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4);
+        _mm256_storeu_si256((__m256i *)q, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(L0, m4), h0), k32));
+        _mm256_storeu_si256((__m256i *)(q + 32), _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(L1, m4), h1), k32));
+        _mm256_storeu_si256((__m256i *)(q + 64),
+                            _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4), h2), k32));
+        _mm256_storeu_si256((__m256i *)(q + 96),
+                            _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4), h3), k32));
+    }
+}
+static void unpack_iq4_xs(const uint8_t *b, ublk_b *u) {
+    u->d = rdh(b); u->dmin = 0.0f; u->has_min = 0;
+    const uint16_t sh = rd16(b + 2);
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    for (int ib = 0; ib < 8; ib++) {
+        int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4);
+        u->sc[2 * ib] = u->sc[2 * ib + 1] = (int16_t)(ls - 32);
+        _mm256_storeu_si256((__m256i *)(u->q + 32 * ib),
+                            lut16(nib_split(_mm_loadu_si128((const __m128i *)(qs + 16 * ib))), KVALUES_IQ4NL));
+    }
+}
+#else
 static void unpack_q2_k(const uint8_t *b, ublk_b *u) {
     const uint8_t *scales = b, *qs = b + 16;
     u->d = rdh(b + 80); u->dmin = rdh(b + 82); u->has_min = 1;
@@ -231,10 +408,6 @@ static void unpack_q3_k(const uint8_t *b, ublk_b *u) {
             for (int l = 0; l < 32; l++)
                 u->q[n * 128 + j * 32 + l] = (int8_t)(((qs[n * 32 + l] >> (2 * j)) & 3) - ((hm[l] & m) ? 0 : 4));
         }
-}
-static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
-    if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
-    else { *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
 }
 static void unpack_q4_k(const uint8_t *b, ublk_b *u) {
     u->d = rdh(b); u->dmin = rdh(b + 2); u->has_min = 1;
@@ -292,6 +465,8 @@ static void unpack_iq4_xs(const uint8_t *b, ublk_b *u) {
         }
     }
 }
+
+#endif
 
 /* ------------------------------------------------------------------------------------------------------ */
 /* dot products on unpacked blocks                                                                         */
@@ -361,39 +536,65 @@ static inline void dot_a(const ublk_a *w, const act_q8_0 *x, acc_a *a) {
     for (int i = 0; i < QK; i++) isum += (int)w->q[i] * (int)x->q[i];
     a->v += (w->d * x->d) * (float)isum;
 #endif
-    a->m += w->m * x->s;
+    a->m += w->m * x->s; /* 0 for types without an offset (exact: adds +0) */
 }
 
-/* Family B: one super-block, returns the float contribution (scalar arithmetic: identical on every build). */
-static inline float dot_b(const ublk_b *w, const act_q8_k *x) {
-    int isum, msum = 0;
+/* Family B accumulator per (row, token): on SIMD builds two vectors of 8 float lanes (d-terms and min-terms,
+ * summed across lanes at the end of the row); portable: one float, each super-block's integer sums exact. */
+typedef struct {
+#ifdef MS_X86_SIMD
+    __m256 v, m;
+#else
+    float v;
+#endif
+} acc_b;
+
+static inline void acc_b_zero(acc_b *a) {
+#ifdef MS_X86_SIMD
+    a->v = _mm256_setzero_ps(); a->m = _mm256_setzero_ps();
+#else
+    a->v = 0.0f;
+#endif
+}
+static inline float acc_b_total(const acc_b *a) {
+#ifdef MS_X86_SIMD
+    return hsum_ps(a->v) - hsum_ps(a->m);
+#else
+    return a->v;
+#endif
+}
+static inline void dot_b(const ublk_b *w, const act_q8_k *x, acc_b *a) {
 #ifdef MS_X86_SIMD
     __m256i acc = _mm256_setzero_si256();
     for (int c = 0; c < 8; c++) {
         const __m256i wv = _mm256_loadu_si256((const __m256i *)(w->q + 32 * c));
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * c));
-        const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(w->sc[2 * c + 1]), _mm_set1_epi16(w->sc[2 * c]));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(dot32_epi16(wv, xv), sc));
+#if defined(MS_ISA_AVX512)
+        acc = _mm256_dpwssd_epi32(acc, dot32_epi16(wv, xv), w->scv[c]);
+#else
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(dot32_epi16(wv, xv), w->scv[c]));
+#endif
     }
-    isum = hsum_epi32(acc);
+    a->v = _mm256_fmadd_ps(_mm256_set1_ps(w->d * x->d), _mm256_cvtepi32_ps(acc), a->v);
     if (w->has_min) {
         const __m256i mn = _mm256_loadu_si256((const __m256i *)w->mn);
         const __m256i bs = _mm256_loadu_si256((const __m256i *)x->bsum);
-        msum = hsum_epi32(_mm256_madd_epi16(mn, bs));
+        a->m = _mm256_fmadd_ps(_mm256_set1_ps(w->dmin * x->d), _mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)), a->m);
     }
 #else
-    isum = 0;
+    int isum = 0, msum = 0;
     for (int g = 0; g < 16; g++) {
         int s = 0;
         for (int i = 0; i < 16; i++) s += (int)w->q[16 * g + i] * (int)x->q[16 * g + i];
         isum += s * w->sc[g];
     }
-    if (w->has_min)
-        for (int g = 0; g < 16; g++) msum += (int)w->mn[g] * (int)x->bsum[g];
-#endif
     float r = (w->d * x->d) * (float)isum;
-    if (w->has_min) r -= (w->dmin * x->d) * (float)msum;
-    return r;
+    if (w->has_min) {
+        for (int g = 0; g < 16; g++) msum += (int)w->mn[g] * (int)x->bsum[g];
+        r -= (w->dmin * x->d) * (float)msum;
+    }
+    a->v += r;
+#endif
 }
 
 /* Family C: float weights widened per 32-element block */
@@ -502,14 +703,15 @@ typedef void (*mm_fn)(MM_ARGS);
     static void NAME(MM_ARGS) {                                                                               \
         const int nb = n_cols / QKK;                                                                          \
         MM_HEAD                                                                                               \
-        float acc[TOK_TILE];                                                                                  \
-        for (int k = 0; k < nt; k++) acc[k] = 0.0f;                                                           \
+        acc_b acc[TOK_TILE];                                                                                  \
+        for (int k = 0; k < nt; k++) acc_b_zero(&acc[k]);                                                     \
         ublk_b u;                                                                                             \
         for (int b = 0; b < nb; b++) {                                                                        \
             UNPACK(wr + (size_t)b * (BYTES), &u);                                                             \
-            for (int k = 0; k < nt; k++) acc[k] += dot_b(&u, (const act_q8_k *)xq[t0 + k] + b);              \
+            prep_b(&u);                                                                                       \
+            for (int k = 0; k < nt; k++) dot_b(&u, (const act_q8_k *)xq[t0 + k] + b, &acc[k]);                \
         }                                                                                                     \
-        for (int k = 0; k < nt; k++) res[k] = acc[k];                                                         \
+        for (int k = 0; k < nt; k++) res[k] = acc_b_total(&acc[k]);                                           \
         MM_TAIL                                                                                               \
     }
 
