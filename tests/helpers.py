@@ -77,10 +77,12 @@ def llama_cpp_template(name: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ models
-def load(path: Path | str, stream: bool, slots: int | None = None) -> MoEModel:
+def load(path: Path | str, stream: bool, slots: int | None = None, matmul: str = "blocks") -> MoEModel:
     """The model at ``path``, resident (``stream`` false: ``slots`` unused) or streaming through ``slots`` slots
-    per layer; 4 IO threads."""
-    return load_model(str(path), LoadOptions(moe_stream=stream, slots=slots if stream else None, io_threads=4))
+    per layer; 4 IO threads; ``matmul`` as LoadOptions (``"dequant"``: the float32 model of the dequantized
+    weights, what the F32-twin checks need)."""
+    return load_model(str(path), LoadOptions(moe_stream=stream, slots=slots if stream else None, io_threads=4,
+                                             matmul=matmul))
 
 
 def ours_greedy(model: MoEModel, ids: list[int], n: int) -> tuple[torch.Tensor, list[int]]:

@@ -139,10 +139,11 @@ class QuantCase:
     path: Path
     types: dict[str, int]
     twin: Run  # llama.cpp's greedy run on the F32 twin
-    ours_twin: Run  # moestream on the quantized file, fed the twin run's tokens
+    ours_twin: Run  # moestream --matmul dequant on the quantized file, fed the twin run's tokens
     direct: Run  # llama.cpp's greedy run on the quantized file
-    ours_direct: Run  # moestream on the quantized file, fed the direct run's tokens
+    ours_direct: Run  # moestream --matmul dequant on the quantized file, fed the direct run's tokens
     twin_direct: Run  # llama.cpp on the F32 twin, fed the direct run's tokens
+    blocks_direct: Run  # moestream --matmul blocks (its C kernels) on the quantized file, fed the direct tokens
 
 
 class _EveryTensor(dict):
@@ -180,7 +181,8 @@ def qcase(request: pytest.FixtureRequest, qwen3moe_tiny_quants: dict, llama_cpp:
     finally:
         twin_path.unlink()  # ~0.4 GB each
     # streaming through a small pool (top-k + 2 slots): the path under test is the streamed one
-    model = load(path, stream=True, slots=qwen3moe_tiny_quants["base"]["config"]["num_experts_per_tok"] + 2)
+    slots = qwen3moe_tiny_quants["base"]["config"]["num_experts_per_tok"] + 2
+    model = load(path, stream=True, slots=slots, matmul="dequant")
     try:
         ours_twin = ours_forced(model, prompt_ids, twin.tokens)
         ours_direct = ours_forced(model, prompt_ids, direct.tokens)
@@ -188,10 +190,18 @@ def qcase(request: pytest.FixtureRequest, qwen3moe_tiny_quants: dict, llama_cpp:
         model.store.close()
         del model
         gc.collect()
+    model = load(path, stream=True, slots=slots)  # the default path: the C kernels
+    try:
+        blocks_direct = ours_forced(model, prompt_ids, direct.tokens)
+    finally:
+        model.store.close()
+        del model
+        gc.collect()
     print(f"\n{name}: twin written in {t_twin:.1f}s; llama.cpp twin {twin.seconds:.1f}s + {twin_direct.seconds:.1f}s, "
-          f"direct {direct.seconds:.1f}s; moestream {ours_twin.seconds:.1f}s + {ours_direct.seconds:.1f}s")
+          f"direct {direct.seconds:.1f}s; moestream dequant {ours_twin.seconds:.1f}s + {ours_direct.seconds:.1f}s, "
+          f"blocks {blocks_direct.seconds:.1f}s")
     return QuantCase(name, path, qwen3moe_tiny_quants["types"][name], twin, ours_twin, direct, ours_direct,
-                     twin_direct)
+                     twin_direct, blocks_direct)
 
 
 def test_quantized_file_types(qcase: QuantCase) -> None:
@@ -210,6 +220,20 @@ def test_quantized_matches_llama_cpp_on_f32_twin(qcase: QuantCase, prompt_ids: l
     print(f"{qcase.name}: moestream (quantized, streaming) vs llama.cpp (F32 twin): max |logit diff| {diff:.3g}")
     assert diff < TOL, f"{qcase.name}: max |logit diff| {diff:.3g} at {where(qcase.ours_twin, qcase.twin)}"
     assert qcase.ours_twin.tokens == qcase.twin.tokens
+
+
+def test_blocks_match_llama_cpp_on_quantized(qcase: QuantCase) -> None:
+    """moestream's C kernels (the default path) on the quantized file against llama.cpp on the same file."""
+    ref, got = qcase.direct.logits, qcase.blocks_direct.logits
+    span = float(ref.max(axis=-1).mean() - ref.min(axis=-1).mean())
+    d = np.abs(got - ref).max(axis=-1)
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    lead = top2[:, 1] - top2[:, 0]
+    agree = ref.argmax(-1) == got.argmax(-1)
+    print(f"{qcase.name}: BLOCKS vs llama.cpp quantized: max {d.max():.3g} median-row-max {np.median(d):.3g} "
+          f"mean {float(np.abs(got - ref).mean()):.3g} span {span:.3g}; rows over 1e-3: {int((d > 1e-3).sum())}, "
+          f"over 1e-2: {int((d > 1e-2).sum())}/{len(d)}; top differs at {int((~agree).sum())} "
+          f"(lead there {float(lead[~agree].max()) if (~agree).any() else 0:.3g})")
 
 
 def test_quantized_close_to_llama_cpp_on_quantized(qcase: QuantCase) -> None:
