@@ -817,3 +817,19 @@ def test_moe_groups_order_subsets_and_threads(libs):
         y = new_y()
         moe_call(ex, x, pairs, range(N_GROUPS), act, y, lib)
         assert np.array_equal(bits(y), bits(full)), f"{b}: 1 vs 8 threads"
+
+
+def test_non_finite_activations_give_nan_not_a_number(libs):
+    """A NaN or Inf in an activation row makes every output of that row non-finite, on every build and type:
+    NaN where the row is quantized (the quantizer would otherwise turn it into a finite code and hide it:
+    never wrong output silently), IEEE arithmetic (NaN or +-Inf) for float weights; other rows stay finite."""
+    for t in ALL_TYPES:
+        raw = random_weights(t, 5, 512, seed=400 + int(t))
+        for bad in (np.nan, np.inf, -np.inf):
+            x = activations(3, 512, seed=13)
+            x[1, 300] = bad
+            for b, lib in libs.items():
+                y = linear(x, raw, t, 512, lib)
+                ok = ~np.isfinite(y[1]) if t in FLOAT_TYPES else np.isnan(y[1])
+                assert ok.all(), f"{t.name} {b}: {bad} in the input gave {y[1]}"
+                assert np.isfinite(y[[0, 2]]).all(), f"{t.name} {b}"

@@ -25,6 +25,7 @@
  * The API is plain C (ctypes): no Python headers.
  */
 
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -118,7 +119,13 @@ static void quantize_q8_0(const float *x, act_q8_0 *y, int n) {
     for (int b = 0; b < n / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
-        for (int i = 0; i < QK; i++) { float a = fabsf(xb[i]); amax = a > amax ? a : amax; }
+        int finite = 1;
+        for (int i = 0; i < QK; i++) { float a = fabsf(xb[i]); amax = a > amax ? a : amax; finite &= a <= FLT_MAX; }
+        if (!finite) { /* NaN / Inf in: NaN out (never a finite result from non-finite input) */
+            y[b].d = y[b].s = NAN;
+            memset(y[b].q, 0, QK);
+            continue;
+        }
         const float d = amax / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         int sum = 0;
@@ -132,7 +139,18 @@ static void quantize_q8_k(const float *x, act_q8_k *y, int n) {
     for (int b = 0; b < n / QKK; b++) {
         const float *xb = x + b * QKK;
         float amax = 0.0f, mx = 0.0f;
-        for (int i = 0; i < QKK; i++) { float a = fabsf(xb[i]); if (a > amax) { amax = a; mx = xb[i]; } }
+        int finite = 1;
+        for (int i = 0; i < QKK; i++) {
+            float a = fabsf(xb[i]);
+            finite &= a <= FLT_MAX;
+            if (a > amax) { amax = a; mx = xb[i]; }
+        }
+        if (!finite) { /* NaN / Inf in: NaN out */
+            y[b].d = NAN;
+            memset(y[b].q, 0, QKK);
+            memset(y[b].bsum, 0, sizeof y[b].bsum);
+            continue;
+        }
         if (amax == 0.0f) {
             y[b].d = 0.0f;
             memset(y[b].q, 0, QKK);
