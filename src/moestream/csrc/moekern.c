@@ -765,6 +765,136 @@ DEFINE_MM_C(mm_f32, T_F32, 128)
 DEFINE_MM_C(mm_f16, T_F16, 64)
 DEFINE_MM_C(mm_bf16, T_BF16, 64)
 
+
+#ifdef MS_X86_SIMD
+/* Fused tile kernels for the commonest types on x86 builds: the per-super-block scales are decoded once per
+ * weight row and block, the codes are formed in registers for each token (no unpacked copy in memory). Each
+ * forms exactly the integer vectors and float operations of the unpack path above (same 32-code chunks, same
+ * int16 pair sums, same scale lanes, same FMAs), so the results are bitwise those of DEFINE_MM_B/A. */
+
+/* Q4_K: 8 six-bit scales and mins from the 12 packed bytes (ggml-common.h block_q4_K), as two 8-byte rows */
+static inline void q4k_scales(const uint8_t *q, uint8_t out[16]) {
+    uint32_t u[4];
+    memcpy(u, q, 12);
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4); /* mins 4..7 */
+    const uint32_t m03 = u[1] & k1;                        /* mins 0..3 */
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);        /* scales 4..7 */
+    u[2] = m03;
+    u[0] &= k1;                                            /* scales 0..3 */
+    memcpy(out, u, 16);
+}
+
+static void mm_q4_k_fused(MM_ARGS) {
+    const int nb = n_cols / QKK;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    MM_HEAD
+    acc_b acc[TOK_TILE];
+    for (int k = 0; k < nt; k++) acc_b_zero(&acc[k]);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = wr + (size_t)b * 144;
+        uint8_t sm[16];
+        q4k_scales(blk + 4, sm);
+        const float d = rdh(blk), dmin = rdh(blk + 2);
+        __m256i scv[8];
+        for (int c = 0; c < 8; c++) scv[c] = _mm256_set1_epi16(sm[c]);
+        const __m128i m8 = _mm_loadl_epi64((const __m128i *)(sm + 8));
+        const __m256i mnv = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        const uint8_t *qs = blk + 16;
+        for (int k = 0; k < nt; k++) {
+            const act_q8_k *x = (const act_q8_k *)xq[t0 + k] + b;
+            __m256i is = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x->q + 64 * j)));
+                const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x->q + 64 * j + 32)));
+#if defined(MS_ISA_AVX512)
+                is = _mm256_dpwssd_epi32(is, p0, scv[2 * j]);
+                is = _mm256_dpwssd_epi32(is, p1, scv[2 * j + 1]);
+#else
+                is = _mm256_add_epi32(is, _mm256_madd_epi16(p0, scv[2 * j]));
+                is = _mm256_add_epi32(is, _mm256_madd_epi16(p1, scv[2 * j + 1]));
+#endif
+            }
+            acc[k].v = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), _mm256_cvtepi32_ps(is), acc[k].v);
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)x->bsum);
+            acc[k].m = _mm256_fmadd_ps(_mm256_set1_ps(dmin * x->d), _mm256_cvtepi32_ps(_mm256_madd_epi16(mnv, bs)),
+                                       acc[k].m);
+        }
+    }
+    for (int k = 0; k < nt; k++) res[k] = acc_b_total(&acc[k]);
+    MM_TAIL
+}
+
+static void mm_q6_k_fused(MM_ARGS) {
+    const int nb = n_cols / QKK;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    MM_HEAD
+    acc_b acc[TOK_TILE];
+    for (int k = 0; k < nt; k++) acc_b_zero(&acc[k]);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = wr + (size_t)b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = rdh(blk + 208);
+        __m256i scv[8];
+        for (int c = 0; c < 8; c++) scv[c] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
+        __m256i q[8];
+        for (int n = 0; n < 2; n++) {
+            const __m256i L0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
+            const __m256i L1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
+            const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+            q[4 * n + 0] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(L0, m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(H, m3), 4)), k32);
+            q[4 * n + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(L1, m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4)), k32);
+            q[4 * n + 2] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4)), k32);
+            q[4 * n + 3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4)), k32);
+        }
+        __m256i aq[8];
+        for (int c = 0; c < 8; c++) aq[c] = _mm256_sign_epi8(q[c], q[c]);
+        for (int k = 0; k < nt; k++) {
+            const act_q8_k *x = (const act_q8_k *)xq[t0 + k] + b;
+            __m256i is = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * c));
+                const __m256i p = _mm256_maddubs_epi16(aq[c], _mm256_sign_epi8(xv, q[c]));
+#if defined(MS_ISA_AVX512)
+                is = _mm256_dpwssd_epi32(is, p, scv[c]);
+#else
+                is = _mm256_add_epi32(is, _mm256_madd_epi16(p, scv[c]));
+#endif
+            }
+            acc[k].v = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), _mm256_cvtepi32_ps(is), acc[k].v);
+        }
+    }
+    for (int k = 0; k < nt; k++) res[k] = acc_b_total(&acc[k]);
+    MM_TAIL
+}
+
+static void mm_q8_0_fused(MM_ARGS) {
+    const int nb = n_cols / QK;
+    MM_HEAD
+    acc_a acc[TOK_TILE];
+    for (int k = 0; k < nt; k++) acc_a_zero(&acc[k]);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = wr + (size_t)b * 34;
+        const float d = rdh(blk);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        for (int k = 0; k < nt; k++) {
+            const act_q8_0 *x = (const act_q8_0 *)xq[t0 + k] + b;
+            const __m256 p = _mm256_cvtepi32_ps(dot32_epi32(w, _mm256_loadu_si256((const __m256i *)x->q)));
+            acc[k].v = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), p, acc[k].v);
+            acc[k].m += 0.0f * x->s; /* the unpack path's offset term, m = 0 (keeps the bits identical) */
+        }
+    }
+    for (int k = 0; k < nt; k++) res[k] = acc_a_total(&acc[k]);
+    MM_TAIL
+}
+#endif
+
 #include "iquants.h" /* unpackers and tile kernels of the 1-3 bit i-quants and the ternary types */
 
 typedef struct {
@@ -773,6 +903,13 @@ typedef struct {
     int block_bytes; /* bytes per block */
     mm_fn mm;
 } type_info;
+
+/* MS_NO_FUSED=1 in the environment selects the unpack path for every type (tests: fused == unpacked, bitwise) */
+static int no_fused(void) {
+    static int v = -1;
+    if (v < 0) v = getenv("MS_NO_FUSED") != NULL;
+    return v;
+}
 
 static int type_of(int t, type_info *ti) {
     switch (t) {
@@ -783,14 +920,26 @@ static int type_of(int t, type_info *ti) {
     case T_Q4_1: *ti = (type_info){FAM_A, QK, 20, mm_q4_1}; return 1;
     case T_Q5_0: *ti = (type_info){FAM_A, QK, 22, mm_q5_0}; return 1;
     case T_Q5_1: *ti = (type_info){FAM_A, QK, 24, mm_q5_1}; return 1;
+#ifdef MS_X86_SIMD
+    case T_Q8_0: *ti = (type_info){FAM_A, QK, 34, no_fused() ? mm_q8_0 : mm_q8_0_fused}; return 1;
+#else
     case T_Q8_0: *ti = (type_info){FAM_A, QK, 34, mm_q8_0}; return 1;
+#endif
     case T_IQ4_NL: *ti = (type_info){FAM_A, QK, 18, mm_iq4_nl}; return 1;
     case T_MXFP4: *ti = (type_info){FAM_A, QK, 17, mm_mxfp4}; return 1;
     case T_Q2_K: *ti = (type_info){FAM_B, QKK, 84, mm_q2_k}; return 1;
     case T_Q3_K: *ti = (type_info){FAM_B, QKK, 110, mm_q3_k}; return 1;
+#ifdef MS_X86_SIMD
+    case T_Q4_K: *ti = (type_info){FAM_B, QKK, 144, no_fused() ? mm_q4_k : mm_q4_k_fused}; return 1;
+#else
     case T_Q4_K: *ti = (type_info){FAM_B, QKK, 144, mm_q4_k}; return 1;
+#endif
     case T_Q5_K: *ti = (type_info){FAM_B, QKK, 176, mm_q5_k}; return 1;
+#ifdef MS_X86_SIMD
+    case T_Q6_K: *ti = (type_info){FAM_B, QKK, 210, no_fused() ? mm_q6_k : mm_q6_k_fused}; return 1;
+#else
     case T_Q6_K: *ti = (type_info){FAM_B, QKK, 210, mm_q6_k}; return 1;
+#endif
     case T_IQ4_XS: *ti = (type_info){FAM_B, QKK, 136, mm_iq4_xs}; return 1;
     default: {
         int fam = 0, block = 0, bytes = 0;
