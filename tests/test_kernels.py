@@ -22,6 +22,7 @@ import json
 import mmap
 import platform
 import struct
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -833,3 +834,41 @@ def test_non_finite_activations_give_nan_not_a_number(libs):
                 ok = ~np.isfinite(y[1]) if t in FLOAT_TYPES else np.isnan(y[1])
                 assert ok.all(), f"{t.name} {b}: {bad} in the input gave {y[1]}"
                 assert np.isfinite(y[[0, 2]]).all(), f"{t.name} {b}"
+
+
+_FUSED_PROBE = """
+import sys, numpy as np, torch
+from gguf import GGMLQuantizationType as T
+sys.path.insert(0, {tests!r})
+import test_kernels as tk
+from moestream import kernels
+out = {{}}
+for t in (T.Q4_K, T.Q6_K, T.Q8_0):
+    raw = tk.random_weights(t, 37, 1024, seed=500 + int(t))
+    x = tk.activations(70, 1024, seed=14)
+    for b in {builds!r}:
+        out[f"{{t.name}}_{{b}}"] = tk.linear(x, raw, t, 1024, kernels.load(b))
+np.savez(sys.argv[1], **out)
+"""
+
+
+@pytest.mark.skipif(not {"avx2", "avx512"} & set(BUILDS), reason="the fused kernels are x86 SIMD only")
+def test_fused_kernels_bitwise_equal_the_unpack_path(tmp_path):
+    """Q4_K, Q6_K and Q8_0 run fused kernels on x86 builds (codes formed in registers); ``MS_NO_FUSED=1`` selects
+    the generic unpack-then-dot path. Both must give the same bits (so the fused kernels change speed only)."""
+    import os
+    import subprocess
+    import sys
+    builds = [b for b in ("avx2", "avx512") if b in BUILDS]
+    code = _FUSED_PROBE.format(tests=str(Path(__file__).parent), builds=builds)
+    runs = {}
+    for label, extra in (("fused", {}), ("unpack", {"MS_NO_FUSED": "1"})):
+        out = tmp_path / f"{label}.npz"
+        env = {**os.environ, **extra}
+        subprocess.run([sys.executable, "-c", code, str(out)], check=True, env=env, capture_output=True)
+        runs[label] = np.load(out)
+    assert len(runs["fused"].files) == 3 * len(builds)
+    for k in runs["fused"].files:
+        a, b = runs["fused"][k], runs["unpack"][k]
+        assert np.isfinite(a).all()
+        assert np.array_equal(bits(a), bits(b)), f"{k}: fused and unpack paths differ"
