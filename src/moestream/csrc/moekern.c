@@ -994,12 +994,20 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+static long spin_iterations(void) {
+    static long v = -1;
+    if (v < 0) { const char *e = getenv("MS_SPIN"); v = e ? atol(e) : 20000; }
+    return v;
+}
+
 static void *worker_main(void *arg) {
     (void)arg;
     unsigned long seen = atomic_load(&P.gen);
     for (;;) {
-        /* spin a little (about 50-100 us) for the next job, then sleep */
-        for (int s = 0; s < 20000 && atomic_load_explicit(&P.gen, memory_order_acquire) == seen; s++) cpu_relax();
+        /* spin a while for the next job (a decode step's matmuls come every few hundred microseconds), then
+         * sleep on the condition variable */
+        const long spin = spin_iterations();
+        for (long s = 0; s < spin && atomic_load_explicit(&P.gen, memory_order_acquire) == seen; s++) cpu_relax();
         pthread_mutex_lock(&P.mu);
         while (atomic_load(&P.gen) == seen) {
             P.sleepers++;
