@@ -996,7 +996,7 @@ static inline void cpu_relax(void) {
 
 static long spin_iterations(void) {
     static long v = -1;
-    if (v < 0) { const char *e = getenv("MS_SPIN"); v = e ? atol(e) : 20000; }
+    if (v < 0) { const char *e = getenv("MS_SPIN"); v = e ? atol(e) : 2000; }
     return v;
 }
 
