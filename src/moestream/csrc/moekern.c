@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(MS_ISA_AVX2) || defined(MS_ISA_AVX512)
 #include <immintrin.h>
@@ -994,20 +995,43 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static long spin_iterations(void) {
+/* How long an idle worker waits for the next job before it sleeps (MS_SPIN_US, microseconds, default 1000): a
+ * decode step's matmuls come every few tens to hundreds of microseconds, and waking a sleeping thread costs
+ * several microseconds per thread. While it waits it yields the CPU (sched_yield) after a short pause loop, so a
+ * runnable thread -- an expert read, another job -- gets the core instead of a spinning worker. */
+static long spin_us(void) {
     static long v = -1;
-    if (v < 0) { const char *e = getenv("MS_SPIN"); v = e ? atol(e) : 2000; }
+    if (v < 0) { const char *e = getenv("MS_SPIN_US"); v = e ? atol(e) : 1000; }
     return v;
+}
+
+static inline double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+static int wait_for_job(unsigned long seen) {
+    const long budget = spin_us();
+    if (budget <= 0) return 0;
+    for (int s = 0; s < 200; s++) {
+        if (atomic_load_explicit(&P.gen, memory_order_acquire) != seen) return 1;
+        cpu_relax();
+    }
+    const double end = now_us() + (double)budget;
+    while (atomic_load_explicit(&P.gen, memory_order_acquire) == seen) {
+        sched_yield();
+        for (int s = 0; s < 20; s++) cpu_relax();
+        if (now_us() > end) return 0;
+    }
+    return 1;
 }
 
 static void *worker_main(void *arg) {
     (void)arg;
     unsigned long seen = atomic_load(&P.gen);
     for (;;) {
-        /* spin a while for the next job (a decode step's matmuls come every few hundred microseconds), then
-         * sleep on the condition variable */
-        const long spin = spin_iterations();
-        for (long s = 0; s < spin && atomic_load_explicit(&P.gen, memory_order_acquire) == seen; s++) cpu_relax();
+        wait_for_job(seen); /* then sleep on the condition variable if no job came */
         pthread_mutex_lock(&P.mu);
         while (atomic_load(&P.gen) == seen) {
             P.sleepers++;
