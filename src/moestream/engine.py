@@ -161,8 +161,33 @@ class SamplingParams:
             raise ConfigError(f"--min-p must be in [0, 1], got {self.min_p}")
 
 
+def best_first(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of float32 logits [n_vocab] and their token ids, largest first, equal logits in token
+    id order: ``torch.sort(logits, descending=True, stable=True)`` cut to ``k``. For k < n_vocab it is found
+    with ``torch.topk``, without sorting the vocabulary (plus one pass over it when logits equal to the k-th
+    largest lie outside the top k)."""
+    n = logits.shape[-1]
+    if k < n:
+        top, idx = torch.topk(logits, k + 1)  # largest first
+        if bool(top[k] < top[k - 1]):  # nothing outside the top k equals its smallest: the k are these
+            idx = torch.sort(idx[:k]).values
+        elif not bool(torch.isnan(top[k - 1])):  # the cut falls among equal logits: the lowest ids of them
+            above = (~(logits <= top[k - 1])).nonzero().flatten()  # larger, or NaN (sorted first, as by sort)
+            idx = torch.cat((above, (logits == top[k - 1]).nonzero().flatten()[: k - above.numel()]))
+        else:
+            idx = None
+        if idx is not None:
+            vals = logits[idx]  # idx in id order; a stable sort keeps it among equal logits
+            order = torch.sort(vals, descending=True, stable=True).indices
+            return vals[order], idx[order]
+    vals, idx = torch.sort(logits, descending=True, stable=True)
+    return vals[:k], idx[:k]
+
+
 class Sampler:
-    """Picks the next token from float32 logits [n_vocab]."""
+    """Picks the next token from float32 logits [n_vocab]. Greedy is the argmax (the lowest id of equal
+    maxima); otherwise the candidates are the top-k (all with top_k <= 0) largest first, equal logits in id
+    order (:func:`best_first`), then filtered and drawn as :class:`SamplingParams` says."""
 
     def __init__(self, params: SamplingParams):
         self.p = params
@@ -172,12 +197,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         p = self.p
-        logits = logits.float().cpu()
         if p.temp <= 0:
-            return int(torch.argmax(logits))
-        vals, idx = torch.sort(logits, descending=True)
-        if p.top_k > 0:
-            vals, idx = vals[: p.top_k], idx[: p.top_k]
+            return int(torch.argmax(logits))  # the first of equal maxima, on the logits' own device
+        logits = logits.float().cpu()
+        vals, idx = best_first(logits, p.top_k if p.top_k > 0 else logits.shape[-1])
         probs = torch.softmax(vals, dim=-1)
         if p.top_p < 1.0:
             keep = torch.cumsum(probs, 0) - probs < p.top_p  # keep the token that crosses top_p
@@ -291,8 +314,9 @@ class Engine:
             first = (str(e).strip().splitlines() or [""])[0][:300]
             raise ForwardError(f"{path}: the forward pass at positions {start}..{start + n_tok - 1} failed "
                                f"(internal error: {type(e).__name__}: {first})") from e
-        finite = torch.isfinite(logits).all(dim=-1)
-        if not bool(finite.all()):
+        lo, hi = torch.aminmax(logits)  # NaN in either if any logit is NaN: one pass, no [T, vocab] mask
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            finite = torch.isfinite(logits).all(dim=-1)
             row = int((~finite).nonzero()[0])
             pos = start + row if logits_all else start + n_tok - 1
             raise NumericError(f"{path}: non-finite logits at position {pos} (the weights or metadata produce "

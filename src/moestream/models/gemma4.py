@@ -26,12 +26,17 @@ from .. import kernels
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import LayerKVCache, attention_window, rms_norm, rope_neox_inv_freq
+from .layers import LayerKVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU, tanh approximation (transformers' ``gelu_pytorch_tanh``, llama.cpp's ggml_gelu). float32 -> float32."""
-    return F.gelu(x, approximate="tanh")
+    """GELU, tanh approximation (transformers' ``gelu_pytorch_tanh``, llama.cpp's ggml_gelu). float32 -> float32,
+    the same bits with any thread count (:func:`~moestream.models.layers.elementwise`)."""
+    return elementwise(_gelu_tanh, x)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -88,14 +93,11 @@ class Gemma4(MoEModel):
             self.ple_proj = self.weight("per_layer_model_proj.weight")  # [n_layers * ple_dim, hidden]
             self.ple_proj_norm = self.norm("per_layer_proj_norm.weight")  # [ple_dim]
 
-        # RoPE inverse frequencies per layer kind: base^(-2i/n_rot) / freq_factor_i
-        def inv_freq(base: float, n_rot: int, factors: torch.Tensor | None) -> torch.Tensor:
-            inv = 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.int64, device=self.device).float() / n_rot))
-            return inv if factors is None else inv / factors
-
+        # RoPE per layer kind, inverse frequencies base^(-2i/n_rot) / freq_factor_i; cos/sin tables kept
         factors = self.norm("rope_freqs.weight") if self.has("rope_freqs.weight") else None
-        self.inv_freq_full = inv_freq(base_full, n_rot_full, factors)
-        self.inv_freq_swa = inv_freq(base_swa, n_rot_swa, None)
+        inv_full = rope_inv_freq(base_full, n_rot_full, self.device)
+        self.rope_full = Rope(inv_full if factors is None else inv_full / factors)
+        self.rope_swa = Rope(rope_inv_freq(base_swa, n_rot_swa, self.device))
 
         self.blocks: list[dict] = []
         for i in range(self.n_layers):
@@ -221,23 +223,20 @@ class Gemma4(MoEModel):
         proj = rms_norm(proj.view(n_tok, self.n_layers, self.ple_dim), self.ple_proj_norm, self.eps)
         return (proj + tok.view(n_tok, self.n_layers, self.ple_dim)) * 2.0 ** -0.5
 
-    def _attention(self, i: int, b: dict, h: torch.Tensor, pos: torch.Tensor, start: int,
-                   cache: LayerKVCache) -> torch.Tensor:
-        """h: [T, hidden] normed input -> attention output [T, hidden] (before the post-attention norm)."""
+    def _attention(self, i: int, b: dict, h: torch.Tensor, start: int, cache: LayerKVCache) -> torch.Tensor:
+        """h: [T, hidden] normed input at positions start.. -> attention output [T, hidden] (before the
+        post-attention norm); a layer that owns K/V writes its rows of the cache first."""
         n_tok, hd = h.shape[0], b["head_dim"]
-        inv_freq = self.inv_freq_swa if b["swa"] else self.inv_freq_full
-        q = rms_norm(b["q"].linear(h).view(n_tok, b["n_head"], hd), b["q_norm"], self.eps)
-        q = rope_neox_inv_freq(q, pos, inv_freq)
+        end = start + n_tok
+        rope = self.rope_swa if b["swa"] else self.rope_full
+        q = rope(rms_norm(b["q"].linear(h).view(n_tok, b["n_head"], hd), b["q_norm"], self.eps), start)
         src = b["kv_layer"]
         if src == i:
             kraw = b["k"].linear(h).view(n_tok, b["n_kv"], hd)
             vraw = b["v"].linear(h).view(n_tok, b["n_kv"], hd) if b["v"] is not None else kraw
-            k = rope_neox_inv_freq(rms_norm(kraw, b["k_norm"], self.eps), pos, inv_freq)
-            cache.k[i][start:start + n_tok] = k
-            cache.v[i][start:start + n_tok] = rms_norm(vraw, 1.0, self.eps)
-        end = start + n_tok
-        a = attention_window(q, cache.k[src][:end], cache.v[src][:end], start, 1.0,
-                             self.window if b["swa"] else None)
+            rope(rms_norm(kraw, b["k_norm"], self.eps), start, out=cache.k[i][start:end])
+            cache.v[i][start:end] = rms_norm(vraw, 1.0, self.eps)
+        a = attention(q, cache.k[src][:end], cache.v[src][:end], start, 1.0, self.window if b["swa"] else None)
         return b["o"].linear(a)
 
     def forward(self, tokens: torch.Tensor, start: int, cache: LayerKVCache, logits_all: bool = False) -> torch.Tensor:
@@ -246,11 +245,10 @@ class Gemma4(MoEModel):
         n_tok = tokens.shape[0]
         if start + n_tok > cache.n_ctx:
             raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
-        pos = torch.arange(start, start + n_tok, device=self.device)
         x = self.embd.rows_of(tokens) * torch.tensor(self.n_embd ** 0.5)  # [T, hidden]
         ple = self.per_layer_inputs(tokens, x) if self.ple_dim else None  # [T, n_layers, ple_dim]
         for i, b in enumerate(self.blocks):
-            a = self._attention(i, b, rms_norm(x, b["attn_norm"], self.eps), pos, start, cache)
+            a = self._attention(i, b, rms_norm(x, b["attn_norm"], self.eps), start, cache)
             x = x + rms_norm(a, b["attn_post_norm"], self.eps)
             residual = x
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from gguf import GGMLQuantizationType
@@ -69,27 +70,99 @@ class Weight:
         return quant.dequantize(self.raw[ids], self.ggml_type, self.cols)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (float32)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+#: Values per slice of :func:`elementwise`. torch's CPU kernels for silu, sigmoid and gelu split a tensor of more
+#: than 16384 (gelu) or 32767 (the others) values into one range per thread, and each range's last values that
+#: do not fill a vector are computed by a scalar loop that rounds differently: the bits would depend on the
+#: thread count. A slice of at most this many values is computed by one thread.
+ELEMENTWISE_SLICE = 16384
 
 
-def rope_neox(x: torch.Tensor, positions: torch.Tensor, base: float, n_rot: int | None = None) -> torch.Tensor:
-    """Rotary embedding, NEOX style (rotate halves), on the first ``n_rot`` dims of the head.
+def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise float32 function (silu, sigmoid, gelu), computed on the CPU in slices of
+    :data:`ELEMENTWISE_SLICE` values: the same bits whatever the thread count (those of ``fn(x)`` on one thread,
+    for a contiguous x: the slices are whole vectors). Same shape as x."""
+    n = x.numel()
+    if n <= ELEMENTWISE_SLICE or x.device.type != "cpu":
+        return fn(x)
+    flat = x.reshape(-1)
+    out = torch.empty_like(flat)
+    for s in range(0, n, ELEMENTWISE_SLICE):
+        out[s:s + ELEMENTWISE_SLICE] = fn(flat[s:s + ELEMENTWISE_SLICE])
+    return out.view(x.shape)
 
-    x: [tokens, heads, head_dim] float32; positions: [tokens] int64. theta_i = base^(-2i/n_rot).
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | float, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (float32; weight: [x.shape[-1]], or 1.0 for none).
+
+    torch.rms_norm, which on the CPU is this very sequence of ops (pow, mean, add, rsqrt, mul, mul), run in C++
+    rather than dispatched one by one from Python: the same bits."""
+    return torch.rms_norm(x, (x.shape[-1],), None if isinstance(weight, float) else weight, eps)
+
+
+def rope_inv_freq(base: float, n_rot: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """NEOX RoPE inverse frequencies: float32 [n_rot/2], theta_i = base^(-2i/n_rot)."""
+    return 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.int64, device=device).float() / n_rot))
+
+
+class Rope:
+    """Rotary embedding, NEOX style (rotate halves), with its cos/sin tables kept for the positions reached.
+
+    inv_freq: float32 [n_rot/2]: the first n_rot = 2 * len(inv_freq) dims of each head rotate (dim i pairs with
+    i + n_rot/2); the angle of pair i at position p is p * inv_freq[i] (llama.cpp's ggml_rope_ext; with
+    freq_factors, inv_freq = theta_i / freq_factor_i). Tables, float32 [n_pos, n_rot] for positions
+    0..n_pos-1: ``cos`` = [cos a | cos a], ``sin`` = [-sin a | sin a] (a: the n_rot/2 angles of the position),
+    grown (never shrunk) when a call reaches past them, so a decode step only slices them.
+
+    The tables are computed in fixed blocks of ``block`` positions (at most 16384 angles, below torch's
+    parallel grain size), each block on its own: a position's cos/sin are the same bits whatever the order the
+    positions were reached in and whatever the thread count.
     """
-    d = x.shape[-1]
-    n_rot = n_rot or d
-    inv_freq = 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.int64, device=x.device).float() / n_rot))
-    ang = positions.float()[:, None] * inv_freq[None, :]  # [tokens, n_rot/2]
-    emb = torch.cat((ang, ang), dim=-1)
-    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-    xr, rest = x[..., :n_rot], x[..., n_rot:]
-    x1, x2 = xr[..., : n_rot // 2], xr[..., n_rot // 2:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    out = xr * cos + rotated * sin
-    return torch.cat((out, rest), dim=-1) if n_rot < d else out
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq
+        self.n_rot = 2 * inv_freq.shape[0]
+        self.block = max(1, 16384 // max(inv_freq.shape[0], 1))
+        self.cos = inv_freq.new_empty((0, self.n_rot))
+        self.sin = inv_freq.new_empty((0, self.n_rot))
+
+    def reserve(self, n_pos: int) -> None:
+        """Make the tables cover positions 0..n_pos-1 (at least doubling them when they grow)."""
+        have = self.cos.shape[0]
+        if n_pos <= have:
+            return
+        want = max(n_pos, 2 * have)
+        want = -(-want // self.block) * self.block
+        cos, sin = [self.cos], [self.sin]
+        for b0 in range(have, want, self.block):
+            pos = torch.arange(b0, b0 + self.block, dtype=torch.int64, device=self.inv_freq.device)
+            ang = pos.float()[:, None] * self.inv_freq[None, :]  # [block, n_rot/2]
+            c, s = ang.cos(), ang.sin()
+            cos.append(torch.cat((c, c), dim=-1))
+            sin.append(torch.cat((-s, s), dim=-1))
+        self.cos, self.sin = torch.cat(cos), torch.cat(sin)
+
+    def __call__(self, x: torch.Tensor, start: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: float32 [T, heads, head_dim] at positions start..start+T-1 -> rotated, same shape.
+
+        out: where to write the result (e.g. the KV cache rows of those positions; must not overlap x), else a
+        new tensor. Per pair (x1, x2) at angle a: (x1 cos a - x2 sin a, x2 cos a + x1 sin a), computed as
+        x * [cos | cos] + [x2 | x1] * [-sin | sin]; dims past n_rot are copied unchanged.
+        """
+        n_tok, n_rot, h = x.shape[0], self.n_rot, self.n_rot // 2
+        end = start + n_tok
+        if end > self.cos.shape[0]:
+            self.reserve(end)
+        cos, sin = self.cos[start:end, None], self.sin[start:end, None]  # [T, 1, n_rot]
+        if n_rot == x.shape[-1]:
+            swapped = torch.cat((x[..., h:], x[..., :h]), dim=-1)
+            return torch.add(x * cos, swapped * sin, out=out)
+        xr = x[..., :n_rot]
+        swapped = torch.cat((xr[..., h:], xr[..., :h]), dim=-1)
+        if out is None:
+            out = torch.empty_like(x)
+        torch.add(xr * cos, swapped * sin, out=out[..., :n_rot])
+        out[..., n_rot:] = x[..., n_rot:]
+        return out
 
 
 class KVCache:
@@ -104,45 +177,6 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * 4 for t in self.k + self.v)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """Causal GQA attention of new queries over the cache.
-
-    q: [T, n_head, d] for positions start..start+T-1; k, v: [start+T, n_kv, d] (cache up to the last new
-    token). Returns [T, n_head * d_v] float32.
-    """
-    n_tok, n_head, _ = q.shape
-    n_kv = k.shape[1]
-    group = n_head // n_kv
-    kk = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [n_head, S, d]
-    vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    qq = q.transpose(0, 1)  # [n_head, T, d]
-    scores = torch.matmul(qq, kk.transpose(1, 2)) * scale  # [n_head, T, S]
-    n_keys = k.shape[0]
-    qpos = torch.arange(start, start + n_tok, device=q.device)[:, None]
-    kpos = torch.arange(n_keys, device=q.device)[None, :]
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vv)  # [n_head, T, d_v]
-    return out.transpose(0, 1).reshape(n_tok, -1)
-
-
-def rope_neox_inv_freq(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, NEOX style (rotate halves), with explicit inverse frequencies.
-
-    x: [tokens, heads, head_dim] float32; positions: [tokens] int64; inv_freq: [n_rot/2] float32, so the first
-    n_rot = 2 * len(inv_freq) dims of each head rotate (dim i pairs with i + n_rot/2). Angle of pair i at
-    position p: p * inv_freq[i] (llama.cpp's ggml_rope_ext with freq_factors: theta_i / freq_factor_i).
-    """
-    n_rot = 2 * inv_freq.shape[0]
-    ang = positions.float()[:, None] * inv_freq[None, :]  # [tokens, n_rot/2]
-    emb = torch.cat((ang, ang), dim=-1)
-    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-    xr, rest = x[..., :n_rot], x[..., n_rot:]
-    x1, x2 = xr[..., : n_rot // 2], xr[..., n_rot // 2:]
-    out = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return torch.cat((out, rest), dim=-1) if n_rot < x.shape[-1] else out
 
 
 class LayerKVCache:
@@ -162,26 +196,42 @@ class LayerKVCache:
         return sum(t.numel() * 4 for t in self.k + self.v if t is not None)
 
 
-def attention_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-                     window: int | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+              window: int | None = None) -> torch.Tensor:
     """Causal GQA attention of new queries over the cache, optionally limited to a sliding window.
 
-    q: [T, n_head, d] for positions start..start+T-1; k, v: [start+T, n_kv, d] (cache up to the last new token).
+    q: float32 [T, n_head, d] for positions start..start+T-1; k: [start+T, n_kv, d], v: [start+T, n_kv, d_v]
+    (the cache up to the last new token: views of it are read as they are, nothing is copied). Query head h
+    reads KV head h // (n_head / n_kv) (transformers' repeat_kv order). Scores are q.k * scale.
     window: a query at position p sees keys at positions p - window < j <= p (transformers'
     ``sliding_window``; llama.cpp's LLAMA_SWA_TYPE_STANDARD masks p - j >= n_swa); None: every j <= p.
-    Returns [T, n_head * d_v] float32.
+    Returns float32 [T, n_head * d_v].
+
+    GQA without copying the cache: the queries of one KV head's group are the rows of one matrix,
+    [n_kv, group * T, d], multiplied with that head's keys. A single new token (decode) sees every key it is
+    given, so it needs no mask.
     """
-    n_tok = q.shape[0]
+    n_tok, n_head, d = q.shape
     first = 0 if window is None else max(0, start - window + 1)  # keys before this are masked for every query
-    k, v = k[first:], v[first:]
-    group = q.shape[1] // k.shape[1]
-    kk = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [n_head, S, d]
-    vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = torch.matmul(q.transpose(0, 1), kk.transpose(1, 2)) * scale  # [n_head, T, S]
-    qpos = torch.arange(start, start + n_tok, device=q.device)[:, None]
-    kpos = torch.arange(first, first + k.shape[0], device=q.device)[None, :]
-    masked = kpos > qpos
-    if window is not None:
-        masked = masked | (qpos - kpos >= window)
-    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
-    return torch.matmul(probs, vv).transpose(0, 1).reshape(n_tok, -1)
+    if first:
+        k, v = k[first:], v[first:]
+    n_keys, n_kv = k.shape[0], k.shape[1]
+    group = n_head // n_kv
+    if n_tok == 1:  # [n_head, d] is already [n_kv, group, d] in memory
+        qq = q.reshape(n_kv, group, d)
+    else:
+        qq = q.reshape(n_tok, n_kv, group, d).permute(1, 2, 0, 3).reshape(n_kv, group * n_tok, d)  # rows (g, t)
+    scores = torch.matmul(qq, k.permute(1, 2, 0))  # [n_kv, group * T, S]
+    if scale != 1.0:
+        scores.mul_(scale)
+    if n_tok > 1:
+        qpos = torch.arange(start, start + n_tok, device=q.device)[:, None]
+        kpos = torch.arange(first, first + n_keys, device=q.device)[None, :]
+        masked = kpos > qpos
+        if window is not None:
+            masked = masked | (qpos - kpos >= window)
+        scores.view(n_kv, group, n_tok, n_keys).masked_fill_(masked, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [n_kv, group * T, d_v]
+    if n_tok == 1:
+        return out.view(1, -1)
+    return out.view(n_kv, group, n_tok, -1).permute(2, 0, 1, 3).reshape(n_tok, -1)

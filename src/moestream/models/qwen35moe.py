@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import attention, rms_norm, rope_neox
+from .layers import Rope, attention, elementwise, rms_norm, rope_inv_freq
 
 
 class HybridCache:
@@ -85,15 +85,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q. Returns o: [T, H, d_v].
     """
     out = v.new_empty(v.shape)
-    s = state
     decay = g.exp()
-    for t in range(q.shape[0]):
-        s = s * decay[t, :, None, None]
-        kv_mem = torch.bmm(k[t].unsqueeze(1), s).squeeze(1)  # [H, d_v] = S^T k
+    for t in range(q.shape[0]):  # the state is updated where it is: no per-token copies of it
+        state.mul_(decay[t, :, None, None])
+        kv_mem = torch.bmm(k[t].unsqueeze(1), state).squeeze(1)  # [H, d_v] = S^T k
         delta = (v[t] - kv_mem) * beta[t, :, None]
-        s = s + k[t].unsqueeze(2) * delta.unsqueeze(1)  # outer product k delta^T
-        out[t] = torch.bmm(q[t].unsqueeze(1), s).squeeze(1)
-    state.copy_(s)
+        state.add_(k[t].unsqueeze(2) * delta.unsqueeze(1))  # outer product k delta^T
+        torch.bmm(q[t].unsqueeze(1), state, out=out[t].unsqueeze(1))
     return out
 
 
@@ -181,6 +179,7 @@ class Qwen35MoE(MoEModel):
         if opts.metadata_only:
             return
 
+        self.rope = Rope(rope_inv_freq(self.rope_base, self.n_rot, self.device))
         self.embd = self.weight("token_embd.weight")
         self.n_vocab = self.embd.shape[0]
         self.out_norm = self.norm("output_norm.weight")
@@ -276,7 +275,7 @@ class Qwen35MoE(MoEModel):
         """Gated DeltaNet mixer of layer i. h: [T, hidden] (normed) -> [T, hidden]; advances cache.conv/ssm[i]."""
         n_tok = h.shape[0]
         qkv = causal_conv1d(b["qkv"].linear(h), cache.conv[i], b["conv"])  # [T, conv_dim]
-        qkv = F.silu(qkv)
+        qkv = elementwise(F.silu, qkv)
         kd = self.n_k_heads * self.d_k
         q = qkv[:, :kd].reshape(n_tok, self.n_k_heads, self.d_k)
         k = qkv[:, kd:2 * kd].reshape(n_tok, self.n_k_heads, self.d_k)
@@ -291,23 +290,22 @@ class Qwen35MoE(MoEModel):
         rule = gated_delta_rule_chunked if n_tok > 1 else gated_delta_rule
         o = rule(q, k, v, g, beta, cache.ssm[i])  # [T, n_v, d_v]
         z = b["z"].linear(h).view(n_tok, self.n_v_heads, self.d_v)
-        o = rms_norm(o, b["ssm_norm"], self.eps) * F.silu(z)
+        o = rms_norm(o, b["ssm_norm"], self.eps) * elementwise(F.silu, z)
         return b["out"].linear(o.reshape(n_tok, -1))
 
-    def attn(self, b: dict, h: torch.Tensor, i: int, cache: HybridCache, start: int, pos: torch.Tensor) -> torch.Tensor:
-        """Gated full attention of layer i. h: [T, hidden] (normed) -> [T, hidden]; writes cache.k/v[i]."""
+    def attn(self, b: dict, h: torch.Tensor, i: int, cache: HybridCache, start: int) -> torch.Tensor:
+        """Gated full attention of layer i. h: [T, hidden] (normed) at positions start.. -> [T, hidden];
+        writes cache.k/v[i]."""
         n_tok = h.shape[0]
+        end = start + n_tok
         qg = b["q"].linear(h).view(n_tok, self.n_head, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
-        q = rms_norm(q, b["q_norm"], self.eps)
+        q = self.rope(rms_norm(q, b["q_norm"], self.eps), start)
         k = rms_norm(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim), b["k_norm"], self.eps)
-        v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim)
-        q, k = rope_neox(q, pos, self.rope_base, self.n_rot), rope_neox(k, pos, self.rope_base, self.n_rot)
-        cache.k[i][start:start + n_tok] = k
-        cache.v[i][start:start + n_tok] = v
-        end = start + n_tok
+        self.rope(k, start, out=cache.k[i][start:end])  # rotated keys straight into the cache
+        cache.v[i][start:end] = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim)
         a = attention(q, cache.k[i][:end], cache.v[i][:end], start, 1.0 / math.sqrt(self.head_dim))
-        return b["o"].linear(a * torch.sigmoid(gate.reshape(n_tok, -1)))
+        return b["o"].linear(a * elementwise(torch.sigmoid, gate.reshape(n_tok, -1)))
 
     def forward(self, tokens: torch.Tensor, start: int, cache: HybridCache, logits_all: bool = False) -> torch.Tensor:
         n_tok = tokens.shape[0]
@@ -316,16 +314,15 @@ class Qwen35MoE(MoEModel):
         if start != cache.pos:
             raise ValueError(f"the cache's recurrent state is at position {cache.pos}, cannot run from position "
                              f"{start} (qwen35moe caches cannot be rewound: use a new cache)")
-        pos = torch.arange(start, start + n_tok, device=self.device)
         x = self.embd.rows_of(tokens)  # [T, hidden]
         for i, b in enumerate(self.blocks):
             h = rms_norm(x, b["attn_norm"], self.eps)
-            x = x + (self.delta_net(b, h, i, cache) if "qkv" in b else self.attn(b, h, i, cache, start, pos))
+            x = x + (self.delta_net(b, h, i, cache) if "qkv" in b else self.attn(b, h, i, cache, start))
             h = rms_norm(x, b["ffn_norm"], self.eps)
             ids, w = self.route(b["router"].linear(h))
 
             def shared(hs: torch.Tensor, b: dict = b) -> torch.Tensor:
-                up = F.silu(b["sh_gate"].linear(hs)) * b["sh_up"].linear(hs)
+                up = elementwise(F.silu, b["sh_gate"].linear(hs)) * b["sh_up"].linear(hs)
                 return torch.sigmoid(b["sh_gate_inp"].linear(hs)) * b["sh_down"].linear(up)
 
             routed, sh = b["moe"](h, ids, w, shared=shared, overlap=self.opts.overlap)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, attention, rms_norm, rope_neox
+from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq
 
 
 @register("qwen3moe")
@@ -34,6 +34,7 @@ class Qwen3MoE(MoEModel):
         self.check_shapes()
         if opts.metadata_only:
             return
+        self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
         self.embd = self.weight("token_embd.weight")
         self.n_vocab = self.embd.shape[0]
         self.out_norm = self.norm("output_norm.weight")
@@ -107,18 +108,17 @@ class Qwen3MoE(MoEModel):
         n_tok = tokens.shape[0]
         if start + n_tok > cache.n_ctx:
             raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
-        pos = torch.arange(start, start + n_tok, device=self.device)
+        end = start + n_tok
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
             h = rms_norm(x, b["attn_norm"], self.eps)
             q = rms_norm(b["q"].linear(h).view(n_tok, self.n_head, self.head_dim), b["q_norm"], self.eps)
             k = rms_norm(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim), b["k_norm"], self.eps)
-            v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
-            q, k = rope_neox(q, pos, self.rope_base), rope_neox(k, pos, self.rope_base)
-            cache.k[i][start:start + n_tok] = k
-            cache.v[i][start:start + n_tok] = v
-            a = attention(q, cache.k[i][: start + n_tok], cache.v[i][: start + n_tok], start, scale)
+            q = self.rope(q, start)
+            self.rope(k, start, out=cache.k[i][start:end])  # rotated keys straight into the cache
+            cache.v[i][start:end] = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
+            a = attention(q, cache.k[i][:end], cache.v[i][:end], start, scale)
             x = x + b["o"].linear(a)
             h = rms_norm(x, b["ffn_norm"], self.eps)
             if "moe" in b:
@@ -126,7 +126,7 @@ class Qwen3MoE(MoEModel):
                 routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
                 x = x + routed
             else:
-                x = x + b["down"].linear(F.silu(b["gate"].linear(h)) * b["up"].linear(h))
+                x = x + b["down"].linear(elementwise(F.silu, b["gate"].linear(h)) * b["up"].linear(h))
         if not logits_all:
             x = x[-1:]
         return self.output.linear(rms_norm(x, self.out_norm, self.eps))
