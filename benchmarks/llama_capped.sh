@@ -11,7 +11,9 @@ grep -qw memory "$root/cgroup.subtree_control" || echo +memory > "$root/cgroup.s
 g="$root/llama-capped-$$"
 mkdir "$g"
 trap 'rmdir "$g" 2>/dev/null || true' EXIT
-echo "$cap" > "$g/memory.max"
+# memory.max takes integer bytes (or K/M/G suffixes, no decimals): convert 1.6G, 800MiB, ... to bytes
+bytes=$(python3 -c 'import re, sys; m = re.fullmatch(r"([0-9.]+)([KMGT]?)(i?B)?", sys.argv[1], re.I); print(int(float(m[1]) * 1024 ** "_KMGT".index((m[2] or "_").upper())))' "$cap")
+echo "$bytes" > "$g/memory.max"
 [ -e "$g/memory.swap.max" ] && echo 0 > "$g/memory.swap.max"
 python3 -c 'import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)' "$model"
 sh -c 'echo $$ > "$1/cgroup.procs"; shift; exec "$@"' sh "$g" "$bench" -m "$model" "$@" || echo "llama-bench exit $? (oom_kill: $(grep oom_kill "$g/memory.events"))"
