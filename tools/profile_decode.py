@@ -1,6 +1,7 @@
 """Profile decode steps: ms per step, and the share of it spent outside the matmuls.
 
-"Matmul" is every call of ``quant.linear``, ``Weight.linear`` and the expert FFN (``MoE._expert``), nested
+"Matmul" is every call of ``quant.linear``, ``Weight.linear`` and the expert FFN (``MoE._expert``, or with the C
+kernels ``MoE._fused``, one call per set of experts), nested
 calls counted once; everything else in a step (norms, RoPE, attention, routing, the MoE layer's bookkeeping,
 the engine's finiteness check) is "outside". The matmul functions are wrapped here, at run time, so the
 library is profiled as it is (nothing in it is edited for this).
@@ -41,7 +42,7 @@ class MatmulTimer:
         self.calls = 0
         self.depth = 0
         self.scoped = False
-        self._orig = (quant.linear, layers.Weight.linear, moe_mod.MoE._expert)
+        self._orig = (quant.linear, layers.Weight.linear, moe_mod.MoE._expert, moe_mod.MoE._fused)
         timer = self
 
         def wrap(fn):  # noqa: ANN001, ANN202
@@ -64,9 +65,10 @@ class MatmulTimer:
         quant.linear = wrap(quant.linear)
         layers.Weight.linear = wrap(layers.Weight.linear)
         moe_mod.MoE._expert = wrap(moe_mod.MoE._expert)
+        moe_mod.MoE._fused = wrap(moe_mod.MoE._fused)
 
     def restore(self) -> None:
-        quant.linear, layers.Weight.linear, moe_mod.MoE._expert = self._orig
+        quant.linear, layers.Weight.linear, moe_mod.MoE._expert, moe_mod.MoE._fused = self._orig
 
 
 #: Profiler scopes put around the parts of a step (only in the torch.profiler pass), for the per-part table.
@@ -152,13 +154,15 @@ def main() -> None:
     ap.add_argument("-r", "--repetitions", type=int, default=3, help="timed passes of -n steps (fresh cache each)")
     ap.add_argument("--prof-steps", type=int, default=8, help="decode steps under torch.profiler (0: none)")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--matmul", default="blocks", help="blocks (the C kernels, default) or dequant")
     ap.add_argument("--stream", action="store_true", help="stream experts through slot pools (default: resident)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--by-caller", action="store_true", help="rank ops by (op, outermost op that called it)")
     a = ap.parse_args()
 
-    torch.set_num_threads(a.threads)
-    model = load_model(a.model, LoadOptions(moe_stream=a.stream))
+    from moestream.cli import set_compute_threads
+    set_compute_threads(a.threads, a.matmul)  # as run does: the kernels get -t, torch 1 (blocks)
+    model = load_model(a.model, LoadOptions(moe_stream=a.stream, matmul=a.matmul))
     engine = Engine(model)
     rng = random.Random(1234)
     n_ctx = a.prompt + a.steps + a.prof_steps + 8
