@@ -547,3 +547,23 @@ def test_inspect_checks_the_tensors_loading_reads(default_gguf, monkeypatch):
     loaded, seen[:] = set(seen), []
     base.architecture_of(m.gguf)(m.gguf, LoadOptions(moe_stream=False, metadata_only=True)).check_dense_types()
     assert set(seen) == loaded == set(m.gguf.tensors)
+
+
+def test_no_c_compiler_is_one_line_naming_what_to_install(tmp_path):
+    """The C kernels are compiled at first use; on a machine without a compiler (no $CC, cc, gcc or clang on
+    PATH, nothing cached) ``run`` stops with one line saying what to install, exit 1, nothing on stdout; and
+    ``--matmul dequant`` still runs there."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "CC"}
+    env.update(PATH=str(tmp_path / "empty-bin"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    (tmp_path / "empty-bin").mkdir()
+    p = subprocess.run([sys.executable, "-m", "moestream", "run", "-n", "2"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert_one_line_error(p, "no C compiler found", "apt install gcc", "--matmul dequant")
+    assert not list((tmp_path / "cache").rglob("*.so")), "nothing half-built is left in the cache"
+    ok = subprocess.run([sys.executable, "-m", "moestream", "run", "-n", "2", "--matmul", "dequant"],
+                        capture_output=True, text=True, env=env, timeout=600)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip()
