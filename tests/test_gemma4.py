@@ -240,7 +240,23 @@ def test_expert_scale_taken_by_slot_id_would_differ(resident: tuple, monkeypatch
         s = scales[self.layer]
         return y * (s[slot] / s[expert])  # the caller multiplies by s[expert]: net s[slot]
 
+    real_fused = moe_mod.MoE._fused
+
+    def slot_scaled_fused(self: moe_mod.MoE, store: Any, groups: Any, experts: list, slot_of: dict, x: torch.Tensor,
+                          out: torch.Tensor) -> None:
+        # the C kernels' path: each pair's routing weight already holds s[expert]; make it s[slot]
+        s, saved = scales[self.layer], groups.w.copy()
+        for e in experts:
+            a, b = groups.span[e]
+            groups.w[a:b] *= float(s[slot_of[e]] / s[e])
+        try:
+            real_fused(self, store, groups, experts, slot_of, x, out)
+        finally:
+            groups.w[:] = saved
+
     monkeypatch.setattr(moe_mod.MoE, "_expert", slot_scaled)
+    monkeypatch.setattr(moe_mod.MoE, "_fused", slot_scaled_fused)
+    assert model.blocks[next(iter(model.layout.layers))]["moe"].fused, "the default path is the fused C call"
     res = verify(model, ids, 4, LoadOptions(slots=model.top_k + 1, io_threads=2))
     assert not res.identical, "a slot-indexed per-expert scale went unnoticed"
 
