@@ -872,3 +872,24 @@ def test_fused_kernels_bitwise_equal_the_unpack_path(tmp_path):
         a, b = runs["fused"][k], runs["unpack"][k]
         assert np.isfinite(a).all()
         assert np.array_equal(bits(a), bits(b)), f"{k}: fused and unpack paths differ"
+
+
+def test_damaged_kernel_cache_is_rebuilt_not_loaded(tmp_path):
+    """A cached build whose bytes no longer match the digest written after it was built (truncated, emptied)
+    is rebuilt instead of loaded: loading a truncated shared object would crash the process (SIGBUS)."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "MOESTREAM_KERNELS": "portable"}
+    probe = [sys.executable, "-c", "from moestream import kernels; print(kernels.load().ms_isa())"]
+    first = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0 and first.stdout.strip() == "0", first.stderr
+    (lib,) = (tmp_path / "moestream" / "kernels").glob("moekern-portable-*.so")
+    size = lib.stat().st_size
+    for damage in (lambda f: f.truncate(1000), lambda f: f.truncate(0)):
+        with open(lib, "r+b") as f:
+            damage(f)
+        again = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0 and again.stdout.strip() == "0", (again.returncode, again.stderr)
+        assert "compiling the CPU kernels" in again.stderr
+        assert lib.stat().st_size == size

@@ -19,6 +19,7 @@ Errors: :class:`KernelBuildError` (one line: no compiler, or the compile failed 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -113,26 +114,49 @@ def _build(which: str) -> Path:
     h.update(" ".join([cc, version, *flags, sys.platform]).encode())
     out_dir = _cache_root()
     lib = out_dir / f"moekern-{which}-{h.hexdigest()[:16]}.so"
-    if lib.is_file():
+    if _intact(lib):
         return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
     print(f"moestream: compiling the CPU kernels ({which}) once, a few seconds ...", file=sys.stderr, flush=True)
-    fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=out_dir)
-    os.close(fd)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=out_dir)
+        os.close(fd)
+    except OSError as e:
+        raise KernelBuildError(f"cannot write the kernel cache {out_dir}: {e.strerror or e}; set XDG_CACHE_HOME to a "
+                               f"writable directory") from None
     log = out_dir / f"build-{which}.log"
     cmd = [cc, *flags, str(_SRC / "moekern.c"), "-o", tmp, "-lm", "-lpthread"]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.SubprocessError) as e:
-        os.unlink(tmp)
-        raise KernelBuildError(f"compiling {_SRC / 'moekern.c'} with {cc} failed to start: {e}") from None
-    if r.returncode != 0:
-        log.write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
-        os.unlink(tmp)
-        raise KernelBuildError(f"compiling {_SRC / 'moekern.c'} with {cc} failed (exit {r.returncode}); "
-                               f"the compiler's messages are in {log}")
-    os.replace(tmp, lib)  # atomic: concurrent builders each produce the same file
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelBuildError(f"compiling {_SRC / 'moekern.c'} with {cc} failed to start: {e}") from None
+        if r.returncode != 0 or not os.path.isfile(tmp) or os.path.getsize(tmp) == 0:
+            with contextlib.suppress(OSError):
+                log.write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
+            why = f"exit {r.returncode}" if r.returncode != 0 else "it wrote no library"
+            raise KernelBuildError(f"compiling {_SRC / 'moekern.c'} with {cc} failed ({why}); the compiler's "
+                                   f"messages are in {log}")
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        os.replace(tmp, lib)  # atomic: concurrent builders each produce the same file
+        Path(str(lib) + ".sha256").write_text(digest + "\n")
+    except OSError as e:
+        raise KernelBuildError(f"cannot write the kernel cache {out_dir}: {e.strerror or e}; set XDG_CACHE_HOME to a "
+                               f"writable directory") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
     return lib
+
+
+def _intact(lib: Path) -> bool:
+    """A cached build is used only when its bytes match the digest written after it was built (a truncated or
+    emptied file would crash the process when loaded: it is rebuilt instead)."""
+    try:
+        want = Path(str(lib) + ".sha256").read_text().strip()
+        return hashlib.sha256(lib.read_bytes()).hexdigest() == want
+    except OSError:
+        return False
 
 
 _LIBS: dict[str, ctypes.CDLL] = {}
