@@ -352,7 +352,9 @@ def mixcase(qwen3moe_tiny_iquants: dict, llama_cpp: Any, prompt_ids: list[int],
         twin = llama_greedy(llama_cpp, twin_path, prompt_ids)
     finally:
         twin_path.unlink()
-    model = load(path, stream=True, slots=qwen3moe_tiny_iquants["base"]["config"]["num_experts_per_tok"] + 2)
+    # the F32-twin bar (1e-4) is for the float32 model of the dequantized weights: --matmul dequant
+    model = load(path, stream=True, slots=qwen3moe_tiny_iquants["base"]["config"]["num_experts_per_tok"] + 2,
+                 matmul="dequant")
     try:
         ours = ours_forced(model, prompt_ids, twin.tokens)
     finally:
