@@ -567,3 +567,24 @@ def test_no_c_compiler_is_one_line_naming_what_to_install(tmp_path):
                         capture_output=True, text=True, env=env, timeout=600)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip()
+
+
+@pytest.mark.parametrize("args,closed,needle", [
+    (("run", "-n", "2"), 1, "cannot write to stdout (it is closed)"),
+    (("inspect",), 1, "cannot write to stdout (it is closed)"),
+    (("run", "-cnv"), 0, "-cnv: standard input is closed"),
+    (("run", "-f", "-"), 0, "-f -: standard input is closed"),
+])
+def test_closed_stdout_or_stdin_is_one_line(args, closed, needle):
+    """Started with stdout (``>&-``) or stdin (``<&-``) closed, Python has no sys.stdout / sys.stdin: one line,
+    exit 1, no traceback (newcomer review: AttributeError tracebacks)."""
+    import os
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "moestream", *args], stderr=subprocess.PIPE, text=True, timeout=600,
+                       stdout=subprocess.DEVNULL if closed != 1 else None, preexec_fn=lambda: os.close(closed))
+    p.stdout = ""
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("moestream: default.gguf")]
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert lines == [f"moestream: error: {lines[0][len('moestream: error: '):]}"] and needle in lines[0], p.stderr

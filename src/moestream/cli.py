@@ -63,6 +63,8 @@ def write_stdout(text: str) -> None:
     BrokenPipeError (the reader went away, e.g. ``| head``) passes through: main() exits 0 on it."""
     from .errors import OutputError
 
+    if sys.stdout is None:  # started with stdout closed (>&-)
+        raise OutputError("cannot write to stdout (it is closed)")
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -236,6 +238,8 @@ def read_prompt_file(path: str) -> str:
     name = "stdin" if path == "-" else path
     try:
         if path == "-":
+            if sys.stdin is None:
+                raise ConfigError("-f -: standard input is closed")
             data = sys.stdin.buffer.read(MAX_PROMPT_FILE_BYTES + 1)
         else:
             with open(path, "rb") as f:  # a FIFO (-f <(cmd)) is fine; /dev/zero is cut off below
@@ -434,6 +438,9 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
     n_ctx = _context(args, model, 0, n_predict)
     session = ChatSession(engine, tok, n_ctx, system=args.system_prompt)
     print(_describe(model), file=sys.stderr, flush=True)
+    if sys.stdin is None:
+        from .errors import ConfigError
+        raise ConfigError("-cnv: standard input is closed (it reads one message per line from it)")
     tty = sys.stdin.isatty()
     pending = prompt
     while True:
@@ -604,6 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _silence_stdout() -> None:
     """Point fd 1 at /dev/null, so that the interpreter's final flush of a broken or full stdout cannot print
     'Exception ignored ...' and change the exit status."""
+    if sys.stdout is None:  # stdout was closed at start: nothing to flush
+        return
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
