@@ -226,7 +226,7 @@ def test_quantized_matches_llama_cpp_on_f32_twin(qcase: QuantCase, prompt_ids: l
 # (Q8_0 with an fp16 scale, Q8_K), so the gap above mostly closes. Measured 2026-12-01 (2 cores, AVX-512 build
 # here; llama.cpp's own build; same 64 positions): max |diff| / mean |diff| / positions where the top token
 # differs (llama.cpp's lead there):
-#   Q4_K_M 2.55 / 0.020 / 4 (<= 0.067)   Q5_K_M 0.158 / 0.015 / 1 (0.046)   Q6_K 1.63 / 0.021 / 5 (<= 0.13)
+#   Q4_K_M 2.55 / 0.020-0.028 / 4-5 (<= 0.23)   Q5_K_M 0.16-0.17 / 0.015 / 1 (0.046)   Q6_K 1.63 / 0.021 / 5 (<= 0.13)
 #   Q8_0   0.192 / 0.0047 / 2 (0.0084)   Q4_0   3.07 / 0.072 / 6 (<= 0.19)   IQ4_XS 1.84 / 0.072 / 6 (<= 0.37)
 # against 6.32 / 0.168 / 17 ... 3.61 / 0.143 / 19 for the dequantize-then-matmul path. Rows are either equal to
 # ~1e-4 or off by > 1e-2 after some position: an 8-bit code that rounds the other way (float sums in another
