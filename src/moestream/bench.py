@@ -193,10 +193,13 @@ def run_row(cfg: dict) -> dict:
     if cfg.get("threads"):
         from .cli import set_compute_threads
         set_compute_threads(cfg["threads"], cfg.get("matmul", "blocks"))
+    n_ctx = max(cfg["n_prompt"], cfg["n_gen"] + 1)
+    mem = cfg.get("mem")
     opts = LoadOptions(moe_stream=cfg["moe_stream"], slots=cfg.get("slots"), io_threads=cfg.get("io_threads", 8),
                        overlap=cfg.get("overlap", True), expand_dense=cfg.get("expand_dense", False),
                        matmul=cfg.get("matmul", "blocks"),
-                       policy=cfg.get("policy", "lfu"))
+                       policy=cfg.get("policy", "lfu"), n_ctx=n_ctx,
+                       mem=None if mem is None else mem["bytes"], mem_source=None if mem is None else mem["source"])
     t_load = time.perf_counter()
     model = load_model(cfg["model"], opts)
     load_seconds = time.perf_counter() - t_load
@@ -248,6 +251,13 @@ def run_row(cfg: dict) -> dict:
         })
     result["peak_rss_gib"] = peak_rss_bytes() / GiB
     result["pool_gib"] = getattr(store, "pool_bytes", 0) / GiB
+    if store.streaming:
+        result["slots_per_layer"] = list(store.slots_per_layer().values())
+    plan = model.memory_plan
+    if plan is not None and store.streaming:
+        result["memory_plan"] = {"budget": plan.budget, "source": plan.source, "process": plan.process,
+                                 "dense": plan.dense, "kv": plan.kv, "n_ctx": plan.n_ctx, "scratch": plan.scratch,
+                                 "pools": plan.pools, "left": plan.left, "all_fit": plan.all_fit}
     store.close()
     return result
 
@@ -323,7 +333,11 @@ def _row_label(r: dict) -> tuple[str, str, str, str]:
         return f"llama.cpp mmap, repack {'on' if r.get('repack', True) else 'off'}", "-", "-", "-"
     if not r["moe_stream"]:
         return "resident (mmap)", "-", "-", "-"
-    return "streaming", str(r["slots"]), str(r["io_threads"]), "on" if r["overlap"] else "off"
+    per = r.get("slots_per_layer")
+    slots = str(r["slots"]) if r.get("slots") is not None else (
+        (f"{min(per)}" if min(per) == max(per) else f"{min(per)}-{max(per)}") if per else "budget")
+    mode = "streaming" if r.get("mem") is None else f"streaming, --mem {r['mem']['text']}"
+    return mode, slots, str(r["io_threads"]), "on" if r["overlap"] else "off"
 
 
 def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
@@ -410,13 +424,21 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"moestream: {warning}", file=sys.stderr, flush=True)
     modes = _on_off_list(args.moe_stream, "--moe-stream")
     overlaps = _on_off_list(args.overlap, "--overlap")
-    from .models.base import default_slots
-    slots = _list(args.slots, int, "--slots") if args.slots is not None else [default_slots(n_exp, top_k)]
+    from .budget import parse_mem
+    mems = None
+    if args.mem is not None:
+        if args.slots is not None:
+            raise ConfigError(f"--mem {args.mem} and --slots {args.slots} both size the slot pools: give one of them")
+        mems = [{"text": t, "bytes": parse_mem(t), "source": f"--mem {t}"}
+                for t in _dedupe([x.strip() for x in args.mem.split(",")])]
+    elif args.mem_cap is not None and args.slots is None:  # capped rows: the budget is the cap
+        mems = [{"text": args.mem_cap.strip(), "bytes": None, "source": f"--mem {args.mem_cap.strip()} (the cap)"}]
+    slots = _list(args.slots, int, "--slots") if args.slots is not None else [None]
     ios = _list(args.io_threads, int, "--io-threads")
     for s in slots:
-        if s < top_k:
+        if s is not None and s < top_k:
             raise ConfigError(f"--slots {s} is below the experts used per token ({top_k})")
-    slots = _dedupe([min(s, n_exp) for s in slots])  # above the expert count is clamped, as run does
+    slots = _dedupe([s if s is None else min(s, n_exp) for s in slots])  # above the count: clamped, as run does
     for t in ios:
         if t < 1:
             raise ConfigError(f"--io-threads must be at least 1, got {t}")
@@ -431,8 +453,8 @@ def run_bench(args: argparse.Namespace) -> int:
     cfgs = []
     for on in modes:
         if on:
-            for s, t, ov in itertools.product(slots, ios, overlaps):
-                cfgs.append({**base, "moe_stream": True, "slots": s, "io_threads": t, "overlap": ov})
+            for s, mem, t, ov in itertools.product(slots, mems or [None], ios, overlaps):
+                cfgs.append({**base, "moe_stream": True, "slots": s, "mem": mem, "io_threads": t, "overlap": ov})
         else:
             cfgs.append({**base, "moe_stream": False})
     cap = None
@@ -440,6 +462,9 @@ def run_bench(args: argparse.Namespace) -> int:
         from .memcap import MemCap, parse_cap
         cap = MemCap(parse_cap(args.mem_cap))
         MemCap.check()  # say plainly why not, instead of running uncapped
+        for c in cfgs:
+            if c.get("mem") and c["mem"]["bytes"] is None:
+                c["mem"] = {**c["mem"], "bytes": cap.limit_bytes}
     if args.vs is not None:
         if args.vs != "llama.cpp":
             raise ConfigError(f"--vs: only llama.cpp is known, got {args.vs!r}")

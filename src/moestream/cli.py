@@ -83,12 +83,19 @@ def _on_off(v: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected on or off, got {v!r}")
 
 
+MEM_HELP = ("the memory moestream may use in all, e.g. 4GiB (K/M/G/T = KiB/MiB/GiB/TiB, KB/MB/GB/TB powers of 10, no "
+            "unit = bytes): the slot pools get what the process, the dense weights, the KV cache for the context "
+            "and scratch leave, as many slots per layer as fit (at least top-k; every expert when all fit); "
+            "default: the memory available at start less a 10%% margin (at least 256 MiB)")
+
+
 def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file (or first part of a split model); "
                    "default: the embedded tiny Qwen3-MoE")
     if stream_opts:
-        p.add_argument("--slots", type=int, default=None, help="expert slots per MoE layer "
-                       "(default: a quarter of the experts, at least top-k)")
+        p.add_argument("--mem", default=None, metavar="SIZE", help=MEM_HELP)
+        p.add_argument("--slots", type=int, default=None, help="expert slots per MoE layer (instead of --mem: "
+                       "at least top-k; default: as many as the memory budget holds)")
         p.add_argument("--io-threads", type=int, default=8, help=f"expert read threads (default 8, at most "
                        f"{MAX_IO_THREADS})")
         p.add_argument("--policy", default="lfu", type=str.lower,
@@ -123,11 +130,31 @@ def _load(args: argparse.Namespace, moe_stream: bool):
     _check_common(args)
     threads = args.threads if args.threads is not None else default_threads()
     set_compute_threads(threads, getattr(args, "matmul", "blocks"))
+    mem, mem_source = _mem_option(args)
     opts = LoadOptions(moe_stream=moe_stream, slots=getattr(args, "slots", None),
                        io_threads=getattr(args, "io_threads", 8), policy=getattr(args, "policy", "lfu"),
                        overlap=getattr(args, "overlap", True), expand_dense=args.expand_dense,
-                       matmul=getattr(args, "matmul", "blocks"))
-    return load_model(model_path(args), opts), opts
+                       matmul=getattr(args, "matmul", "blocks"), mem=mem, mem_source=mem_source)
+    # with a budget the pools are sized once the context is known (_context, verify): defer the store
+    return load_model(model_path(args), opts, defer_store=True), opts
+
+
+def _mem_option(args: argparse.Namespace) -> tuple[int | None, str | None]:
+    """(bytes, "--mem TEXT") of --mem, or (None, None); ConfigError for a bad value or --mem with --slots.
+    Prints a warning when --mem is more than the memory available now."""
+    from .budget import parse_mem, warn_over_available
+    from .errors import ConfigError
+
+    text = getattr(args, "mem", None)
+    if text is None:
+        return None, None
+    mem = parse_mem(text)
+    if getattr(args, "slots", None) is not None:
+        raise ConfigError(f"--mem {text} and --slots {args.slots} both size the slot pools: give one of them")
+    warning = warn_over_available(mem)
+    if warning:
+        print(f"moestream: {warning}", file=sys.stderr, flush=True)
+    return mem, f"--mem {text}"
 
 
 def _tokenizer(model):  # noqa: ANN001, ANN202
@@ -138,14 +165,19 @@ def _tokenizer(model):  # noqa: ANN001, ANN202
 def _describe(model) -> str:  # noqa: ANN001
     store = model.store
     if store.streaming:
-        slots = min(store.n_slots, model.n_experts)
+        per = store.slots_per_layer().values()
+        slots = f"{min(per)}" if min(per) == max(per) else f"{min(per)}-{max(per)}"
         mode = (f"streaming: {slots} slots/layer of {model.n_experts} experts, "
                 f"{store.pool_bytes / GiB:.3f} GiB of pools, {store.reader.io_threads} IO threads, "
                 f"policy {model.opts.policy}, overlap {'on' if model.opts.overlap else 'off'}")
     else:
         mode = "resident: experts addressed in a memory map of the file (--moe-stream off)"
-    return (f"moestream: {os.path.basename(model.gguf.path)} | {model.arch}, {len(model.layout.moe_layers)} MoE "
+    line = (f"moestream: {os.path.basename(model.gguf.path)} | {model.arch}, {len(model.layout.moe_layers)} MoE "
             f"layers, top-{model.top_k} of {model.n_experts} experts | {mode}")
+    if store.streaming and model.memory_plan is not None:
+        line += f"\nmoestream: {model.memory_plan.line()}"
+        line += "".join(f"\nmoestream: warning: {n}" for n in model.memory_plan.notes)
+    return line
 
 
 def _check_prompt(prompt: str, option: str = "-p") -> str:
@@ -330,7 +362,11 @@ def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int) -> 
     if args.ctx_size:
         n_ctx, option = args.ctx_size, f"-c {args.ctx_size}"
     elif n_predict < 0 or args.interactive:
-        n_ctx, capped_from = default_context(model)
+        memory = None
+        if model.opts.mem is not None and model.opts.budgeted:  # the KV share comes out of --mem
+            from .budget import process_rss
+            memory = max(model.opts.mem - process_rss(), 0)
+        n_ctx, capped_from = default_context(model, memory=memory)
         option = "-n -1" if not args.interactive else "-cnv"
         if capped_from is not None:
             print(f"moestream: context {n_ctx} tokens: the file's {capped_from} would need more than half of the "
@@ -340,6 +376,8 @@ def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int) -> 
     warning = check_trained_context(model, n_ctx, option, args.override_ctx)
     # before anything is printed: an absurd -n or -c is refused here, not by torch's allocator
     check_cache_fits(model, n_ctx, option)
+    if model.store is None:  # pools sized by the budget for this context
+        model.fit_store(n_ctx, ubatch=args.ubatch)
     if warning:
         print(f"moestream: {warning}", file=sys.stderr, flush=True)
     return n_ctx
@@ -398,7 +436,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 write_stdout(prompt)
             _print_reply(itertools.chain([] if first is None else [first], tokens), dec)
     finally:
-        model.store.close()
+        if model.store is not None:
+            model.store.close()
     print(gen.stats.line(), file=sys.stderr, flush=True)
     return 130 if gen.stats.stop_reason == "interrupted" else 0
 
@@ -474,8 +513,13 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
     from .report import inspect_model
-    write_stdout(inspect_model(model_path(args), args.slots) + "\n")
+    mem, source = _mem_option(args)
+    if args.ctx_size is not None and (args.ctx_size < 1 or mem is None):
+        raise ConfigError("-c: inspect prices a context only with --mem, and it must be at least 1" if mem is None
+                          else f"-c must be at least 1, got {args.ctx_size}")
+    write_stdout(inspect_model(model_path(args), args.slots, mem, source, args.ctx_size, args.expand_dense) + "\n")
     return 0
 
 
@@ -562,6 +606,11 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print the model's layout and memory needs")
     i.add_argument("-m", "--model", default=None)
     i.add_argument("--slots", type=int, default=None, help="price pools of this many slots per layer")
+    i.add_argument("--mem", default=None, metavar="SIZE", help="print the memory plan run --mem SIZE makes: slots "
+                   "per layer, pool GiB, what is left")
+    i.add_argument("-c", "--ctx-size", type=int, default=None, help="with --mem: the context whose KV cache the "
+                   "plan holds (default: the trained context, at most 4096)")
+    i.add_argument("--expand-dense", action="store_true", help="with --mem: price --expand-dense")
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("verify", help="check streaming on == streaming off, bytewise")
@@ -579,7 +628,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (0: skip)")
     b.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (0: skip)")
     b.add_argument("-r", "--repetitions", type=int, default=3)
-    b.add_argument("--slots", default=None, help="comma-separated slot counts (streaming rows)")
+    b.add_argument("--slots", default=None, help="comma-separated slot counts (streaming rows; instead of --mem)")
+    b.add_argument("--mem", default=None, metavar="SIZE[,SIZE...]", help="comma-separated memory budgets, one row "
+                   "each: the pools get what the process, dense weights, KV cache and scratch leave (see run --mem); "
+                   "default with --mem-cap: the cap; else the memory available at start less a 10%% margin")
     b.add_argument("--io-threads", default="8", help=f"comma-separated IO thread counts (each at most "
                    f"{MAX_IO_THREADS})")
     b.add_argument("--moe-stream", default="on,off", help="on, off or on,off")

@@ -112,14 +112,16 @@ def check_trained_context(model: MoEModel, n_ctx: int, option: str, override: bo
 DEFAULT_CTX_MEMORY_SHARE = 0.5
 
 
-def default_context(model: MoEModel, share: float = DEFAULT_CTX_MEMORY_SHARE) -> tuple[int, int | None]:
+def default_context(model: MoEModel, share: float = DEFAULT_CTX_MEMORY_SHARE,
+                    memory: int | None = None) -> tuple[int, int | None]:
     """The context to use when none is asked for and generation has no length (-n -1, interactive mode): the
-    trained context, capped so that its KV cache takes at most ``share`` of the memory available now.
+    trained context, capped so that its KV cache takes at most ``share`` of the memory available now (or of
+    ``memory`` bytes: what --mem leaves besides this process).
 
     Returns ``(n_ctx, capped_from)``: ``capped_from`` is the trained context when the cap applied, else None.
     ConfigError when not even a context of 16 tokens fits."""
     train = trained_context(model)
-    budget = share * available_memory()
+    budget = share * (available_memory() if memory is None else memory)
     if model.cache_bytes(train) <= budget:
         return train, None
     lo, hi = 0, train  # largest n with cache_bytes(n) <= budget (cache_bytes grows with n)

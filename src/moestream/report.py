@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
 
@@ -41,12 +42,30 @@ def _fmt(n: float) -> str:
     return f"{n / GiB:.3f} GiB" if n >= GiB / 4 else f"{n / MiB:.2f} MiB"
 
 
-def inspect_model(path: str, slots: int | None = None) -> str:
-    """A human-readable report. Raises GGUFError for a bad file, ConfigError for --slots below top-k."""
+def inspect_model(path: str, slots: int | None = None, mem: int | None = None, mem_source: str | None = None,
+                  n_ctx: int | None = None, expand_dense: bool = False) -> str:
+    """A human-readable report. Raises GGUFError for a bad file, ConfigError for --slots below top-k.
+
+    mem (bytes; ``mem_source`` e.g. ``"--mem 4GiB"``): add the memory plan ``run --mem`` would make for a context
+    of ``n_ctx`` tokens (None: the trained context, at most 4096): the dense weights from the tensor table, this
+    process's own memory (torch, the kernels, the tokenizer) measured as run measures its own (run's is
+    typically a few tens of MiB more: the model's objects); ConfigError naming the smallest size that works when
+    top-k slots per layer do not fit."""
     g = GGUFModel(path)
     # the same one-line refusals as run: an architecture moestream cannot compute, metadata that disagrees with
     # the tensors (hyperparameters, shapes, ggml types) -- checked from the tensor table, no weight is read
-    architecture_of(g)(g, LoadOptions(moe_stream=False, metadata_only=True)).check_dense_types()
+    shape = architecture_of(g)(g, LoadOptions(moe_stream=False, metadata_only=True, expand_dense=expand_dense))
+    shape.check_dense_types()
+    plan = None
+    if mem is not None:  # this process holds what run's holds besides the model: torch, the kernels, the tokenizer
+        from . import kernels
+        from .tokenizer import GGUFTokenizer
+        with contextlib.suppress(kernels.KernelBuildError):
+            kernels.load()
+        tok = GGUFTokenizer.from_fields(g.fields, g.path)
+        plan = shape.plan_memory(LoadOptions(mem=mem, mem_source=mem_source, expand_dense=expand_dense), n_ctx,
+                                 loaded=False)
+        del tok
     layout = ExpertLayout(g)
     if not layout.moe_layers:
         raise GGUFError(f"{path}: no routed-expert tensors (blk.N.ffn_*_exps) found")
@@ -82,4 +101,6 @@ def inspect_model(path: str, slots: int | None = None) -> str:
         f"--slots {n_slots:<7d} {_fmt(pools)} of slot pools "
         f"({100 * n_slots / n_exp:.1f}% of experts) -> dense + pools = {_fmt(dense_bytes + pools)}{clamped}",
     ]
+    if plan is not None:
+        lines += plan.lines()
     return "\n".join(lines)

@@ -72,7 +72,8 @@ def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ub
     model.set_store(ResidentStore(model.gguf, model.layout))
     ref, _, ref_tokens = _run(engine, prompt, steps, None)
     stream_opts = LoadOptions(**{**opts.__dict__, "moe_stream": True})
-    store = model.make_store(stream_opts)
+    n = len(prompt) + steps  # the budget (no --slots) holds the KV cache and every kept logit row of this run
+    store = model.make_store(stream_opts, n_ctx=n, logits_rows=n, ubatch=ubatch)
     model.set_store(store)
     saved = model.opts
     model.opts = replace(saved, overlap=opts.overlap)  # the streaming run uses the overlap asked for here

@@ -105,19 +105,23 @@ class ResidentStore(ExpertStore):
 class StreamingStore(ExpertStore):
     """Per-layer slot pools filled from the file on a miss.
 
-    n_slots: slots per MoE layer, at least ``min_slots`` (experts used per token). io_threads: reader threads.
+    n_slots: slots per MoE layer (one count, or layer -> count from a memory plan), at least ``min_slots``
+    (experts used per token); clamped to each layer's experts. io_threads: reader threads.
     policy: a name in POLICIES. pin_memory: allocate pools in pinned host memory (for a CUDA device).
     Raises ConfigError for a bad n_slots or policy.
     """
 
     streaming = True
 
-    def __init__(self, model: GGUFModel, layout: ExpertLayout, n_slots: int, min_slots: int,
+    def __init__(self, model: GGUFModel, layout: ExpertLayout, n_slots: int | dict[int, int], min_slots: int,
                  io_threads: int = 8, policy: str = "lfu", pin_memory: bool = False):
         super().__init__(model, layout)
-        if n_slots < min_slots:
-            raise ConfigError(f"--slots {n_slots} is below the experts used per token ({min_slots}); "
+        per_layer = n_slots if isinstance(n_slots, dict) else dict.fromkeys(layout.moe_layers, n_slots)
+        low = min(per_layer.values())
+        if low < min_slots:
+            raise ConfigError(f"--slots {low} is below the experts used per token ({min_slots}); "
                               f"a step needs at least {min_slots} slots per layer")
+        n_slots = max(per_layer.values())
         if policy not in POLICIES:
             raise ConfigError(f"--policy: unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.reader = ExpertReader(io_threads)
@@ -128,7 +132,7 @@ class StreamingStore(ExpertStore):
         self._views: dict[int, dict[str, list[memoryview]]] = {}
         for layer, mats in layout.layers.items():
             n_exp = layout.n_experts(layer)
-            n = min(n_slots, n_exp)
+            n = min(per_layer[layer], n_exp)
             self.slots[layer] = SlotMap(n_exp, n)
             self.policies[layer] = POLICIES[policy](n_exp)
             self.pools[layer], self._views[layer] = {}, {}
@@ -137,6 +141,15 @@ class StreamingStore(ExpertStore):
                 self.pools[layer][name] = pool
                 arr = pool.numpy()
                 self._views[layer][name] = [memoryview(arr[s]) for s in range(n)]
+
+    @staticmethod
+    def slot_bytes(layout: ExpertLayout, layer: int) -> int:
+        """Bytes of one slot of ``layer``'s pools, all its expert matrices together (what a memory plan prices)."""
+        return layout.bytes_per_expert(layer)
+
+    def slots_per_layer(self) -> dict[int, int]:
+        """layer -> slots of its pool."""
+        return {layer: m.n_slots for layer, m in self.slots.items()}
 
     @property
     def pool_bytes(self) -> int:

@@ -39,7 +39,10 @@ class LoadOptions:
     """How to load a model.
 
     moe_stream: stream routed experts through slot pools (True) or address them in a memory map (False).
-    slots: slots per MoE layer (None: a quarter of the experts, at least top-k). io_threads: reader threads.
+    slots: slots per MoE layer; None: sized by a memory budget (moestream/budget.py): ``mem`` bytes in all, or
+    when None the memory available at start less a margin. mem_source: how ``mem`` was given, for messages
+    (e.g. ``"--mem 4GiB"``). n_ctx: the context (tokens) whose KV cache the budget reserves (None: the file's
+    trained context, at most 4096). io_threads: reader threads.
     policy: slot replacement policy name. expand_dense: dequantize dense weights to float32 at load.
     overlap: compute while expert reads are in flight (the shared/dense FFN, the hits, the previous prefill
     tile; see experts/moe.py) instead of reading, then computing. device: torch device string.
@@ -60,6 +63,9 @@ class LoadOptions:
     device: str = "cpu"
     metadata_only: bool = False
     matmul: str = "blocks"
+    mem: int | None = None
+    mem_source: str | None = None
+    n_ctx: int | None = None
 
     def __post_init__(self) -> None:
         if self.matmul not in MATMUL_MODES:
@@ -68,6 +74,14 @@ class LoadOptions:
             raise ConfigError(f"--slots must be a positive number, got {self.slots}")
         if self.io_threads < 1:
             raise ConfigError(f"--io-threads must be at least 1, got {self.io_threads}")
+        if self.mem is not None and self.slots is not None:
+            raise ConfigError(f"{self.mem_source or '--mem'} and --slots {self.slots} both size the slot pools: "
+                              f"give one of them")
+
+    @property
+    def budgeted(self) -> bool:
+        """The pools are sized by a memory budget (streaming, no --slots)."""
+        return self.moe_stream and self.slots is None
 
 
 def default_slots(n_experts: int, top_k: int) -> int:
@@ -98,10 +112,12 @@ class MoEModel:
         self.layout.check_counts(gguf.path, self.n_experts, self.top_k)
         self.n_ctx_train = self.meta_int("context_length", 4096)
         self.dense_bytes = 0
+        #: the memory plan that sized the pools (None: --slots, or resident)
+        self.memory_plan = None
+        self.store: ExpertStore = None  # type: ignore[assignment]
         if opts.metadata_only:
             self.check_expert_types()
-            self.store: ExpertStore = None  # type: ignore[assignment]
-        else:
+        elif not opts.budgeted:  # a budget needs the dense weights loaded first: fit_store() after __init__
             self.store = self.make_store(opts)
 
     # --- checked metadata -----------------------------------------------------------------------
@@ -201,6 +217,36 @@ class MoEModel:
         self.dense_bytes += w.nbytes
         return w
 
+    def lookup_table(self, name: str) -> Weight:
+        """An embedding table read by rows (``rows_of``) only: on a CPU device, in its file format and not
+        expanded, it stays in a memory map of the file, so only the rows of the tokens seen become resident
+        (page cache, which a memory cap can reclaim); otherwise as :meth:`weight`. A table that is also the output
+        matrix (tied embeddings) is read whole every token: load it with :meth:`weight`."""
+        info = self.gguf.tensor_info(name)
+        if self.device.type != "cpu" or self.opts.expand_dense or name not in self.mapped_tables():
+            return self.weight(name)
+        w = Weight(self.gguf, info, self.device, False, blocks=self.use_blocks, mapped=True)
+        if w.dense is not None:  # F32: dequantized, a private copy
+            self.dense_bytes += w.nbytes
+        return w
+
+    def dense_estimate(self) -> int:
+        """Bytes the dense weights will hold once loaded, from the tensor table alone (``inspect --mem``): every
+        tensor the forward pass reads but the routed experts, float32 where expanded or F32, less the embedding
+        tables :meth:`lookup_table` leaves in the file map."""
+        total = 0
+        mapped = set(self.mapped_tables()) if self.device.type == "cpu" and not self.opts.expand_dense else set()
+        for name, info in self.gguf.tensors.items():
+            block = BLOCK_TENSOR.match(name)
+            if EXPERT_TENSOR.match(name) or (block and int(block.group(1)) >= self.n_layers) or name in mapped:
+                continue
+            total += 4 * math.prod(info.shape) if self.opts.expand_dense or info.ggml_type == 0 else info.n_bytes
+        return total
+
+    def mapped_tables(self) -> list[str]:
+        """Tensors loaded with :meth:`lookup_table` (subclasses list their row-lookup tables)."""
+        return ["token_embd.weight"] if self.has("output.weight") else []
+
     def norm(self, name: str) -> torch.Tensor:
         """A norm vector as float32 [n] on the device."""
         return self.weight(name).float().reshape(-1)
@@ -226,11 +272,66 @@ class MoEModel:
             check_computable(info)
 
     # --- expert store ---------------------------------------------------------------------------
-    def make_store(self, opts: LoadOptions) -> ExpertStore:
+    def default_ctx(self) -> int:
+        """The context a budget reserves KV for when none is given: the trained context, at most 4096."""
+        return min(self.n_ctx_train, 4096)
+
+    def scratch_estimate(self, n_ctx: int, ubatch: int = 128, logits_rows: int = 1) -> int:
+        """budget.scratch_bytes for this model's shapes."""
+        from ..budget import scratch_bytes
+
+        n_embd = int(self.gguf.arch_get("embedding_length", required=True))
+        heads = self.gguf.arch_get("attention.head_count", 1)
+        n_head = max(heads) if isinstance(heads, (list, tuple)) else int(heads)
+        m = self.layout[self.layout.moe_layers[0]]
+        n_ff = m["gate_up"].rows // 2 if "gate_up" in m else m["down"].cols
+        vocab = self.gguf.tensor_info("token_embd.weight").shape[0]
+        return scratch_bytes(n_ctx=n_ctx, ubatch=ubatch, n_embd=n_embd, n_vocab=vocab, n_head=n_head,
+                             top_k=self.top_k, n_ff=n_ff, logits_rows=logits_rows)
+
+    def plan_memory(self, opts: LoadOptions, n_ctx: int | None = None, logits_rows: int = 1,
+                    loaded: bool = True, ubatch: int = 128):  # noqa: ANN201 - budget.MemoryPlan
+        """The memory plan for ``opts`` (its ``mem`` or the auto budget) at a context of ``n_ctx`` tokens (None:
+        ``opts.n_ctx``, else :meth:`default_ctx`). ``loaded``: the dense weights are loaded (their bytes are known
+        and in this process's resident memory); else they are estimated from the tensor table.
+        ConfigError naming the file and the smallest budget that works when top-k slots per layer do not fit."""
+        from ..budget import plan_pools, process_rss, resolve_budget
+
+        n_ctx = n_ctx or opts.n_ctx or self.default_ctx()
+        budget, source = resolve_budget(opts.mem, (opts.mem_source or "").removeprefix("--mem ") or None)
+        dense = self.dense_bytes if loaded else self.dense_estimate()
+        process = max(process_rss(self.gguf.paths) - (dense if loaded else 0), 0)
+        layers = self.layout.moe_layers
+        plan = plan_pools(budget, source, process=process, dense=dense, kv=self.cache_bytes(n_ctx), n_ctx=n_ctx,
+                          scratch=self.scratch_estimate(n_ctx, ubatch, logits_rows),
+                          slot_bytes={la: StreamingStore.slot_bytes(self.layout, la) for la in layers},
+                          n_experts={la: self.layout.n_experts(la) for la in layers}, top_k=self.top_k,
+                          what=self.gguf.path, strict=opts.mem is not None)
+        return plan
+
+    def fit_store(self, n_ctx: int | None = None, opts: LoadOptions | None = None, logits_rows: int = 1,
+                  ubatch: int = 128) -> ExpertStore:
+        """Make the expert store of ``opts`` (default: the load options) and set it; with a budget (streaming, no
+        ``slots``) the pools are sized by :meth:`plan_memory` for ``n_ctx`` (the plan is kept in ``memory_plan``).
+        Returns the store. Closes the store it replaces."""
+        opts = opts or self.opts
+        if self.store is not None:
+            self.store.close()
+            self.store = None  # type: ignore[assignment]
+        self.store = self.make_store(opts, n_ctx, logits_rows, ubatch)
+        return self.store
+
+    def make_store(self, opts: LoadOptions, n_ctx: int | None = None, logits_rows: int = 1,
+                   ubatch: int = 128) -> ExpertStore:
+        """A new expert store for ``opts`` (not set on the model: see :meth:`fit_store`)."""
         self.check_expert_types()
         if not opts.moe_stream:
             return ResidentStore(self.gguf, self.layout)
-        slots = opts.slots if opts.slots is not None else default_slots(self.n_experts, self.top_k)
+        if opts.slots is not None:
+            slots: int | dict[int, int] = opts.slots
+        else:
+            self.memory_plan = self.plan_memory(opts, n_ctx, logits_rows, ubatch=ubatch)
+            slots = self.memory_plan.slots
         return StreamingStore(self.gguf, self.layout, slots, self.top_k, opts.io_threads, opts.policy,
                               pin_memory=self.device.type == "cuda")
 
@@ -254,14 +355,21 @@ class MoEModel:
         raise NotImplementedError
 
 
-def load_model(path: str, opts: LoadOptions | None = None) -> MoEModel:
+def load_model(path: str, opts: LoadOptions | None = None, defer_store: bool = False) -> MoEModel:
     """Open ``path`` (a GGUF file or the first/any part of a split model) and build its architecture.
 
-    Raises GGUFError for bad files and unsupported architectures, ConfigError for bad options.
+    With a memory budget (streaming without ``opts.slots``) the pools are sized after the dense weights are
+    loaded, for ``opts.n_ctx``; ``defer_store``: leave that to the caller (``model.fit_store(n_ctx)``, once the
+    context is known), so ``model.store`` is None until then.
+    Raises GGUFError for bad files and unsupported architectures, ConfigError for bad options or a budget too
+    small (naming the smallest that works).
     """
     opts = opts or LoadOptions()
     gguf = GGUFModel(path)
-    return architecture_of(gguf)(gguf, opts)
+    model = architecture_of(gguf)(gguf, opts)
+    if model.store is None and not opts.metadata_only and not defer_store:
+        model.fit_store(opts.n_ctx)
+    return model
 
 
 def architecture_of(gguf: GGUFModel) -> type[MoEModel]:

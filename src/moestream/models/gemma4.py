@@ -84,12 +84,12 @@ class Gemma4(MoEModel):
         self.kv_owners = [(n_kv[i], d_swa if self.is_swa[i] else d_full) for i in range(first_shared)]
         if opts.metadata_only:
             return
-        self.embd = self.weight("token_embd.weight")
+        self.embd = self.lookup_table("token_embd.weight")
         self.n_vocab = self.embd.shape[0]
         self.out_norm = self.norm("output_norm.weight")
         self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
         if self.ple_dim:
-            self.ple_embd = self.weight("per_layer_token_embd.weight")  # [vocab, n_layers * ple_dim]
+            self.ple_embd = self.lookup_table("per_layer_token_embd.weight")  # [vocab, n_layers * ple_dim]
             self.ple_proj = self.weight("per_layer_model_proj.weight")  # [n_layers * ple_dim, hidden]
             self.ple_proj_norm = self.norm("per_layer_proj_norm.weight")  # [ple_dim]
 
@@ -193,6 +193,10 @@ class Gemma4(MoEModel):
                 self.expect_shape(p + "post_norm.weight", (n_embd,), emb)
             if self.has(p + "layer_output_scale.weight"):
                 self.expect_shape(p + "layer_output_scale.weight", (1,), "a per-layer scalar")
+
+    def mapped_tables(self) -> list[str]:
+        return super().mapped_tables() + (["per_layer_token_embd.weight"] if self.has("per_layer_token_embd.weight")
+                                          else [])
 
     def new_cache(self, n_ctx: int) -> LayerKVCache:
         """KV cache for ``n_ctx`` positions: float32 [n_ctx, n_kv, head_dim] per layer that owns K/V (each layer

@@ -21,7 +21,8 @@ def check_computable(info: TensorInfo) -> None:
 
 
 class Weight:
-    """A resident dense weight, kept in the file's own ggml format unless ``expand``.
+    """A resident dense weight, kept in the file's own ggml format unless ``expand``; ``mapped``: left in a memory
+    map of the file instead of a private copy (row-lookup tables, see MoEModel.lookup_table).
 
     raw: uint8 [rows, row_bytes] (quantized types) or the float32 tensor itself (F32, or expanded).
     shape: torch order, last dim = row length. blocks: ``linear`` runs moestream's C kernels on the blocks
@@ -30,12 +31,14 @@ class Weight:
     """
 
     def __init__(self, model: GGUFModel, info: TensorInfo, device: torch.device, expand: bool = False,
-                 blocks: bool = False):
+                 blocks: bool = False, mapped: bool = False):
         check_computable(info)
         self.name, self.ggml_type, self.shape = info.name, info.ggml_type, info.shape
         self.cols = info.shape[-1]
         self.rows = math.prod(info.shape[:-1])
-        data = model.read(info).view(self.rows, info.row_bytes)
+        #: the blocks stay in a read-only memory map of the file (``mapped``): only the pages read become resident
+        self.mapped = mapped and info.ggml_type != GGMLQuantizationType.F32 and not expand
+        data = (model.mapped(info) if self.mapped else model.read(info)).view(self.rows, info.row_bytes)
         if info.ggml_type == GGMLQuantizationType.F32 or expand:
             self.dense: torch.Tensor | None = quant.dequantize(data, info.ggml_type, self.cols).to(device)
             self.raw: torch.Tensor | None = None

@@ -1,0 +1,236 @@
+"""``--mem SIZE``: the memory moestream may use in all, and the slot pools sized to fit it.
+
+A plan adds up what a run holds besides the pools -- the process itself (interpreter, torch, the kernels, the
+tokenizer: measured as this process's resident memory less the dense weights it holds), the resident dense
+weights, the KV cache for the context, and scratch (activations of one prefill chunk, logits, the kernels'
+per-call buffers) -- and gives the slot pools what is left: as many slots per MoE layer as fit, at least top-k
+(a step needs its top-k experts at once), at most every expert (then nothing is evicted: each expert is read
+once). What does not divide evenly goes to the layers whose slots are cheapest, one slot each, layer order.
+
+Without ``--mem`` and ``--slots`` the budget is the memory available at start (``MemAvailable``, or what the
+process's memory cgroup still allows when tighter) plus what this process already holds, less
+:data:`AUTO_MARGIN_SHARE` of it (at least :data:`AUTO_MARGIN_MIN`), which is left to the rest of the machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import psutil
+
+from .errors import ConfigError
+
+GiB = 2**30
+MiB = 2**20
+
+#: Share of the auto budget (memory available at start) left to the rest of the machine.
+AUTO_MARGIN_SHARE = 0.10
+#: ... and at least this many bytes.
+AUTO_MARGIN_MIN = 256 * MiB
+#: Fixed part of the scratch estimate: allocator slack, torch's and glibc's arenas, Python objects of a run.
+SCRATCH_FIXED = 48 * MiB
+#: Smallest --mem accepted at all (the interpreter and torch alone take more).
+MIN_MEM = 64 * MiB
+
+
+def parse_mem(text: str, option: str = "--mem") -> int:
+    """``--mem``'s value in bytes (sizes as ``--mem-cap``: K/M/G/T and KiB.. powers of 2, KB.. powers of 10, no unit =
+    bytes). ConfigError naming ``option`` for an empty, malformed or absurd value."""
+    from .memcap import parse_size
+
+    if text is None or not str(text).strip():
+        raise ConfigError(f"{option}: the value is empty (e.g. 4GiB); to size the pools from the free memory, "
+                          f"leave {option} out")
+    try:
+        n = parse_size(text)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("--mem-cap", option)) from None
+    if n < MIN_MEM:
+        raise ConfigError(f"{option} {text}: {n} bytes is below the 64 MiB minimum (a number without a unit is bytes)")
+    if n >= 2**63:
+        raise ConfigError(f"{option} {text}: {n} bytes is more than any machine has")
+    return n
+
+
+def process_rss(exclude: tuple[str, ...] | list[str] = ()) -> int:
+    """Resident memory of this process now, bytes, less the pages of memory maps of the files ``exclude`` (the
+    model's GGUF parts: expert or embedding pages touched through a map are page cache a cap can reclaim, not
+    memory the process holds). From /proc/self/smaps; psutil's RSS where that cannot be read."""
+    skip = {os.path.realpath(p) for p in exclude}
+    try:
+        total, counting = 0, True
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(None, 1)[0]
+                if not head.endswith(":"):  # a mapping's header: "start-end perms offset dev inode [path]"
+                    parts = line.split(None, 5)
+                    path = parts[5].strip() if len(parts) > 5 else ""
+                    counting = not (path and path in skip)
+                elif head == "Rss:" and counting:
+                    total += int(line.split()[1]) * 1024
+        return total
+    except (OSError, ValueError, IndexError):
+        return psutil.Process().memory_info().rss
+
+
+def auto_budget() -> tuple[int, str]:
+    """(bytes, description) of the budget when neither --mem nor --slots is given (see the module docstring)."""
+    from .engine import available_memory
+
+    have = available_memory() + process_rss()
+    margin = max(int(AUTO_MARGIN_SHARE * have), AUTO_MARGIN_MIN)
+    return max(have - margin, 0), (f"{have / GiB:.2f} GiB available at start less a {margin / GiB:.2f} GiB margin "
+                                   f"({AUTO_MARGIN_SHARE:.0%}, at least {AUTO_MARGIN_MIN // MiB} MiB)")
+
+
+@dataclass
+class MemoryPlan:
+    """What a run holds, bytes. ``slots``: slots per MoE layer (real layer index -> count). ``budget``: the
+    memory asked for; ``source``: where it came from (``--mem 4GiB`` or the auto budget's description)."""
+
+    budget: int
+    source: str
+    process: int
+    dense: int
+    kv: int
+    n_ctx: int
+    scratch: int
+    slots: dict[int, int]
+    pools: int
+    n_experts: int
+    top_k: int
+    minimum: int  # the smallest budget that works (top-k slots in every layer)
+    all_fit: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fixed(self) -> int:
+        """Everything but the pools."""
+        return self.process + self.dense + self.kv + self.scratch
+
+    @property
+    def left(self) -> int:
+        return self.budget - self.fixed - self.pools
+
+    def slots_desc(self) -> str:
+        """``"32 slots/layer"`` or ``"32-33 slots/layer"``."""
+        lo, hi = min(self.slots.values()), max(self.slots.values())
+        return f"{lo} slots/layer" if lo == hi else f"{lo}-{hi} slots/layer"
+
+    def line(self) -> str:
+        """One line for stderr: the plan's parts."""
+        fit = ", every expert fits: nothing is evicted" if self.all_fit else ""
+        return (f"memory plan: {self.source} = process {self.process / GiB:.2f} + dense {self.dense / GiB:.2f} + KV "
+                f"{self.kv / GiB:.2f} ({self.n_ctx} tokens) + scratch {self.scratch / GiB:.2f} + pools "
+                f"{self.pools / GiB:.2f} GiB ({self.slots_desc()} of {self.n_experts}{fit}), "
+                f"{self.left / GiB:.2f} GiB left")
+
+    def lines(self) -> list[str]:
+        """``inspect --mem``'s report."""
+        out = [
+            f"memory plan     {self.source}: {self.budget / GiB:.3f} GiB",
+            f"  process       {self.process / GiB:.3f} GiB (interpreter, torch, kernels, tokenizer: measured here; "
+            f"run measures its own)",
+            f"  dense weights {self.dense / GiB:.3f} GiB (resident)",
+            f"  KV cache      {self.kv / GiB:.3f} GiB ({self.n_ctx} tokens)",
+            f"  scratch       {self.scratch / GiB:.3f} GiB (activations of one prefill chunk, logits, kernel buffers)",
+            f"  slot pools    {self.pools / GiB:.3f} GiB: {self.slots_desc()} of {self.n_experts} experts "
+            f"({100 * sum(self.slots.values()) / (self.n_experts * len(self.slots)):.1f}% of experts"
+            + ("; every expert fits, nothing is evicted" if self.all_fit else "") + ")",
+            f"  left          {self.left / GiB:.3f} GiB",
+            f"  minimum       {self.minimum / GiB:.3f} GiB ({self.top_k} slots per layer, the top-k)",
+        ]
+        return out + [f"  note          {n}" for n in self.notes]
+
+
+def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n_ctx: int, scratch: int,
+               slot_bytes: dict[int, int], n_experts: dict[int, int], top_k: int, what: str,
+               strict: bool = True) -> MemoryPlan:
+    """Slots per layer for ``budget`` bytes in all (see the module docstring).
+
+    slot_bytes: bytes of one slot of each MoE layer (all its expert matrices, padding included); n_experts:
+    experts of each layer. ``what``: the file, for the error. When ``top_k`` slots per layer do not fit:
+    ConfigError with the smallest budget that works, or (not ``strict``: the auto budget, which nobody asked
+    for) the plan of that smallest budget, with a note saying so.
+    """
+    fixed = process + dense + kv + scratch
+    layers = sorted(slot_bytes)
+    min_slots = {la: min(top_k, n_experts[la]) for la in layers}
+    minimum = fixed + sum(slot_bytes[la] * min_slots[la] for la in layers)
+    notes = []
+    if minimum > budget and not strict:
+        notes.append(f"{source} is less than the {minimum / GiB:.2f} GiB that top-k slots per layer need: planned "
+                     f"for that")
+        budget, source = minimum, f"{source}, raised to the minimum"
+    if minimum > budget:
+        need = _size_text(minimum)
+        raise ConfigError(
+            f"{what}: {source} is too small: process {process / GiB:.2f} + dense weights {dense / GiB:.2f} + KV cache "
+            f"{kv / GiB:.2f} ({n_ctx} tokens) + scratch {scratch / GiB:.2f} + {top_k} slots per layer "
+            f"{(minimum - fixed) / GiB:.2f} GiB = {minimum / GiB:.2f} GiB; the smallest --mem that works is "
+            f"{need}" + (" (or a smaller context)" if kv > 64 * MiB else ""))
+    room = budget - fixed
+    # the largest uniform count that fits (clamped per layer to its experts), then one more slot each for the
+    # cheapest layers while it fits
+    lo, hi = max(min_slots.values()), max(n_experts.values())
+
+    def cost(n: int) -> int:
+        return sum(slot_bytes[la] * max(min_slots[la], min(n, n_experts[la])) for la in layers)
+
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    slots = {la: max(min_slots[la], min(lo, n_experts[la])) for la in layers}
+    used = cost(lo)
+    for la in sorted(layers, key=lambda la: (slot_bytes[la], la)):
+        if slots[la] < n_experts[la] and used + slot_bytes[la] <= room:
+            slots[la] += 1
+            used += slot_bytes[la]
+    all_fit = all(slots[la] == n_experts[la] for la in layers)
+    return MemoryPlan(budget=budget, source=source, process=process, dense=dense, kv=kv, n_ctx=n_ctx,
+                      scratch=scratch, slots=slots, pools=used, n_experts=max(n_experts.values()), top_k=top_k,
+                      minimum=minimum, all_fit=all_fit, notes=notes)
+
+
+def _size_text(n: int) -> str:
+    """``n`` bytes rounded up to 10 MiB, as --mem takes it: ``"470MiB"``, ``"12.35GiB"`` (rounded up)."""
+    n = -(-n // (10 * MiB)) * (10 * MiB)
+    if n < 10 * GiB:
+        return f"{n // MiB}MiB"
+    return f"{-(-n * 100 // GiB) / 100:.2f}GiB"
+
+
+def scratch_bytes(*, n_ctx: int, ubatch: int, n_embd: int, n_vocab: int, n_head: int, top_k: int, n_ff: int,
+                  logits_rows: int = 1) -> int:
+    """Estimate of the scratch memory of a forward pass, bytes (float32 activations):
+
+    one prefill chunk of T = min(ubatch, n_ctx) tokens: ~16 hidden-sized tensors (residual, norms, q/k/v, attention
+    output), the routed outputs [T, top_k, hidden], the experts' intermediate [T, top_k, 2 n_ff], the attention
+    scores and softmax [n_head, T, n_ctx] twice, ``logits_rows`` rows of logits (1 unless every position's logits
+    are kept), plus :data:`SCRATCH_FIXED`.
+    """
+    t = max(1, min(ubatch, n_ctx))
+    acts = 16 * t * n_embd + t * top_k * n_embd + t * top_k * 2 * n_ff + 2 * n_head * t * n_ctx
+    return 4 * (acts + max(logits_rows, 1) * n_vocab) + SCRATCH_FIXED
+
+
+def resolve_budget(mem: int | None, mem_text: str | None) -> tuple[int, str]:
+    """(bytes, source) of the budget: --mem's, else the auto budget."""
+    if mem is not None:
+        return mem, f"--mem {mem_text or f'{mem}B'}"
+    return auto_budget()
+
+
+def warn_over_available(mem: int, option: str = "--mem") -> str | None:
+    """A warning when ``mem`` is more than this machine (or cgroup) has now, else None."""
+    from .engine import available_memory
+
+    have = available_memory() + process_rss()
+    if mem > have:
+        return (f"warning: {option}: {mem / GiB:.2f} GiB is more than the {have / GiB:.2f} GiB available now; "
+                f"the pools are sized to it as asked, and the machine may swap or kill the run")
+    return None

@@ -1,0 +1,161 @@
+"""--mem SIZE: the memory plan that sizes the slot pools, its errors, and the budget held under a real cgroup cap."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from moestream import cli
+from moestream.budget import GiB, MiB, parse_mem, plan_pools
+from moestream.errors import ConfigError
+from moestream.memcap import MemCap
+from moestream.models.base import LoadOptions, load_model
+
+
+def _plan(budget: int, slot_bytes: dict[int, int], n_exp: int = 16, top_k: int = 4, fixed: int = 100):
+    return plan_pools(budget, f"--mem {budget}B", process=fixed, dense=0, kv=0, n_ctx=1, scratch=0,
+                      slot_bytes=slot_bytes, n_experts=dict.fromkeys(slot_bytes, n_exp), top_k=top_k, what="m.gguf")
+
+
+def test_plan_fills_the_budget_and_never_exceeds_it():
+    """Every plan over a sweep of budgets stays within the budget, gives each layer at least top-k slots, and
+    keeps layers within one slot of each other, and leaves no room for one more slot in any layer that has the
+    fewest (its next slot would not fit, or it is full)."""
+    sb = {0: 300, 1: 200, 2: 300, 5: 250}
+    for budget in range(100 + 4 * 1050, 100 + 16 * 1050 + 400, 37):
+        p = _plan(budget, sb)
+        assert p.fixed + p.pools <= budget
+        assert p.pools == sum(sb[la] * n for la, n in p.slots.items())
+        assert all(4 <= n <= 16 for n in p.slots.values())
+        assert max(p.slots.values()) - min(p.slots.values()) <= 1 or p.all_fit
+        low = min(p.slots.values())
+        assert all(n == 16 or n > low or sb[la] > budget - p.fixed - p.pools for la, n in p.slots.items())
+
+
+def test_plan_all_experts_and_minimum():
+    sb = {0: 1000, 1: 1000}
+    p = _plan(100 + 2 * 16 * 1000 + 5000, sb)
+    assert p.all_fit and p.slots == {0: 16, 1: 16} and p.left == 5000
+    p = _plan(100 + 2 * 4 * 1000, sb)  # exactly the minimum
+    assert p.slots == {0: 4, 1: 4} and p.minimum == 100 + 8000
+    with pytest.raises(ConfigError) as e:
+        _plan(100 + 2 * 4 * 1000 - 1, sb)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("m.gguf: --mem ") and "the smallest --mem that works is" in msg
+
+
+def test_extra_slots_go_to_the_cheapest_layers():
+    """What a uniform count leaves goes one slot each to the layers whose slots cost least."""
+    p = _plan(100 + 5 * (300 + 200) + 200, {0: 300, 1: 200})
+    assert p.slots == {0: 5, 1: 6}
+
+
+def test_parse_mem():
+    assert parse_mem("1.5GiB") == int(1.5 * GiB) and parse_mem("800M") == 800 * MiB
+    for bad, what in (("", "empty"), ("abc", "cannot read"), ("1MiB", "below the 64 MiB minimum")):
+        with pytest.raises(ConfigError, match=what):
+            parse_mem(bad)
+
+
+def test_mem_and_slots_refused_together(default_gguf, capsys):
+    assert cli.main(["run", "-m", str(default_gguf), "--mem", "1GiB", "--slots", "8", "-n", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["moestream: error: --mem 1GiB and --slots 8 both size the slot pools: give one of them"]
+
+
+def _smallest(err: str) -> str:
+    m = re.search(r"the smallest --mem that works is ([0-9.]+[MG]iB)", err)
+    assert m, err
+    return m.group(1)
+
+
+def test_too_small_names_the_smallest_that_works(default_gguf):
+    """A budget below what dense + KV + top-k slots need: one line with the smallest --mem, nothing on stdout; that
+    size runs in a fresh process (this one holds pytest too), with top-k slots or a few more (it is rounded up to
+    10 MiB) and the plan printed."""
+    from helpers import moestream
+
+    p = moestream("run", "-m", str(default_gguf), "--mem", "100MiB", "-n", "4", "--temp", "0")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and p.stdout == ""
+    assert len(lines) == 1 and lines[0].startswith(f"moestream: error: {default_gguf}: --mem 100MiB is too small")
+    size = _smallest(lines[0])
+    p = moestream("run", "-m", str(default_gguf), "--mem", size, "-n", "4", "--temp", "0")
+    assert p.returncode == 0, p.stderr
+    err = p.stderr
+    m = re.search(r"memory plan: --mem \S+ = .* pools [0-9.]+ GiB \((\d+)(?:-(\d+))? slots/layer of 64", err)
+    assert m, err
+    assert 4 <= int(m.group(1)) <= 64
+
+
+def test_inspect_mem_prints_the_plan_run_uses(default_gguf):
+    """inspect --mem prints the plan run makes: the same dense, KV and scratch figures, the process measured within
+    64 MiB of run's own (fresh processes both), and pools = budget less the rest."""
+    from helpers import moestream
+
+    p = moestream("inspect", "-m", str(default_gguf), "--mem", "2GiB", "-c", "14")
+    assert p.returncode == 0, p.stderr
+    got = dict(re.findall(r"^  (process|dense weights|KV cache|scratch|slot pools|left) +([0-9.]+) GiB", p.stdout,
+                          re.M))
+    assert set(got) == {"process", "dense weights", "KV cache", "scratch", "slot pools", "left"}, p.stdout
+    assert "every expert fits" in p.stdout and "minimum" in p.stdout
+    r = moestream("run", "-m", str(default_gguf), "--mem", "2GiB", "-n", "8", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"memory plan: --mem 2GiB = process ([0-9.]+) \+ dense ([0-9.]+) \+ KV ([0-9.]+) \(14 tokens\) "
+                  r"\+ scratch ([0-9.]+) \+ pools ([0-9.]+) GiB", r.stderr)
+    assert m, r.stderr
+    assert abs(float(m.group(1)) - float(got["process"])) <= 64 / 1024
+    assert abs(float(m.group(2)) - float(got["dense weights"])) < 0.01
+    assert float(m.group(4)) == pytest.approx(float(got["scratch"]), abs=0.006)
+    assert abs(float(m.group(5)) - float(got["slot pools"])) < 0.01
+
+
+def test_budget_store_is_identical_to_resident(default_gguf, monkeypatch):
+    """Pools sized by a budget (a few slots per layer: misses and evictions) give the resident logits bitwise. (This
+    process's memory, which the plan measures, is held fixed: pytest's own moves by more than the model's slots.)"""
+    import torch
+
+    from moestream import budget
+    from moestream.engine import Engine
+    monkeypatch.setattr(budget, "process_rss", lambda exclude=(): 400 * MiB)
+    resident = load_model(str(default_gguf), LoadOptions(moe_stream=False))
+    ids = list(range(1, 40))
+    ref = Engine(resident).prefill(ids, resident.new_cache(48), logits_all=True)
+    probe = load_model(str(default_gguf), LoadOptions(moe_stream=False))
+    need = probe.plan_memory(LoadOptions(mem=2**40), n_ctx=48).minimum  # bytes for top-k slots per layer
+    m = load_model(str(default_gguf), LoadOptions(mem=need + 6 * 4 * probe.layout.bytes_per_expert(0), n_ctx=48))
+    try:
+        per = m.store.slots_per_layer()
+        assert all(m.top_k <= n < m.n_experts for n in per.values()), per
+        got = Engine(m).prefill(ids, m.new_cache(48), logits_all=True)
+        assert torch.equal(ref.view(torch.int32), got.view(torch.int32))
+        assert m.store.stats.misses > 0
+    finally:
+        m.store.close()
+
+
+def _no_cap() -> str | None:
+    try:
+        MemCap.check()
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_no_cap() is not None, reason=f"no usable memory cgroup: {_no_cap()}")
+def test_budget_holds_under_a_real_cap(default_gguf):
+    """Under a memory cgroup equal to --mem (page cache included, swap off), from the smallest size that works up
+    to far more than the model: the run finishes, is never OOM-killed, and the cgroup's peak stays under the cap."""
+    from helpers import moestream
+
+    smallest = parse_mem(_smallest(moestream("run", "-m", str(default_gguf), "--mem", "100MiB").stderr))
+    for cap in (smallest, smallest + 16 * MiB, smallest + 64 * MiB, 2 * GiB):
+        cmd = [sys.executable, "-m", "moestream", "run", "-m", str(default_gguf), "--mem", f"{cap}B", "-n", "32",
+               "-p", "A long prompt about the printing press " * 8, "--temp", "0"]
+        res = MemCap(cap).run(cmd)
+        assert res.returncode == 0 and not res.oom_killed, (cap, res.stderr[-2000:])
+        assert res.peak_bytes <= cap, (cap, res.peak_bytes)
+        assert "memory plan: --mem" in res.stderr
