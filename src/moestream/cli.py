@@ -548,6 +548,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ConfigError(f"--slots {slots} is below the experts used per token ({model.top_k}); "
                           f"a step needs at least {model.top_k} slots per layer")
     res = verify(model, ids, args.steps, opts, args.ubatch)
+    if model.memory_plan is not None:
+        print(f"moestream: {model.memory_plan.line()}", file=sys.stderr, flush=True)
     if not res.identical:
         step, pos = res.first_diff
         print(f"moestream verify: DIFFERENT logits at step {step} (token position {pos}); "
@@ -555,7 +557,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 1
     write_stdout(f"identical: {res.steps} steps (the prefill of a {len(ids)}-token prompt, every position, then "
                  f"{args.steps} greedy decode steps), {res.n_logits} logits compared bytewise; "
-                 f"overlap {'on' if opts.overlap else 'off'}, streamed {res.streamed_bytes / GiB:.4f} GiB, "
+                 f"{res.slots} slots/layer, overlap {'on' if opts.overlap else 'off'}, streamed "
+                 f"{res.streamed_bytes / GiB:.4f} GiB, "
                  f"hit rate {100 * res.hit_rate:.1f}%\n")
     return 0
 

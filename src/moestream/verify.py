@@ -24,6 +24,7 @@ class VerifyResult:
     streamed_bytes: int
     hit_rate: float
     tokens: list[int]
+    slots: str = ""  # slots per layer of the streaming run, e.g. "16" or "15-16"
 
 
 def _run(engine: Engine, prompt: list[int], steps: int,
@@ -85,4 +86,10 @@ def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ub
     n_logits = sum(t.numel() for t in got[: len(got) - (1 if diff else 0)])
     return VerifyResult(identical=diff is None, steps=len(got) if diff is None else diff[0],
                         n_logits=n_logits, first_diff=diff, streamed_bytes=store.bytes_read,
-                        hit_rate=store.stats.hit_rate, tokens=tokens if diff else ref_tokens)
+                        hit_rate=store.stats.hit_rate, tokens=tokens if diff else ref_tokens,
+                        slots=_slots_text(store))
+
+
+def _slots_text(store) -> str:  # noqa: ANN001 - StreamingStore
+    per = list(store.slots_per_layer().values())
+    return f"{min(per)}" if min(per) == max(per) else f"{min(per)}-{max(per)}"
