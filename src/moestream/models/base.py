@@ -98,6 +98,8 @@ class MoEModel:
         self.layout.check_counts(gguf.path, self.n_experts, self.top_k)
         self.n_ctx_train = self.meta_int("context_length", 4096)
         self.dense_bytes = 0
+        #: None, or a callable ``(layer, ids) -> ids`` that replaces every MoE layer's router ids (set_routing)
+        self.routing: Callable | None = None
         if opts.metadata_only:
             self.check_expert_types()
             self.store: ExpertStore = None  # type: ignore[assignment]
@@ -233,6 +235,15 @@ class MoEModel:
         slots = opts.slots if opts.slots is not None else default_slots(self.n_experts, self.top_k)
         return StreamingStore(self.gguf, self.layout, slots, self.top_k, opts.io_threads, opts.policy,
                               pin_memory=self.device.type == "cuda")
+
+    def set_routing(self, routing: Callable | None) -> None:
+        """Route every MoE layer through ``routing(layer, ids [tokens, top_k] int64) -> ids`` of the same shape
+        instead of the router's top-k ids (the router's weights are kept; e.g. experts/synthetic.py); None: the
+        router's own."""
+        self.routing = routing
+        for b in getattr(self, "blocks", ()):
+            if isinstance(b, dict) and "moe" in b:
+                b["moe"].routing = routing
 
     def set_store(self, store: ExpertStore) -> None:
         """Swap the expert store (e.g. resident -> streaming for the identity check)."""
