@@ -32,7 +32,7 @@ def brute_force_hits(requests, cap: int, window: tuple[int, int] | None = None) 
     start, stop = window or (0, len(requests))
     reqs = requests[:stop]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i: int, state: frozenset) -> int:
         if i == len(reqs):
             return 0
@@ -347,3 +347,19 @@ def test_bench_row_gets_simulated_hit_rates_under_calibrated_routing(default_ggu
     assert row2["tests"][1]["hit_rate"] == tg["hit_rate"]
     table = bench.format_table([row])
     assert "| Belady hit rate |" in table and f"{100 * tg['belady_hit_rate']:.1f}%" in table
+
+
+def test_bench_calibrated_says_so_in_the_table_stderr_and_json(tmp_path):
+    out = tmp_path / "b.json"
+    p = cli("bench", "-p", "4", "-n", "3", "-r", "1", "--slots", "8", "--moe-stream", "on", "--routing", "calibrated",
+            "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "Routing: calibrated." in p.stdout and "| Belady hit rate |" in p.stdout
+    summary = [ln for ln in p.stderr.splitlines() if ln.startswith("routing: synthetic, calibrated to Qwen3-30B-A3B")]
+    assert len(summary) == 1 and "(published 74.1% at 24 of 128)" in summary[0]  # the default model: 64 experts
+    d = json.loads(out.read_text())
+    assert d["meta"]["routing"] == "calibrated" and d["meta"]["routing_calibration"]["summary"] == summary[0]
+    (row,) = d["rows"]
+    assert row["routing"] == "calibrated" and 0 <= row["tests"][1]["belady_hit_rate"] <= 1
+    assert "cannot be replaced" in bench.routing_note("calibrated", d["meta"]["routing_calibration"], True)
+    assert "cannot be replaced" not in bench.routing_note("model", None, False)

@@ -20,12 +20,12 @@ layer])``, and token ``t`` of layer ``l`` is the same whatever the calls' chunki
 (one process each, same calls) sees the same sequence.
 
 The fitted parameters (:data:`FITS`) come from ``benchmarks/calibrate_routing.py --fit``: a grid search for the
-``(zipf, cutoff, reuse)`` whose LRU hit rates (experts/trace.py's simulator, the published protocol: per-layer pools, empty
-at the start, ``N_TOKENS`` decode tokens, every request counted) are closest (least squares, in points) to the
-published ones. The parameters are dimensionless (``cutoff`` is a fraction of the experts, ``reuse`` a probability,
-and the Zipf head puts about the same share of the draws on the same top fraction of the experts whatever their
-number), so the rule for another shape is: the same parameters with the model's own n_experts and top_k. Only the 128-expert top-8 shape of the
-sources has been checked against published numbers.
+``(zipf, cutoff, reuse)`` whose LRU hit rates (experts/trace.py's simulator, the published protocol: per-layer
+pools, empty at the start, ``N_TOKENS`` decode tokens, every request counted) are closest (least squares, in
+points) to the published ones. The parameters are dimensionless (``cutoff`` is a fraction of the experts,
+``reuse`` a probability, and the Zipf head puts about the same share of the draws on the same top fraction of the
+experts whatever their number), so the rule for another shape is: the same parameters with the model's own
+n_experts and top_k. Only the 128-expert top-8 shape of the sources has been checked against published numbers.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class RoutingFit:
 
     name: model the curve is of. zipf, cutoff, reuse: see the module docstring. n_experts, top_k, n_layers: the source
     model's shape. targets: ((experts resident per layer, published LRU hit rate in %), ...). source: where the
-    numbers are from and how their unit was read.
+    numbers are from and how their unit was read; cite: the source in a few words.
     """
 
     name: str
@@ -61,6 +61,7 @@ class RoutingFit:
     n_layers: int
     targets: tuple[tuple[int, float], ...]
     source: str
+    cite: str
 
 
 FITS: dict[str, RoutingFit] = {
@@ -71,6 +72,7 @@ FITS: dict[str, RoutingFit] = {
                "36.6/74.1/89.4/96.2% hits. A slot there holds one projection (gate, up or down) of one expert "
                "(imp#1375: 'n_layers x kExpertProjCount x top_k'; 3 x top_k = 24 slots 'barely holds a single "
                "token'), so experts resident per layer = slots / 3, rounded: 8/24/49/81 of 128",
+        cite="kekzl/imp#1374",
     ),
     "gemma4-26b-a4b": RoutingFit(
         name="Gemma-4-26B-A4B", zipf=0.5, cutoff=0.27, reuse=0.06, n_experts=128, top_k=8, n_layers=30,
@@ -78,6 +80,7 @@ FITS: dict[str, RoutingFit] = {
         source="issue 11's figures for Gemma-4-26B-A4B with LRU: 50/25/12.5% of the 128 experts resident -> "
                "89/67/45% hits (their source and protocol were not found in a public search; read as experts "
                "resident per layer and the same protocol as Qwen3-30B-A3B's)",
+        cite="figures of issue 11, source not found",
     ),
 }
 
@@ -110,7 +113,8 @@ class SyntheticRouting:
         rank = np.arange(n_experts, dtype=np.float64)
         w = (rank + 1) ** -zipf * np.exp(-rank / (cutoff * n_experts))
         self._cdf_w = np.cumsum(w / w.sum()).tolist()  # over popularity ranks
-        self._state: dict[int, tuple[np.random.Generator, list[int], list[int]]] = {}  # layer -> (rng, rank->expert, prev)
+        #: layer -> (its generator, expert of each popularity rank, the previous token's experts)
+        self._state: dict[int, tuple[np.random.Generator, list[int], list[int]]] = {}
 
     @classmethod
     def fitted(cls, n_experts: int, top_k: int, fit: str = DEFAULT_FIT, seed: int = 0) -> SyntheticRouting:
@@ -184,10 +188,11 @@ def calibration_summary(n_experts: int, top_k: int, fit: str = DEFAULT_FIT, n_la
     f = FITS[fit]
     resident = [max(top_k, min(n_experts, round(r * n_experts / f.n_experts))) for r, _ in f.targets]
     got = lru_curve(f.zipf, f.cutoff, f.reuse, n_experts, top_k, resident, n_layers=n_layers)
-    pairs = ", ".join(f"{r}: {g:.1f}% (published {t:.1f}%)" for r, g, (_, t) in zip(resident, got, f.targets,
-                                                                                  strict=True))
-    line = (f"routing: synthetic, calibrated to {f.name} (zipf {f.zipf}, cutoff {f.cutoff}, reuse {f.reuse}; {f.source.split(' (')[0]}); "
-            f"its LRU hit rates at experts resident/layer of {n_experts}, top-{top_k}: {pairs}")
+    same = (n_experts, top_k) == (f.n_experts, f.top_k)
+    pairs = ", ".join(f"{r}: {g:.1f}% (published {t:.1f}%{'' if same else f' at {p} of {f.n_experts}'})"
+                      for r, g, (p, t) in zip(resident, got, f.targets, strict=True))
+    line = (f"routing: synthetic, calibrated to {f.name} ({f.cite}; zipf {f.zipf}, cutoff {f.cutoff}, reuse "
+            f"{f.reuse}); LRU hit rates, experts resident/layer of {n_experts}, top-{top_k}: {pairs}")
     return {"fit": fit, "model": f.name, "zipf": f.zipf, "cutoff": f.cutoff, "reuse": f.reuse, "source": f.source,
             "n_experts": n_experts, "top_k": top_k, "resident": resident, "lru_hit_rate_pct": got,
             "published_pct": [t for _, t in f.targets], "summary": line}

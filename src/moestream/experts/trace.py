@@ -87,8 +87,8 @@ def simulate(requests: Sequence[Request], policy: str, slots: int | Mapping[int,
 
     slots: slots per layer (one int for every layer, or {layer: slots}), from an empty pool. window:
     ``(start, stop)`` request indices (``stop`` None: the end): only requests in ``range(start, stop)`` are
-    counted, earlier ones are replayed to warm the pools, later ones are not replayed (Belady looks no further
-    than ``stop``). Returns the SimResult. ValueError when a request's experts plus its pinned experts need
+    counted, earlier ones are replayed to warm the pools (for Belady, as free misses: see the module docstring),
+    later ones are not replayed (Belady looks no further than ``stop``). Returns the SimResult. ValueError when a request's experts plus its pinned experts need
     more slots than its layer's pool has (see :func:`retile`).
     """
     if policy not in SIMULATED:
@@ -135,7 +135,7 @@ def simulate(requests: Sequence[Request], policy: str, slots: int | Mapping[int,
         elif policy == "lfu":
             held.sort(key=lambda s: (uses[layer][ex_of[s]], last[layer][ex_of[s]], s))
         else:
-            def next_use(s: int) -> int:
+            def next_use(s: int, layer: int = layer, ex_of: list[int] = ex_of, i: int = i) -> int:
                 times = when.get((layer, ex_of[s]), ())
                 j = bisect.bisect_right(times, i)
                 return times[j] if j < len(times) else never
