@@ -87,9 +87,10 @@ def simulate(requests: Sequence[Request], policy: str, slots: int | Mapping[int,
 
     slots: slots per layer (one int for every layer, or {layer: slots}), from an empty pool. window:
     ``(start, stop)`` request indices (``stop`` None: the end): only requests in ``range(start, stop)`` are
-    counted, earlier ones are replayed to warm the pools (for Belady, as free misses: see the module docstring),
-    later ones are not replayed (Belady looks no further than ``stop``). Returns the SimResult. ValueError when a request's experts plus its pinned experts need
-    more slots than its layer's pool has (see :func:`retile`).
+    counted, earlier ones are replayed to warm the pools (for Belady, as free misses: see the module
+    docstring), later ones are not replayed (Belady looks no further than ``stop``). Returns the SimResult.
+    ValueError when a request's experts plus its pinned experts need more slots than its layer's pool has (see
+    :func:`retile`).
     """
     if policy not in SIMULATED:
         raise ValueError(f"unknown policy {policy!r}; simulated: {', '.join(SIMULATED)}")
