@@ -69,14 +69,14 @@ def fit(name: str) -> tuple[float, float, float]:
 
 def table(name: str, params: tuple[float, float, float] | None = None) -> str:
     f = FITS[name]
-    z, c, r = params or (f.zipf, f.cutoff, f.reuse)
+    z, cut, r = params or (f.zipf, f.cutoff, f.reuse)
     resident = [k for k, _ in f.targets]
     if f.top_k * 2 not in resident:
         resident.append(f.top_k * 2)  # 16 slots: where the Gemma-4 Belady-LFU gap was published
-    got = curves(z, c, r, f.n_experts, f.top_k, resident, f.n_layers, policies=("lru", "lfu", "belady"))
+    got = curves(z, cut, r, f.n_experts, f.top_k, resident, f.n_layers, policies=("lru", "lfu", "belady"))
     pub = dict(f.targets)
     out = [f"### {f.name} shape: {f.n_experts} experts, top-{f.top_k}, {f.n_layers} layers; generator zipf {z}, "
-           f"cutoff {c}, reuse {r}; {N_TOKENS} decode tokens from empty pools",
+           f"cutoff {cut}, reuse {r}; {N_TOKENS} decode tokens from empty pools",
            "", "| experts resident/layer | share | published LRU | generator LRU | difference | generator LFU | "
            "generator Belady |", "|---|---|---|---|---|---|---|"]
     for i, k in enumerate(resident):
@@ -84,8 +84,14 @@ def table(name: str, params: tuple[float, float, float] | None = None) -> str:
         d = f"{got['lru'][i] - p:+.1f}" if p is not None else "-"
         out.append(f"| {k} | {100 * k / f.n_experts:.1f}% | {'-' if p is None else f'{p:.1f}%'} | "
                    f"{got['lru'][i]:.1f}% | {d} | {got['lfu'][i]:.1f}% | {got['belady'][i]:.1f}% |")
+    for what, k, lo, hi in f.checks:  # published figures that were not fitted
+        chk = curves(z, cut, r, f.n_experts, f.top_k, [k], f.n_layers, policies=("lru", "lfu", "belady"))
+        got_k = chk["lru"][0] if what == "lru" else chk["belady"][0] - chk["lfu"][0]
+        unit = "% LRU hits" if what == "lru" else " points of Belady over LFU"
+        out.append(f"\nnot fitted, published {lo:g}-{hi:g}{unit} at {k} experts resident: generator {got_k:.1f} "
+                   f"({'inside' if lo <= got_k <= hi else 'OUTSIDE'} the range)")
     out += ["", f"next-token reuse (share of a token's experts the previous token also chose): "
-            f"{next_token_reuse(z, c, r, f.n_experts, f.top_k, f.n_layers):.1f}%", f"source: {f.source}", ""]
+            f"{next_token_reuse(z, cut, r, f.n_experts, f.top_k, f.n_layers):.1f}%", f"source: {f.source}", ""]
     return "\n".join(out)
 
 

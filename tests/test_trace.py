@@ -266,6 +266,10 @@ def test_calibrated_lru_hit_rates_match_the_published_ones(name):
     got = lru_curve(f.zipf, f.cutoff, f.reuse, f.n_experts, f.top_k, [r for r, _ in f.targets], n_layers=f.n_layers)
     for (resident, want), g in zip(f.targets, got, strict=True):
         assert abs(g - want) <= 3.0, (resident, g, want)
+    for what, resident, lo, hi in f.checks:  # published figures the fit did not use
+        reqs = decode_requests(SyntheticRouting.fitted(f.n_experts, f.top_k, name), f.n_layers)
+        lru, lfu, opt = (100 * simulate(reqs, p, resident).hit_rate for p in ("lru", "lfu", "belady"))
+        assert lo <= (lru if what == "lru" else opt - lfu) <= hi, (what, resident, lru, lfu, opt)
 
 
 # ------------------------------------------------------------------------------------------------ command line

@@ -62,6 +62,9 @@ class RoutingFit:
     targets: tuple[tuple[int, float], ...]
     source: str
     cite: str
+    #: published figures not fitted, to check the fit against: (what, experts resident per layer, low, high) with
+    #: what ``"lru"`` (LRU hit rate in %) or ``"belady-lfu"`` (Belady's hit rate minus LFU's, in points)
+    checks: tuple[tuple[str, int, float, float], ...] = ()
 
 
 FITS: dict[str, RoutingFit] = {
@@ -73,6 +76,7 @@ FITS: dict[str, RoutingFit] = {
                "(imp#1375: 'n_layers x kExpertProjCount x top_k'; 3 x top_k = 24 slots 'barely holds a single "
                "token'), so experts resident per layer = slots / 3, rounded: 8/24/49/81 of 128",
         cite="kekzl/imp#1374",
+        checks=(("lru", 51, 90.0, 95.0),),  # issue 11: "LRU over 40% of experts resident: 90-95%"
     ),
     "gemma4-26b-a4b": RoutingFit(
         name="Gemma-4-26B-A4B", zipf=0.5, cutoff=0.27, reuse=0.06, n_experts=128, top_k=8, n_layers=30,
@@ -81,6 +85,7 @@ FITS: dict[str, RoutingFit] = {
                "89/67/45% hits (their source and protocol were not found in a public search; read as experts "
                "resident per layer and the same protocol as Qwen3-30B-A3B's)",
         cite="figures of issue 11, source not found",
+        checks=(("belady-lfu", 16, 8.0, 11.0),),  # issue 11: "Belady 8-11 points above LFU at 16 slots"
     ),
 }
 
