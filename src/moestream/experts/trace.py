@@ -189,10 +189,12 @@ def hit_rates(requests: Sequence[Request], slots: int | Mapping[int, int],
 @dataclass
 class RoutingTrace:
     """A routing trace in memory: ``requests`` (what ``store.trace`` appends to) and ``meta`` (the file header,
-    see the module docstring)."""
+    see the module docstring); ``store``: the ExpertStore it records (None for a trace read from a file)."""
 
     requests: list[Request] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    store: Any = field(default=None, repr=False)
+    _at_decode: tuple[int, int] = (0, 0)  # the store's (hits, misses) when the decode steps began
 
     @classmethod
     def attach(cls, model: Any) -> RoutingTrace:
@@ -200,7 +202,7 @@ class RoutingTrace:
         now on, with the header filled from the model."""
         store = model.store
         layout = model.layout
-        t = cls()
+        t = cls(store=store)
         store.trace = t.requests
         streaming = store.streaming
         t.meta = {
@@ -210,22 +212,20 @@ class RoutingTrace:
             "policy": model.opts.policy if streaming else None, "overlap": model.opts.overlap,
             "decode_start": None,
         }
-        t._store = store  # type: ignore[attr-defined]
-        t._at_decode = (0, 0)  # type: ignore[attr-defined]
         return t
 
     def mark_decode(self) -> None:
         """The requests from here on are decode steps (call it after the prefill)."""
-        st = self._store.stats  # type: ignore[attr-defined]
+        st = self.store.stats
         self.meta["decode_start"] = len(self.requests)
-        self._at_decode = (st.hits, st.misses)  # type: ignore[attr-defined]
+        self._at_decode = (st.hits, st.misses)
 
     def finish(self) -> None:
         """Record the store's own counts (all requests and decode only) in the header."""
-        st = self._store.stats  # type: ignore[attr-defined]
+        st = self.store.stats
         if self.meta.get("decode_start") is None:
             self.mark_decode()
-        h0, m0 = self._at_decode  # type: ignore[attr-defined]
+        h0, m0 = self._at_decode
         self.meta.update(requests=len(self.requests), hits=st.hits, misses=st.misses,
                          decode_hits=st.hits - h0, decode_misses=st.misses - m0)
 
@@ -338,7 +338,7 @@ def trace_table(trace: RoutingTrace, slot_counts: Sequence[int] | None = None, n
     meta = trace.meta
     if slot_counts is None:
         slot_counts = [] if recorded else [default_slots(max(n_exp.values()), top_k)]
-    rows: list[tuple[dict[int, int], bool]] = [(recorded, True)] if recorded and not slot_counts else []
+    rows: list[tuple[dict[int, int], bool]] = [] if slot_counts else [(recorded, True)]  # default: the recorded
     for n in slot_counts:
         caps = {layer: min(n, ne) for layer, ne in n_exp.items()}
         rows.append((caps, caps == recorded))
@@ -359,7 +359,7 @@ def trace_table(trace: RoutingTrace, slot_counts: Sequence[int] | None = None, n
         if changed:
             notes.append(f"note: at {_slots_label(caps)} slots, {changed} prefill requests recorded through the "
                          f"larger pool were re-tiled as MoE tiles a chunk (an approximation of what that run would "
-                         f"have requested)")
+                         f"have requested).")
         own_d = own_a = None
         if is_recorded:
             dh, dm = meta.get("decode_hits", 0), meta.get("decode_misses", 0)
