@@ -105,13 +105,13 @@ def disk_read_bandwidth(path: str, chunk_bytes: int, n_reads: int = 48, threads:
         os.close(fd)
 
 
-def check_json_path(path: str, inputs: list[str] = ()) -> None:
-    """ConfigError, before any row runs, when ``--json PATH`` cannot be written (see ``write_json``) or names
-    one of ``inputs`` (the model's files: a typo must not replace the model with the results)."""
+def check_json_path(path: str, inputs: list[str] = (), option: str = "--json", what: str = "the results") -> None:
+    """ConfigError, before any row runs, when ``--json PATH`` (``option``) cannot be written (see ``write_json``)
+    or names one of ``inputs`` (the model's files: a typo must not replace the model with ``what``)."""
     if path == "":
-        raise ConfigError("--json: the path is empty")
+        raise ConfigError(f"{option}: the path is empty")
     real = os.path.realpath(path)
-    cannot = f"--json {path}: cannot write a file there"
+    cannot = f"{option} {path}: cannot write a file there"
     try:
         st = os.stat(real)
     except FileNotFoundError:
@@ -125,8 +125,8 @@ def check_json_path(path: str, inputs: list[str] = ()) -> None:
     for inp in inputs:
         with contextlib.suppress(OSError):
             if st is not None and os.path.samefile(real, inp):
-                raise ConfigError(f"--json {path}: that is the model file {inp}; choose another path for the "
-                                  f"results")
+                raise ConfigError(f"{option} {path}: that is the model file {inp}; choose another path for "
+                                  f"{what}")
     if st is not None and not stat.S_ISREG(st.st_mode):  # a FIFO, /dev/null, a terminal: written into as it is
         if not os.access(real, os.W_OK):
             raise ConfigError(f"{cannot} (not writable)")
@@ -145,14 +145,18 @@ def check_json_path(path: str, inputs: list[str] = ()) -> None:
 
 
 def write_json(path: str, obj: object) -> None:
-    """Write ``obj`` as JSON to ``path`` the way a user expects an output path to be treated.
+    """Write ``obj`` as JSON to ``path`` (``--json``), as :func:`write_output` writes."""
+    write_output(path, json.dumps(obj, indent=2) + "\n")
 
-    A symlink is followed: its target gets the JSON and the link stays a link. An existing file that is not a
+
+def write_output(path: str, text: str, option: str = "--json", what: str = "the results") -> None:
+    """Write ``text`` to ``path`` the way a user expects an output path to be treated.
+
+    A symlink is followed: its target gets the text and the link stays a link. An existing file that is not a
     regular file (a FIFO, /dev/null, a terminal) is opened and written into, never replaced. A regular file, new or
     existing, is written to a temporary file in the same folder that is then renamed over it, so a failed write
-    never leaves it half-written (an existing file keeps its permissions). OutputError naming --json on failure.
+    never leaves it half-written (an existing file keeps its permissions). OutputError naming ``option`` on failure.
     """
-    text = json.dumps(obj, indent=2) + "\n"
     real = os.path.realpath(path)
     try:
         try:
@@ -180,7 +184,7 @@ def write_json(path: str, obj: object) -> None:
                 os.unlink(tmp)
             raise
     except OSError as e:
-        raise OutputError(f"--json {path}: cannot write the results ({e.strerror or e})") from None
+        raise OutputError(f"{option} {path}: cannot write {what} ({e.strerror or e})") from None
 
 
 def run_row(cfg: dict) -> dict:
@@ -204,9 +208,14 @@ def run_row(cfg: dict) -> dict:
     model = load_model(cfg["model"], opts)
     load_seconds = time.perf_counter() - t_load
     check_cache_fits(model, max(cfg["n_prompt"], cfg["n_gen"] + 1), "-p/-n", "-p or -n")
+    if cfg.get("routing", "model") == "calibrated":  # the same seeded sequence in every row
+        from .experts.synthetic import SyntheticRouting, fit_for
+        model.set_routing(SyntheticRouting.fitted(model.n_experts, model.top_k, fit_for(model.arch)))
     engine = Engine(model, cfg.get("ubatch", 128))
     rng = random.Random(1234)  # the same seed and draws as run_llamacpp_row: every row sees the same tokens
     store = model.store
+    trace: list | None = [] if store.streaming else None  # the row's routing trace (experts/trace.py)
+    store.trace = trace
     result = {**cfg, "load_seconds": load_seconds, "tests": []}
 
     def snapshot() -> tuple[int, int, int, int, float]:
@@ -235,12 +244,12 @@ def run_row(cfg: dict) -> dict:
     for name, n, fn in (("pp", cfg["n_prompt"], pp), ("tg", cfg["n_gen"], tg)):
         if not n:
             continue
-        s0 = snapshot()
+        s0, i0 = snapshot(), len(trace or ())
         secs = [fn(n) for _ in range(cfg["repetitions"])]
         s1 = snapshot()
         tps = [n / s for s in secs]
         hits, misses = s1[0] - s0[0], s1[1] - s0[1]
-        result["tests"].append({
+        test = {
             "test": f"{name}{n}", "tok_s_mean": statistics.mean(tps),
             "tok_s_sd": statistics.stdev(tps) if len(tps) > 1 else 0.0, "samples_tok_s": tps,
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
@@ -248,7 +257,12 @@ def run_row(cfg: dict) -> dict:
             "disk_bytes_per_token": (s1[3] - s0[3]) / (n * cfg["repetitions"]),
             "streamed_bytes_per_token": (s1[2] - s0[2]) / (n * cfg["repetitions"]),
             "io_stall_fraction": (s1[4] - s0[4]) / sum(secs),
-        })
+        }
+        if name == "tg" and trace is not None:  # the tg requests replayed, every earlier request warming the pools
+            from .experts.trace import hit_rates
+            caps = {layer: store.capacity(layer) for layer in model.layout.moe_layers}
+            test.update(hit_rates(trace, caps, (i0, len(trace))))
+        result["tests"].append(test)
     result["peak_rss_gib"] = peak_rss_bytes() / GiB
     result["pool_gib"] = getattr(store, "pool_bytes", 0) / GiB
     if store.streaming:
@@ -344,7 +358,7 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
     """Markdown table, one line per (configuration, test)."""
     capped = any(r.get("mem_cap") for r in rows)
     vs = any(r.get("engine") == "llama.cpp" for r in rows)
-    cols = ["model", "mode", "slots", "io threads", "overlap", "test", "t/s", "hit rate", "IO stall",
+    cols = ["model", "mode", "slots", "io threads", "overlap", "test", "t/s", "hit rate", "Belady hit rate", "IO stall",
             "GiB streamed", "GiB disk", "peak RSS GiB"]
     if capped:
         cols.append("cgroup peak GiB")
@@ -366,8 +380,9 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
             continue
         for t in r["tests"]:
             hit = "-" if t.get("hit_rate") is None else f"{100 * t['hit_rate']:.1f}%"
+            opt = "-" if t.get("belady_hit_rate") is None else f"{100 * t['belady_hit_rate']:.1f}%"
             stall = "-" if t.get("io_stall_fraction") is None else f"{100 * t['io_stall_fraction']:.0f}%"
-            row = cells + [t["test"], f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f}", hit, stall,
+            row = cells + [t["test"], f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f}", hit, opt, stall,
                            f"{t['streamed_gib']:.3f}", f"{t['disk_read_gib']:.3f}", f"{r['peak_rss_gib']:.2f}"]
             if capped:
                 row.append(f"{r['cgroup_peak_gib']:.2f}" if r.get("cgroup_peak_gib") is not None else "-")
@@ -377,6 +392,29 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
                 ours = r.get("engine") != "llama.cpp"
                 row.append(f"{t['tok_s_mean'] / base:.3g}" if ours and base else "-")
             out.append("| " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
+#: ``bench --routing``: the router's own expert ids, or experts/synthetic.py's calibrated ones
+ROUTING_MODES = ("model", "calibrated")
+
+
+def routing_note(mode: str, calibration: dict | None, llama: bool) -> str:
+    """The lines under the table that say how the rows were routed, and what the Belady column is."""
+    if mode == "calibrated":
+        c = calibration or {}
+        out = [f"Routing: calibrated. Every moestream row's expert ids come from the synthetic generator "
+               f"(experts/synthetic.py, fit to {c.get('model')}: zipf {c.get('zipf')}, cutoff {c.get('cutoff')}, reuse "
+               f"{c.get('reuse')}; the same seeded sequence in every row), the router's weights kept."]
+    else:
+        out = ["Routing: model. Each row's own router picks the experts (a random-weight model does not route like "
+               "a trained one; --routing calibrated gives every row routing fitted to a trained model's hit rates)."]
+    if llama:
+        out.append("Note: llama.cpp's rows always route with the model's own router (their expert ids cannot be "
+                   "replaced)" + (", so they do not see the calibrated routing." if mode == "calibrated" else "."))
+    out.append("Belady hit rate: the optimal offline replacement on the same slot count, over the tg test's "
+               "requests of the row's routing trace (every earlier request of the row replayed first); no policy "
+               "can pass it. The JSON also has lru_hit_rate and lfu_hit_rate, simulated the same way.")
     return "\n".join(out)
 
 
@@ -410,6 +448,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--policy: unknown cache policy {args.policy!r}; choose one of lfu, lru")
     if args.repetitions < 1:
         raise ConfigError(f"-r must be at least 1, got {args.repetitions}")
+    routing = str(getattr(args, "routing", "model")).strip().lower()
+    if routing not in ROUTING_MODES:
+        raise ConfigError(f"--routing: expected model or calibrated, got {getattr(args, 'routing', None)!r}")
     if args.n_prompt < 0 or args.n_gen < 0 or (args.n_prompt == 0 and args.n_gen == 0):
         raise ConfigError("-p and -n must be >= 0 and not both 0")
     if args.n_prompt > MAX_TOKENS or args.n_gen > MAX_TOKENS:
@@ -449,7 +490,7 @@ def run_bench(args: argparse.Namespace) -> int:
     base = {"model": model, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
             "threads": threads, "ubatch": args.ubatch, "expand_dense": args.expand_dense,
             "matmul": getattr(args, "matmul", "blocks"),
-            "policy": args.policy}
+            "policy": args.policy, "routing": routing}
     cfgs = []
     for on in modes:
         if on:
@@ -481,6 +522,11 @@ def run_bench(args: argparse.Namespace) -> int:
         cfgs.append({**lbase, "repack": True})
         if cap:
             cfgs.append({**lbase, "repack": False})
+    calibration = None
+    if routing == "calibrated":
+        from .experts.synthetic import calibration_summary, fit_for
+        calibration = calibration_summary(n_exp, top_k, fit_for(g.arch))
+        print(calibration["summary"], file=sys.stderr, flush=True)
     bandwidth = None
     if args.cold:
         from .experts.layout import ExpertLayout
@@ -517,7 +563,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from .cli import write_stdout
 
     table = format_table(rows, bandwidth)
-    write_stdout(table + "\n")
+    write_stdout(table + "\n\n" + routing_note(routing, calibration, args.vs is not None) + "\n")
     if bandwidth:
         write_stdout(f"\nIO limit t/s = disk random-read bandwidth ({bandwidth / 1e9:.2f} GB/s, measured before the "
                      f"rows) / bytes read per token in that row (the larger of streamed and disk reads).\n")
@@ -525,7 +571,8 @@ def run_bench(args: argparse.Namespace) -> int:
         meta = {"machine": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cold": args.cold,
                 "disk_read_bandwidth_bytes_s": bandwidth, "mem_cap": args.mem_cap,
-                "file_gib": g.file_bytes / GiB, "command": " ".join(sys.argv)}
+                "file_gib": g.file_bytes / GiB, "command": " ".join(sys.argv), "routing": routing,
+                "routing_calibration": calibration}
         write_json(args.json, {"meta": meta, "rows": rows})
     failed = [r for r in rows if "error" in r]
     if failed:  # the table says which rows; stderr gets the one error line every failing command gives

@@ -1,4 +1,4 @@
-"""The ``moestream`` command: run, inspect, verify, bench.
+"""The ``moestream`` command: run, inspect, verify, bench, trace.
 
 Errors that a user can cause (bad file, bad option, read failure) print one line on stderr and exit 1;
 bad command-line syntax exits 2 (argparse).
@@ -405,8 +405,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prompt, n_predict = _run_options(args)
     _check_common(args)
+    if args.routing_trace is not None:  # before the model runs: a bad path is one line, not a lost run
+        from .experts.trace import check_trace_path
+        if args.interactive:
+            raise ConfigError("--routing-trace records one prompt's prefill and decode; it does not apply to -cnv")
+        check_trace_path(args.routing_trace, [model_path(args)])
     params = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     model, _ = _load(args, args.moe_stream)
+    trace = None
     try:
         tok = _tokenizer(model)
         engine = Engine(model, args.ubatch)
@@ -420,6 +426,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not ids:
             raise ConfigError("the prompt is empty after tokenization")
         n_ctx = _context(args, model, len(ids), n_predict)
+        if args.routing_trace is not None:  # the store exists from here on (a budget sizes it for n_ctx)
+            from .experts.trace import RoutingTrace
+            trace = RoutingTrace.attach(model)
         if len(ids) >= n_ctx and n_predict != 0 or len(ids) > n_ctx:
             raise ConfigError(f"the prompt has {len(ids)} tokens; the context size -c {n_ctx} leaves no room to "
                               f"generate")
@@ -431,6 +440,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             # The description line and the prompt echo wait for the prefill's logits (the first token): a file
             # whose weights or metadata fail in the first forward pass leaves one error line and nothing on stdout.
             first = next(tokens, None)
+            if trace is not None:
+                trace.mark_decode()  # the prefill's requests are in; decode steps from here on
             print(_describe(model), file=sys.stderr, flush=True)
             if not args.chat:
                 write_stdout(prompt)
@@ -438,6 +449,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         if model.store is not None:
             model.store.close()
+    if trace is not None:
+        trace.finish()
+        trace.write(args.routing_trace)
+        print(f"moestream: routing trace of {len(trace.requests)} slot requests written to {args.routing_trace} "
+              f"(moestream trace {args.routing_trace} replays it)", file=sys.stderr, flush=True)
     print(gen.stats.line(), file=sys.stderr, flush=True)
     return 130 if gen.stats.stop_reason == "interrupted" else 0
 
@@ -563,6 +579,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from .bench import _list
+    from .errors import ConfigError
+    from .experts.trace import RoutingTrace, trace_table
+
+    counts = _list(args.slots, int, "--slots") if args.slots is not None else None
+    for n in counts or ():
+        if n < 1:
+            raise ConfigError(f"--slots must be positive numbers, got {n}")
+    trace = RoutingTrace.read(args.file)
+    top_k = int(trace.meta["top_k"])
+    for n in counts or ():
+        if n < top_k:
+            raise ConfigError(f"--slots {n} is below the experts used per token ({top_k}) in {args.file}")
+    write_stdout(trace_table(trace, counts, args.file) + "\n")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
     _check_common(args)
@@ -604,6 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=0.95)
     r.add_argument("--min-p", type=float, default=0.05)
     r.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed; -1 (default) = random")
+    r.add_argument("--routing-trace", default=None, metavar="FILE",
+                   help="write the run's routing trace (every slot request: layer, experts, pinned; JSON lines with "
+                   "a header, see experts/trace.py) to FILE, replaced atomically; moestream trace FILE replays it")
     r.set_defaults(func=cmd_run)
 
     i = sub.add_parser("inspect", help="print the model's layout and memory needs")
@@ -651,6 +688,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write the results as JSON to this file (a symlink is followed; a "
                    "FIFO or device is written into; a regular file is replaced atomically)")
     b.add_argument("--policy", default="lfu", type=str.lower, help="slot replacement policy: lfu or lru")
+    b.add_argument("--routing", default="model", metavar="model|calibrated",
+                   help="model (default): each row's router picks the experts; calibrated: every moestream row gets "
+                   "the same synthetic expert ids with a trained model's popularity skew and reuse, fitted to "
+                   "published LRU hit rates (experts/synthetic.py; llama.cpp's rows keep their router)")
     b.add_argument("--vs", default=None, metavar="llama.cpp",
                    help="add llama.cpp's own pp/tg rows on the same file and the ratio moestream / llama.cpp")
     b.add_argument("--mem-cap", default=None, metavar="SIZE",
@@ -659,7 +700,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "KiB/MiB/GiB/TiB are powers of 2 (4G = 4GiB), KB/MB/GB/TB powers of 10, no unit = bytes; "
                         "at least 64MiB")
     b.set_defaults(func=cmd_bench)
-    ap.subcommands = {"run": r, "inspect": i, "verify": v, "bench": b}  # type: ignore[attr-defined]
+
+    t = sub.add_parser("trace", help="replay a routing trace through LRU, LFU and Belady's optimal replacement")
+    t.add_argument("file", metavar="FILE", help="a routing trace written by moestream run --routing-trace FILE")
+    t.add_argument("--slots", default=None, metavar="N[,N...]",
+                   help="slots per layer to simulate, comma-separated (default: the recorded count; a resident "
+                   "trace: a quarter of the experts, at least top-k)")
+    t.set_defaults(func=cmd_trace)
+    ap.subcommands = {"run": r, "inspect": i, "verify": v, "bench": b, "trace": t}  # type: ignore[attr-defined]
     return ap
 
 

@@ -56,6 +56,8 @@ class MoE:
         #: per-matrix C kernels where the layer cannot be fused (mixed gate/up types)
         self.blocks = blocks
         self.kernel_act = kact
+        #: None, or ``(layer, ids) -> ids`` replacing the router's expert ids (bench --routing calibrated)
+        self.routing: Callable[[int, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -79,6 +81,8 @@ class MoE:
         summed in top-k order at the end and every expert sees the same tokens either way, so neither tiling
         nor overlap changes a bit of the result.
         """
+        if self.routing is not None:  # synthetic routing: other expert ids, the router's weights
+            ids = self.routing(self.layer, ids)
         store = self.store_of()
         n_tok, top_k = ids.shape
         experts = torch.unique(ids).tolist()  # sorted real ids

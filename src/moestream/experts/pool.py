@@ -46,6 +46,8 @@ class ExpertStore:
     def __init__(self, model: GGUFModel, layout: ExpertLayout):
         self.model, self.layout = model, layout
         self.stats = StoreStats()
+        #: a list to append every prepare()'s (layer, experts, pinned) to (a routing trace, experts/trace.py)
+        self.trace: list | None = None
 
     def capacity(self, layer: int) -> int:
         raise NotImplementedError
@@ -95,6 +97,8 @@ class ResidentStore(ExpertStore):
         return self.layout.n_experts(layer)
 
     def prepare(self, layer: int, experts: list[int], pinned: list[int] = ()) -> tuple[list[int], Ticket | None]:
+        if self.trace is not None:
+            self.trace.append((layer, tuple(experts), tuple(pinned)))
         self.stats.hits += len(experts)
         return list(experts), None
 
@@ -161,6 +165,8 @@ class StreamingStore(ExpertStore):
     def prepare(self, layer: int, experts: list[int], pinned: list[int] = ()) -> tuple[list[int], Ticket | None]:
         """Assign slots to ``experts`` (distinct real ids) and start reading the misses. ``pinned``: experts
         whose slots are still in use (the tile being computed while this one loads); never evicted."""
+        if self.trace is not None:
+            self.trace.append((layer, tuple(experts), tuple(pinned)))
         plan = self.policies[layer].plan(self.slots[layer], experts, pinned)
         self.stats.misses += len(plan.loads)
         self.stats.hits += len(experts) - len(plan.loads)

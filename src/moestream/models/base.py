@@ -115,6 +115,8 @@ class MoEModel:
         #: the memory plan that sized the pools (None: --slots, or resident)
         self.memory_plan = None
         self.store: ExpertStore = None  # type: ignore[assignment]
+        #: None, or a callable ``(layer, ids) -> ids`` that replaces every MoE layer's router ids (set_routing)
+        self.routing: Callable | None = None
         if opts.metadata_only:
             self.check_expert_types()
         elif not opts.budgeted:  # a budget needs the dense weights loaded first: fit_store() after __init__
@@ -334,6 +336,15 @@ class MoEModel:
             slots = self.memory_plan.slots
         return StreamingStore(self.gguf, self.layout, slots, self.top_k, opts.io_threads, opts.policy,
                               pin_memory=self.device.type == "cuda")
+
+    def set_routing(self, routing: Callable | None) -> None:
+        """Route every MoE layer through ``routing(layer, ids [tokens, top_k] int64) -> ids`` of the same shape
+        instead of the router's top-k ids (the router's weights are kept; e.g. experts/synthetic.py); None: the
+        router's own."""
+        self.routing = routing
+        for b in getattr(self, "blocks", ()):
+            if isinstance(b, dict) and "moe" in b:
+                b["moe"].routing = routing
 
     def set_store(self, store: ExpertStore) -> None:
         """Swap the expert store (e.g. resident -> streaming for the identity check)."""
