@@ -195,7 +195,7 @@ def run_row(cfg: dict) -> dict:
         set_compute_threads(cfg["threads"], cfg.get("matmul", "blocks"))
     opts = LoadOptions(moe_stream=cfg["moe_stream"], slots=cfg.get("slots"), io_threads=cfg.get("io_threads", 8),
                        overlap=cfg.get("overlap", True), expand_dense=cfg.get("expand_dense", False),
-                       matmul=cfg.get("matmul", "blocks"),
+                       matmul=cfg.get("matmul", "blocks"), prefetch=cfg.get("prefetch", True),
                        policy=cfg.get("policy", "lfu"))
     t_load = time.perf_counter()
     model = load_model(cfg["model"], opts)
@@ -206,8 +206,9 @@ def run_row(cfg: dict) -> dict:
     store = model.store
     result = {**cfg, "load_seconds": load_seconds, "tests": []}
 
-    def snapshot() -> tuple[int, int, int, int, float]:
-        return store.stats.hits, store.stats.misses, store.bytes_read, disk_read_bytes(), store.stats.stall_seconds
+    def snapshot() -> tuple[int, int, int, int, float, object]:
+        st = store.stats
+        return st.hits, st.misses, store.bytes_read, disk_read_bytes(), st.stall_seconds, st.copy()
 
     def pp(n: int) -> float:
         toks = [rng.randrange(model.n_vocab) for _ in range(n)]
@@ -237,6 +238,7 @@ def run_row(cfg: dict) -> dict:
         s1 = snapshot()
         tps = [n / s for s in secs]
         hits, misses = s1[0] - s0[0], s1[1] - s0[1]
+        d = s1[5] - s0[5]  # the store's counters over the test (StoreStats)
         result["tests"].append({
             "test": f"{name}{n}", "tok_s_mean": statistics.mean(tps),
             "tok_s_sd": statistics.stdev(tps) if len(tps) > 1 else 0.0, "samples_tok_s": tps,
@@ -245,6 +247,9 @@ def run_row(cfg: dict) -> dict:
             "disk_bytes_per_token": (s1[3] - s0[3]) / (n * cfg["repetitions"]),
             "streamed_bytes_per_token": (s1[2] - s0[2]) / (n * cfg["repetitions"]),
             "io_stall_fraction": (s1[4] - s0[4]) / sum(secs),
+            # router lookahead (None without predictions / misses): see StoreStats
+            "prefetch_recall": d.recall, "miss_bytes_ready": d.ready_share,
+            "prefetch_issued": d.prefetch_issued, "prefetch_wasted": d.prefetch_wasted,
         })
     result["peak_rss_gib"] = peak_rss_bytes() / GiB
     result["pool_gib"] = getattr(store, "pool_bytes", 0) / GiB
@@ -318,20 +323,22 @@ def run_llamacpp_row(cfg: dict) -> dict:
     return result
 
 
-def _row_label(r: dict) -> tuple[str, str, str, str]:
+def _row_label(r: dict) -> tuple[str, str, str, str, str]:
+    """(mode, slots, io threads, overlap, prefetch) cells of a row."""
     if r.get("engine") == "llama.cpp":
-        return f"llama.cpp mmap, repack {'on' if r.get('repack', True) else 'off'}", "-", "-", "-"
+        return f"llama.cpp mmap, repack {'on' if r.get('repack', True) else 'off'}", "-", "-", "-", "-"
     if not r["moe_stream"]:
-        return "resident (mmap)", "-", "-", "-"
-    return "streaming", str(r["slots"]), str(r["io_threads"]), "on" if r["overlap"] else "off"
+        return "resident (mmap)", "-", "-", "-", "-"
+    return ("streaming", str(r["slots"]), str(r["io_threads"]), "on" if r["overlap"] else "off",
+            "on" if r.get("prefetch", True) else "off")
 
 
 def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
     """Markdown table, one line per (configuration, test)."""
     capped = any(r.get("mem_cap") for r in rows)
     vs = any(r.get("engine") == "llama.cpp" for r in rows)
-    cols = ["model", "mode", "slots", "io threads", "overlap", "test", "t/s", "hit rate", "IO stall",
-            "GiB streamed", "GiB disk", "peak RSS GiB"]
+    cols = ["model", "mode", "slots", "io threads", "overlap", "prefetch", "test", "t/s", "hit rate", "IO stall",
+            "prefetch recall", "miss bytes ready", "GiB streamed", "GiB disk", "peak RSS GiB"]
     if capped:
         cols.append("cgroup peak GiB")
     cols.append("IO limit t/s")
@@ -344,16 +351,18 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
             for t in r["tests"]:
                 llama[t["test"]] = t["tok_s_mean"]
     for r in rows:
-        mode, slots, io, ov = _row_label(r)
-        cells = [os.path.basename(r["model"]), mode, slots, io, ov]
+        cells = [os.path.basename(r["model"]), *_row_label(r)]
         if "error" in r:
-            cells += ["-", f"failed: {r['error']}"] + [""] * (len(cols) - 7)
+            cells += ["-", f"failed: {r['error']}"]
+            cells += [""] * (len(cols) - len(cells))
             out.append("| " + " | ".join(cells) + " |")
             continue
         for t in r["tests"]:
             hit = "-" if t.get("hit_rate") is None else f"{100 * t['hit_rate']:.1f}%"
             stall = "-" if t.get("io_stall_fraction") is None else f"{100 * t['io_stall_fraction']:.0f}%"
-            row = cells + [t["test"], f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f}", hit, stall,
+            recall = "-" if t.get("prefetch_recall") is None else f"{100 * t['prefetch_recall']:.1f}%"
+            ready = "-" if t.get("miss_bytes_ready") is None or recall == "-" else f"{100 * t['miss_bytes_ready']:.1f}%"
+            row = cells + [t["test"], f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f}", hit, stall, recall, ready,
                            f"{t['streamed_gib']:.3f}", f"{t['disk_read_gib']:.3f}", f"{r['peak_rss_gib']:.2f}"]
             if capped:
                 row.append(f"{r['cgroup_peak_gib']:.2f}" if r.get("cgroup_peak_gib") is not None else "-")
@@ -410,6 +419,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"moestream: {warning}", file=sys.stderr, flush=True)
     modes = _on_off_list(args.moe_stream, "--moe-stream")
     overlaps = _on_off_list(args.overlap, "--overlap")
+    prefetches = _on_off_list(args.prefetch, "--prefetch")
     from .models.base import default_slots
     slots = _list(args.slots, int, "--slots") if args.slots is not None else [default_slots(n_exp, top_k)]
     ios = _list(args.io_threads, int, "--io-threads")
@@ -431,8 +441,8 @@ def run_bench(args: argparse.Namespace) -> int:
     cfgs = []
     for on in modes:
         if on:
-            for s, t, ov in itertools.product(slots, ios, overlaps):
-                cfgs.append({**base, "moe_stream": True, "slots": s, "io_threads": t, "overlap": ov})
+            for s, t, ov, pf in itertools.product(slots, ios, overlaps, prefetches):
+                cfgs.append({**base, "moe_stream": True, "slots": s, "io_threads": t, "overlap": ov, "prefetch": pf})
         else:
             cfgs.append({**base, "moe_stream": False})
     cap = None
@@ -466,8 +476,9 @@ def run_bench(args: argparse.Namespace) -> int:
               f"O_DIRECT)", file=sys.stderr, flush=True)
     rows = []
     for i, cfg in enumerate(cfgs, 1):
-        mode, s, t, ov = _row_label(cfg)
-        print(f"[{i}/{len(cfgs)}] {mode} slots={s} io={t} overlap={ov} ...", file=sys.stderr, flush=True)
+        mode, s, t, ov, pf = _row_label(cfg)
+        print(f"[{i}/{len(cfgs)}] {mode} slots={s} io={t} overlap={ov} prefetch={pf} ...", file=sys.stderr,
+              flush=True)
         if args.cold or cap:
             evict_page_cache(g.paths)
         cmd = [sys.executable, "-m", "moestream.bench", json.dumps(cfg)]
