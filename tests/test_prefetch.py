@@ -214,11 +214,52 @@ def test_pending_slot_is_not_handed_to_another_expert_before_its_read_settles(qw
         assert not worker.is_alive()
         store.wait(out["r"][1])
         first_step_read = next(i for i, (_, e) in enumerate(gate.log) if e in step)
+        starts = [i for i, (ev, e) in enumerate(gate.log) if ev == "start" and e in held]
         ends = [i for i, (ev, e) in enumerate(gate.log) if ev == "end" and e in held]
-        assert len(ends) == 4 * len(model.layout[layer]) and max(ends) < first_step_read
+        assert len(starts) == len(ends) >= 1 and max(ends) < first_step_read, gate.log
         check_bytes(store, layer, step)
         check_consistent(store)
-        assert store.stats.prefetch_wasted == 4 and store.stats.stall_seconds > 0.3
+        st = store.stats
+        assert st.prefetch_wasted == 4 and st.stall_seconds > 0.3
+        # 4 IO threads, 3 reads per expert: the queued reads of the unneeded experts were cancelled at prepare()
+        assert len(starts) == 4 and st.prefetch_cancelled >= 1
+    finally:
+        gate.release()
+        store.close()
+
+
+def test_unneeded_prefetch_reads_still_queued_are_cancelled(qwen3, monkeypatch):
+    """One IO thread, its read held: the step needs none of the prefetched experts, so prepare() cancels their
+    queued reads (they never run) and drops them; the slot whose read had started is reused only after it ends."""
+    model, _ = qwen3
+    layer = model.layout.moe_layers[1]
+    gate = Gate(monkeypatch, model, layer)
+    store = new_store(model, model.top_k, io_threads=1)
+    try:
+        gate.hold = {5}
+        assert store.prefetch(layer, [5, 6]) == 2  # 5's first read runs (held); the rest is queued
+        deadline = time.monotonic() + 10
+        while ("start", 5) not in gate.log and time.monotonic() < deadline:
+            time.sleep(0.01)
+        step = [0, 1, 2, 3]
+        out: dict = {}
+        worker = threading.Thread(target=lambda: out.setdefault("r", store.prepare(layer, step)))
+        worker.start()
+        worker.join(0.5)
+        assert worker.is_alive(), "5's slot must wait for its running read"
+        sm = store.slots[layer]
+        assert sm.slot_of[5] == -1 and sm.slot_of[6] == -1, "cancelled experts leave the pool at once"
+        gate.release()
+        worker.join(20)
+        store.wait(out["r"][1])
+        assert gate.log.count(("start", 5)) == 1 and ("start", 6) not in gate.log, "cancelled reads never run"
+        assert gate.log.index(("end", 5)) < next(i for i, (_, e) in enumerate(gate.log) if e in step)
+        st = store.stats
+        assert (st.prefetch_issued, st.prefetch_cancelled, st.prefetch_wasted, st.prefetch_used) == (2, 2, 2, 0)
+        check_bytes(store, layer, step)
+        check_consistent(store)
+        assert store.bytes_read == 4 * sum(m.bytes_per_expert for m in model.layout[layer].values()) + (
+            next(iter(model.layout[layer].values())).bytes_per_expert), "the one read of 5 that ran is counted"
     finally:
         gate.release()
         store.close()

@@ -39,9 +39,11 @@ class StoreStats:
       the prediction (the demand misses, and the first use of each prefetched expert), and how many of those
       bytes were already read when prepare() asked for them. ``ready_share`` is their ratio.
     - ``prefetch_issued``: experts whose reads a prefetch started; ``prefetch_used``: of those, the ones a later
-      prepare() asked for; ``prefetch_wasted``: the ones evicted, or dropped after a failed read, before any
-      use (prefetched experts still in the pool and unused are neither); ``prefetch_failed``: prefetched experts
-      whose read failed before any step needed them (dropped quietly, see ``StreamingStore.prefetch``).
+      prepare() asked for; ``prefetch_wasted``: the ones evicted, cancelled or dropped after a failed read
+      before any use (prefetched experts still in the pool and unused are neither); ``prefetch_cancelled``: of
+      the wasted, those a step of their layer did not need while some of their reads were still queued (those
+      reads were cancelled, the expert dropped); ``prefetch_failed``: prefetched experts whose read failed
+      before any step needed them (dropped quietly, see ``StreamingStore.prefetch``).
     """
 
     hits: int = 0
@@ -56,6 +58,7 @@ class StoreStats:
     prefetch_issued: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
+    prefetch_cancelled: int = 0
     prefetch_failed: int = 0
 
     @property
@@ -191,6 +194,8 @@ class StreamingStore(ExpertStore):
         self._views: dict[int, dict[str, list[memoryview]]] = {}
         #: per layer: prefetched experts no step has used yet (in prefetch order), see prefetch()
         self._pending: dict[int, dict[int, _Prefetched]] = {}
+        #: per layer: slot -> the reads still running into it of a dropped (cancelled) prefetch; busy till done
+        self._draining: dict[int, dict[int, Ticket]] = {}
         #: per layer: the experts the last prefetch() of the layer predicted (for the recall statistic)
         self._predicted: dict[int, frozenset[int]] = {}
         self._expert_bytes: dict[int, int] = {}
@@ -200,7 +205,7 @@ class StreamingStore(ExpertStore):
             self.slots[layer] = SlotMap(n_exp, n)
             self.policies[layer] = POLICIES[policy](n_exp)
             self.pools[layer], self._views[layer] = {}, {}
-            self._pending[layer] = {}
+            self._pending[layer], self._draining[layer] = {}, {}
             self._expert_bytes[layer] = sum(m.bytes_per_expert for m in mats.values())
             for name, m in mats.items():
                 pool = torch.empty((n, m.bytes_per_expert), dtype=torch.uint8, pin_memory=pin_memory)
@@ -223,9 +228,14 @@ class StreamingStore(ExpertStore):
         are still in flight they join the returned ticket, ahead of the misses' reads, so that ``reading`` /
         ``ready`` / ``wait`` treat it as an expert being read (``wait`` raises its read error). A slot whose
         prefetch read is in flight is reused for a miss only when no other slot is left, and only after that read
-        has settled (that wait counts as stall)."""
+        has settled (that wait counts as stall). A prefetched expert that this call does not ask for and whose
+        reads are partly still queued (not started) has those cancelled and is dropped, so that the step's own
+        reads do not wait behind a wrong guess's in the reader's queue (in a tiled prefill, an expert a later
+        tile needs is then read again by that tile)."""
         self._settle(layer)
         slots, pending = self.slots[layer], self._pending[layer]
+        if pending:
+            self._cancel_unneeded(layer, set(experts))
         pred = self._predicted.get(layer)
         if pred is not None:
             self.stats.predictable += len(experts)
@@ -257,7 +267,12 @@ class StreamingStore(ExpertStore):
                 rec = pending.pop(int(before[s]), None)
                 if rec is not None:
                     self.stats.prefetch_wasted += 1
-                    self._join_evicted(rec)  # its read must not land in the slot after the new expert's
+                    self._join_quietly(rec.ticket)  # its read must not land in the slot after the new expert's
+        draining = self._draining[layer]
+        if draining:
+            for _, s in plan.loads:  # a slot still receiving a cancelled prefetch's running read
+                if s in draining:
+                    self._join_quietly(draining.pop(s))
         if not plan.loads and not joining:
             return plan.slot_ids, None
         jobs = [ReadJob(m.path, m.expert_offset(e), self._views[layer][name][s])
@@ -277,7 +292,8 @@ class StreamingStore(ExpertStore):
         in the policy's eviction order, without counting a use, never the slot of an expert in ``experts`` or
         ``pinned`` and never a slot whose prefetch read is still in flight; when fewer slots are evictable, only
         the first experts are read. The slot is marked as holding the expert at once, its reads pending;
-        prepare() joins them (see there). ``read`` false only records the prediction.
+        prepare() joins them, and cancels the queued reads of those it does not ask for (see there). ``read`` false
+        only records the prediction.
 
         The prediction is what the ``recall`` statistic compares the following prepare() calls of the layer with,
         until the next prefetch() of the layer. Not to be called while a ticket of ``layer`` is not yet joined
@@ -313,19 +329,43 @@ class StreamingStore(ExpertStore):
         self.stats.prefetch_issued += n
         return n
 
+    def _cancel_unneeded(self, layer: int, needed: set[int]) -> None:
+        """Cancel the queued reads of ``layer``'s prefetched experts not in ``needed`` whose reads are in flight.
+        An expert with a cancelled read leaves the pool at once; its slot stays busy (``_draining``) until the
+        reads of it that had started finish."""
+        pending = self._pending[layer]
+        for e, rec in list(pending.items()):
+            if e in needed or rec.settled:
+                continue
+            if sum(f.cancel() for f in rec.ticket.futures):  # cancel() is False for a running or finished read
+                del pending[e]
+                self._empty(layer, e, rec.slot)
+                self.stats.prefetch_cancelled += 1
+                self.stats.prefetch_wasted += 1
+                ran = [f for f in rec.ticket.futures if not f.cancelled()]
+                if ran:
+                    rest = Ticket(ran)
+                    ran[0].t0 = getattr(ran[0], "t0", None) or rec.ticket.futures[0].t0  # type: ignore[attr-defined]
+                    self._draining[layer][rec.slot] = rest
+
     def _busy(self, layer: int) -> np.ndarray | None:
-        """bool [n_slots]: the slots of ``layer`` whose prefetch reads are in flight (None: none is)."""
-        recs = [r for r in self._pending[layer].values() if not r.settled]
-        if not recs:
+        """bool [n_slots]: the slots of ``layer`` that prefetch reads are still writing (None: none)."""
+        busy_slots = [r.slot for r in self._pending[layer].values() if not r.settled] + list(self._draining[layer])
+        if not busy_slots:
             return None
         busy = np.zeros(self.slots[layer].n_slots, dtype=bool)
-        busy[[r.slot for r in recs]] = True
+        busy[busy_slots] = True
         return busy
 
     def _settle(self, layer: int) -> None:
         """Join the prefetch reads of ``layer`` that have all finished (never blocks): their bytes are counted;
         one that failed empties its slot (failed and wasted). An error other than ExpertReadError (a bug, not an
         IO error) is raised after its slot is emptied."""
+        draining = self._draining[layer]
+        for slot, ticket in list(draining.items()):
+            if all(f.done() for f in ticket.futures):
+                del draining[slot]
+                self._join_quietly(ticket)  # finished: does not block
         pending = self._pending[layer]
         for e, rec in list(pending.items()):
             if rec.settled or not all(f.done() for f in rec.ticket.futures):
@@ -334,22 +374,26 @@ class StreamingStore(ExpertStore):
                 self.reader.wait(rec.ticket)
             except BaseException as err:
                 del pending[e]
-                slots = self.slots[layer]
-                slots.slot_of[e] = -1
-                slots.expert_of[rec.slot] = -1
+                self._empty(layer, e, rec.slot)
                 self.stats.prefetch_failed += 1
                 self.stats.prefetch_wasted += 1
                 if not isinstance(err, ExpertReadError):
                     raise
 
-    def _join_evicted(self, rec: _Prefetched) -> None:
-        """Let the reads of an evicted, unused prefetch settle before its slot is reused (a read error is dropped:
-        the expert is no longer in the pool; counted as failed)."""
-        if rec.settled:
+    def _empty(self, layer: int, expert: int, slot: int) -> None:
+        slots = self.slots[layer]
+        slots.slot_of[expert] = -1
+        slots.expert_of[slot] = -1
+
+    def _join_quietly(self, ticket: Ticket) -> None:
+        """Let the reads of a prefetch whose expert left the pool settle (before its slot is reused): their bytes
+        are counted; a read error is dropped, counted as failed (the expert is not in the pool any more). The
+        time spent blocked counts as stall."""
+        if ticket.joined == len(ticket.futures):
             return
         t0 = time.perf_counter()
         try:
-            self.reader.wait(rec.ticket)
+            self.reader.wait(ticket)
         except ExpertReadError:
             self.stats.prefetch_failed += 1
         finally:
