@@ -603,6 +603,7 @@ def test_bench_row_and_table(qwen3moe_tiny):
     rows = [bench.run_row({**base, "prefetch": pf}) for pf in (False, True)]
     off, on = ({t["test"]: t for t in r["tests"]} for r in rows)
     assert off["tg6"]["prefetch_recall"] is None and off["tg6"]["prefetch_issued"] == 0
+    assert off["tg6"]["miss_bytes_ready"] is None
     assert 0 < on["tg6"]["prefetch_recall"] <= 1 and on["tg6"]["prefetch_issued"] > 0
     assert on["tg6"]["miss_bytes_ready"] is not None
     table = bench.format_table(rows).splitlines()

@@ -247,8 +247,8 @@ def run_row(cfg: dict) -> dict:
             "disk_bytes_per_token": (s1[3] - s0[3]) / (n * cfg["repetitions"]),
             "streamed_bytes_per_token": (s1[2] - s0[2]) / (n * cfg["repetitions"]),
             "io_stall_fraction": (s1[4] - s0[4]) / sum(secs),
-            # router lookahead (None without predictions / misses): see StoreStats
-            "prefetch_recall": d.recall, "miss_bytes_ready": d.ready_share,
+            # router lookahead (None without predictions, i.e. prefetch off or streaming off): see StoreStats
+            "prefetch_recall": d.recall, "miss_bytes_ready": d.ready_share if d.recall is not None else None,
             "prefetch_issued": d.prefetch_issued, "prefetch_wasted": d.prefetch_wasted,
         })
     result["peak_rss_gib"] = peak_rss_bytes() / GiB
@@ -361,7 +361,7 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
             hit = "-" if t.get("hit_rate") is None else f"{100 * t['hit_rate']:.1f}%"
             stall = "-" if t.get("io_stall_fraction") is None else f"{100 * t['io_stall_fraction']:.0f}%"
             recall = "-" if t.get("prefetch_recall") is None else f"{100 * t['prefetch_recall']:.1f}%"
-            ready = "-" if t.get("miss_bytes_ready") is None or recall == "-" else f"{100 * t['miss_bytes_ready']:.1f}%"
+            ready = "-" if t.get("miss_bytes_ready") is None else f"{100 * t['miss_bytes_ready']:.1f}%"
             row = cells + [t["test"], f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f}", hit, stall, recall, ready,
                            f"{t['streamed_gib']:.3f}", f"{t['disk_read_gib']:.3f}", f"{r['peak_rss_gib']:.2f}"]
             if capped:
