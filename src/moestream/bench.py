@@ -201,7 +201,7 @@ def run_row(cfg: dict) -> dict:
     mem = cfg.get("mem")
     opts = LoadOptions(moe_stream=cfg["moe_stream"], slots=cfg.get("slots"), io_threads=cfg.get("io_threads", 8),
                        overlap=cfg.get("overlap", True), expand_dense=cfg.get("expand_dense", False),
-                       matmul=cfg.get("matmul", "blocks"),
+                       matmul=cfg.get("matmul", "blocks"), prefetch=cfg.get("prefetch", False),
                        policy=cfg.get("policy", "lfu"), n_ctx=n_ctx,
                        mem=None if mem is None else mem["bytes"], mem_source=None if mem is None else mem["source"])
     t_load = time.perf_counter()
@@ -218,8 +218,9 @@ def run_row(cfg: dict) -> dict:
     store.trace = trace
     result = {**cfg, "load_seconds": load_seconds, "tests": []}
 
-    def snapshot() -> tuple[int, int, int, int, float]:
-        return store.stats.hits, store.stats.misses, store.bytes_read, disk_read_bytes(), store.stats.stall_seconds
+    def snapshot() -> tuple[int, int, int, int, float, object]:
+        st = store.stats
+        return st.hits, st.misses, store.bytes_read, disk_read_bytes(), st.stall_seconds, st.copy()
 
     def pp(n: int) -> float:
         toks = [rng.randrange(model.n_vocab) for _ in range(n)]
@@ -249,6 +250,7 @@ def run_row(cfg: dict) -> dict:
         s1 = snapshot()
         tps = [n / s for s in secs]
         hits, misses = s1[0] - s0[0], s1[1] - s0[1]
+        d = s1[5] - s0[5]  # the store's counters over the test (StoreStats)
         test = {
             "test": f"{name}{n}", "tok_s_mean": statistics.mean(tps),
             "tok_s_sd": statistics.stdev(tps) if len(tps) > 1 else 0.0, "samples_tok_s": tps,
@@ -257,6 +259,9 @@ def run_row(cfg: dict) -> dict:
             "disk_bytes_per_token": (s1[3] - s0[3]) / (n * cfg["repetitions"]),
             "streamed_bytes_per_token": (s1[2] - s0[2]) / (n * cfg["repetitions"]),
             "io_stall_fraction": (s1[4] - s0[4]) / sum(secs),
+            # router lookahead (None without predictions, i.e. prefetch off or streaming off): see StoreStats
+            "prefetch_recall": d.recall, "miss_bytes_ready": d.ready_share if d.recall is not None else None,
+            "prefetch_issued": d.prefetch_issued, "prefetch_wasted": d.prefetch_wasted,
         }
         if name == "tg" and trace is not None:  # the tg requests replayed, every earlier request warming the pools
             from .experts.trace import hit_rates
@@ -342,24 +347,27 @@ def run_llamacpp_row(cfg: dict) -> dict:
     return result
 
 
-def _row_label(r: dict) -> tuple[str, str, str, str]:
+def _row_label(r: dict) -> tuple[str, str, str, str, str]:
+    """(mode, slots, io threads, overlap, prefetch) cells of a row."""
     if r.get("engine") == "llama.cpp":
-        return f"llama.cpp mmap, repack {'on' if r.get('repack', True) else 'off'}", "-", "-", "-"
+        return f"llama.cpp mmap, repack {'on' if r.get('repack', True) else 'off'}", "-", "-", "-", "-"
     if not r["moe_stream"]:
-        return "resident (mmap)", "-", "-", "-"
+        return "resident (mmap)", "-", "-", "-", "-"
     per = r.get("slots_per_layer")
     slots = str(r["slots"]) if r.get("slots") is not None else (
         (f"{min(per)}" if min(per) == max(per) else f"{min(per)}-{max(per)}") if per else "budget")
     mode = "streaming" if r.get("mem") is None else f"streaming, --mem {r['mem']['text']}"
-    return mode, slots, str(r["io_threads"]), "on" if r["overlap"] else "off"
+    return (mode, slots, str(r["io_threads"]), "on" if r["overlap"] else "off",
+            "on" if r.get("prefetch", False) else "off")
 
 
 def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
     """Markdown table, one line per (configuration, test)."""
     capped = any(r.get("mem_cap") for r in rows)
     vs = any(r.get("engine") == "llama.cpp" for r in rows)
-    cols = ["model", "mode", "slots", "io threads", "overlap", "test", "t/s", "hit rate", "Belady hit rate", "IO stall",
-            "GiB streamed", "GiB disk", "peak RSS GiB"]
+    cols = ["model", "mode", "slots", "io threads", "overlap", "prefetch", "test", "t/s", "hit rate",
+            "Belady hit rate", "IO stall", "prefetch recall", "miss bytes ready", "GiB streamed", "GiB disk",
+            "peak RSS GiB"]
     if capped:
         cols.append("cgroup peak GiB")
     cols.append("IO limit t/s")
@@ -372,17 +380,19 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
             for t in r["tests"]:
                 llama[t["test"]] = t["tok_s_mean"]
     for r in rows:
-        mode, slots, io, ov = _row_label(r)
-        cells = [os.path.basename(r["model"]), mode, slots, io, ov]
+        cells = [os.path.basename(r["model"]), *_row_label(r)]
         if "error" in r:
-            cells += ["-", f"failed: {r['error']}"] + [""] * (len(cols) - 7)
+            cells += ["-", f"failed: {r['error']}"]
+            cells += [""] * (len(cols) - len(cells))
             out.append("| " + " | ".join(cells) + " |")
             continue
         for t in r["tests"]:
             hit = "-" if t.get("hit_rate") is None else f"{100 * t['hit_rate']:.1f}%"
             opt = "-" if t.get("belady_hit_rate") is None else f"{100 * t['belady_hit_rate']:.1f}%"
             stall = "-" if t.get("io_stall_fraction") is None else f"{100 * t['io_stall_fraction']:.0f}%"
-            row = cells + [t["test"], f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f}", hit, opt, stall,
+            recall = "-" if t.get("prefetch_recall") is None else f"{100 * t['prefetch_recall']:.1f}%"
+            ready = "-" if t.get("miss_bytes_ready") is None else f"{100 * t['miss_bytes_ready']:.1f}%"
+            row = cells + [t["test"], f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f}", hit, opt, stall, recall, ready,
                            f"{t['streamed_gib']:.3f}", f"{t['disk_read_gib']:.3f}", f"{r['peak_rss_gib']:.2f}"]
             if capped:
                 row.append(f"{r['cgroup_peak_gib']:.2f}" if r.get("cgroup_peak_gib") is not None else "-")
@@ -475,6 +485,7 @@ def run_bench(args: argparse.Namespace) -> int:
     elif args.mem_cap is not None and args.slots is None:  # capped rows: the budget is the cap
         mems = [{"text": args.mem_cap.strip(), "bytes": None, "source": f"--mem {args.mem_cap.strip()} (the cap)"}]
     slots = _list(args.slots, int, "--slots") if args.slots is not None else [None]
+    prefetches = _on_off_list(args.prefetch, "--prefetch")
     ios = _list(args.io_threads, int, "--io-threads")
     for s in slots:
         if s is not None and s < top_k:
@@ -494,8 +505,9 @@ def run_bench(args: argparse.Namespace) -> int:
     cfgs = []
     for on in modes:
         if on:
-            for s, mem, t, ov in itertools.product(slots, mems or [None], ios, overlaps):
-                cfgs.append({**base, "moe_stream": True, "slots": s, "mem": mem, "io_threads": t, "overlap": ov})
+            for s, mem, t, ov, pf in itertools.product(slots, mems or [None], ios, overlaps, prefetches):
+                cfgs.append({**base, "moe_stream": True, "slots": s, "mem": mem, "io_threads": t, "overlap": ov,
+                             "prefetch": pf})
         else:
             cfgs.append({**base, "moe_stream": False})
     cap = None
@@ -537,8 +549,9 @@ def run_bench(args: argparse.Namespace) -> int:
               f"O_DIRECT)", file=sys.stderr, flush=True)
     rows = []
     for i, cfg in enumerate(cfgs, 1):
-        mode, s, t, ov = _row_label(cfg)
-        print(f"[{i}/{len(cfgs)}] {mode} slots={s} io={t} overlap={ov} ...", file=sys.stderr, flush=True)
+        mode, s, t, ov, pf = _row_label(cfg)
+        print(f"[{i}/{len(cfgs)}] {mode} slots={s} io={t} overlap={ov} prefetch={pf} ...", file=sys.stderr,
+              flush=True)
         if args.cold or cap:
             evict_page_cache(g.paths)
         cmd = [sys.executable, "-m", "moestream.bench", json.dumps(cfg)]

@@ -103,6 +103,11 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
         p.add_argument("--overlap", type=_on_off, default=True, metavar="on|off",
                        help="hide expert reads behind the shared/dense FFN, the hits' matmuls and the "
                        "previous prefill tile (default on; off: read, then compute)")
+        p.add_argument("--prefetch", type=_on_off, default=False, metavar="on|off",
+                       help="router lookahead: start reading the experts the next MoE layer's router predicts "
+                       "from the current hidden state (default off: on the random-weight models measured it "
+                       "predicted 47%% and cost more IO than it hid; decode steps, and prefill chunks whose "
+                       "predicted experts fit in half the pool; ignored with --moe-stream off)")
     p.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--expand-dense", action="store_true",
                    help="dequantize dense weights to float32 at load (more memory: see inspect)")
@@ -134,7 +139,8 @@ def _load(args: argparse.Namespace, moe_stream: bool):
     opts = LoadOptions(moe_stream=moe_stream, slots=getattr(args, "slots", None),
                        io_threads=getattr(args, "io_threads", 8), policy=getattr(args, "policy", "lfu"),
                        overlap=getattr(args, "overlap", True), expand_dense=args.expand_dense,
-                       matmul=getattr(args, "matmul", "blocks"), mem=mem, mem_source=mem_source)
+                       matmul=getattr(args, "matmul", "blocks"), prefetch=getattr(args, "prefetch", False),
+                       mem=mem, mem_source=mem_source)
     # with a budget the pools are sized once the context is known (_context, verify): defer the store
     return load_model(model_path(args), opts, defer_store=True), opts
 
@@ -169,7 +175,8 @@ def _describe(model) -> str:  # noqa: ANN001
         slots = f"{min(per)}" if min(per) == max(per) else f"{min(per)}-{max(per)}"
         mode = (f"streaming: {slots} slots/layer of {model.n_experts} experts, "
                 f"{store.pool_bytes / GiB:.3f} GiB of pools, {store.reader.io_threads} IO threads, "
-                f"policy {model.opts.policy}, overlap {'on' if model.opts.overlap else 'off'}")
+                f"policy {model.opts.policy}, overlap {'on' if model.opts.overlap else 'off'}, "
+                f"prefetch {'on' if model.opts.prefetch else 'off'}")
     else:
         mode = "resident: experts addressed in a memory map of the file (--moe-stream off)"
     line = (f"moestream: {os.path.basename(model.gguf.path)} | {model.arch}, {len(model.layout.moe_layers)} MoE "
@@ -573,10 +580,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 1
     write_stdout(f"identical: {res.steps} steps (the prefill of a {len(ids)}-token prompt, every position, then "
                  f"{args.steps} greedy decode steps), {res.n_logits} logits compared bytewise; "
-                 f"{res.slots} slots/layer, overlap {'on' if opts.overlap else 'off'}, streamed "
-                 f"{res.streamed_bytes / GiB:.4f} GiB, "
+                 f"{res.slots} slots/layer, overlap {'on' if opts.overlap else 'off'}, prefetch "
+                 f"{_prefetch_desc(opts, res.stats)}, streamed {res.streamed_bytes / GiB:.4f} GiB, "
                  f"hit rate {100 * res.hit_rate:.1f}%\n")
     return 0
+
+
+def _prefetch_desc(opts, stats) -> str:  # noqa: ANN001
+    """``on (recall R%, miss bytes ready M%)`` or ``off`` for verify's line."""
+    if not opts.prefetch:
+        return "off"
+    if stats is None or stats.recall is None:
+        return "on"
+    ready = "-" if stats.ready_share is None else f"{100 * stats.ready_share:.1f}%"
+    return f"on (recall {100 * stats.recall:.1f}%, miss bytes ready {ready})"
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -676,6 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{MAX_IO_THREADS})")
     b.add_argument("--moe-stream", default="on,off", help="on, off or on,off")
     b.add_argument("--overlap", default="on", help="on, off or on,off")
+    b.add_argument("--prefetch", default="off", help="router-lookahead prefetch of the streaming rows: off "
+                   "(default), on, or off,on (rows in that order)")
     b.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP.replace("the command starts",
                    "bench starts (one count for every row, llama.cpp's included)"))
     b.add_argument("--override-ctx", action="store_true",

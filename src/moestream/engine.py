@@ -13,6 +13,7 @@ import psutil
 import torch
 
 from .errors import ConfigError, ForwardError, NumericError
+from .experts.pool import StoreStats
 from .models.base import MoEModel
 
 GiB = 2**30
@@ -217,7 +218,9 @@ class Sampler:
 
 @dataclass
 class GenStats:
-    """Timings in seconds, bytes in bytes."""
+    """Timings in seconds, bytes in bytes. hits / misses: the store's (see StoreStats: an expert a prefetch
+    brought counts as a hit). store: every counter of the store over this generation (prefetch recall, miss
+    bytes ready, prefetches issued / wasted)."""
 
     n_prompt: int = 0
     prompt_seconds: float = 0.0
@@ -230,6 +233,7 @@ class GenStats:
     peak_rss: int = 0
     stop_reason: str = ""
     tokens: list[int] = field(default_factory=list)
+    store: StoreStats = field(default_factory=StoreStats)
 
     @property
     def prompt_tps(self) -> float:
@@ -247,10 +251,24 @@ class GenStats:
     def line(self) -> str:
         return (f"prompt {self.n_prompt} tok, {self.prompt_tps:.1f} tok/s | decode {self.n_decode} tok, "
                 f"{self.decode_tps:.2f} tok/s | expert hit rate {100 * self.hit_rate:.1f}% | "
-                f"streamed {self.streamed_bytes / GiB:.3f} GiB, disk read {self.disk_bytes / GiB:.3f} GiB | "
+                + self.prefetch_summary()
+                + f"streamed {self.streamed_bytes / GiB:.3f} GiB, disk read {self.disk_bytes / GiB:.3f} GiB | "
                 f"peak RSS {self.peak_rss / GiB:.2f} GiB"
                 + {"context full": " | stopped: context full",
                    "interrupted": " | stopped: interrupted"}.get(self.stop_reason, ""))
+
+
+    def prefetch_summary(self) -> str:
+        """``"prefetch recall R%, miss bytes ready M%, N prefetched, W wasted | "``, or "" when no prediction
+        was made (prefetch off, or streaming off). R: share of the experts the steps used that the router
+        lookahead predicted; M: share of the bytes of the experts that were not in the pool before the prediction
+        already read when the step needed them (see StoreStats)."""
+        s = self.store
+        if s.recall is None:
+            return ""
+        ready = "-" if s.ready_share is None else f"{100 * s.ready_share:.1f}%"
+        return (f"prefetch recall {100 * s.recall:.1f}%, miss bytes ready {ready}, {s.prefetch_issued} prefetched, "
+                f"{s.prefetch_wasted} wasted | ")
 
 
 def peak_rss_bytes() -> int:
@@ -408,7 +426,7 @@ class Generation:
         engine, model, st = self.engine, self.engine.model, self.stats
         store = model.store
         n_ctx = self.cache.n_ctx  # type: ignore[attr-defined]
-        h0, m0, b0, d0 = store.stats.hits, store.stats.misses, store.bytes_read, disk_read_bytes()
+        s0, b0, d0 = store.stats.copy(), store.bytes_read, disk_read_bytes()
         t0 = time.perf_counter()
         t1 = None
         try:
@@ -458,7 +476,8 @@ class Generation:
                 st.prompt_seconds = now - t0
             else:
                 st.decode_seconds = now - t1
-            st.hits, st.misses = store.stats.hits - h0, store.stats.misses - m0
+            st.store = store.stats - s0
+            st.hits, st.misses = st.store.hits, st.store.misses
             st.streamed_bytes = store.bytes_read - b0
             st.disk_bytes = disk_read_bytes() - d0
             st.peak_rss = peak_rss_bytes()

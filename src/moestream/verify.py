@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .engine import Engine
-from .experts.pool import ResidentStore
+from .experts.pool import ResidentStore, StoreStats
 from .models.base import LoadOptions, MoEModel
 
 
@@ -15,7 +15,8 @@ from .models.base import LoadOptions, MoEModel
 class VerifyResult:
     """identical: every compared logit equal in raw bytes. steps: forward passes compared (prefill chunks'
     positions count one step each). n_logits: float32 values compared. first_diff: (step, position) of the
-    first difference or None. streamed_bytes: bytes read into slots in the streaming run."""
+    first difference or None. streamed_bytes: bytes read into slots in the streaming run. stats: the streaming
+    store's counters (hits, prefetch recall, ...; see StoreStats)."""
 
     identical: bool
     steps: int
@@ -25,6 +26,7 @@ class VerifyResult:
     hit_rate: float
     tokens: list[int]
     slots: str = ""  # slots per layer of the streaming run, e.g. "16" or "15-16"
+    stats: StoreStats | None = None
 
 
 def _run(engine: Engine, prompt: list[int], steps: int,
@@ -67,7 +69,8 @@ def _run(engine: Engine, prompt: list[int], steps: int,
 
 def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ubatch: int = 128) -> VerifyResult:
     """Run ``prompt`` + ``steps`` greedy tokens resident, then streaming with ``opts`` (slots, io_threads,
-    policy, overlap: ``opts.overlap`` applies to the streaming run whatever ``model`` was loaded with),
+    policy, overlap, prefetch: ``opts.overlap`` and ``opts.prefetch`` apply to the streaming run whatever
+    ``model`` was loaded with),
     comparing logits bytewise at every step and prompt position."""
     engine = Engine(model, ubatch)
     model.set_store(ResidentStore(model.gguf, model.layout))
@@ -77,7 +80,7 @@ def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ub
     store = model.make_store(stream_opts, n_ctx=n, logits_rows=n, ubatch=ubatch)
     model.set_store(store)
     saved = model.opts
-    model.opts = replace(saved, overlap=opts.overlap)  # the streaming run uses the overlap asked for here
+    model.opts = replace(saved, overlap=opts.overlap, prefetch=opts.prefetch)  # as asked for here
     try:
         got, diff, tokens = _run(engine, prompt, steps, ref)
     finally:
@@ -87,7 +90,7 @@ def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ub
     return VerifyResult(identical=diff is None, steps=len(got) if diff is None else diff[0],
                         n_logits=n_logits, first_diff=diff, streamed_bytes=store.bytes_read,
                         hit_rate=store.stats.hit_rate, tokens=tokens if diff else ref_tokens,
-                        slots=_slots_text(store))
+                        slots=_slots_text(store), stats=store.stats.copy())
 
 
 def _slots_text(store) -> str:  # noqa: ANN001 - StreamingStore

@@ -42,11 +42,12 @@ class CachePolicy:
     def _keys(self, experts: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def plan(self, slots: SlotMap, experts: list[int], pinned: list[int] = ()) -> Plan:
+    def plan(self, slots: SlotMap, experts: list[int], pinned: list[int] = (), busy: np.ndarray | None = None) -> Plan:
         """experts: distinct real expert ids, len <= slots.n_slots. pinned: other real expert ids whose slots
         must survive this plan (a tile still being computed while this one loads); they are not counted as
-        uses. Returns the Plan; updates the slot map. ValueError if experts and pinned need more slots than
-        the pool has."""
+        uses. busy: optional bool [n_slots], slots whose reads are still in flight (a prefetch): evicted only when
+        no other slot is left (the caller must then let that read settle before reusing the slot). Returns the
+        Plan; updates the slot map. ValueError if experts and pinned need more slots than the pool has."""
         keep = [e for e in pinned if e not in set(experts)]
         if len(experts) + len(keep) > slots.n_slots:
             also = f" and {len(keep)} pinned" if keep else ""
@@ -60,12 +61,8 @@ class CachePolicy:
         loads: list[tuple[int, int]] = []
         if len(miss):
             resident = slots.expert_of
-            keys = np.full(slots.n_slots, np.iinfo(np.int64).min, dtype=np.float64)  # empty slots first
-            occupied = resident >= 0
-            keys[occupied] = self._keys(resident[occupied])
-            keys[np.isin(resident, ids)] = np.inf  # pinned: needed by this step
-            if keep:
-                keys[np.isin(resident, np.asarray(keep, dtype=np.int64))] = np.inf  # in use by the previous tile
+            # pinned: needed by this step, or in use by the previous tile
+            keys = self._eviction_keys(slots, np.concatenate((ids, np.asarray(keep, dtype=np.int64))), busy)
             victims = np.argsort(keys, kind="stable")[: len(miss)]
             for i, slot in zip(miss.tolist(), victims.tolist(), strict=True):
                 old = resident[slot]
@@ -77,6 +74,31 @@ class CachePolicy:
                 slot_ids[i] = slot
                 loads.append((e, int(slot)))
         return Plan(slot_ids=slot_ids.tolist(), loads=loads)
+
+    def victims(self, slots: SlotMap, n: int, protect: list[int] = (), busy: np.ndarray | None = None) -> list[int]:
+        """Up to ``n`` slots a prefetch may fill, in this policy's eviction order (empty slots first), without
+        counting a use: never the slot of an expert in ``protect`` (real ids), never a ``busy`` slot (bool
+        [n_slots], reads in flight). Does not change the slot map. Fewer than ``n`` when fewer are evictable."""
+        keys = self._eviction_keys(slots, np.asarray(list(protect), dtype=np.int64), busy)
+        order = np.argsort(keys, kind="stable")
+        return [int(s) for s in order[keys[order] < _BUSY][:n]]
+
+    def _eviction_keys(self, slots: SlotMap, protect: np.ndarray, busy: np.ndarray | None) -> np.ndarray:
+        """float64 [n_slots]: the slot with the smallest key is evicted first. Empty slots first, then resident
+        experts by ``_keys``, then ``busy`` slots (``_BUSY``), never the slots of ``protect`` (inf)."""
+        resident = slots.expert_of
+        keys = np.full(slots.n_slots, np.iinfo(np.int64).min, dtype=np.float64)  # empty slots first
+        occupied = resident >= 0
+        keys[occupied] = self._keys(resident[occupied])
+        if busy is not None:
+            keys[busy] = _BUSY
+        if len(protect):
+            keys[np.isin(resident, protect)] = np.inf
+        return keys
+
+
+#: Eviction key of a slot whose reads are in flight: after every other evictable slot, before the protected ones.
+_BUSY = np.finfo(np.float64).max
 
 
 class LFUPolicy(CachePolicy):

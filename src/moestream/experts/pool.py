@@ -10,11 +10,12 @@ Both expose the same ``prepare`` / ``wait`` / ``matrix`` calls, so the compute c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ExpertReadError
 from ..gguf import GGUFModel
 from .layout import ExpertLayout
 from .policy import POLICIES, CachePolicy, SlotMap
@@ -23,23 +24,83 @@ from .reader import ExpertReader, ReadJob, Ticket
 
 @dataclass
 class StoreStats:
-    """Counts over all MoE layers: hits/misses count (token-step, expert) uses of distinct experts."""
+    """Counters over all MoE layers (each a running total; ``a - b`` gives the counts between two snapshots).
+
+    hits / misses count (prepare() call, expert) uses of distinct experts: a miss is an expert that prepare()
+    had to read (a demand read); a hit one already in a slot, including one that a prefetch brought, whose reads
+    may still be in flight (prepare() then joins them before it is computed; see ``StreamingStore.prefetch``).
+    With ``--prefetch on`` the hit rate therefore counts correctly predicted experts as hits.
+
+    Router lookahead (``--prefetch``), counted in experts and bytes:
+
+    - ``predictable`` / ``predicted``: experts that prepare() asked for in a layer for which a prediction had
+      been made since the layer's previous step, and how many of them were predicted. ``recall`` is their ratio.
+    - ``miss_bytes`` / ``miss_bytes_ready``: bytes of the experts a step needed that were not in the pool before
+      the prediction (the demand misses, and the first use of each prefetched expert), and how many of those
+      bytes were already read when prepare() asked for them. ``ready_share`` is their ratio.
+    - ``prefetch_issued``: experts whose reads a prefetch started; ``prefetch_used``: of those, the ones a later
+      prepare() asked for; ``prefetch_wasted``: the ones evicted, cancelled or dropped after a failed read
+      before any use (prefetched experts still in the pool and unused are neither); ``prefetch_cancelled``: of
+      the wasted, those a step of their layer did not need while some of their reads were still queued (those
+      reads were cancelled, the expert dropped); ``prefetch_failed``: prefetched experts whose read failed
+      before any step needed them (dropped quietly, see ``StreamingStore.prefetch``).
+    """
 
     hits: int = 0
     misses: int = 0
-    #: Seconds the compute thread spent blocked in ``wait`` for reads (what the overlap hides).
+    #: Seconds the compute thread spent blocked in ``wait`` for reads (what the overlap hides), and in
+    #: prepare()/prefetch() waiting for an in-flight prefetch read of a slot it had to reuse.
     stall_seconds: float = 0.0
+    predictable: int = 0
+    predicted: int = 0
+    miss_bytes: int = 0
+    miss_bytes_ready: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    prefetch_cancelled: int = 0
+    prefetch_failed: int = 0
 
     @property
     def hit_rate(self) -> float:
         n = self.hits + self.misses
         return self.hits / n if n else 1.0
 
+    @property
+    def recall(self) -> float | None:
+        """Share of the experts the steps used that the lookahead had predicted; None without predictions."""
+        return self.predicted / self.predictable if self.predictable else None
+
+    @property
+    def ready_share(self) -> float | None:
+        """Share of the miss bytes (see the class) already read when a step needed them; None without misses."""
+        return self.miss_bytes_ready / self.miss_bytes if self.miss_bytes else None
+
+    def __sub__(self, other: StoreStats) -> StoreStats:
+        return StoreStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def copy(self) -> StoreStats:
+        return replace(self)
+
+
+@dataclass
+class _Prefetched:
+    """A prefetched expert not yet used by any step: its slot and the ticket of its reads (one per matrix)."""
+
+    slot: int
+    ticket: Ticket
+
+    @property
+    def settled(self) -> bool:
+        """Every read joined (its bytes are in the slot)."""
+        return self.ticket.joined == len(self.ticket.futures)
+
 
 class ExpertStore:
     """Interface. ``capacity(layer)``: experts that fit at once. ``prepare(layer, experts, pinned)`` -> (slot
     ids, ticket), never evicting ``pinned``; ``wait(ticket)``; ``discard(ticket)`` (a prepared tile that will
-    not be computed); ``matrix(layer, name)`` -> uint8 tensor [capacity, bytes_per_expert]."""
+    not be computed); ``matrix(layer, name)`` -> uint8 tensor [capacity, bytes_per_expert];
+    ``prefetch(layer, experts)``: a hint that the coming step of ``layer`` will need ``experts``."""
 
     streaming = False
 
@@ -54,6 +115,11 @@ class ExpertStore:
 
     def prepare(self, layer: int, experts: list[int], pinned: list[int] = ()) -> tuple[list[int], Ticket | None]:
         raise NotImplementedError
+
+    def prefetch(self, layer: int, experts: list[int], pinned: list[int] = (), read: bool = True) -> int:
+        """Start reading ``experts`` of ``layer`` ahead of the step that needs them; returns how many experts'
+        reads were started (0 here: nothing to read)."""
+        return 0
 
     def wait(self, ticket: Ticket | None, through: int | None = None) -> None:
         pass
@@ -134,12 +200,21 @@ class StreamingStore(ExpertStore):
         self.policies: dict[int, CachePolicy] = {}
         self.pools: dict[int, dict[str, torch.Tensor]] = {}
         self._views: dict[int, dict[str, list[memoryview]]] = {}
+        #: per layer: prefetched experts no step has used yet (in prefetch order), see prefetch()
+        self._pending: dict[int, dict[int, _Prefetched]] = {}
+        #: per layer: slot -> the reads still running into it of a dropped (cancelled) prefetch; busy till done
+        self._draining: dict[int, dict[int, Ticket]] = {}
+        #: per layer: the experts the last prefetch() of the layer predicted (for the recall statistic)
+        self._predicted: dict[int, frozenset[int]] = {}
+        self._expert_bytes: dict[int, int] = {}
         for layer, mats in layout.layers.items():
             n_exp = layout.n_experts(layer)
             n = min(per_layer[layer], n_exp)
             self.slots[layer] = SlotMap(n_exp, n)
             self.policies[layer] = POLICIES[policy](n_exp)
             self.pools[layer], self._views[layer] = {}, {}
+            self._pending[layer], self._draining[layer] = {}, {}
+            self._expert_bytes[layer] = sum(m.bytes_per_expert for m in mats.values())
             for name, m in mats.items():
                 pool = torch.empty((n, m.bytes_per_expert), dtype=torch.uint8, pin_memory=pin_memory)
                 self.pools[layer][name] = pool
@@ -164,21 +239,184 @@ class StreamingStore(ExpertStore):
 
     def prepare(self, layer: int, experts: list[int], pinned: list[int] = ()) -> tuple[list[int], Ticket | None]:
         """Assign slots to ``experts`` (distinct real ids) and start reading the misses. ``pinned``: experts
-        whose slots are still in use (the tile being computed while this one loads); never evicted."""
+        whose slots are still in use (the tile being computed while this one loads); never evicted.
+
+        A prefetched expert (see :meth:`prefetch`) is present: it keeps its slot and counts as a hit. If its reads
+        are still in flight they join the returned ticket, ahead of the misses' reads, so that ``reading`` /
+        ``ready`` / ``wait`` treat it as an expert being read (``wait`` raises its read error). A slot whose
+        prefetch read is in flight is reused for a miss only when no other slot is left, and only after that read
+        has settled (that wait counts as stall). A prefetched expert that this call does not ask for and whose
+        reads are partly still queued (not started) has those cancelled and is dropped, so that the step's own
+        reads do not wait behind a wrong guess's in the reader's queue (in a tiled prefill, an expert a later
+        tile needs is then read again by that tile)."""
         if self.trace is not None:
             self.trace.append((layer, tuple(experts), tuple(pinned)))
-        plan = self.policies[layer].plan(self.slots[layer], experts, pinned)
+        self._settle(layer)
+        slots, pending = self.slots[layer], self._pending[layer]
+        if pending:
+            self._cancel_unneeded(layer, set(experts))
+        pred = self._predicted.get(layer)
+        if pred is not None:
+            self.stats.predictable += len(experts)
+            self.stats.predicted += sum(e in pred for e in experts)
+        before = slots.expert_of.copy() if pending else None  # who held the slots the plan may reuse
+        plan = self.policies[layer].plan(slots, experts, pinned, busy=self._busy(layer))
         self.stats.misses += len(plan.loads)
         self.stats.hits += len(experts) - len(plan.loads)
-        if not plan.loads:
-            return plan.slot_ids, None
+        per_expert = self._expert_bytes[layer]
+        self.stats.miss_bytes += per_expert * len(plan.loads)
         mats = self.layout[layer]
+        joining: list[tuple[int, int]] = []  # prefetched experts of this step whose reads are in flight
+        futures: list = []
+        for e, s in zip(experts, plan.slot_ids, strict=True):
+            rec = pending.pop(e, None) if pending else None
+            if rec is None:
+                continue
+            self.stats.prefetch_used += 1
+            self.stats.miss_bytes += per_expert
+            if rec.settled:
+                self.stats.miss_bytes_ready += per_expert
+            else:
+                self.stats.miss_bytes_ready += sum(m.bytes_per_expert for f, m in
+                                                   zip(rec.ticket.futures, mats.values(), strict=True) if f.done())
+                joining.append((e, s))
+                futures += rec.ticket.futures
+        if before is not None:
+            for _, s in plan.loads:  # a prefetched expert evicted before any use
+                rec = pending.pop(int(before[s]), None)
+                if rec is not None:
+                    self.stats.prefetch_wasted += 1
+                    self._join_quietly(rec.ticket)  # its read must not land in the slot after the new expert's
+        draining = self._draining[layer]
+        if draining:
+            for _, s in plan.loads:  # a slot still receiving a cancelled prefetch's running read
+                if s in draining:
+                    self._join_quietly(draining.pop(s))
+        if not plan.loads and not joining:
+            return plan.slot_ids, None
         jobs = [ReadJob(m.path, m.expert_offset(e), self._views[layer][name][s])
                 for e, s in plan.loads for name, m in mats.items()]
         ticket = self.reader.submit(jobs)
-        ticket.loads = (layer, plan.loads)  # type: ignore[attr-defined]
+        if joining:  # the first future is a prefetch's first, which carries its submit time
+            ticket = Ticket(futures + ticket.futures)
+        ticket.loads = (layer, joining + plan.loads)  # type: ignore[attr-defined]
         ticket.n_mats = len(mats)  # type: ignore[attr-defined]  # jobs per expert, consecutive
         return plan.slot_ids, ticket
+
+    def prefetch(self, layer: int, experts: list[int], pinned: list[int] = (), read: bool = True) -> int:
+        """Router lookahead: start reading ``experts`` (distinct real ids predicted for ``layer``'s coming step,
+        most likely first) into free or evictable slots, so that the step's prepare() finds them present.
+
+        Predicted experts already in a slot stay (this prefetch never evicts them); each other one takes a victim
+        in the policy's eviction order, without counting a use, never the slot of an expert in ``experts`` or
+        ``pinned`` and never a slot whose prefetch read is still in flight; when fewer slots are evictable, only
+        the first experts are read. The slot is marked as holding the expert at once, its reads pending;
+        prepare() joins them, and cancels the queued reads of those it does not ask for (see there). ``read`` false
+        only records the prediction.
+
+        The prediction is what the ``recall`` statistic compares the following prepare() calls of the layer with,
+        until the next prefetch() of the layer. Not to be called while a ticket of ``layer`` is not yet joined
+        (models call it for a layer before that layer's MoE step, never during it).
+
+        Errors: a prefetch read that fails before a step asks for its expert is never raised: its slot is emptied
+        as soon as the failure is seen (by the next prefetch() or prepare() of the layer), it counts as failed and
+        wasted, and a step that needs the expert reads it again like any miss (that read's error, if any, is
+        raised by ``wait``). A failed read of an expert that a step asked for while the read was in flight is
+        raised by that step's ``wait``, like any read error. Returns the number of experts whose reads started.
+        """
+        self._predicted[layer] = frozenset(experts)
+        if not read:
+            return 0
+        self._settle(layer)
+        slots, pending = self.slots[layer], self._pending[layer]
+        want = [e for e in experts if slots.slot_of[e] < 0]
+        if not want:
+            return 0
+        victims = self.policies[layer].victims(slots, len(want), [*experts, *pinned], self._busy(layer))
+        mats = self.layout[layer]
+        for e, s in zip(want, victims, strict=False):  # fewer victims than wanted: the first ones only
+            old = int(slots.expert_of[s])
+            if old >= 0:
+                slots.slot_of[old] = -1
+                if pending.pop(old, None) is not None:  # settled (victims are never busy): nothing in flight
+                    self.stats.prefetch_wasted += 1
+            slots.expert_of[s] = e
+            slots.slot_of[e] = s
+            jobs = [ReadJob(m.path, m.expert_offset(e), self._views[layer][name][s]) for name, m in mats.items()]
+            pending[e] = _Prefetched(s, self.reader.submit(jobs))
+        n = min(len(want), len(victims))
+        self.stats.prefetch_issued += n
+        return n
+
+    def _cancel_unneeded(self, layer: int, needed: set[int]) -> None:
+        """Cancel the queued reads of ``layer``'s prefetched experts not in ``needed`` whose reads are in flight.
+        An expert with a cancelled read leaves the pool at once; its slot stays busy (``_draining``) until the
+        reads of it that had started finish."""
+        pending = self._pending[layer]
+        for e, rec in list(pending.items()):
+            if e in needed or rec.settled:
+                continue
+            if sum(f.cancel() for f in rec.ticket.futures):  # cancel() is False for a running or finished read
+                del pending[e]
+                self._empty(layer, e, rec.slot)
+                self.stats.prefetch_cancelled += 1
+                self.stats.prefetch_wasted += 1
+                ran = [f for f in rec.ticket.futures if not f.cancelled()]
+                if ran:
+                    rest = Ticket(ran)
+                    ran[0].t0 = getattr(ran[0], "t0", None) or rec.ticket.futures[0].t0  # type: ignore[attr-defined]
+                    self._draining[layer][rec.slot] = rest
+
+    def _busy(self, layer: int) -> np.ndarray | None:
+        """bool [n_slots]: the slots of ``layer`` that prefetch reads are still writing (None: none)."""
+        busy_slots = [r.slot for r in self._pending[layer].values() if not r.settled] + list(self._draining[layer])
+        if not busy_slots:
+            return None
+        busy = np.zeros(self.slots[layer].n_slots, dtype=bool)
+        busy[busy_slots] = True
+        return busy
+
+    def _settle(self, layer: int) -> None:
+        """Join the prefetch reads of ``layer`` that have all finished (never blocks): their bytes are counted;
+        one that failed empties its slot (failed and wasted). An error other than ExpertReadError (a bug, not an
+        IO error) is raised after its slot is emptied."""
+        draining = self._draining[layer]
+        for slot, ticket in list(draining.items()):
+            if all(f.done() for f in ticket.futures):
+                del draining[slot]
+                self._join_quietly(ticket)  # finished: does not block
+        pending = self._pending[layer]
+        for e, rec in list(pending.items()):
+            if rec.settled or not all(f.done() for f in rec.ticket.futures):
+                continue
+            try:
+                self.reader.wait(rec.ticket)
+            except BaseException as err:
+                del pending[e]
+                self._empty(layer, e, rec.slot)
+                self.stats.prefetch_failed += 1
+                self.stats.prefetch_wasted += 1
+                if not isinstance(err, ExpertReadError):
+                    raise
+
+    def _empty(self, layer: int, expert: int, slot: int) -> None:
+        slots = self.slots[layer]
+        slots.slot_of[expert] = -1
+        slots.expert_of[slot] = -1
+
+    def _join_quietly(self, ticket: Ticket) -> None:
+        """Let the reads of a prefetch whose expert left the pool settle (before its slot is reused): their bytes
+        are counted; a read error is dropped, counted as failed (the expert is not in the pool any more). The
+        time spent blocked counts as stall."""
+        if ticket.joined == len(ticket.futures):
+            return
+        t0 = time.perf_counter()
+        try:
+            self.reader.wait(ticket)
+        except ExpertReadError:
+            self.stats.prefetch_failed += 1
+        finally:
+            self.stats.stall_seconds += time.perf_counter() - t0
 
     def reading(self, ticket: Ticket | None) -> list[int]:
         return [] if ticket is None else [e for e, _ in ticket.loads[1]]  # type: ignore[attr-defined]
@@ -235,6 +473,9 @@ class StreamingStore(ExpertStore):
 
     @property
     def bytes_read(self) -> int:
+        """Bytes of the joined reads (finished prefetch reads are joined first, without blocking)."""
+        for layer in self._pending:
+            self._settle(layer)
         return self.reader.bytes_read
 
     def close(self) -> None:

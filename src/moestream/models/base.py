@@ -52,6 +52,9 @@ class LoadOptions:
     the float32 model of the dequantized weights: the oracle path).
     metadata_only: read and check the hyperparameters against the tensor table (shapes, ggml types) and stop:
     no weight is read and no expert store is made (``inspect`` uses it to refuse what ``run`` would refuse).
+    prefetch: router lookahead (streaming only; ignored with ``moe_stream`` off): as soon as the residual stream
+    entering an MoE layer exists, that layer's router predicts its experts and their reads start
+    (:meth:`MoEModel.lookahead`); the real router still decides what is computed.
     """
 
     moe_stream: bool = True
@@ -66,6 +69,7 @@ class LoadOptions:
     mem: int | None = None
     mem_source: str | None = None
     n_ctx: int | None = None
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.matmul not in MATMUL_MODES:
@@ -345,6 +349,26 @@ class MoEModel:
         for b in getattr(self, "blocks", ()):
             if isinstance(b, dict) and "moe" in b:
                 b["moe"].routing = routing
+    def lookahead(self, layer: int, x: torch.Tensor) -> None:
+        """Router-lookahead prefetch for ``layer``: x [T, hidden] float32 is the residual stream entering it (the
+        previous layer's output, or the embeddings). When ``opts.prefetch`` is on, the store streams and ``layer``
+        is an MoE layer, its router predicts the experts (:meth:`predict`: the arch's own routing code, one
+        [T, hidden] x [hidden, n_experts] matmul) and ``store.prefetch`` starts reading those not in a slot while
+        the layer's attention runs. Reads are issued for a decode step (T = 1) and for a prefill chunk whose
+        predicted distinct experts fit in half the layer's pool (more would evict each other, or the tiles'
+        experts, before use); otherwise only the prediction is recorded (for the recall statistic). Never changes
+        a value the forward pass computes."""
+        store = self.store
+        if not (self.opts.prefetch and store.streaming and layer in self.layout):
+            return
+        experts = list(dict.fromkeys(self.predict(layer, x).reshape(-1).tolist()))  # first use first: top-k order
+        read = x.shape[0] == 1 or len(experts) <= store.capacity(layer) // 2
+        store.prefetch(layer, experts, read=read)
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The top-k expert ids [T, top_k] int64 that MoE ``layer``'s router picks for x [T, hidden] float32 taken
+        as that layer's input residual stream (the real routing's code on x)."""
+        raise NotImplementedError
 
     def set_store(self, store: ExpertStore) -> None:
         """Swap the expert store (e.g. resident -> streaming for the identity check)."""

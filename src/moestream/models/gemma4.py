@@ -217,6 +217,9 @@ class Gemma4(MoEModel):
         w, ids = torch.topk(probs, self.top_k, dim=-1)
         return ids, w / w.sum(dim=-1, keepdim=True)
 
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self.route(self.blocks[layer], x)[0]  # the router reads the residual stream itself
+
     def per_layer_inputs(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """PLE inputs [T, n_layers, ple_dim] float32 from tokens [T] and the scaled embeddings x [T, hidden]:
         (RMSNorm(x @ W_proj^T / sqrt(hidden)) + E_ple[tokens] * sqrt(ple_dim)) / sqrt(2) (transformers'
@@ -252,6 +255,7 @@ class Gemma4(MoEModel):
         x = self.embd.rows_of(tokens) * torch.tensor(self.n_embd ** 0.5)  # [T, hidden]
         ple = self.per_layer_inputs(tokens, x) if self.ple_dim else None  # [T, n_layers, ple_dim]
         for i, b in enumerate(self.blocks):
+            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
             a = self._attention(i, b, rms_norm(x, b["attn_norm"], self.eps), start, cache)
             x = x + rms_norm(a, b["attn_post_norm"], self.eps)
             residual = x

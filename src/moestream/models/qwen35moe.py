@@ -271,6 +271,14 @@ class Qwen35MoE(MoEModel):
         w, ids = torch.topk(probs, self.top_k, dim=-1)
         return ids, w / w.sum(dim=-1, keepdim=True)
 
+    def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, hidden] the FFN-normed input of block ``b`` -> :meth:`route` of its router logits."""
+        return self.route(b["router"].linear(h))
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks[layer]
+        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
+
     def delta_net(self, b: dict, h: torch.Tensor, i: int, cache: HybridCache) -> torch.Tensor:
         """Gated DeltaNet mixer of layer i. h: [T, hidden] (normed) -> [T, hidden]; advances cache.conv/ssm[i]."""
         n_tok = h.shape[0]
@@ -316,10 +324,11 @@ class Qwen35MoE(MoEModel):
                              f"{start} (qwen35moe caches cannot be rewound: use a new cache)")
         x = self.embd.rows_of(tokens)  # [T, hidden]
         for i, b in enumerate(self.blocks):
+            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the mixer
             h = rms_norm(x, b["attn_norm"], self.eps)
             x = x + (self.delta_net(b, h, i, cache) if "qkv" in b else self.attn(b, h, i, cache, start))
             h = rms_norm(x, b["ffn_norm"], self.eps)
-            ids, w = self.route(b["router"].linear(h))
+            ids, w = self.gate(b, h)
 
             def shared(hs: torch.Tensor, b: dict = b) -> torch.Tensor:
                 up = elementwise(F.silu, b["sh_gate"].linear(hs)) * b["sh_up"].linear(hs)

@@ -104,6 +104,14 @@ class Qwen3MoE(MoEModel):
         w, ids = torch.topk(probs, self.top_k, dim=-1)
         return ids, w / w.sum(dim=-1, keepdim=True)
 
+    def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, hidden] the FFN-normed input of MoE block ``b`` -> :meth:`route` of its router logits."""
+        return self.route(b["router"].linear(h))
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks[layer]
+        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
+
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
         n_tok = tokens.shape[0]
         if start + n_tok > cache.n_ctx:
@@ -112,6 +120,7 @@ class Qwen3MoE(MoEModel):
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
+            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
             h = rms_norm(x, b["attn_norm"], self.eps)
             q = rms_norm(b["q"].linear(h).view(n_tok, self.n_head, self.head_dim), b["q_norm"], self.eps)
             k = rms_norm(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim), b["k_norm"], self.eps)
@@ -122,7 +131,7 @@ class Qwen3MoE(MoEModel):
             x = x + b["o"].linear(a)
             h = rms_norm(x, b["ffn_norm"], self.eps)
             if "moe" in b:
-                ids, w = self.route(b["router"].linear(h))
+                ids, w = self.gate(b, h)
                 routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
                 x = x + routed
             else:
