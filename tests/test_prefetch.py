@@ -42,7 +42,8 @@ PROMPT = ("Streaming experts from disk: the router picks the top-k experts of ea
 @pytest.fixture(scope="module")
 def qwen3(qwen3moe_tiny) -> tuple[MoEModel, list[int]]:
     path = str(qwen3moe_tiny["q8_0"])
-    return load_model(path, LoadOptions(moe_stream=False)), GGUFTokenizer.from_gguf(path).encode(PROMPT)
+    model = load_model(path, LoadOptions(moe_stream=False, prefetch=True))  # prefetch: off by default
+    return model, GGUFTokenizer.from_gguf(path).encode(PROMPT)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def models(qwen3, fixtures_tool) -> Any:
         if arch not in cache:
             path = str(fixtures_tool.build_fixture(f"{arch}-tiny")["q8_0"])
             # Gemma 4: dense weights expanded at load (its tied 262k-row output matrix), as test_gemma4 does
-            model = load_model(path, LoadOptions(moe_stream=False, expand_dense=arch == "gemma4"))
+            model = load_model(path, LoadOptions(moe_stream=False, prefetch=True, expand_dense=arch == "gemma4"))
             cache[arch] = model, GGUFTokenizer.from_gguf(path).encode(PROMPT)
         return cache[arch]
     return get
