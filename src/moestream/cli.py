@@ -26,6 +26,10 @@ THREADS_HELP = ("compute threads (default: the free CPUs when the command starts
                 "at most the physical cores, less those other jobs keep busy by the run queue and the 1-minute load "
                 "average -- at least 1; at most 4 x the CPUs)")
 
+DIRECT_IO_HELP = ("read experts with O_DIRECT, bypassing the page cache, so that the slot pools are the only cache "
+                  "(default: on where the file system allows it; where it refuses, e.g. tmpfs, reads go through "
+                  "the page cache, with a note when on was asked for); off: buffered reads")
+
 
 def max_threads() -> int:
     """Upper bound of -t: 4 x the CPUs."""
@@ -103,6 +107,7 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
         p.add_argument("--overlap", type=_on_off, default=True, metavar="on|off",
                        help="hide expert reads behind the shared/dense FFN, the hits' matmuls and the "
                        "previous prefill tile (default on; off: read, then compute)")
+        p.add_argument("--direct-io", type=_on_off, default=None, metavar="on|off", help=DIRECT_IO_HELP)
     p.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--expand-dense", action="store_true",
                    help="dequantize dense weights to float32 at load (more memory: see inspect)")
@@ -134,7 +139,8 @@ def _load(args: argparse.Namespace, moe_stream: bool):
     opts = LoadOptions(moe_stream=moe_stream, slots=getattr(args, "slots", None),
                        io_threads=getattr(args, "io_threads", 8), policy=getattr(args, "policy", "lfu"),
                        overlap=getattr(args, "overlap", True), expand_dense=args.expand_dense,
-                       matmul=getattr(args, "matmul", "blocks"), mem=mem, mem_source=mem_source)
+                       matmul=getattr(args, "matmul", "blocks"), mem=mem, mem_source=mem_source,
+                       direct_io=getattr(args, "direct_io", None))
     # with a budget the pools are sized once the context is known (_context, verify): defer the store
     return load_model(model_path(args), opts, defer_store=True), opts
 
@@ -169,7 +175,8 @@ def _describe(model) -> str:  # noqa: ANN001
         slots = f"{min(per)}" if min(per) == max(per) else f"{min(per)}-{max(per)}"
         mode = (f"streaming: {slots} slots/layer of {model.n_experts} experts, "
                 f"{store.pool_bytes / GiB:.3f} GiB of pools, {store.reader.io_threads} IO threads, "
-                f"policy {model.opts.policy}, overlap {'on' if model.opts.overlap else 'off'}")
+                f"policy {model.opts.policy}, overlap {'on' if model.opts.overlap else 'off'}, "
+                f"{f'direct IO ({store.align}-byte aligned)' if store.direct else 'buffered IO'}")
     else:
         mode = "resident: experts addressed in a memory map of the file (--moe-stream off)"
     line = (f"moestream: {os.path.basename(model.gguf.path)} | {model.arch}, {len(model.layout.moe_layers)} MoE "
@@ -557,8 +564,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 1
     write_stdout(f"identical: {res.steps} steps (the prefill of a {len(ids)}-token prompt, every position, then "
                  f"{args.steps} greedy decode steps), {res.n_logits} logits compared bytewise; "
-                 f"{res.slots} slots/layer, overlap {'on' if opts.overlap else 'off'}, streamed "
-                 f"{res.streamed_bytes / GiB:.4f} GiB, "
+                 f"{res.slots} slots/layer, overlap {'on' if opts.overlap else 'off'}, "
+                 f"{'direct' if res.direct_io else 'buffered'} IO, streamed {res.streamed_bytes / GiB:.4f} GiB, "
                  f"hit rate {100 * res.hit_rate:.1f}%\n")
     return 0
 
@@ -639,6 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{MAX_IO_THREADS})")
     b.add_argument("--moe-stream", default="on,off", help="on, off or on,off")
     b.add_argument("--overlap", default="on", help="on, off or on,off")
+    b.add_argument("--direct-io", default=None, help="on, off or on,off: O_DIRECT or buffered expert reads "
+                   "(default: O_DIRECT where the file system allows it); the table's reads column says which")
     b.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP.replace("the command starts",
                    "bench starts (one count for every row, llama.cpp's included)"))
     b.add_argument("--override-ctx", action="store_true",
