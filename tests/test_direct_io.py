@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import cli, verify_identical
-from moestream.engine import Engine
+from helpers import assert_bitwise, assert_slots_hold_their_experts, cli, logits_of, verify_identical
 from moestream.errors import ConfigError, ExpertReadError
 from moestream.experts import reader as reader_mod
 from moestream.experts.layout import ExpertMatrix
@@ -33,44 +32,6 @@ STEPS = 12
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def logits_of(model: MoEModel, ids: list[int], steps: int, ubatch: int) -> list[torch.Tensor]:
-    """The prefill's logits at every position of ``ids`` (chunks of ``ubatch``), then ``steps`` greedy decode
-    steps' logits, with the model's current store."""
-    eng = Engine(model, ubatch)
-    cache = model.new_cache(len(ids) + steps)
-    out = [eng.prefill(ids, cache, logits_all=True)]
-    tok = int(out[0][-1].argmax())
-    for i in range(steps):
-        out.append(eng.decode_step(tok, len(ids) + i, cache)[None])
-        tok = int(out[-1][0].argmax())
-    return out
-
-
-def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for step, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert torch.equal(x.contiguous().view(torch.int32), y.contiguous().view(torch.int32)), f"step {step}"
-
-
-def assert_slots_hold_their_experts(model: MoEModel, store: StreamingStore) -> int:
-    """Every occupied slot holds its expert's exact bytes at its lead; returns how many matrices were checked."""
-    checked = 0
-    for layer, sm in store.slots.items():
-        for slot, expert in enumerate(sm.expert_of.tolist()):
-            if expert < 0:
-                continue
-            assert sm.slot_of[expert] == slot
-            for name, m in model.layout[layer].items():
-                lead = int(store.lead(layer, name)[slot])
-                with open(m.path, "rb") as f:
-                    f.seek(m.expert_offset(expert))
-                    want = f.read(m.bytes_per_expert)
-                got = store.matrix(layer, name)[slot, lead:lead + m.bytes_per_expert].numpy().tobytes()
-                assert got == want, (layer, expert, name)
-                checked += 1
-    return checked
-
-
 def assert_direct_layout(model: MoEModel, store: StreamingStore) -> None:
     """Pools start aligned, strides are multiples of the alignment, occupied slots' leads are their experts'
     file offsets modulo it, and some lead is non-zero (the test really addressed unaligned experts)."""
@@ -288,8 +249,9 @@ def test_direct_read_runs_past_the_end_of_the_file(data_file):
         r.wait(r.submit([ReadJob(path, a0, view, lead, n, True)]))
         assert arr[lead:lead + n].tobytes() == data[off:]
         assert r.bytes_read == len(data) - a0
-        with pytest.raises(ExpertReadError,  # the expert one byte earlier and one byte past the end
-                           match=rf"reading 1002 bytes of expert data at offset {off - 1} failed: short read: got 1001"):
+        # the expert one byte earlier, and one byte past the end
+        msg = rf"reading 1002 bytes of expert data at offset {off - 1} failed: short read: got 1001 bytes"
+        with pytest.raises(ExpertReadError, match=msg):
             r.wait(r.submit([ReadJob(path, a0, view, lead - 1, n + 2, True)]))
     finally:
         r.close()
