@@ -172,8 +172,8 @@ def test_verify_passes_direct_io_through(qwen3, monkeypatch):
     made = []
     real = model.make_store
 
-    def spy(opts):
-        made.append(real(opts))
+    def spy(opts, *a, **k):
+        made.append(real(opts, *a, **k))
         return made[-1]
 
     monkeypatch.setattr(model, "make_store", spy)
@@ -200,6 +200,28 @@ def test_slot_bytes_prices_the_pools(qwen3):
         finally:
             store.close()
     assert StreamingStore.pool_bytes_of(layout, 5, False, 4096) == layout.pool_bytes(5)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_memory_plan_prices_what_the_store_allocates(qwen3, direct):
+    """A --mem plan prices slots as the store of its direct_io will allocate them (padded for O_DIRECT)."""
+    model, _, _ = qwen3
+    layout = model.layout
+    mode = StreamingStore.read_mode(layout, direct)
+    assert mode[0] is direct and (mode[1] >= 512 if direct else mode[1] == 1)
+    if direct:
+        assert all(StreamingStore.slot_bytes(layout, la, *mode) > layout.bytes_per_expert(la) for la in layout.layers)
+    minimum = model.plan_memory(LoadOptions(mem=2**40, direct_io=direct), n_ctx=64).minimum
+    opts = LoadOptions(mem=minimum + 8 * 2**20, n_ctx=64, direct_io=direct)
+    store = model.make_store(opts, n_ctx=64)
+    try:
+        plan = model.memory_plan
+        assert store.direct is direct and store.slots_per_layer() == plan.slots
+        assert any(n > model.top_k for n in plan.slots.values()), "the budget bought no slot past the minimum"
+        assert store.pool_bytes == plan.pools == StreamingStore.pool_bytes_of(layout, plan.slots, *mode)
+    finally:
+        store.close()
+        model.memory_plan = None
 
 
 @pytest.mark.parametrize("bpe,offset,align", [(1000, 32, 512), (69632, 3136, 4096), (4096, 0, 4096),
