@@ -11,6 +11,8 @@ assertion rewriting).
   tokens, :func:`ours_forced`. Both give a :class:`Run`.
 * streaming checks: :func:`verify_identical` (streaming on vs off bitwise, ``moestream.verify``),
   :func:`distinct_experts_per_layer`, :func:`streaming_prefill`, :func:`expert_slots`.
+* expert reads (tests/test_direct_io.py, tests/test_read_faults.py): :func:`logits_of` (prefill + greedy decode
+  logits), :func:`assert_bitwise`, :func:`assert_slots_hold_their_experts` (the pool holds no half-read slot).
 """
 
 from __future__ import annotations
@@ -231,3 +233,43 @@ def streaming_prefill(model: MoEModel, ids: list[int], opts: LoadOptions) -> Ite
 def expert_slots(store: StreamingStore) -> list[tuple[int, int]]:
     """``(expert id, slot)`` of every slot of every layer of ``store`` (expert -1: the slot is empty)."""
     return [(e, s) for sm in store.slots.values() for s, e in enumerate(sm.expert_of.tolist())]
+
+
+# ------------------------------------------------------------------------------------------------ expert reads
+def logits_of(model: MoEModel, ids: list[int], steps: int, ubatch: int) -> list[torch.Tensor]:
+    """The prefill's logits at every position of ``ids`` (chunks of ``ubatch``), then ``steps`` greedy decode
+    steps' logits, with the model's current store."""
+    eng = Engine(model, ubatch)
+    cache = model.new_cache(len(ids) + steps)
+    out = [eng.prefill(ids, cache, logits_all=True)]
+    tok = int(out[0][-1].argmax())
+    for i in range(steps):
+        out.append(eng.decode_step(tok, len(ids) + i, cache)[None])
+        tok = int(out[-1][0].argmax())
+    return out
+
+
+def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    """Two :func:`logits_of` results are equal in raw bytes, step by step."""
+    assert len(a) == len(b)
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(x.contiguous().view(torch.int32), y.contiguous().view(torch.int32)), f"step {step}"
+
+
+def assert_slots_hold_their_experts(model: MoEModel, store: StreamingStore) -> int:
+    """Every occupied slot holds its expert's exact bytes at its lead; returns how many matrices were checked."""
+    checked = 0
+    for layer, sm in store.slots.items():
+        for slot, expert in enumerate(sm.expert_of.tolist()):
+            if expert < 0:
+                continue
+            assert sm.slot_of[expert] == slot
+            for name, m in model.layout[layer].items():
+                lead = int(store.lead(layer, name)[slot])
+                with open(m.path, "rb") as f:
+                    f.seek(m.expert_offset(expert))
+                    want = f.read(m.bytes_per_expert)
+                got = store.matrix(layer, name)[slot, lead:lead + m.bytes_per_expert].numpy().tobytes()
+                assert got == want, (layer, expert, name)
+                checked += 1
+    return checked

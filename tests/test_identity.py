@@ -183,9 +183,11 @@ def test_fused_decode_computes_hits_in_one_call_then_misses_as_their_reads_are_j
         model.set_store(ResidentStore(model.gguf, model.layout))
 
 
-def test_read_error_in_a_prefetched_tile_leaves_no_half_read_slot(resident, monkeypatch):
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_read_error_in_a_prefetched_tile_leaves_no_half_read_slot(resident, monkeypatch, direct_io):
     """A read error while the next tile is in flight: the error surfaces, and afterwards every slot that still
-    maps an expert holds that expert's exact bytes (unjoined reads are discarded, their slots emptied)."""
+    maps an expert holds that expert's exact bytes (unjoined reads are discarded, their slots emptied); with
+    O_DIRECT reads (padded slots) and buffered ones."""
     from moestream.errors import ExpertReadError
     from moestream.experts import reader as reader_mod
     from moestream.experts.pool import ResidentStore
@@ -197,16 +199,17 @@ def test_read_error_in_a_prefetched_tile_leaves_no_half_read_slot(resident, monk
     calls = {"n": 0}
 
     def flaky(self, job):  # fails a read of the last MoE layer's second tile (3 matrices x 4 experts a tile)
-        if any(a <= job.offset < b for a, b in last_ranges):
+        if any(a <= job.offset + job.lead < b for a, b in last_ranges):  # the expert's own first byte
             calls["n"] += 1
             if calls["n"] == 3 * 4 + 4:
                 raise ExpertReadError(job.path, job.offset, len(job.dest), "injected")
         return real(self, job)
 
     monkeypatch.setattr(reader_mod.ExpertReader, "_read", flaky)
-    store = model.make_store(LoadOptions(slots=model.top_k * 2, io_threads=1))
+    store = model.make_store(LoadOptions(slots=model.top_k * 2, io_threads=1, direct_io=direct_io))
     model.set_store(store)
     try:
+        assert store.direct is direct_io
         with pytest.raises(ExpertReadError, match="injected"):
             Engine(model, ubatch=len(ids)).prefill(ids, model.new_cache(len(ids)))
         checked = 0
@@ -219,7 +222,9 @@ def test_read_error_in_a_prefetched_tile_leaves_no_half_read_slot(resident, monk
                     with open(m.path, "rb") as f:
                         f.seek(m.expert_offset(expert))
                         want = f.read(m.bytes_per_expert)
-                    assert bytes(store.matrix(layer, name)[slot].numpy()) == want, (layer, expert, name)
+                    lead = int(store.lead(layer, name)[slot])
+                    got = bytes(store.matrix(layer, name)[slot, lead:lead + m.bytes_per_expert].numpy())
+                    assert got == want, (layer, expert, name)
                     checked += 1
         assert checked > 0
         assert (store.slots[last].expert_of < 0).all(), "the failed tile and the prefetched one are emptied"
@@ -275,7 +280,7 @@ def test_verify_detects_a_difference(resident, monkeypatch):
 
     def corrupt(self, job):
         n = real(self, job)
-        job.dest[0] = (job.dest[0] + 1) % 256
+        job.dest[job.lead] = (job.dest[job.lead] + 1) % 256  # the expert's first byte (after a direct read's lead)
         return n
     monkeypatch.setattr(reader_mod.ExpertReader, "_read", corrupt)
     res = verify(model, ids, 4, LoadOptions(slots=model.top_k, io_threads=2))

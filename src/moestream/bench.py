@@ -202,7 +202,7 @@ def run_row(cfg: dict) -> dict:
     opts = LoadOptions(moe_stream=cfg["moe_stream"], slots=cfg.get("slots"), io_threads=cfg.get("io_threads", 8),
                        overlap=cfg.get("overlap", True), expand_dense=cfg.get("expand_dense", False),
                        matmul=cfg.get("matmul", "blocks"), prefetch=cfg.get("prefetch", False),
-                       policy=cfg.get("policy", "lfu"), n_ctx=n_ctx,
+                       policy=cfg.get("policy", "lfu"), n_ctx=n_ctx, direct_io=cfg.get("direct_io"),
                        mem=None if mem is None else mem["bytes"], mem_source=None if mem is None else mem["source"])
     t_load = time.perf_counter()
     model = load_model(cfg["model"], opts)
@@ -277,6 +277,7 @@ def run_row(cfg: dict) -> dict:
         result["memory_plan"] = {"budget": plan.budget, "source": plan.source, "process": plan.process,
                                  "dense": plan.dense, "kv": plan.kv, "n_ctx": plan.n_ctx, "scratch": plan.scratch,
                                  "pools": plan.pools, "left": plan.left, "all_fit": plan.all_fit}
+    result["direct_io_used"] = getattr(store, "direct_io", False)  # O_DIRECT to the end of the row
     store.close()
     return result
 
@@ -348,7 +349,8 @@ def run_llamacpp_row(cfg: dict) -> dict:
 
 
 def _row_label(r: dict) -> tuple[str, str, str, str, str]:
-    """(mode, slots, io threads, overlap, prefetch) cells of a row."""
+    """(mode, slots, io threads, overlap, prefetch, reads) cells of a row. reads: ``direct`` (O_DIRECT) or
+    ``buffered``, what the row used (a row that did not finish: what was asked, ``auto`` for the default)."""
     if r.get("engine") == "llama.cpp":
         return f"llama.cpp mmap, repack {'on' if r.get('repack', True) else 'off'}", "-", "-", "-", "-"
     if not r["moe_stream"]:
@@ -357,15 +359,19 @@ def _row_label(r: dict) -> tuple[str, str, str, str, str]:
     slots = str(r["slots"]) if r.get("slots") is not None else (
         (f"{min(per)}" if min(per) == max(per) else f"{min(per)}-{max(per)}") if per else "budget")
     mode = "streaming" if r.get("mem") is None else f"streaming, --mem {r['mem']['text']}"
+    if "direct_io_used" in r:
+        reads = "direct" if r["direct_io_used"] else "buffered"
+    else:
+        reads = {None: "auto", True: "direct", False: "buffered"}[r.get("direct_io")]
     return (mode, slots, str(r["io_threads"]), "on" if r["overlap"] else "off",
-            "on" if r.get("prefetch", False) else "off")
+            "on" if r.get("prefetch", False) else "off", reads)
 
 
 def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
     """Markdown table, one line per (configuration, test)."""
     capped = any(r.get("mem_cap") for r in rows)
     vs = any(r.get("engine") == "llama.cpp" for r in rows)
-    cols = ["model", "mode", "slots", "io threads", "overlap", "prefetch", "test", "t/s", "hit rate",
+    cols = ["model", "mode", "slots", "io threads", "overlap", "prefetch", "reads", "test", "t/s", "hit rate",
             "Belady hit rate", "IO stall", "prefetch recall", "miss bytes ready", "GiB streamed", "GiB disk",
             "peak RSS GiB"]
     if capped:
@@ -475,6 +481,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"moestream: {warning}", file=sys.stderr, flush=True)
     modes = _on_off_list(args.moe_stream, "--moe-stream")
     overlaps = _on_off_list(args.overlap, "--overlap")
+    directs = [None] if args.direct_io is None else _on_off_list(args.direct_io, "--direct-io")
     from .budget import parse_mem
     mems = None
     if args.mem is not None:
@@ -505,9 +512,9 @@ def run_bench(args: argparse.Namespace) -> int:
     cfgs = []
     for on in modes:
         if on:
-            for s, mem, t, ov, pf in itertools.product(slots, mems or [None], ios, overlaps, prefetches):
+            for s, mem, t, ov, pf, dio in itertools.product(slots, mems or [None], ios, overlaps, prefetches, directs):
                 cfgs.append({**base, "moe_stream": True, "slots": s, "mem": mem, "io_threads": t, "overlap": ov,
-                             "prefetch": pf})
+                             "prefetch": pf, "direct_io": dio})
         else:
             cfgs.append({**base, "moe_stream": False})
     cap = None
@@ -549,8 +556,9 @@ def run_bench(args: argparse.Namespace) -> int:
               f"O_DIRECT)", file=sys.stderr, flush=True)
     rows = []
     for i, cfg in enumerate(cfgs, 1):
-        mode, s, t, ov, pf = _row_label(cfg)
-        print(f"[{i}/{len(cfgs)}] {mode} slots={s} io={t} overlap={ov} prefetch={pf} ...", file=sys.stderr,
+        mode, s, t, ov, pf, reads = _row_label(cfg)
+        print(f"[{i}/{len(cfgs)}] {mode} slots={s} io={t} overlap={ov} prefetch={pf} reads={reads} ...",
+              file=sys.stderr,
               flush=True)
         if args.cold or cap:
             evict_page_cache(g.paths)

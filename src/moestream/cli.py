@@ -26,6 +26,10 @@ THREADS_HELP = ("compute threads (default: the free CPUs when the command starts
                 "at most the physical cores, less those other jobs keep busy by the run queue and the 1-minute load "
                 "average -- at least 1; at most 4 x the CPUs)")
 
+DIRECT_IO_HELP = ("read experts with O_DIRECT, bypassing the page cache, so that the slot pools are the only cache "
+                  "(default: on where the file system allows it; where it refuses, e.g. tmpfs, reads go through "
+                  "the page cache, with a note when on was asked for); off: buffered reads")
+
 
 def max_threads() -> int:
     """Upper bound of -t: 4 x the CPUs."""
@@ -108,6 +112,7 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
                        "from the current hidden state (default off: on the random-weight models measured it "
                        "predicted 47%% and cost more IO than it hid; decode steps, and prefill chunks whose "
                        "predicted experts fit in half the pool; ignored with --moe-stream off)")
+        p.add_argument("--direct-io", type=_on_off, default=None, metavar="on|off", help=DIRECT_IO_HELP)
     p.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--expand-dense", action="store_true",
                    help="dequantize dense weights to float32 at load (more memory: see inspect)")
@@ -140,7 +145,7 @@ def _load(args: argparse.Namespace, moe_stream: bool):
                        io_threads=getattr(args, "io_threads", 8), policy=getattr(args, "policy", "lfu"),
                        overlap=getattr(args, "overlap", True), expand_dense=args.expand_dense,
                        matmul=getattr(args, "matmul", "blocks"), prefetch=getattr(args, "prefetch", False),
-                       mem=mem, mem_source=mem_source)
+                       mem=mem, mem_source=mem_source, direct_io=getattr(args, "direct_io", None))
     # with a budget the pools are sized once the context is known (_context, verify): defer the store
     return load_model(model_path(args), opts, defer_store=True), opts
 
@@ -176,7 +181,8 @@ def _describe(model) -> str:  # noqa: ANN001
         mode = (f"streaming: {slots} slots/layer of {model.n_experts} experts, "
                 f"{store.pool_bytes / GiB:.3f} GiB of pools, {store.reader.io_threads} IO threads, "
                 f"policy {model.opts.policy}, overlap {'on' if model.opts.overlap else 'off'}, "
-                f"prefetch {'on' if model.opts.prefetch else 'off'}")
+                f"prefetch {'on' if model.opts.prefetch else 'off'}, "
+                f"{f'direct IO ({store.align}-byte aligned)' if store.direct else 'buffered IO'}")
     else:
         mode = "resident: experts addressed in a memory map of the file (--moe-stream off)"
     line = (f"moestream: {os.path.basename(model.gguf.path)} | {model.arch}, {len(model.layout.moe_layers)} MoE "
@@ -581,7 +587,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     write_stdout(f"identical: {res.steps} steps (the prefill of a {len(ids)}-token prompt, every position, then "
                  f"{args.steps} greedy decode steps), {res.n_logits} logits compared bytewise; "
                  f"{res.slots} slots/layer, overlap {'on' if opts.overlap else 'off'}, prefetch "
-                 f"{_prefetch_desc(opts, res.stats)}, streamed {res.streamed_bytes / GiB:.4f} GiB, "
+                 f"{_prefetch_desc(opts, res.stats)}, {'direct' if res.direct_io else 'buffered'} IO, streamed "
+                 f"{res.streamed_bytes / GiB:.4f} GiB, "
                  f"hit rate {100 * res.hit_rate:.1f}%\n")
     return 0
 
@@ -695,6 +702,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--overlap", default="on", help="on, off or on,off")
     b.add_argument("--prefetch", default="off", help="router-lookahead prefetch of the streaming rows: off "
                    "(default), on, or off,on (rows in that order)")
+    b.add_argument("--direct-io", default=None, help="on, off or on,off: O_DIRECT or buffered expert reads "
+                   "(default: O_DIRECT where the file system allows it); the table's reads column says which")
     b.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP.replace("the command starts",
                    "bench starts (one count for every row, llama.cpp's included)"))
     b.add_argument("--override-ctx", action="store_true",

@@ -189,6 +189,15 @@ def _open_reader(path: str) -> GGUFReader:
         raise GGUFError(f"{path}: invalid GGUF: {type(e).__name__}: {e}") from None
 
 
+def describe_change(old: tuple[int, int, int, int], new: tuple[int, int, int, int]) -> str:
+    """What changed between two (st_dev, st_ino, st_size, st_mtime_ns) identities of a file, for messages."""
+    if new[:2] != old[:2]:
+        return "was replaced by another file"
+    if new[2] != old[2]:
+        return f"changed size from {old[2]} to {new[2]} bytes"
+    return "was modified"
+
+
 class GGUFModel:
     """A GGUF model, possibly split into parts.
 
@@ -311,13 +320,12 @@ class GGUFModel:
                 raise ModelFileChanged(f"{p}: model file disappeared while in use ({e.strerror})") from None
             now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             if now != ident:
-                if now[:2] != ident[:2]:
-                    what = "was replaced by another file"
-                elif now[2] != ident[2]:
-                    what = f"changed size from {ident[2]} to {now[2]} bytes"
-                else:
-                    what = "was modified"
-                raise ModelFileChanged(f"{p}: model file {what} while in use; stopping")
+                raise ModelFileChanged(f"{p}: model file {describe_change(ident, now)} while in use; stopping")
+
+    @property
+    def identity(self) -> dict[str, tuple[int, int, int, int]]:
+        """path -> (st_dev, st_ino, st_size, st_mtime_ns) of every part when the model was opened."""
+        return dict(zip(self.paths, self._identity, strict=True))
 
     def close(self) -> None:
         for m in self._maps.values():

@@ -15,8 +15,8 @@ from .models.base import LoadOptions, MoEModel
 class VerifyResult:
     """identical: every compared logit equal in raw bytes. steps: forward passes compared (prefill chunks'
     positions count one step each). n_logits: float32 values compared. first_diff: (step, position) of the
-    first difference or None. streamed_bytes: bytes read into slots in the streaming run. stats: the streaming
-    store's counters (hits, prefetch recall, ...; see StoreStats)."""
+    first difference or None. streamed_bytes: bytes read into slots in the streaming run (the alignment padding of
+    direct reads included). stats: the streaming store's counters (hits, prefetch recall, ...; see StoreStats)."""
 
     identical: bool
     steps: int
@@ -27,6 +27,8 @@ class VerifyResult:
     tokens: list[int]
     slots: str = ""  # slots per layer of the streaming run, e.g. "16" or "15-16"
     stats: StoreStats | None = None
+    #: the streaming run's reads were O_DIRECT (to the end; False if they fell back to buffered)
+    direct_io: bool = False
 
 
 def _run(engine: Engine, prompt: list[int], steps: int,
@@ -90,7 +92,8 @@ def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ub
     return VerifyResult(identical=diff is None, steps=len(got) if diff is None else diff[0],
                         n_logits=n_logits, first_diff=diff, streamed_bytes=store.bytes_read,
                         hit_rate=store.stats.hit_rate, tokens=tokens if diff else ref_tokens,
-                        slots=_slots_text(store), stats=store.stats.copy())
+                        slots=_slots_text(store), stats=store.stats.copy(),
+                        direct_io=getattr(store, "direct_io", False))
 
 
 def _slots_text(store) -> str:  # noqa: ANN001 - StreamingStore

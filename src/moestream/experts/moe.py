@@ -156,17 +156,19 @@ class MoE:
         writes their rows of ``out`` [tokens, top_k, hidden], routing weights applied."""
         slots = np.fromiter((slot_of[e] for e in experts), dtype=np.int64, count=len(experts))
         m = self.mats
+
+        def first_byte(name: str) -> np.ndarray:  # address of each expert's matrix: pool + slot row + lead
+            pool = store.matrix(self.layer, name)
+            return pool.data_ptr() + slots * pool.stride(0) + store.lead(self.layer, name)[slots]
+
         if self.merged:
-            gu = store.matrix(self.layer, "gate_up")
-            gate = gu.data_ptr() + slots * gu.stride(0)
+            gate = first_byte("gate_up")
             up = gate + self.n_ff * (m["gate_up"].bytes_per_expert // m["gate_up"].rows)
             t_gu, gu_info = m["gate_up"].ggml_type, m["gate_up"]
         else:
-            g, u = store.matrix(self.layer, "gate"), store.matrix(self.layer, "up")
-            gate, up = g.data_ptr() + slots * g.stride(0), u.data_ptr() + slots * u.stride(0)
+            gate, up = first_byte("gate"), first_byte("up")
             t_gu, gu_info = m["gate"].ggml_type, m["gate"]
-        d = store.matrix(self.layer, "down")
-        down = d.data_ptr() + slots * d.stride(0)
+        down = first_byte("down")
         start, tok, w, dst = groups.select(experts)
         kernels.moe(x, t_gu, m["down"].ggml_type, gate, up, down, gu_info.bytes_per_expert // gu_info.rows,
                     m["down"].bytes_per_expert // m["down"].rows, self.n_ff, self.kernel_act, start, tok, w, dst,
@@ -176,7 +178,8 @@ class MoE:
         """One expert's FFN on xs [n, hidden] with its matrices at ``slot`` of the store's pools."""
         def lin(name: str, v: torch.Tensor) -> torch.Tensor:
             m = self.mats[name]
-            raw = store.matrix(self.layer, name)[slot].view(m.rows, -1)
+            lead = int(store.lead(self.layer, name)[slot])
+            raw = store.matrix(self.layer, name)[slot, lead:lead + m.bytes_per_expert].view(m.rows, -1)
             if self.blocks and v.device.type == "cpu" and kernels.computes(m.ggml_type, m.cols):
                 return kernels.linear(v, raw, m.ggml_type, m.cols)
             return quant.linear(v, raw, m.ggml_type, m.cols)

@@ -1,24 +1,134 @@
-"""Parallel expert reads: ``os.preadv`` from the GGUF file straight into slot memory."""
+"""Parallel expert reads: ``os.preadv`` from the GGUF file straight into slot memory, buffered or O_DIRECT.
+
+O_DIRECT (``--direct-io``) bypasses the page cache, so the slot pools are the only cache of expert bytes and
+a memory budget holds (the page cache is charged to the reading process's cgroup too). It needs the file
+offset, the length and the buffer address aligned; :func:`dio_alignment` asks the kernel how much (statx
+``STATX_DIOALIGN``, Linux >= 6.1) and the store reads the aligned range that covers an expert into a slot
+padded for it (see experts/pool.py).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import struct
+import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..errors import ConfigError, ExpertReadError
+from ..errors import ConfigError, ExpertReadError, GGUFError, ModelFileChanged
+from ..gguf import describe_change
+
+#: Alignment assumed where the kernel does not report one (statx without STATX_DIOALIGN): the page size and
+#: the block size of common file systems (ext4, XFS, btrfs), which satisfies every smaller requirement.
+DEFAULT_DIO_ALIGN = 4096
+#: Largest alignment taken from a file system's preferred block size when the kernel reports none (NFS and
+#: FUSE report 1 MiB there, which O_DIRECT does not need; past this we use DEFAULT_DIO_ALIGN).
+MAX_FALLBACK_ALIGN = 1 << 16
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: direct IO is then never used
+
+_STATX_DIOALIGN = 0x2000  # stx_dio_mem_align, stx_dio_offset_align (Linux 6.1)
+_STATX_DIO_READ_ALIGN = 0x20000  # stx_dio_read_offset_align (Linux 6.14; XFS may allow smaller read offsets)
+_AT_FDCWD = -100
+
+
+def _statx_dio(path: str) -> tuple[int, int, int] | None:
+    """(mem_align, offset_align, read_offset_align) from statx(2), 0 where not reported; None where statx or
+    STATX_DIOALIGN is not available (older kernel or libc, another OS, a file system that does not say)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        statx = libc.statx
+    except (OSError, AttributeError):
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statx is 0x100 bytes
+    statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_char_p]
+    if statx(_AT_FDCWD, os.fsencode(path), 0, _STATX_DIOALIGN | _STATX_DIO_READ_ALIGN, buf) != 0:
+        return None
+    raw = buf.raw
+    mask = struct.unpack_from("<I", raw, 0x00)[0]
+    if not mask & _STATX_DIOALIGN:
+        return None
+    mem, off = struct.unpack_from("<II", raw, 0x98)
+    read_off = struct.unpack_from("<I", raw, 0xB4)[0] if mask & _STATX_DIO_READ_ALIGN else 0
+    return mem, off, read_off
+
+
+def dio_alignment(path: str) -> int | None:
+    """Bytes to which O_DIRECT reads of ``path`` must align their file offset, length and buffer address (one
+    power of two for all three), or None where O_DIRECT cannot be used on the file.
+
+    Where the kernel tells (statx STATX_DIOALIGN, Linux >= 6.1): the larger of ``stx_dio_mem_align`` and the
+    offset alignment (``stx_dio_read_offset_align`` when reported, Linux >= 6.14, else
+    ``stx_dio_offset_align``); both 0 means the file does not support direct IO (None). Where it does not
+    tell: open(2) with O_DIRECT failing with EINVAL (tmpfs, some FUSE file systems) means None, else the
+    file system's preferred block size if it is a power of two in [DEFAULT_DIO_ALIGN, MAX_FALLBACK_ALIGN],
+    else DEFAULT_DIO_ALIGN (4096). GGUFError naming the file if it cannot be opened at all.
+    """
+    if not O_DIRECT:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | O_DIRECT)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        raise GGUFError(f"{path}: cannot open the model file ({e.strerror or e})") from None
+    try:
+        blksize = os.fstat(fd).st_blksize
+    finally:
+        os.close(fd)
+    dio = _statx_dio(path)
+    if dio is not None:
+        mem, off, read_off = dio
+        off = read_off or off
+        if not off:
+            return None
+        return _pow2_at_least(max(mem, off, 1))
+    if DEFAULT_DIO_ALIGN <= blksize <= MAX_FALLBACK_ALIGN and blksize & (blksize - 1) == 0:
+        return blksize
+    return DEFAULT_DIO_ALIGN
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def stderr_note(text: str) -> None:
+    """The default ``note`` of an ExpertReader: one line ``moestream: note: TEXT`` on stderr."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        print(f"moestream: note: {text}", file=sys.stderr, flush=True)
 
 
 @dataclass
 class ReadJob:
-    """Read ``nbytes`` at absolute ``offset`` of ``path`` into ``dest`` (a writable memoryview of nbytes)."""
+    """Read ``len(dest)`` bytes at absolute ``offset`` of ``path`` into ``dest`` (a writable memoryview).
+
+    The expert's own bytes are ``dest[lead:lead + nbytes]`` (``nbytes`` None: all of ``dest`` after ``lead``);
+    the rest is alignment padding of a direct read, which may lie past the end of the file (a read that stops
+    at the end of the file is fine once the expert's bytes arrived). ``direct``: read with O_DIRECT (then
+    ``offset``, ``len(dest)`` and dest's address are multiples of the file's dio_alignment).
+    """
 
     path: str
     offset: int
     dest: memoryview
+    lead: int = 0
+    nbytes: int | None = None
+    direct: bool = False
+
+    @property
+    def need(self) -> int:
+        """Bytes from the start of ``dest`` that must arrive: the lead and the expert."""
+        return len(self.dest) if self.nbytes is None else self.lead + self.nbytes
 
 
 class Ticket:
@@ -30,48 +140,131 @@ class Ticket:
         self.joined = 0
 
 
+class _Refused(Exception):
+    """An O_DIRECT read was refused (EINVAL) before any byte arrived."""
+
+    def __init__(self, cause: str):
+        self.cause = cause
+
+
 class ExpertReader:
     """A pool of ``io_threads`` threads reading expert bytes into slot memory.
 
-    Each job is one expert matrix: a single ``os.preadv`` into the slot's memoryview (the GIL is
-    released during the read; no bounce buffer, no copy). Counts ``bytes_read`` and ``read_seconds``
-    (wall time during which at least one read was in flight). Errors surface at ``wait`` as
-    ExpertReadError(path, offset, nbytes, cause); a short read (file truncated underneath) is one.
+    Each job is one expert matrix: one ``os.preadv`` into the slot's memoryview (the GIL is released during
+    the read; no bounce buffer, no copy), more only if the kernel returns less. A direct job's first read goes
+    through an O_DIRECT descriptor; what a short direct read left (the end of the file, a signal) is read
+    through the buffered one. Counts ``bytes_read`` (bytes that arrived, alignment padding included),
+    ``reads`` and ``read_seconds`` (wall time during which at least one read was in flight).
+
+    ``identity``: path -> (st_dev, st_ino, st_size, st_mtime_ns) the file had when the model was loaded (a path
+    not in it: what fstat says when the reader first opens it). After every read the descriptor's fstat must
+    still say so: a file rewritten in place (size or mtime changed) raises ModelFileChanged instead of letting
+    changed bytes be computed; a write updates mtime before it changes bytes, so a read that saw new bytes sees
+    the new mtime after it. A file replaced by rename is not seen here: the open descriptors keep reading the
+    inode that was checked at load (consistent bytes), and the engine's per-step ``check_unchanged`` (which
+    stats the path) stops the run at the next step.
+
+    Where an O_DIRECT read is refused (EINVAL) the reader retries it buffered, reads that file buffered for the
+    rest of its life and says so once through ``note`` (default: a line on stderr); the bytes are the same.
+
+    Errors surface at ``wait``: ExpertReadError(path, offset, nbytes, cause) naming the expert's own offset and
+    size for an OS error (EIO ...) or a short read (file truncated underneath); ModelFileChanged for a
+    changed file.
     """
 
-    def __init__(self, io_threads: int = 8):
+    def __init__(self, io_threads: int = 8, identity: dict[str, tuple[int, int, int, int]] | None = None,
+                 note: Callable[[str], None] = stderr_note):
         if io_threads < 1:
             raise ConfigError(f"--io-threads must be at least 1, got {io_threads}")
         self.io_threads = io_threads
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="moestream-io")
-        self._fds: dict[str, int] = {}
+        self._fds: dict[tuple[str, bool], int] = {}
+        self._identity: dict[str, tuple[int, int, int, int]] = dict(identity or {})
         self._lock = threading.Lock()
+        self._note = note
+        #: paths whose O_DIRECT reads were refused mid-run: read buffered from then on
+        self.direct_refused: set[str] = set()
         self.bytes_read = 0
         self.reads = 0
         self.read_seconds = 0.0
         self.wait_seconds = 0.0  # time compute spent blocked in wait()
 
-    def _fd(self, path: str) -> int:
+    def open(self, path: str, direct: bool = False) -> bool:
+        """Open ``path`` (buffered, and with O_DIRECT when ``direct``) now rather than at the first read, and
+        check it is still the file of ``identity``. Returns whether O_DIRECT reads will be used (False where
+        the open with O_DIRECT is refused: EINVAL). GGUFError / ModelFileChanged naming the file otherwise."""
+        self._fd(path, False)
+        return bool(direct and self._fd(path, True) is not None)
+
+    def _fd(self, path: str, direct: bool) -> int | None:
+        """The descriptor of ``path`` (O_DIRECT when ``direct``; None where O_DIRECT is refused)."""
+        key = (path, direct)
         with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            if direct and (path in self.direct_refused or not O_DIRECT):
+                return None
+            if key in self._fds:
+                return self._fds[key]
+            try:
+                fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+            except OSError as e:
+                if direct and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                    self.direct_refused.add(path)
+                    return None
+                raise GGUFError(f"{path}: cannot open the model file ({e.strerror or e})") from None
+            try:
+                self._check(path, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fds[key] = fd
             return fd
 
+    def _check(self, path: str, fd: int) -> None:
+        now = _identity(os.fstat(fd))
+        was = self._identity.setdefault(path, now)
+        if now != was:
+            raise ModelFileChanged(f"{path}: model file {describe_change(was, now)} while in use; stopping")
+
+    def _refuse(self, path: str, cause: str) -> None:
+        with self._lock:
+            if path in self.direct_refused:
+                return
+            self.direct_refused.add(path)
+        self._note(f"{path}: O_DIRECT read refused ({cause}); reading this file through the page cache from now "
+                   f"on (same bytes)")
+
     def _read(self, job: ReadJob) -> int:
-        fd = self._fd(job.path)
-        nbytes = len(job.dest)
+        fd = self._fd(job.path, False)
+        dfd = self._fd(job.path, True) if job.direct else None
+        try:
+            done = self._fill(job, fd, dfd)
+        except _Refused as r:
+            self._refuse(job.path, r.cause)
+            done = self._fill(job, fd, None)
+        self._check(job.path, fd)
+        return done
+
+    def _fill(self, job: ReadJob, fd: int, dfd: int | None) -> int:
+        """Read the job's range (the first read through ``dfd`` when it is not None); returns bytes read."""
+        total, need = len(job.dest), job.need
+        nbytes = need - job.lead
         done = 0
-        while done < nbytes:
+        while done < total:
+            use = dfd if dfd is not None and done == 0 else fd
             try:
-                n = os.preadv(fd, [job.dest[done:]], job.offset + done)
+                n = os.preadv(use, [job.dest[done:]], job.offset + done)
             except OSError as e:
-                raise ExpertReadError(job.path, job.offset, nbytes, e.strerror or str(e)) from None
-            if n == 0:
-                raise ExpertReadError(job.path, job.offset, nbytes,
-                                      f"short read: got {done} bytes, the file ends early (truncated?)")
+                if use is dfd and e.errno == errno.EINVAL:
+                    raise _Refused(e.strerror or str(e)) from None
+                raise ExpertReadError(job.path, job.offset + job.lead, nbytes, e.strerror or str(e)) from None
+            if n <= 0:
+                break
             done += n
-        return nbytes
+        if done < need:
+            got = max(0, done - job.lead)
+            raise ExpertReadError(job.path, job.offset + job.lead, nbytes,
+                                  f"short read: got {got} bytes, the file ends early (truncated?)")
+        return done
 
     def submit(self, jobs: list[ReadJob]) -> Ticket:
         """Start the reads; returns at once. An empty job list gives an empty ticket."""
@@ -84,8 +277,8 @@ class ExpertReader:
 
     def wait(self, ticket: Ticket, upto: int | None = None) -> None:
         """Block until the reads of ``ticket`` are done: all of them, or the first ``upto`` in submit order (the
-        rest keep running). Raises the first ExpertReadError; after an error every read of the ticket has
-        settled (none is left writing into slot memory)."""
+        rest keep running). Raises the first error (ExpertReadError, ModelFileChanged); after an error every
+        read of the ticket has settled (none is left writing into slot memory)."""
         end = len(ticket.futures) if upto is None else min(upto, len(ticket.futures))
         if end <= ticket.joined:
             return
@@ -116,5 +309,6 @@ class ExpertReader:
         self._pool.shutdown(wait=True)
         with self._lock:
             for fd in self._fds.values():
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
             self._fds.clear()

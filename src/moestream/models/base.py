@@ -55,6 +55,9 @@ class LoadOptions:
     prefetch: router lookahead (streaming only; ignored with ``moe_stream`` off): as soon as the residual stream
     entering an MoE layer exists, that layer's router predicts its experts and their reads start
     (:meth:`MoEModel.lookahead`); the real router still decides what is computed.
+    direct_io: expert reads bypass the page cache with O_DIRECT (True), go through it (False), or None (auto,
+    the default): O_DIRECT where the file system allows it. Where it refuses, reads are buffered (True: with
+    a note on stderr). Ignored when ``moe_stream`` is False. See experts/pool.py StreamingStore.
     """
 
     moe_stream: bool = True
@@ -70,8 +73,11 @@ class LoadOptions:
     mem_source: str | None = None
     n_ctx: int | None = None
     prefetch: bool = False
+    direct_io: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.direct_io is not None and not isinstance(self.direct_io, bool):
+            raise ConfigError(f"--direct-io: expected on or off, got {self.direct_io!r}")
         if self.matmul not in MATMUL_MODES:
             raise ConfigError(f"--matmul: unknown mode {self.matmul!r}; choose one of {', '.join(MATMUL_MODES)}")
         if self.slots is not None and self.slots < 1:
@@ -308,9 +314,10 @@ class MoEModel:
         dense = self.dense_bytes if loaded else self.dense_estimate()
         process = max(process_rss(self.gguf.paths) - (dense if loaded else 0), 0)
         layers = self.layout.moe_layers
+        direct, align = StreamingStore.read_mode(self.layout, opts.direct_io)  # O_DIRECT slots are padded
         plan = plan_pools(budget, source, process=process, dense=dense, kv=self.cache_bytes(n_ctx), n_ctx=n_ctx,
                           scratch=self.scratch_estimate(n_ctx, ubatch, logits_rows),
-                          slot_bytes={la: StreamingStore.slot_bytes(self.layout, la) for la in layers},
+                          slot_bytes={la: StreamingStore.slot_bytes(self.layout, la, direct, align) for la in layers},
                           n_experts={la: self.layout.n_experts(la) for la in layers}, top_k=self.top_k,
                           what=self.gguf.path, strict=opts.mem is not None)
         return plan
@@ -339,7 +346,7 @@ class MoEModel:
             self.memory_plan = self.plan_memory(opts, n_ctx, logits_rows, ubatch=ubatch)
             slots = self.memory_plan.slots
         return StreamingStore(self.gguf, self.layout, slots, self.top_k, opts.io_threads, opts.policy,
-                              pin_memory=self.device.type == "cuda")
+                              pin_memory=self.device.type == "cuda", direct_io=opts.direct_io)
 
     def set_routing(self, routing: Callable | None) -> None:
         """Route every MoE layer through ``routing(layer, ids [tokens, top_k] int64) -> ids`` of the same shape
