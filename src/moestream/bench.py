@@ -352,9 +352,9 @@ def _row_label(r: dict) -> tuple[str, str, str, str, str]:
     """(mode, slots, io threads, overlap, prefetch, reads) cells of a row. reads: ``direct`` (O_DIRECT) or
     ``buffered``, what the row used (a row that did not finish: what was asked, ``auto`` for the default)."""
     if r.get("engine") == "llama.cpp":
-        return f"llama.cpp mmap, repack {'on' if r.get('repack', True) else 'off'}", "-", "-", "-", "-"
+        return f"llama.cpp mmap, repack {'on' if r.get('repack', True) else 'off'}", "-", "-", "-", "-", "-"
     if not r["moe_stream"]:
-        return "resident (mmap)", "-", "-", "-", "-"
+        return "resident (mmap)", "-", "-", "-", "-", "-"
     per = r.get("slots_per_layer")
     slots = str(r["slots"]) if r.get("slots") is not None else (
         (f"{min(per)}" if min(per) == max(per) else f"{min(per)}-{max(per)}") if per else "budget")
