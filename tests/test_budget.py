@@ -159,3 +159,18 @@ def test_budget_holds_under_a_real_cap(default_gguf):
         assert res.returncode == 0 and not res.oom_killed, (cap, res.stderr[-2000:])
         assert res.peak_bytes <= cap, (cap, res.peak_bytes)
         assert "memory plan: --mem" in res.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["inspect", "-c", "5"], "-c: inspect prices a context only with --mem"),
+    (["inspect", "--mem", "1GiB", "-c", "3000000000"], "-c must be from 1 to 2^31, got 3000000000"),
+    (["inspect", "--mem", "1GiB", "-c", "5000"], "past the 4096 tokens default.gguf was trained for"),
+    (["run", "--mem", "0.5", "-n", "1"], "--mem 0.5: below the 64 MiB minimum"),
+])
+def test_inspect_and_mem_refusals_are_one_line(args, needle, capsys):
+    """inspect -c gets run's context checks; a --mem below the minimum names the value as given (newcomer review)."""
+    assert cli.main(args) == 1
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moestream: error: ") and needle in lines[0], out.err
+    assert out.out == ""

@@ -367,3 +367,13 @@ def test_bench_calibrated_says_so_in_the_table_stderr_and_json(tmp_path):
     assert row["routing"] == "calibrated" and 0 <= row["tests"][1]["belady_hit_rate"] <= 1
     assert "cannot be replaced" in bench.routing_note("calibrated", d["meta"]["routing_calibration"], True)
     assert "cannot be replaced" not in bench.routing_note("model", None, False)
+
+
+def test_trace_refuses_an_empty_name_and_files_that_are_not_regular(capsys):
+    """``moestream trace /dev/zero`` would read forever: refused like any non-regular file; an empty name is
+    said to be empty (newcomer review)."""
+    from moestream import cli
+    for arg, needle in (("/dev/zero", "/dev/zero: not a regular file"), ("", "the trace file name is empty")):
+        assert cli.main(["trace", arg]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("moestream: error: ") and needle in err[0], err

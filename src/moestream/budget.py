@@ -30,6 +30,8 @@ AUTO_MARGIN_SHARE = 0.10
 AUTO_MARGIN_MIN = 256 * MiB
 #: Fixed part of the scratch estimate: allocator slack, torch's and glibc's arenas, Python objects of a run.
 SCRATCH_FIXED = 48 * MiB
+#: Room the suggested smallest --mem leaves for the process measure moving between starts (bytes).
+PROCESS_JITTER = 40 * MiB
 #: Smallest --mem accepted at all (the interpreter and torch alone take more).
 MIN_MEM = 64 * MiB
 
@@ -47,7 +49,7 @@ def parse_mem(text: str, option: str = "--mem") -> int:
     except ConfigError as e:
         raise ConfigError(str(e).replace("--mem-cap", option)) from None
     if n < MIN_MEM:
-        raise ConfigError(f"{option} {text}: {n} bytes is below the 64 MiB minimum (a number without a unit is bytes)")
+        raise ConfigError(f"{option} {text.strip()}: below the 64 MiB minimum (a number without a unit is bytes)")
     if n >= 2**63:
         raise ConfigError(f"{option} {text}: {n} bytes is more than any machine has")
     return n
@@ -164,7 +166,9 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
                      f"for that")
         budget, source = minimum, f"{source}, raised to the minimum"
     if minimum > budget:
-        need = _size_text(minimum)
+        # the process part is measured, and moves by 10-20 MiB from one start to the next: the size suggested
+        # leaves room for that, so that running with it works
+        need = _size_text(minimum + max(PROCESS_JITTER, minimum // 50))
         raise ConfigError(
             f"{what}: {source} is too small: process {process / GiB:.2f} + dense weights {dense / GiB:.2f} + KV cache "
             f"{kv / GiB:.2f} ({n_ctx} tokens) + scratch {scratch / GiB:.2f} + {top_k} slots per layer "

@@ -160,6 +160,7 @@ def _mem_option(args: argparse.Namespace) -> tuple[int | None, str | None]:
     if text is None:
         return None, None
     mem = parse_mem(text)
+    text = text.strip()
     if getattr(args, "slots", None) is not None:
         raise ConfigError(f"--mem {text} and --slots {args.slots} both size the slot pools: give one of them")
     warning = warn_over_available(mem)
@@ -542,12 +543,21 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from .engine import MAX_TOKENS
     from .errors import ConfigError
     from .report import inspect_model
     mem, source = _mem_option(args)
-    if args.ctx_size is not None and (args.ctx_size < 1 or mem is None):
-        raise ConfigError("-c: inspect prices a context only with --mem, and it must be at least 1" if mem is None
-                          else f"-c must be at least 1, got {args.ctx_size}")
+    if args.ctx_size is not None:
+        if mem is None:
+            raise ConfigError("-c: inspect prices a context only with --mem (the memory plan's KV cache)")
+        if not 1 <= args.ctx_size <= MAX_TOKENS:
+            raise ConfigError(f"-c must be from 1 to 2^31, got {args.ctx_size}")
+        from .engine import check_trained_context
+        from .models.base import LoadOptions, load_model
+        shape = load_model(model_path(args), LoadOptions(metadata_only=True))
+        warning = check_trained_context(shape, args.ctx_size, f"-c {args.ctx_size}", args.override_ctx)
+        if warning:
+            print(f"moestream: {warning}", file=sys.stderr, flush=True)
     write_stdout(inspect_model(model_path(args), args.slots, mem, source, args.ctx_size, args.expand_dense) + "\n")
     return 0
 
@@ -675,6 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("-c", "--ctx-size", type=int, default=None, help="with --mem: the context whose KV cache the "
                    "plan holds (default: the trained context, at most 4096)")
     i.add_argument("--expand-dense", action="store_true", help="with --mem: price --expand-dense")
+    i.add_argument("--override-ctx", action="store_true", help="with -c: allow a context past the file's trained "
+                   "context_length (warns)")
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("verify", help="check streaming on == streaming off, bytewise")

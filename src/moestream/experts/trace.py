@@ -260,7 +260,13 @@ class RoutingTrace:
     def read(cls, path: str) -> RoutingTrace:
         """The trace in ``path``. TraceFileError naming the file (and the line) when it cannot be read, is not a
         moestream routing trace, or holds a malformed request."""
+        if not str(path).strip():
+            raise TraceFileError("the trace file name is empty: give the FILE that run --routing-trace wrote")
         try:
+            import stat as _stat
+            if not _stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path):
+                raise TraceFileError(f"{path}: not a regular file (a routing trace is a file run --routing-trace "
+                                     f"wrote)")
             with open(path, encoding="utf-8") as f:
                 lines = f.read().splitlines()
         except FileNotFoundError:
@@ -341,7 +347,8 @@ def trace_table(trace: RoutingTrace, slot_counts: Sequence[int] | None = None, n
     rows: list[tuple[dict[int, int], bool]] = [] if slot_counts else [(recorded, True)]  # default: the recorded
     for n in slot_counts:
         caps = {layer: min(n, ne) for layer, ne in n_exp.items()}
-        rows.append((caps, caps == recorded))
+        if all(c != caps for c, _ in rows):  # counts above the experts clamp to the same row
+            rows.append((caps, caps == recorded))
     d0, n_req = trace.decode_start, len(trace.requests)
     layers = len(n_exp)
     rec = ("resident (--moe-stream off)" if recorded is None
