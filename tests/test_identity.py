@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import distinct_experts_per_layer, expert_slots, moestream, streaming_prefill, verify_identical
+from helpers import (
+    assert_slots_hold_their_experts,
+    distinct_experts_per_layer,
+    expert_slots,
+    moestream,
+    streaming_prefill,
+    verify_identical,
+)
 from moestream.engine import Engine
 from moestream.models.base import LoadOptions, load_model
 from moestream.tokenizer import GGUFTokenizer
@@ -212,20 +219,7 @@ def test_read_error_in_a_prefetched_tile_leaves_no_half_read_slot(resident, monk
         assert store.direct is direct_io
         with pytest.raises(ExpertReadError, match="injected"):
             Engine(model, ubatch=len(ids)).prefill(ids, model.new_cache(len(ids)))
-        checked = 0
-        for layer, sm in store.slots.items():
-            for slot, expert in enumerate(sm.expert_of.tolist()):
-                if expert < 0:
-                    continue
-                assert sm.slot_of[expert] == slot
-                for name, m in model.layout[layer].items():
-                    with open(m.path, "rb") as f:
-                        f.seek(m.expert_offset(expert))
-                        want = f.read(m.bytes_per_expert)
-                    lead = int(store.lead(layer, name)[slot])
-                    got = bytes(store.matrix(layer, name)[slot, lead:lead + m.bytes_per_expert].numpy())
-                    assert got == want, (layer, expert, name)
-                    checked += 1
+        checked = assert_slots_hold_their_experts(model, store)
         assert checked > 0
         assert (store.slots[last].expert_of < 0).all(), "the failed tile and the prefetched one are emptied"
     finally:
