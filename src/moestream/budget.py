@@ -222,10 +222,10 @@ def scratch_bytes(*, n_ctx: int, ubatch: int, n_embd: int, n_vocab: int, n_head:
     return 4 * (acts + max(logits_rows, 1) * n_vocab) + SCRATCH_FIXED
 
 
-def resolve_budget(mem: int | None, mem_text: str | None) -> tuple[int, str]:
-    """(bytes, source) of the budget: --mem's, else the auto budget."""
+def resolve_budget(mem: int | None, source: str | None) -> tuple[int, str]:
+    """(bytes, source) of the budget: --mem's (``source`` as given, e.g. ``"--mem 4GiB"``), else the auto budget."""
     if mem is not None:
-        return mem, f"--mem {mem_text or f'{mem}B'}"
+        return mem, source or f"--mem {mem}B"
     return auto_budget()
 
 

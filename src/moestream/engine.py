@@ -257,7 +257,6 @@ class GenStats:
                 + {"context full": " | stopped: context full",
                    "interrupted": " | stopped: interrupted"}.get(self.stop_reason, ""))
 
-
     def prefetch_summary(self) -> str:
         """``"prefetch recall R%, miss bytes ready M%, N prefetched, W wasted | "``, or "" when no prediction
         was made (prefetch off, or streaming off). R: share of the experts the steps used that the router

@@ -310,7 +310,7 @@ class MoEModel:
         from ..budget import plan_pools, process_rss, resolve_budget
 
         n_ctx = n_ctx or opts.n_ctx or self.default_ctx()
-        budget, source = resolve_budget(opts.mem, (opts.mem_source or "").removeprefix("--mem ") or None)
+        budget, source = resolve_budget(opts.mem, opts.mem_source)
         dense = self.dense_bytes if loaded else self.dense_estimate()
         process = max(process_rss(self.gguf.paths) - (dense if loaded else 0), 0)
         layers = self.layout.moe_layers
