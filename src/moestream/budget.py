@@ -105,6 +105,8 @@ class MemoryPlan:
     minimum: int  # the smallest budget that works (top-k slots in every layer)
     all_fit: bool = False
     notes: list[str] = field(default_factory=list)
+    #: what the budget covers: "memory" (host) or "GPU memory" (--gpu-mem: pools in VRAM)
+    kind: str = "memory"
 
     @property
     def fixed(self) -> int:
@@ -123,7 +125,7 @@ class MemoryPlan:
     def line(self) -> str:
         """One line for stderr: the plan's parts."""
         fit = ", every expert fits: nothing is evicted" if self.all_fit else ""
-        return (f"memory plan: {self.source} = process {self.process / GiB:.2f} + dense {self.dense / GiB:.2f} + KV "
+        return (f"{self.kind} plan: {self.source} = process {self.process / GiB:.2f} + dense {self.dense / GiB:.2f} + KV "
                 f"{self.kv / GiB:.2f} ({self.n_ctx} tokens) + scratch {self.scratch / GiB:.2f} + pools "
                 f"{self.pools / GiB:.2f} GiB ({self.slots_desc()} of {self.n_experts}{fit}), "
                 f"{self.left / GiB:.2f} GiB left")
@@ -131,7 +133,7 @@ class MemoryPlan:
     def lines(self) -> list[str]:
         """``inspect --mem``'s report."""
         out = [
-            f"memory plan     {self.source}: {self.budget / GiB:.3f} GiB",
+            f"{self.kind + ' plan':<15} {self.source}: {self.budget / GiB:.3f} GiB",
             f"  process       {self.process / GiB:.3f} GiB (interpreter, torch, kernels, tokenizer: measured here; "
             f"run measures its own)",
             f"  dense weights {self.dense / GiB:.3f} GiB (resident)",
@@ -148,7 +150,7 @@ class MemoryPlan:
 
 def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n_ctx: int, scratch: int,
                slot_bytes: dict[int, int], n_experts: dict[int, int], top_k: int, what: str,
-               strict: bool = True) -> MemoryPlan:
+               strict: bool = True, option: str = "--mem", kind: str = "memory") -> MemoryPlan:
     """Slots per layer for ``budget`` bytes in all (see the module docstring).
 
     slot_bytes: bytes of one slot of each MoE layer (all its expert matrices, padding included); n_experts:
@@ -172,7 +174,7 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
         raise ConfigError(
             f"{what}: {source} is too small: process {process / GiB:.2f} + dense weights {dense / GiB:.2f} + KV cache "
             f"{kv / GiB:.2f} ({n_ctx} tokens) + scratch {scratch / GiB:.2f} + {top_k} slots per layer "
-            f"{(minimum - fixed) / GiB:.2f} GiB = {minimum / GiB:.2f} GiB; the smallest --mem that works is "
+            f"{(minimum - fixed) / GiB:.2f} GiB = {minimum / GiB:.2f} GiB; the smallest {option} that works is "
             f"{need}" + (" (or a smaller context)" if kv > 64 * MiB else ""))
     room = budget - fixed
     # the largest uniform count that fits (clamped per layer to its experts), then one more slot each for the
@@ -197,7 +199,7 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
     all_fit = all(slots[la] == n_experts[la] for la in layers)
     return MemoryPlan(budget=budget, source=source, process=process, dense=dense, kv=kv, n_ctx=n_ctx,
                       scratch=scratch, slots=slots, pools=used, n_experts=max(n_experts.values()), top_k=top_k,
-                      minimum=minimum, all_fit=all_fit, notes=notes)
+                      minimum=minimum, all_fit=all_fit, notes=notes, kind=kind)
 
 
 def _size_text(n: int) -> str:
@@ -227,6 +229,21 @@ def resolve_budget(mem: int | None, source: str | None) -> tuple[int, str]:
     if mem is not None:
         return mem, source or f"--mem {mem}B"
     return auto_budget()
+
+
+def gpu_budget(mem: int | None, source: str | None, device: object) -> tuple[int, str]:
+    """(bytes, source) of the GPU memory budget: --gpu-mem's, else the device's free memory at start plus what this
+    process's CUDA allocator already holds (the dense weights), less :data:`AUTO_MARGIN_SHARE` (at least
+    :data:`AUTO_MARGIN_MIN`). torch.cuda.mem_get_info."""
+    if mem is not None:
+        return mem, source or f"--gpu-mem {mem}B"
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    have = free + torch.cuda.memory_reserved(device)
+    margin = max(int(AUTO_MARGIN_SHARE * have), AUTO_MARGIN_MIN)
+    return max(have - margin, 0), (f"{have / GiB:.2f} GiB of GPU memory free at start less a {margin / GiB:.2f} GiB "
+                                   f"margin ({AUTO_MARGIN_SHARE:.0%}, at least {AUTO_MARGIN_MIN // MiB} MiB)")
 
 
 def warn_over_available(mem: int, option: str = "--mem") -> str | None:

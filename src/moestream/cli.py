@@ -113,6 +113,18 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
                        "predicted 47%% and cost more IO than it hid; decode steps, and prefill chunks whose "
                        "predicted experts fit in half the pool; ignored with --moe-stream off)")
         p.add_argument("--direct-io", type=_on_off, default=None, metavar="on|off", help=DIRECT_IO_HELP)
+    p.add_argument("--device", default="cpu", type=str.lower, metavar="cpu|cuda|auto",
+                   help="where the model computes (default cpu; auto: CUDA when torch sees a GPU). On CUDA the "
+                   "dense weights, KV cache and slot pools live in GPU memory and the matmuls run Triton kernels "
+                   "on the file's ggml blocks")
+    if stream_opts:
+        p.add_argument("--gpu-mem", default=None, metavar="SIZE",
+                       help="CUDA: the GPU memory moestream may use in all (dense weights, KV cache, scratch, slot "
+                       "pools), sized like --mem; default: the GPU's free memory at start less 10%%")
+        p.add_argument("--pool", default="device", type=str.lower, metavar="device|host",
+                       help="CUDA: where the slot pools live: device (default: GPU memory, misses read into a "
+                       "small pinned staging ring and copied on a copy stream) or host (pinned host memory that "
+                       "the reads land in and the GPU kernels address directly, no copy: the unified-memory mode)")
     p.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--expand-dense", action="store_true",
                    help="dequantize dense weights to float32 at load (more memory: see inspect)")
@@ -141,11 +153,14 @@ def _load(args: argparse.Namespace, moe_stream: bool):
     threads = args.threads if args.threads is not None else default_threads()
     set_compute_threads(threads, getattr(args, "matmul", "blocks"))
     mem, mem_source = _mem_option(args)
+    gpu_mem, gpu_mem_source = _gpu_mem_option(args)
     opts = LoadOptions(moe_stream=moe_stream, slots=getattr(args, "slots", None),
                        io_threads=getattr(args, "io_threads", 8), policy=getattr(args, "policy", "lfu"),
                        overlap=getattr(args, "overlap", True), expand_dense=args.expand_dense,
                        matmul=getattr(args, "matmul", "blocks"), prefetch=getattr(args, "prefetch", False),
-                       mem=mem, mem_source=mem_source, direct_io=getattr(args, "direct_io", None))
+                       mem=mem, mem_source=mem_source, direct_io=getattr(args, "direct_io", None),
+                       device=getattr(args, "device", "cpu"), pool=getattr(args, "pool", "device"),
+                       gpu_mem=gpu_mem, gpu_mem_source=gpu_mem_source)
     # with a budget the pools are sized once the context is known (_context, verify): defer the store
     return load_model(model_path(args), opts, defer_store=True), opts
 
@@ -169,6 +184,32 @@ def _mem_option(args: argparse.Namespace) -> tuple[int | None, str | None]:
     return mem, f"--mem {text}"
 
 
+def _gpu_mem_option(args: argparse.Namespace) -> tuple[int | None, str | None]:
+    """(bytes, "--gpu-mem TEXT") of --gpu-mem, or (None, None); ConfigError for a bad value or with --slots."""
+    from .budget import parse_mem
+    from .errors import ConfigError
+
+    text = getattr(args, "gpu_mem", None)
+    if text is None:
+        return None, None
+    mem = parse_mem(text, "--gpu-mem")
+    text = text.strip()
+    if getattr(args, "slots", None) is not None:
+        raise ConfigError(f"--gpu-mem {text} and --slots {args.slots} both size the slot pools: give one of them")
+    return mem, f"--gpu-mem {text}"
+
+
+def _device_desc(model) -> str:  # noqa: ANN001
+    """``"cuda (NVIDIA H200), Triton kernels"`` / ``"cpu"`` for the first stderr line."""
+    dev = model.device
+    if dev.type != "cuda":
+        return "cpu"
+    import torch
+
+    kern = "Triton kernels on the ggml blocks" if model.use_triton else "dequantize + torch matmul"
+    return f"{dev} ({torch.cuda.get_device_name(dev)}), {kern}"
+
+
 def _tokenizer(model):  # noqa: ANN001, ANN202
     from .tokenizer import GGUFTokenizer
     return GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path)
@@ -184,10 +225,17 @@ def _describe(model) -> str:  # noqa: ANN001
                 f"policy {model.opts.policy}, overlap {'on' if model.opts.overlap else 'off'}, "
                 f"prefetch {'on' if model.opts.prefetch else 'off'}, "
                 f"{f'direct IO ({store.align}-byte aligned)' if store.direct else 'buffered IO'}")
+        if model.device.type == "cuda":
+            mode += (", pools in GPU memory (pinned staging, copy stream)" if store.place == "device" else
+                     ", pools in pinned host memory the GPU reads (--pool host)")
+    elif model.device.type == "cuda":
+        mode = ("resident: every expert copied to " + ("GPU memory" if store.place == "device" else
+                "pinned host memory") + " (--moe-stream off)")
     else:
         mode = "resident: experts addressed in a memory map of the file (--moe-stream off)"
     line = (f"moestream: {os.path.basename(model.gguf.path)} | {model.arch}, {len(model.layout.moe_layers)} MoE "
-            f"layers, top-{model.top_k} of {model.n_experts} experts | {mode}")
+            f"layers, top-{model.top_k} of {model.n_experts} experts | "
+            + (f"{_device_desc(model)} | " if model.device.type == "cuda" else "") + mode)
     if store.streaming and model.memory_plan is not None:
         line += f"\nmoestream: {model.memory_plan.line()}"
         line += "".join(f"\nmoestream: warning: {n}" for n in model.memory_plan.notes)
@@ -547,9 +595,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .errors import ConfigError
     from .report import inspect_model
     mem, source = _mem_option(args)
+    gpu_mem, gpu_source = _gpu_mem_option(args)
     if args.ctx_size is not None:
-        if mem is None:
-            raise ConfigError("-c: inspect prices a context only with --mem (the memory plan's KV cache)")
+        if mem is None and gpu_mem is None:
+            raise ConfigError("-c: inspect prices a context only with --mem or --gpu-mem (the memory plan's KV "
+                              "cache)")
         if not 1 <= args.ctx_size <= MAX_TOKENS:
             raise ConfigError(f"-c must be from 1 to 2^31, got {args.ctx_size}")
         from .engine import check_trained_context
@@ -558,7 +608,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         warning = check_trained_context(shape, args.ctx_size, f"-c {args.ctx_size}", args.override_ctx)
         if warning:
             print(f"moestream: {warning}", file=sys.stderr, flush=True)
-    write_stdout(inspect_model(model_path(args), args.slots, mem, source, args.ctx_size, args.expand_dense) + "\n")
+    write_stdout(inspect_model(model_path(args), args.slots, mem, source, args.ctx_size, args.expand_dense,
+                               gpu_mem, gpu_source) + "\n")
     return 0
 
 
@@ -682,6 +733,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--slots", type=int, default=None, help="price pools of this many slots per layer")
     i.add_argument("--mem", default=None, metavar="SIZE", help="print the memory plan run --mem SIZE makes: slots "
                    "per layer, pool GiB, what is left")
+    i.add_argument("--gpu-mem", default=None, metavar="SIZE", help="print the GPU memory plan run --device cuda "
+                   "--gpu-mem SIZE makes (dense weights, KV cache, scratch and slot pools in VRAM)")
     i.add_argument("-c", "--ctx-size", type=int, default=None, help="with --mem: the context whose KV cache the "
                    "plan holds (default: the trained context, at most 4096)")
     i.add_argument("--expand-dense", action="store_true", help="with --mem: price --expand-dense")

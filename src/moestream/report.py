@@ -43,7 +43,8 @@ def _fmt(n: float) -> str:
 
 
 def inspect_model(path: str, slots: int | None = None, mem: int | None = None, mem_source: str | None = None,
-                  n_ctx: int | None = None, expand_dense: bool = False) -> str:
+                  n_ctx: int | None = None, expand_dense: bool = False, gpu_mem: int | None = None,
+                  gpu_mem_source: str | None = None) -> str:
     """A human-readable report. Raises GGUFError for a bad file, ConfigError for --slots below top-k.
 
     mem (bytes; ``mem_source`` e.g. ``"--mem 4GiB"``): add the memory plan ``run --mem`` would make for a context
@@ -66,6 +67,10 @@ def inspect_model(path: str, slots: int | None = None, mem: int | None = None, m
         plan = shape.plan_memory(LoadOptions(mem=mem, mem_source=mem_source, expand_dense=expand_dense), n_ctx,
                                  loaded=False)
         del tok
+    gpu_plan = None
+    if gpu_mem is not None:  # the plan run --device cuda --gpu-mem SIZE makes (pools in VRAM)
+        gpu_plan = shape.plan_memory(LoadOptions(gpu_mem=gpu_mem, gpu_mem_source=gpu_mem_source,
+                                                 expand_dense=expand_dense), n_ctx, loaded=False, gpu=True)
     layout = ExpertLayout(g)
     if not layout.moe_layers:
         raise GGUFError(f"{path}: no routed-expert tensors (blk.N.ffn_*_exps) found")
@@ -103,4 +108,6 @@ def inspect_model(path: str, slots: int | None = None, mem: int | None = None, m
     ]
     if plan is not None:
         lines += plan.lines()
+    if gpu_plan is not None:
+        lines += gpu_plan.lines()
     return "\n".join(lines)

@@ -75,7 +75,7 @@ def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ub
     ``model`` was loaded with),
     comparing logits bytewise at every step and prompt position."""
     engine = Engine(model, ubatch)
-    model.set_store(ResidentStore(model.gguf, model.layout))
+    model.set_store(ResidentStore(model.gguf, model.layout, device=model.device, pool=opts.pool))
     ref, _, ref_tokens = _run(engine, prompt, steps, None)
     stream_opts = LoadOptions(**{**opts.__dict__, "moe_stream": True})
     n = len(prompt) + steps  # the budget (no --slots) holds the KV cache and every kept logit row of this run

@@ -40,7 +40,7 @@ class MoE:
     """
 
     def __init__(self, layer: int, layout: ExpertLayout, store_of: Callable[[], ExpertStore],
-                 act: Activation = swiglu, blocks: bool = False):
+                 act: Activation = swiglu, blocks: bool = False, gpu: bool = False):
         self.layer = layer
         self.mats = layout[layer]
         self.store_of = store_of
@@ -55,6 +55,12 @@ class MoE:
                       and kernels.computes(gate.ggml_type, gate.cols) and kernels.computes(down.ggml_type, down.cols))
         #: per-matrix C kernels where the layer cannot be fused (mixed gate/up types)
         self.blocks = blocks
+        #: CUDA: the Triton kernels on the ggml blocks, one grouped launch per matrix (gpu/tkernels.py), where
+        #: they compute every matrix's type; otherwise one dequantize-then-matmul per matrix per expert
+        self.gpu = False
+        if gpu:
+            from ..gpu import tkernels
+            self.gpu = all(tkernels.computes(mm.ggml_type, mm.cols) for mm in m.values())
         self.kernel_act = kact
         #: None, or ``(layer, ids) -> ids`` replacing the router's expert ids (bench --routing calibrated)
         self.routing: Callable[[int, torch.Tensor], torch.Tensor] | None = None
@@ -85,16 +91,27 @@ class MoE:
             ids = self.routing(self.layer, ids)
         store = self.store_of()
         n_tok, top_k = ids.shape
-        experts = torch.unique(ids).tolist()  # sorted real ids
+        cuda = x.device.type == "cuda"
+        if cuda:  # the router's choice to the host: one small copy (and the one sync) per layer
+            ids_host = ids.cpu()
+            experts = np.unique(ids_host.numpy()).tolist()
+        else:
+            experts = torch.unique(ids).tolist()  # sorted real ids
         cap = store.capacity(self.layer)
         size = cap // 2 if overlap and len(experts) > cap and cap >= 2 else cap
         tiles = [experts[i:i + size] for i in range(0, len(experts), size)]
         if expert_scale is not None:
             weights = weights * expert_scale[ids]  # real ids, never slot ids
         groups = None
-        if self.fused and x.device.type == "cpu":
+        batch = self._fused
+        if self.fused and not cuda:
             x = x.contiguous()
             groups = _Groups(ids, weights)
+            out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
+        elif self.gpu and cuda:
+            x = x.contiguous()
+            groups = _Groups(ids_host, weights)
+            batch = self._grouped
             out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
         else:
             out = x.new_zeros((n_tok, top_k, x.shape[-1]))
@@ -127,20 +144,24 @@ class MoE:
                 if groups is not None:  # hits in one call, then each batch of misses whose reads are joined
                     hits = [e for e in order if e not in misses]
                     if hits:
-                        self._fused(store, groups, hits, slot_of, x, out)
+                        batch(store, groups, hits, slot_of, x, out)
                     done = 0
                     while done < len(reading):
                         ready = max(done + 1, store.ready(ticket))
                         store.wait(ticket, through=reading[ready - 1])
-                        self._fused(store, groups, reading[done:ready], slot_of, x, out)
+                        batch(store, groups, reading[done:ready], slot_of, x, out)
                         done = ready
                 else:
                     for expert in order:
                         if expert in misses:
                             store.wait(ticket, through=expert)
                         tok, kk = (ids == expert).nonzero(as_tuple=True)
+                        if cuda:
+                            store.device_ready(self.layer)
                         y = self._expert(store, slot_of[expert], x[tok])
                         out[tok, kk] = y * weights[tok, kk, None]
+                        if cuda:
+                            store.used(self.layer)
                 unjoined.remove(ticket)  # every read of it was joined above
                 if not overlap and ti + 1 < len(tiles):
                     nxt = start(tiles[ti + 1])
@@ -174,6 +195,46 @@ class MoE:
                     m["down"].bytes_per_expert // m["down"].rows, self.n_ff, self.kernel_act, start, tok, w, dst,
                     out.view(-1, out.shape[-1]))
 
+    def _grouped(self, store: ExpertStore, groups: _Groups, experts: list[int], slot_of: dict[int, int],
+                 x: torch.Tensor, out: torch.Tensor) -> None:
+        """CUDA: ``experts`` (real ids, their slots in ``slot_of``) for every token routed to them, as one grouped
+        Triton launch per matrix (gpu/tkernels.py ``grouped``: slot ids address the pool, real ids everything
+        else); writes their rows of ``out`` [tokens, top_k, hidden], routing weights applied. The kernels'
+        configuration depends on the call's token count only (``m_hint``), so which experts share a launch (hits,
+        each batch of joined misses, resident: all) never changes a bit."""
+        from ..gpu import tkernels
+
+        m = self.mats
+        slots = np.fromiter((slot_of[e] for e in experts), dtype=np.int64, count=len(experts))
+        start, tok, _, dst, idx = groups.select(experts, with_index=True)
+        names = ["gate_up"] if self.merged else ["gate", "up"]
+        offs = []
+        for name in [*names, "down"]:
+            pool = store.matrix(self.layer, name)
+            offs.append(slots * pool.stride(0) + store.lead(self.layer, name)[slots])
+        dev = x.device
+        i64 = _to_device(np.concatenate([*offs, idx.astype(np.int64)]), dev)
+        i32 = _to_device(np.concatenate([start, tok, dst, np.arange(len(tok), dtype=np.int32)]), dev)
+        g, p = len(experts), len(tok)
+        d_start, d_tok, d_dst, d_rows = i32[:g + 1], i32[g + 1:g + 1 + p], i32[g + 1 + p:g + 1 + 2 * p], i32[-p:]
+        d_idx = i64[len(offs) * g:]
+        m_hint = out.shape[0]
+        store.device_ready(self.layer)
+
+        def mm(k: int, name: str, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            mat = m[name]
+            return tkernels.grouped(v, store.matrix(self.layer, name), i64[k * g:(k + 1) * g], d_start, rows,
+                                    mat.ggml_type, mat.rows, mat.cols, m_hint)
+
+        if self.merged:
+            gate, up = mm(0, "gate_up", x, d_tok).split(self.n_ff, dim=-1)
+        else:
+            gate, up = mm(0, "gate", x, d_tok), mm(1, "up", x, d_tok)
+        y = mm(len(names), "down", self.act(gate, up).contiguous(), d_rows)
+        y.mul_(groups.w_dev[d_idx, None])
+        out.view(-1, out.shape[-1]).index_copy_(0, d_dst.long(), y)
+        store.used(self.layer)
+
     def _expert(self, store: ExpertStore, slot: int, xs: torch.Tensor) -> torch.Tensor:
         """One expert's FFN on xs [n, hidden] with its matrices at ``slot`` of the store's pools."""
         def lin(name: str, v: torch.Tensor) -> torch.Tensor:
@@ -192,6 +253,12 @@ class MoE:
         return lin("down", self.act(gate, up))
 
 
+def _to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """A small host array to the GPU without synchronising: through torch's caching pinned allocator, copied
+    asynchronously on the current stream."""
+    return torch.from_numpy(a).pin_memory().to(dev, non_blocking=True)
+
+
 class _Groups:
     """The (token, k) pairs of one MoE call grouped by expert once (a stable sort of the real ids).
 
@@ -204,14 +271,22 @@ class _Groups:
         order = np.argsort(flat, kind="stable")  # pairs sorted by expert, token order inside
         self.tok = (order // top_k).astype(np.int32)  # row of x
         self.dst = order.astype(np.int32)  # row of out viewed [tokens * top_k, hidden]
-        self.w = np.ascontiguousarray(weights.reshape(-1).detach().cpu().numpy()[order], dtype=np.float32)
+        if weights.device.type == "cuda":  # the weights stay on the GPU, in pair order (w_dev)
+            self.w = None
+            self.w_dev = weights.reshape(-1)[torch.from_numpy(order).to(weights.device)].contiguous()
+        else:
+            self.w = np.ascontiguousarray(weights.reshape(-1).detach().cpu().numpy()[order], dtype=np.float32)
         experts, first, counts = np.unique(flat[order], return_index=True, return_counts=True)
         self.span = {int(e): (int(f), int(f + c)) for e, f, c in zip(experts, first, counts, strict=True)}
 
-    def select(self, experts: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(start int32 [len(experts) + 1], tok int32, w float32, dst int32) of ``experts``' pairs, in that order."""
+    def select(self, experts: list[int], with_index: bool = False) -> tuple:
+        """(start int32 [len(experts) + 1], tok int32, w float32 (None for GPU weights), dst int32) of ``experts``'
+        pairs, in that order; ``with_index``: also their positions int64 in pair order (to gather ``w_dev``)."""
         spans = [self.span[e] for e in experts]
         start = np.zeros(len(spans) + 1, dtype=np.int32)
         np.cumsum([b - a for a, b in spans], out=start[1:])
         idx = np.concatenate([np.arange(a, b) for a, b in spans]) if len(spans) > 1 else np.arange(*spans[0])
-        return start, self.tok[idx], self.w[idx], self.dst[idx]
+        w = None if self.w is None else self.w[idx]
+        if with_index:
+            return start, self.tok[idx], w, self.dst[idx], idx
+        return start, self.tok[idx], w, self.dst[idx]

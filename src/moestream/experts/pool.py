@@ -127,6 +127,7 @@ class ExpertStore:
         read covers the aligned range around the expert and records its lead in the slot."""
         mats = self.layout[layer]
         views, leads, direct, align = self._views[layer], self._leads[layer], self._direct[layer], self.align
+        sinks = getattr(self, "_sinks", None)
         jobs = []
         for e, s in loads:
             for name, m in mats.items():
@@ -134,9 +135,15 @@ class ExpertStore:
                 if direct[name]:  # the aligned range that covers the expert
                     lead = off % align
                     end = -(-(lead + m.bytes_per_expert) // align) * align
+                else:
+                    lead, end = 0, m.bytes_per_expert
+                if sinks is not None:  # a slot in GPU memory: read into pinned staging, then copy
+                    sink = DeviceSink(sinks, layer, self.pools[layer][name][s, :end])
+                    jobs.append(ReadJob(m.path, off - lead, None, lead, m.bytes_per_expert, direct[name],
+                                        sink=sink, size=end))
+                elif direct[name]:
                     jobs.append(ReadJob(m.path, off - lead, views[name][s][:end], lead, m.bytes_per_expert, True))
                 else:
-                    lead = 0
                     jobs.append(ReadJob(m.path, off, views[name][s]))
                 leads[name][s] = lead
         return jobs
@@ -167,6 +174,12 @@ class ExpertStore:
     def matrix(self, layer: int, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def used(self, layer: int) -> None:
+        """The kernels reading ``layer``'s experts were launched (GPU stores order later reads after them)."""
+
+    def device_ready(self, layer: int) -> None:
+        """Before kernels read ``layer``'s experts (GPU stores: wait for joined copies)."""
+
     def lead(self, layer: int, name: str) -> np.ndarray:
         raise NotImplementedError
 
@@ -181,14 +194,22 @@ class ExpertStore:
 class ResidentStore(ExpertStore):
     """Experts addressed in place in a memory map of the file; slot id = expert id."""
 
-    def __init__(self, model: GGUFModel, layout: ExpertLayout):
+    def __init__(self, model: GGUFModel, layout: ExpertLayout, device: str | torch.device = "cpu",
+                 pool: str = "device"):
         super().__init__(model, layout)
+        self.device = torch.device(device)
+        if pool not in POOL_PLACES:
+            raise ConfigError(f"--pool: unknown place {pool!r}; choose one of {', '.join(POOL_PLACES)}")
+        self.place = pool if self.device.type == "cuda" else "host"
         self._mats: dict[int, dict[str, torch.Tensor]] = {}
         for layer, mats in layout.layers.items():
             self._mats[layer] = {}
             for name, m in mats.items():
                 info = model.tensors[f"blk.{layer}.ffn_{name}_exps.weight"]
-                self._mats[layer][name] = model.mapped(info).view(m.n_experts, m.bytes_per_expert)
+                t = model.mapped(info).view(m.n_experts, m.bytes_per_expert)
+                if self.device.type == "cuda":  # every expert copied once: into GPU memory, or pinned host memory
+                    t = t.to(self.device) if self.place == "device" else t.pin_memory()
+                self._mats[layer][name] = t
         self._zeros = {layer: np.zeros(layout.n_experts(layer), dtype=np.int64) for layer in layout.layers}
 
     def capacity(self, layer: int) -> int:
@@ -230,8 +251,17 @@ class StreamingStore(ExpertStore):
     def __init__(self, model: GGUFModel, layout: ExpertLayout, n_slots: int | dict[int, int], min_slots: int,
                  io_threads: int = 8, policy: str = "lfu", pin_memory: bool = False,
                  direct_io: bool | None = None, align: int | None = None,
-                 note: Callable[[str], None] = stderr_note):
+                 note: Callable[[str], None] = stderr_note, device: str | torch.device = "cpu",
+                 pool: str = "device"):
         super().__init__(model, layout)
+        self.device = torch.device(device)
+        if pool not in POOL_PLACES:
+            raise ConfigError(f"--pool: unknown place {pool!r}; choose one of {', '.join(POOL_PLACES)}")
+        #: the pools' place: "device" (GPU memory, filled through pinned staging) or "host" (pinned host memory
+        #: the GPU kernels address directly: the unified-memory mode); on a CPU device, host memory
+        self.place = pool if self.device.type == "cuda" else "host"
+        gpu = self.device.type == "cuda"
+        pin_memory = pin_memory or gpu
         per_layer = n_slots if isinstance(n_slots, dict) else dict.fromkeys(layout.moe_layers, n_slots)
         low = min(per_layer.values())
         if low < min_slots:
@@ -277,6 +307,7 @@ class StreamingStore(ExpertStore):
         self._expert_bytes: dict[int, int] = {}
         self._leads: dict[int, dict[str, np.ndarray]] = {}
         self._direct: dict[int, dict[str, bool]] = {}
+        widest = 1
         for layer, mats in layout.layers.items():
             n_exp = layout.n_experts(layer)
             n = min(per_layer[layer], n_exp)
@@ -288,12 +319,22 @@ class StreamingStore(ExpertStore):
             for name, m in mats.items():
                 direct = m.path in direct_paths
                 stride = slot_stride(m, self.align if direct else 1)
-                pool = _aligned_pool(n, stride, self.align if direct else 1, pin_memory)
-                self.pools[layer][name] = pool
-                arr = pool.numpy()
-                self._views[layer][name] = [memoryview(arr[s]) for s in range(n)]
+                widest = max(widest, stride)
+                if self.place == "device":
+                    self.pools[layer][name] = torch.empty((n, stride), dtype=torch.uint8, device=self.device)
+                    self._views[layer][name] = []
+                else:
+                    pool = _aligned_pool(n, stride, self.align if direct else 1, pin_memory)
+                    self.pools[layer][name] = pool
+                    arr = pool.numpy()
+                    self._views[layer][name] = [memoryview(arr[s]) for s in range(n)]
                 self._leads[layer][name] = np.zeros(n, dtype=np.int64)
                 self._direct[layer][name] = direct
+        #: GPU only: per layer, the event after the last kernels that read its pool (store.used); a read into the
+        #: layer's slots is ordered after it
+        self._last_use: dict[int, object] = {}
+        if self.place == "device":
+            self._sinks = _Staging(2 * io_threads, widest, self.align, self.device)
 
     @staticmethod
     def read_mode(layout: ExpertLayout, direct_io: bool | None) -> tuple[bool, int]:
@@ -393,6 +434,8 @@ class StreamingStore(ExpertStore):
         if not plan.loads and not joining:
             return plan.slot_ids, None
         jobs = self._jobs(layer, plan.loads)
+        if jobs:
+            self._before_reads(layer)
         ticket = self.reader.submit(jobs)
         if joining:  # the first future is a prefetch's first, which carries its submit time
             ticket = Ticket(futures + ticket.futures)
@@ -430,6 +473,8 @@ class StreamingStore(ExpertStore):
         if not want:
             return 0
         victims = self.policies[layer].victims(slots, len(want), [*experts, *pinned], self._busy(layer))
+        if victims:
+            self._before_reads(layer)
         for e, s in zip(want, victims, strict=False):  # fewer victims than wanted: the first ones only
             old = int(slots.expert_of[s])
             if old >= 0:
@@ -565,8 +610,37 @@ class StreamingStore(ExpertStore):
             slots.expert_of[s] = -1
 
     def matrix(self, layer: int, name: str) -> torch.Tensor:
-        """The pool: uint8 [n_slots, stride]; stride is a multiple of ``align`` and the pool starts aligned."""
+        """The pool: uint8 [n_slots, stride]; stride is a multiple of ``align`` and the pool starts aligned (host
+        pools; a GPU pool holds the same bytes at the same places)."""
         return self.pools[layer][name]
+
+    # --- GPU ordering -------------------------------------------------------------------------
+    def used(self, layer: int) -> None:
+        """The kernels that read ``layer``'s pool were launched (on the current CUDA stream): reads into its slots
+        from now on are ordered after them (no-op on a CPU device, where compute is synchronous)."""
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._last_use[layer] = ev
+
+    def device_ready(self, layer: int) -> None:
+        """Before kernels read ``layer``'s pool: the current CUDA stream waits (on the GPU, not the host) for the
+        copies from staging into the layer's slots whose reads were joined (``wait``) so far. No-op for pools
+        the reads land in directly (host memory)."""
+        if self.place == "device":
+            self._sinks.join(layer)
+
+    def _before_reads(self, layer: int) -> None:
+        """Order the reads about to start into ``layer``'s slots after the kernels that last read them: GPU pools
+        through the copy stream (it waits for that event), host pools the GPU addresses by waiting on the host
+        (the IO threads write the slots themselves)."""
+        ev = self._last_use.pop(layer, None)
+        if ev is None:
+            return
+        if self.place == "device":
+            self._sinks.stream.wait_event(ev)
+        else:
+            ev.synchronize()
 
     def lead(self, layer: int, name: str) -> np.ndarray:
         """int64 [n_slots] (read-only: the store's own array): byte offset of the expert's first byte in each
@@ -587,6 +661,84 @@ class StreamingStore(ExpertStore):
 
     def close(self) -> None:
         self.reader.close()
+        if self.place == "device":
+            self._sinks.stream.synchronize()
+
+
+#: --pool: where a GPU's slot pools live
+POOL_PLACES = ("device", "host")
+
+
+class _Staging:
+    """Pinned host staging for reads into GPU slots: ``n`` buffers of ``size`` bytes (``align``-aligned, for
+    O_DIRECT), one copy stream, and per layer the events of the copies not yet joined by compute.
+
+    A reader thread takes a free buffer (``acquire``: first waiting for the copy out of it to finish), reads into
+    it and ``commit``s: the copy to the slot is queued on the copy stream, an event recorded after it, and the
+    buffer goes back to the free list with that event. With ``n`` at least the reader threads no thread ever
+    waits for another's buffer. The pinned memory is ``n * size`` bytes, not a copy of the pools.
+    """
+
+    def __init__(self, n: int, size: int, align: int, device: torch.device):
+        import queue
+        import threading
+
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.bufs = _aligned_pool(n, size, max(align, 64), True)
+        self.views = [memoryview(self.bufs[i].numpy()) for i in range(n)]
+        self.events: list = [None] * n
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(n):
+            self.free.put(i)
+        self.lock = threading.Lock()
+        self.copied: dict[int, list] = {}
+
+    def acquire(self) -> int:
+        i = self.free.get()
+        ev = self.events[i]
+        if ev is not None:
+            ev.synchronize()
+        return i
+
+    def commit(self, i: int, layer: int, dest: torch.Tensor, n: int) -> None:
+        n = min(n, dest.shape[0])
+        with torch.cuda.stream(self.stream):
+            dest[:n].copy_(self.bufs[i, :n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self.events[i] = ev
+        with self.lock:
+            self.copied.setdefault(layer, []).append(ev)
+        self.free.put(i)
+
+    def release(self, i: int) -> None:
+        self.free.put(i)
+
+    def join(self, layer: int) -> None:
+        with self.lock:
+            evs = self.copied.pop(layer, ())
+        stream = torch.cuda.current_stream(self.device)
+        for ev in evs:
+            stream.wait_event(ev)
+
+
+class DeviceSink:
+    """The destination of one staged read (``ReadJob.sink``): a slot row range in GPU memory, via ``staging``."""
+
+    def __init__(self, staging: _Staging, layer: int, dest: torch.Tensor):
+        self.staging, self.layer, self.dest = staging, layer, dest
+        self._buf = -1
+
+    def acquire(self, size: int) -> memoryview:
+        self._buf = self.staging.acquire()
+        return self.staging.views[self._buf]
+
+    def commit(self, buf: memoryview, n: int) -> None:
+        self.staging.commit(self._buf, self.layer, self.dest, n)
+
+    def release(self, buf: memoryview) -> None:
+        self.staging.release(self._buf)
 
 
 def slot_stride(m: ExpertMatrix, align: int) -> int:

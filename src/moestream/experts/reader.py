@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ConfigError, ExpertReadError, GGUFError, ModelFileChanged
 from ..gguf import describe_change
@@ -120,15 +120,22 @@ class ReadJob:
 
     path: str
     offset: int
-    dest: memoryview
+    dest: memoryview | None
     lead: int = 0
     nbytes: int | None = None
     direct: bool = False
+    #: instead of ``dest``: a staged read (a slot in GPU memory, experts/pool.py ``DeviceSink``): the reader
+    #: thread takes a pinned staging buffer from ``sink.acquire(size)``, reads ``size`` bytes into it and hands
+    #: it to ``sink.commit(buf, n)``, which copies it to the slot asynchronously; ``sink.release(buf)`` after a
+    #: failed read
+    sink: object | None = None
+    size: int = 0
 
     @property
     def need(self) -> int:
         """Bytes from the start of ``dest`` that must arrive: the lead and the expert."""
-        return len(self.dest) if self.nbytes is None else self.lead + self.nbytes
+        n = len(self.dest) if self.dest is not None else self.size
+        return n if self.nbytes is None else self.lead + self.nbytes
 
 
 class Ticket:
@@ -234,6 +241,19 @@ class ExpertReader:
                    f"on (same bytes)")
 
     def _read(self, job: ReadJob) -> int:
+        if job.sink is None:
+            return self._read_into(job)
+        sink = job.sink
+        buf = sink.acquire(job.size)  # type: ignore[attr-defined]
+        try:
+            done = self._read_into(replace(job, dest=buf[:job.size], sink=None))
+        except BaseException:
+            sink.release(buf)  # type: ignore[attr-defined]
+            raise
+        sink.commit(buf, done)  # type: ignore[attr-defined]
+        return done
+
+    def _read_into(self, job: ReadJob) -> int:
         fd = self._fd(job.path, False)
         dfd = self._fd(job.path, True) if job.direct else None
         try:

@@ -74,8 +74,14 @@ class LoadOptions:
     n_ctx: int | None = None
     prefetch: bool = False
     direct_io: bool | None = None
+    pool: str = "device"
+    gpu_mem: int | None = None
+    gpu_mem_source: str | None = None
 
     def __post_init__(self) -> None:
+        self.device = resolve_device(self.device)
+        if self.pool not in ("device", "host"):
+            raise ConfigError(f"--pool: unknown place {self.pool!r}; choose one of device, host")
         if self.direct_io is not None and not isinstance(self.direct_io, bool):
             raise ConfigError(f"--direct-io: expected on or off, got {self.direct_io!r}")
         if self.matmul not in MATMUL_MODES:
@@ -84,14 +90,45 @@ class LoadOptions:
             raise ConfigError(f"--slots must be a positive number, got {self.slots}")
         if self.io_threads < 1:
             raise ConfigError(f"--io-threads must be at least 1, got {self.io_threads}")
+        if self.gpu_mem is not None and self.slots is not None:
+            raise ConfigError(f"{self.gpu_mem_source or '--gpu-mem'} and --slots {self.slots} both size the slot "
+                              f"pools: give one of them")
         if self.mem is not None and self.slots is not None:
             raise ConfigError(f"{self.mem_source or '--mem'} and --slots {self.slots} both size the slot pools: "
                               f"give one of them")
 
     @property
+    def cuda(self) -> bool:
+        """Computes on a CUDA device."""
+        return self.device.startswith("cuda")
+
+    @property
     def budgeted(self) -> bool:
         """The pools are sized by a memory budget (streaming, no --slots)."""
         return self.moe_stream and self.slots is None
+
+
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def resolve_device(name: str) -> str:
+    """``--device``: "cpu", "cuda" (or "cuda:N"), or "auto" (CUDA when torch sees a GPU, else the CPU) -> the torch
+    device string. ConfigError for another name, or CUDA asked for where torch sees no GPU (a CPU build of torch,
+    no driver, or no device)."""
+    name = str(name).strip().lower()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU build" if torch.version.cuda is None else "torch sees no CUDA device"
+            raise ConfigError(f"--device {name}: {why} (torch {torch.__version__}); use --device cpu")
+        idx = int(name[5:]) if ":" in name else 0
+        if idx >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+        return name
+    raise ConfigError(f"--device: unknown device {name!r}; choose one of {', '.join(DEVICES)} (or cuda:N)")
 
 
 def default_slots(n_experts: int, top_k: int) -> int:
@@ -114,6 +151,8 @@ class MoEModel:
         self.device = torch.device(opts.device)
         #: matmuls through moestream's C kernels (``--matmul blocks`` on a CPU device)
         self.use_blocks = opts.matmul == "blocks" and self.device.type == "cpu"
+        #: matmuls through the Triton kernels on the ggml blocks (``--matmul blocks`` on a CUDA device)
+        self.use_triton = opts.matmul == "blocks" and self.device.type == "cuda" and _triton_available()
         self.layout = ExpertLayout(gguf)
         if not self.layout.moe_layers:
             raise GGUFError(f"{gguf.path}: no routed-expert tensors (blk.N.ffn_*_exps) found")
@@ -225,7 +264,7 @@ class MoEModel:
     # --- weights ------------------------------------------------------------------------------
     def weight(self, name: str) -> Weight:
         w = Weight(self.gguf, self.gguf.tensor_info(name), self.device, self.opts.expand_dense,
-                   blocks=self.use_blocks)
+                   blocks=self.use_blocks, gpu=self.use_triton)
         self.dense_bytes += w.nbytes
         return w
 
@@ -242,12 +281,13 @@ class MoEModel:
             self.dense_bytes += w.nbytes
         return w
 
-    def dense_estimate(self) -> int:
+    def dense_estimate(self, mapped: bool = True) -> int:
         """Bytes the dense weights will hold once loaded, from the tensor table alone (``inspect --mem``): every
         tensor the forward pass reads but the routed experts, float32 where expanded or F32, less the embedding
         tables :meth:`lookup_table` leaves in the file map."""
         total = 0
-        mapped = set(self.mapped_tables()) if self.device.type == "cpu" and not self.opts.expand_dense else set()
+        mapped = (set(self.mapped_tables()) if mapped and self.device.type == "cpu" and not self.opts.expand_dense
+                  else set())
         for name, info in self.gguf.tensors.items():
             block = BLOCK_TENSOR.match(name)
             if EXPERT_TENSOR.match(name) or (block and int(block.group(1)) >= self.n_layers) or name in mapped:
@@ -302,24 +342,35 @@ class MoEModel:
                              top_k=self.top_k, n_ff=n_ff, logits_rows=logits_rows)
 
     def plan_memory(self, opts: LoadOptions, n_ctx: int | None = None, logits_rows: int = 1,
-                    loaded: bool = True, ubatch: int = 128):  # noqa: ANN201 - budget.MemoryPlan
+                    loaded: bool = True, ubatch: int = 128, gpu: bool | None = None):  # noqa: ANN201 - MemoryPlan
         """The memory plan for ``opts`` (its ``mem`` or the auto budget) at a context of ``n_ctx`` tokens (None:
         ``opts.n_ctx``, else :meth:`default_ctx`). ``loaded``: the dense weights are loaded (their bytes are known
         and in this process's resident memory); else they are estimated from the tensor table.
         ConfigError naming the file and the smallest budget that works when top-k slots per layer do not fit."""
-        from ..budget import plan_pools, process_rss, resolve_budget
+        from ..budget import gpu_budget, plan_pools, process_rss, resolve_budget
 
         n_ctx = n_ctx or opts.n_ctx or self.default_ctx()
-        budget, source = resolve_budget(opts.mem, opts.mem_source)
-        dense = self.dense_bytes if loaded else self.dense_estimate()
-        process = max(process_rss(self.gguf.paths) - (dense if loaded else 0), 0)
+        cuda = self.device.type == "cuda" if gpu is None else gpu
+        dense = self.dense_bytes if loaded else self.dense_estimate(mapped=not cuda)
+        kv, scratch = self.cache_bytes(n_ctx), self.scratch_estimate(n_ctx, ubatch, logits_rows)
         layers = self.layout.moe_layers
         direct, align = StreamingStore.read_mode(self.layout, opts.direct_io)  # O_DIRECT slots are padded
-        plan = plan_pools(budget, source, process=process, dense=dense, kv=self.cache_bytes(n_ctx), n_ctx=n_ctx,
-                          scratch=self.scratch_estimate(n_ctx, ubatch, logits_rows),
+        extra: dict[str, Any] = {}
+        if cuda and opts.pool == "device":  # the pools, dense weights, KV cache and activations live in VRAM
+            budget, source = gpu_budget(opts.gpu_mem, opts.gpu_mem_source, self.device if gpu is None else "cuda")
+            process = 0
+            strict = opts.gpu_mem is not None
+            extra = {"option": "--gpu-mem", "kind": "GPU memory"}
+        else:
+            budget, source = resolve_budget(opts.mem, opts.mem_source)
+            process = max(process_rss(self.gguf.paths) - (dense if loaded and not cuda else 0), 0)
+            strict = opts.mem is not None
+            if cuda:  # --pool host: pinned host pools; dense weights, KV cache and activations are in VRAM
+                dense, kv, scratch = 0, 0, 0
+        plan = plan_pools(budget, source, process=process, dense=dense, kv=kv, n_ctx=n_ctx, scratch=scratch,
                           slot_bytes={la: StreamingStore.slot_bytes(self.layout, la, direct, align) for la in layers},
                           n_experts={la: self.layout.n_experts(la) for la in layers}, top_k=self.top_k,
-                          what=self.gguf.path, strict=opts.mem is not None)
+                          what=self.gguf.path, strict=strict, **extra)
         return plan
 
     def fit_store(self, n_ctx: int | None = None, opts: LoadOptions | None = None, logits_rows: int = 1,
@@ -339,14 +390,14 @@ class MoEModel:
         """A new expert store for ``opts`` (not set on the model: see :meth:`fit_store`)."""
         self.check_expert_types()
         if not opts.moe_stream:
-            return ResidentStore(self.gguf, self.layout)
+            return ResidentStore(self.gguf, self.layout, device=self.device, pool=opts.pool)
         if opts.slots is not None:
             slots: int | dict[int, int] = opts.slots
         else:
             self.memory_plan = self.plan_memory(opts, n_ctx, logits_rows, ubatch=ubatch)
             slots = self.memory_plan.slots
         return StreamingStore(self.gguf, self.layout, slots, self.top_k, opts.io_threads, opts.policy,
-                              pin_memory=self.device.type == "cuda", direct_io=opts.direct_io)
+                              direct_io=opts.direct_io, device=self.device, pool=opts.pool)
 
     def set_routing(self, routing: Callable | None) -> None:
         """Route every MoE layer through ``routing(layer, ids [tokens, top_k] int64) -> ids`` of the same shape
@@ -395,6 +446,14 @@ class MoEModel:
         """tokens: [T] int64 at positions start..start+T-1. Returns float32 logits [T, n_vocab] when
         ``logits_all`` else [1, n_vocab] for the last token."""
         raise NotImplementedError
+
+
+def _triton_available() -> bool:
+    try:
+        from ..gpu import tkernels
+    except ImportError:
+        return False
+    return tkernels.available()
 
 
 def load_model(path: str, opts: LoadOptions | None = None, defer_store: bool = False) -> MoEModel:

@@ -31,7 +31,7 @@ class Weight:
     """
 
     def __init__(self, model: GGUFModel, info: TensorInfo, device: torch.device, expand: bool = False,
-                 blocks: bool = False, mapped: bool = False):
+                 blocks: bool = False, mapped: bool = False, gpu: bool = False):
         check_computable(info)
         self.name, self.ggml_type, self.shape = info.name, info.ggml_type, info.shape
         self.cols = info.shape[-1]
@@ -46,6 +46,11 @@ class Weight:
             self.dense, self.raw = None, data.to(device)
         self.blocks = (blocks and self.raw is not None and self.raw.device.type == "cpu"
                        and kernels.computes(info.ggml_type, self.cols))
+        #: CUDA: ``linear`` runs the Triton kernels on the blocks (gpu/tkernels.py) where they compute the type
+        self.gpu = False
+        if gpu and self.raw is not None and self.raw.device.type == "cuda":
+            from ..gpu import tkernels
+            self.gpu = tkernels.computes(info.ggml_type, self.cols)
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +63,10 @@ class Weight:
             return torch.nn.functional.linear(x, self.dense)
         if self.blocks:
             return kernels.linear(x, self.raw, self.ggml_type, self.cols)
+        if self.gpu:
+            from ..gpu import tkernels
+            return tkernels.linear(x.reshape(-1, self.cols).contiguous(), self.raw, self.ggml_type,
+                                   self.cols).view(*x.shape[:-1], self.rows)
         return quant.linear(x, self.raw, self.ggml_type, self.cols)
 
     def float(self) -> torch.Tensor:

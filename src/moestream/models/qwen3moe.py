@@ -51,7 +51,7 @@ class Qwen3MoE(MoEModel):
             }
             if i in self.layout:
                 b["router"] = self.weight(p + "ffn_gate_inp.weight")
-                b["moe"] = MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks)
+                b["moe"] = MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton)
             else:
                 b["gate"], b["up"] = self.weight(p + "ffn_gate.weight"), self.weight(p + "ffn_up.weight")
                 b["down"] = self.weight(p + "ffn_down.weight")
