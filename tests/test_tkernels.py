@@ -159,13 +159,16 @@ def test_dequantize_float_specials(device, qtype):
     assert_bits_equal(got.cpu(), quant.dequantize(raw, qtype, n_cols), qtype.name)
 
 
-def test_dequantize_unaligned_view(device):
-    """A row-slice view at an odd byte address of a bigger buffer decodes the same."""
+def test_unaligned_view(device):
+    """A row-slice view at an odd byte address of a bigger buffer: same decode, same linear bits as a copy."""
     raw = make_raw(T.Q4_K, 9, 256, 3)
     big = torch.zeros(1 + raw.numel(), dtype=torch.uint8)
     big[1:] = raw.reshape(-1)
     view = big.to(device)[1:].view(9, raw.shape[1])[2:7]
     assert_bits_equal(tkernels.dequantize(view, T.Q4_K, 256).cpu(), quant.dequantize(raw[2:7], T.Q4_K, 256), "view")
+    x = torch.randn(2, 256).to(device)
+    assert_bits_equal(tkernels.linear(x, view, T.Q4_K, 256), tkernels.linear(x, raw[2:7].clone().to(device),
+                                                                            T.Q4_K, 256), "linear on a view")
 
 
 def test_real_blocks(device):
