@@ -1,0 +1,540 @@
+"""Triton matmul kernels that read ggml blocks directly: dense ``linear`` and the MoE ``grouped`` matmul.
+
+The weights stay in the file's own bytes (block layouts: ggml's ``ggml-common.h``; the arithmetic of every
+decoder is that of :mod:`moestream.quant`, which equals the ``gguf`` package's reference). Each kernel decodes
+its weight tile in registers with the same ``@triton.jit`` helpers, so :func:`dequantize` here is
+bit-identical to :func:`moestream.quant.dequantize` and the matmuls multiply exactly those float32 weights.
+
+Loads
+    Weight bytes are loaded as single ``uint8`` lanes and combined with integer shifts, so no alignment is
+    required of anything: a matrix may start at any byte offset of the pool (an O_DIRECT slot with a lead,
+    a row-slice view of a bigger tensor). fp16 scales are widened with integer arithmetic (subnormals, infs
+    and NaN payloads exact, as numpy does). ``enable_fp_fusion=False`` is passed to every launch, so the
+    decoder's ``q * dl - ml`` is never contracted into an FMA (the reference rounds twice).
+
+Kernel configuration (fixed, no autotune), a function of ``(ggml_type, m_hint)`` only:
+
+* ``m_hint <= 8`` (decode): GEMV path. ``BLOCK_M = next_pow2(m_hint)`` x rows, ``BLOCK_N = 16`` weight rows,
+  ``BLOCK_K = 256`` (one k-quant super-block, 8 blocks of 32), 4 warps. Each program decodes its
+  ``16 x 256`` weight tile once per K chunk and multiplies it with each of its x rows: float32 products,
+  ``tl.sum`` over the 32 (16 for Q6_K) elements of a sub-block, then over the sub-blocks, then added to the
+  running sum. A group of at most ``BLOCK_M`` rows is one tile, so each weight byte is read once per launch.
+* ``m_hint > 8`` (prefill): GEMM path. ``BLOCK_M = 32``, ``BLOCK_N = 64``, ``BLOCK_K = 64``, 4 warps: the
+  decoded ``64 x 64`` tile goes through ``tl.dot(x, w.T, acc, input_precision="ieee")`` (float32 FMA, never
+  tf32).
+
+Determinism: no atomics; every output element is reduced over K in chunk order with the same in-chunk order
+whatever tile, program or launch computes it, and the configuration never depends on the number of groups,
+the offsets or the row counts. So an output row of a (matrix, x row) pair has the same bits wherever the
+matrix sits in the pool, whatever else shares the launch, and through :func:`linear` or :func:`grouped`,
+given the same ``m_hint``.
+
+K is masked: ``n_cols`` need only be a multiple of the type's block size (no K-chunk multiple required). The
+matmul kernel takes ``n_cols`` as a compile-time constant (one compile per distinct width: a model has a few;
+it also keeps the K loop a plain Python range under the interpreter with numpy 2.4).
+
+Public API: :data:`TYPES`, :func:`computes`, :func:`available`, :func:`dequantize`, :func:`linear`,
+:func:`grouped`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+try:  # triton is optional: the CPU engine never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+__all__ = ["TYPES", "available", "computes", "dequantize", "grouped", "linear"]
+
+T = GGMLQuantizationType
+
+#: ggml types the kernels compute.
+TYPES: frozenset[int] = frozenset(int(t) for t in (
+    T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
+    T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
+))
+
+_IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+GEMV_MAX_M = 8  # m_hint up to this: GEMV path
+
+
+def available() -> bool:
+    """Whether the kernels can run: triton imports, and CUDA is available or ``TRITON_INTERPRET=1``."""
+    if triton is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def computes(ggml_type: int, n_cols: int) -> bool:
+    """Whether ``ggml_type`` (a number) is in :data:`TYPES` and ``n_cols`` a positive multiple of its block size."""
+    try:
+        t = int(ggml_type)
+    except (TypeError, ValueError):
+        return False
+    if t not in TYPES:
+        return False
+    block = GGML_QUANT_SIZES[T(t)][0]
+    return n_cols > 0 and n_cols % block == 0
+
+
+def _sub(ggml_type: int) -> int:
+    """Elements per sub-block (the unit sharing one scale): 16 for Q6_K, 32 for the rest."""
+    return 16 if ggml_type == int(T.Q6_K) else 32
+
+
+def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int) -> dict[str, Any]:
+    """The fixed kernel configuration for ``(ggml_type, n_rows, n_cols, m_hint)`` (only type and m_hint matter)."""
+    sub = _sub(ggml_type)
+    if m_hint <= GEMV_MAX_M:
+        bm = 1
+        while bm < m_hint:
+            bm *= 2
+        return dict(BLOCK_M=bm, BLOCK_N=16, NSUB=256 // sub, SUB=sub, GEMM=False, num_warps=4)
+    return dict(BLOCK_M=32, BLOCK_N=64, NSUB=64 // sub, SUB=sub, GEMM=True, num_warps=4)
+
+
+# ---------------------------------------------------------------------------
+# device helpers
+# ---------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _u8(p, m):
+        """Byte(s) at ``p`` as int32 (0 where masked)."""
+        return tl.load(p, mask=m, other=0).to(tl.int32)
+
+    @triton.jit
+    def _f16_bits_to_f32(h):
+        """fp16 bit patterns (int32 0..65535) to float32, exactly (subnormals, inf, NaN payload kept)."""
+        sign = (h & 0x8000) << 16
+        e = (h >> 10) & 0x1F
+        m = h & 0x3FF
+        normal = sign | ((e + 112) << 23) | (m << 13)
+        special = sign | 0x7F800000 | (m << 13)
+        subn = (m.to(tl.float32) * 5.9604644775390625e-08).to(tl.int32, bitcast=True) | sign  # m * 2**-24
+        bits = tl.where(e == 0, subn, tl.where(e == 31, special, normal))
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _f16at(p, m):
+        """Little-endian fp16 at byte pointer(s) ``p``, widened to float32."""
+        return _f16_bits_to_f32(_u8(p, m) | (_u8(p + 1, m) << 8))
+
+    @triton.jit
+    def _k4_scale_min(sp, t, m):
+        """Q4_K/Q5_K sub-block ``t`` (0..7) scale and min (int32) from the 12-byte table at ``sp``.
+
+        t < 4: scale = b[t] & 63, min = b[t+4] & 63; t >= 4: scale = (b[t+4] & 15) | (b[t-4] >> 6) << 4,
+        min = (b[t+4] >> 4) | (b[t] >> 6) << 4 (ggml-common.h block_q4_K; quant._k4_scales).
+        """
+        b_t = _u8(sp + t, m)
+        b_t4 = _u8(sp + t + 4, m)
+        b_lo = _u8(sp + (t % 4), m)
+        lo = t < 4
+        sc = tl.where(lo, b_t & 63, (b_t4 & 15) | ((b_lo >> 6) << 4))
+        mn = tl.where(lo, b_t4 & 63, (b_t4 >> 4) | ((b_t >> 6) << 4))
+        return sc, mn
+
+    @triton.jit
+    def _decode(wp, msub, mel, k0, kv_ptr, QTYPE: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr):
+        """Weights ``k0 + SUB*g + i`` (g < NSUB, i < SUB) of the rows at byte pointers ``wp`` [BN, 1, 1].
+
+        Returns float32 [BN, NSUB, SUB] (0 where ``mel`` is false). ``msub`` [BN, NSUB, 1] masks whole
+        sub-blocks, ``mel`` [BN, NSUB, SUB] elements; ``k0`` is a multiple of ``NSUB * SUB``. Block layouts:
+        ggml-common.h; arithmetic order: moestream.quant (one float32 rounding per operation).
+        """
+        g = tl.arange(0, NSUB)[None, :, None]
+        i = tl.arange(0, SUB)[None, None, :]
+        s = k0 // SUB + g  # global sub-block index
+        if QTYPE == 0:  # F32
+            p = wp + 4 * (k0 + SUB * g + i)
+            bits = _u8(p, mel) | (_u8(p + 1, mel) << 8) | (_u8(p + 2, mel) << 16) | (_u8(p + 3, mel) << 24)
+            w = bits.to(tl.float32, bitcast=True)
+        elif QTYPE == 1:  # F16
+            w = _f16at(wp + 2 * (k0 + SUB * g + i), mel)
+        elif QTYPE == 30:  # BF16: the top half of a float32
+            p = wp + 2 * (k0 + SUB * g + i)
+            w = ((_u8(p, mel) | (_u8(p + 1, mel) << 8)) << 16).to(tl.float32, bitcast=True)
+        elif QTYPE == 2:  # Q4_0: fp16 d | 16 bytes (element i: low nibble of byte i % 16 for i < 16, else high)
+            bb = wp + 18 * s
+            d = _f16at(bb, msub)
+            q = (_u8(bb + 2 + (i % 16), mel) >> (4 * (i // 16))) & 15
+            w = (q - 8).to(tl.float32) * d
+        elif QTYPE == 3:  # Q4_1: fp16 d | fp16 m | 16 bytes as Q4_0; x = d * q + m
+            bb = wp + 20 * s
+            d = _f16at(bb, msub)
+            mm = _f16at(bb + 2, msub)
+            q = (_u8(bb + 4 + (i % 16), mel) >> (4 * (i // 16))) & 15
+            w = q.to(tl.float32) * d + mm
+        elif QTYPE == 6:  # Q5_0: fp16 d | u32 qh (bit i: 5th bit of element i) | 16 bytes; x = d * (q - 16)
+            bb = wp + 22 * s
+            d = _f16at(bb, msub)
+            hb = (_u8(bb + 2 + i // 8, mel) >> (i % 8)) & 1
+            q = ((_u8(bb + 6 + (i % 16), mel) >> (4 * (i // 16))) & 15) | (hb << 4)
+            w = (q - 16).to(tl.float32) * d
+        elif QTYPE == 7:  # Q5_1: fp16 d | fp16 m | u32 qh | 16 bytes; x = d * q + m
+            bb = wp + 24 * s
+            d = _f16at(bb, msub)
+            mm = _f16at(bb + 2, msub)
+            hb = (_u8(bb + 4 + i // 8, mel) >> (i % 8)) & 1
+            q = ((_u8(bb + 8 + (i % 16), mel) >> (4 * (i // 16))) & 15) | (hb << 4)
+            w = q.to(tl.float32) * d + mm
+        elif QTYPE == 8:  # Q8_0: fp16 d | 32 int8; x = q * d
+            bb = wp + 34 * s
+            d = _f16at(bb, msub)
+            q = (_u8(bb + 2 + i, mel) ^ 128) - 128
+            w = q.to(tl.float32) * d
+        elif QTYPE == 20:  # IQ4_NL: fp16 d | 16 bytes as Q4_0 indexing kvalues_iq4nl; x = kvalues[q] * d
+            bb = wp + 18 * s
+            d = _f16at(bb, msub)
+            q = (_u8(bb + 2 + (i % 16), mel) >> (4 * (i // 16))) & 15
+            w = tl.load(kv_ptr + q) * d
+        elif QTYPE == 12:  # Q4_K: fp16 d | fp16 dmin | 12 bytes scales | 128 bytes; x = (d*sc) * q - (dmin*mn)
+            t = s % 8
+            bb = wp + 144 * (s // 8)
+            d = _f16at(bb, msub)
+            dmin = _f16at(bb + 2, msub)
+            sc, mn = _k4_scale_min(bb + 4, t, msub)
+            dl = d * sc.to(tl.float32)
+            ml = dmin * mn.to(tl.float32)
+            q = (_u8(bb + 16 + 32 * (t // 2) + i, mel) >> (4 * (t % 2))) & 15
+            w = q.to(tl.float32) * dl - ml
+        elif QTYPE == 13:  # Q5_K: as Q4_K with 32 bytes qh (bit t of qh[i]: 5th bit) before 128 bytes of nibbles
+            t = s % 8
+            bb = wp + 176 * (s // 8)
+            d = _f16at(bb, msub)
+            dmin = _f16at(bb + 2, msub)
+            sc, mn = _k4_scale_min(bb + 4, t, msub)
+            dl = d * sc.to(tl.float32)
+            ml = dmin * mn.to(tl.float32)
+            hb = (_u8(bb + 16 + i, mel) >> t) & 1
+            q = ((_u8(bb + 48 + 32 * (t // 2) + i, mel) >> (4 * (t % 2))) & 15) | (hb << 4)
+            w = q.to(tl.float32) * dl - ml
+        elif QTYPE == 14:  # Q6_K: 128 bytes ql | 64 bytes qh | 16 int8 scales | fp16 d; x = (d*sc) * (q - 32)
+            t = s % 16  # group of 16 inside the super-block
+            bb = wp + 210 * (s // 16)
+            d = _f16at(bb + 208, msub)
+            sc = (_u8(bb + 192 + t, msub) ^ 128) - 128
+            dl = d * sc.to(tl.float32)
+            j = 16 * t + i
+            h = j // 128
+            r = j % 128
+            lo4 = (_u8(bb + 64 * h + (r % 64), mel) >> (4 * (r // 64))) & 15
+            hi2 = (_u8(bb + 128 + 32 * h + (r % 32), mel) >> (2 * (r // 32))) & 3
+            w = (lo4 | (hi2 << 4)) - 32
+            w = w.to(tl.float32) * dl
+        elif QTYPE == 23:  # IQ4_XS: fp16 d | u16 scales_h | 4 bytes scales_l | 128 bytes; x = (d*(ls-32)) * kv[q]
+            t = s % 8
+            bb = wp + 136 * (s // 8)
+            d = _f16at(bb, msub)
+            sh = (_u8(bb + 2 + t // 4, msub) >> (2 * (t % 4))) & 3
+            sl = (_u8(bb + 4 + t // 2, msub) >> (4 * (t % 2))) & 15
+            dl = d * ((sl | (sh << 4)) - 32).to(tl.float32)
+            q = (_u8(bb + 8 + 16 * t + (i % 16), mel) >> (4 * (i // 16))) & 15
+            w = tl.load(kv_ptr + q) * dl
+        else:
+            tl.static_assert(False, "tkernels: unsupported ggml type")
+        return tl.where(mel, w, 0.0)
+
+    @triton.jit
+    def _dequant_kernel(w_ptr, out_ptr, kv_ptr, n_rows, n_cols, row_stride,
+                        QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = (rn < n_rows)[:, None, None]
+        rn64 = rn.to(tl.int64)[:, None, None]
+        wp = w_ptr + rn64 * row_stride
+        k0 = pid_k * (NSUB * SUB)
+        g = tl.arange(0, NSUB)[None, :, None]
+        i = tl.arange(0, SUB)[None, None, :]
+        msub = rmask & ((k0 + SUB * g) < n_cols)
+        kel = k0 + SUB * g + i
+        mel = rmask & (kel < n_cols)
+        w = _decode(wp, msub, mel, k0, kv_ptr, QTYPE, NSUB, SUB)
+        tl.store(out_ptr + rn64 * n_cols + kel, w, mask=mel)
+
+    @triton.jit
+    def _matmul_kernel(x_ptr, w_ptr, off_ptr, tiles_ptr, src_ptr, out_ptr, kv_ptr, n_rows, row_bytes,
+                       n_cols: tl.constexpr, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       NSUB: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, GEMM: tl.constexpr):
+        # program (tile, n block): tile = (group, first output row, row count <= BLOCK_M)
+        pid_t = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        grp = tl.load(tiles_ptr + 3 * pid_t)
+        p0 = tl.load(tiles_ptr + 3 * pid_t + 1)
+        cnt = tl.load(tiles_ptr + 3 * pid_t + 2)
+        base = w_ptr + tl.load(off_ptr + grp)  # int64 byte offset of the group's matrix
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < n_rows
+        rmask = nmask[:, None, None]
+        wp = base + rn.to(tl.int64)[:, None, None] * row_bytes
+        rm = tl.arange(0, BLOCK_M)
+        pmask = rm < cnt
+        prow = p0 + rm
+        g = tl.arange(0, NSUB)[None, :, None]
+        i = tl.arange(0, SUB)[None, None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if GEMM:
+            src = tl.load(src_ptr + prow, mask=pmask, other=0).to(tl.int64)
+            xrow = x_ptr + src * n_cols
+            kk = tl.arange(0, BLOCK_K)
+        for k0 in range(0, n_cols, BLOCK_K):
+            msub = rmask & ((k0 + SUB * g) < n_cols)
+            kel = k0 + SUB * g + i
+            kmask = kel < n_cols
+            w = _decode(wp, msub, rmask & kmask, k0, kv_ptr, QTYPE, NSUB, SUB)  # [BN, NSUB, SUB]
+            if GEMM:
+                w2 = tl.reshape(w, [BLOCK_N, BLOCK_K])
+                xk = k0 + kk
+                xt = tl.load(xrow[:, None] + xk[None, :], mask=pmask[:, None] & (xk < n_cols)[None, :], other=0.0)
+                acc = tl.dot(xt, tl.trans(w2), acc, input_precision="ieee")
+            else:
+                for m in tl.static_range(BLOCK_M):
+                    src_m = tl.load(src_ptr + p0 + m, mask=m < cnt, other=0).to(tl.int64)
+                    xm = tl.load(x_ptr + src_m * n_cols + kel, mask=kmask & (m < cnt), other=0.0)  # [1, NSUB, SUB]
+                    part = tl.sum(tl.sum(w * xm, axis=2), axis=1)  # [BN]
+                    acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)
+        optr = out_ptr + prow.to(tl.int64)[:, None] * n_rows + rn[None, :]
+        tl.store(optr, acc, mask=pmask[:, None] & nmask[None, :])
+
+
+# ---------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------
+
+_KV: dict[torch.device, torch.Tensor] = {}
+
+
+def _kv(device: torch.device) -> torch.Tensor:
+    t = _KV.get(device)
+    if t is None:
+        t = _KV[device] = torch.tensor(_IQ4NL_VALUES, dtype=torch.float32, device=device)
+    return t
+
+
+def _label(ggml_type: int) -> str:
+    try:
+        return T(int(ggml_type)).name
+    except ValueError:
+        return f"ggml type {int(ggml_type)}"
+
+
+def _check(ggml_type: int, n_cols: int, where: str) -> tuple[int, int]:
+    """(block_size, type_size) after validating the type and n_cols."""
+    if triton is None:
+        raise RuntimeError(f"tkernels.{where}: triton is not installed")
+    if not computes(ggml_type, n_cols):
+        if int(ggml_type) not in TYPES:
+            names = ", ".join(sorted(T(t).name for t in TYPES))
+            raise ValueError(f"tkernels.{where}: {_label(ggml_type)} is not computed (types: {names})")
+        raise ValueError(f"tkernels.{where}: n_cols={n_cols} is not a positive multiple of the "
+                         f"{_label(ggml_type)} block size {GGML_QUANT_SIZES[T(int(ggml_type))][0]}")
+    return GGML_QUANT_SIZES[T(int(ggml_type))]
+
+
+def _row_bytes(ggml_type: int, n_cols: int) -> int:
+    block, size = GGML_QUANT_SIZES[T(int(ggml_type))]
+    return n_cols // block * size
+
+
+def dequantize(raw: torch.Tensor, ggml_type: int, n_cols: int) -> torch.Tensor:
+    """Decode ggml rows to float32 with the kernels' own decoders.
+
+    Args:
+        raw: uint8 ``[rows, row_bytes]`` (rows may have any stride, bytes within a row contiguous; any byte
+            alignment), on CUDA (or CPU under ``TRITON_INTERPRET=1``). Block layouts: ggml-common.h.
+        ggml_type: a number in :data:`TYPES`.
+        n_cols: elements per row, a multiple of the type's block size.
+
+    Returns:
+        float32 ``[rows, n_cols]`` on ``raw.device``, bit-identical to :func:`moestream.quant.dequantize`
+        (F32/F16/BF16 NaN payloads included); the one exemption is a block whose fp16 *scale* is NaN
+        (the result is NaN either way, the payload may differ).
+
+    Raises:
+        ValueError: type not computed, ``n_cols`` not a multiple of the block size, or bad ``raw`` shape.
+        TypeError: ``raw`` is not uint8.
+    """
+    _check(ggml_type, n_cols, "dequantize")
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"tkernels.dequantize: raw must be uint8, got {raw.dtype}")
+    nb = _row_bytes(ggml_type, n_cols)
+    if raw.dim() != 2 or raw.shape[1] != nb:
+        raise ValueError(f"tkernels.dequantize({_label(ggml_type)}, n_cols={n_cols}): raw shape "
+                         f"{tuple(raw.shape)} must be [rows, {nb}]")
+    if raw.stride(1) != 1:
+        raw = raw.contiguous()
+    rows = raw.shape[0]
+    out = torch.empty((rows, n_cols), dtype=torch.float32, device=raw.device)
+    if rows == 0:
+        return out
+    sub = _sub(ggml_type)
+    bn, nsub = 16, 256 // sub
+    grid = (triton.cdiv(rows, bn), triton.cdiv(n_cols, nsub * sub))
+    _dequant_kernel[grid](raw, out, _kv(raw.device), rows, n_cols, raw.stride(0) if rows > 1 else nb,
+                          QTYPE=int(ggml_type), BLOCK_N=bn, NSUB=nsub, SUB=sub,
+                          num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def _as_tensor(v: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.to(device=device, dtype=dtype).contiguous()
+    return torch.as_tensor(np.ascontiguousarray(v), dtype=dtype).to(device)
+
+
+def _host(v: Any) -> np.ndarray | None:
+    """``v`` as a numpy array when it is on the host already (numpy, list, CPU tensor), else None."""
+    if isinstance(v, torch.Tensor):
+        return v.numpy() if v.device.type == "cpu" else None
+    return np.asarray(v)
+
+
+def _tiles(starts: np.ndarray, block_m: int) -> np.ndarray:
+    """int32 [n_tiles, 3]: (group, first row, rows <= block_m) covering every non-empty group."""
+    counts = np.diff(starts)
+    n_tiles = (counts + block_m - 1) // block_m
+    grp = np.repeat(np.arange(len(counts), dtype=np.int64), n_tiles)
+    first_tile = np.cumsum(n_tiles) - n_tiles
+    j = np.arange(int(n_tiles.sum()), dtype=np.int64) - np.repeat(first_tile, n_tiles)
+    p0 = starts[grp] + j * block_m
+    cnt = np.minimum(block_m, starts[grp + 1] - p0)
+    return np.stack([grp, p0, cnt], axis=1).astype(np.int32)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tiles: np.ndarray, src: torch.Tensor,
+            out: torch.Tensor, ggml_type: int, n_rows: int, n_cols: int, row_bytes: int, cfg: dict) -> None:
+    if len(tiles) == 0 or n_rows == 0:
+        return
+    tiles_d = torch.from_numpy(np.ascontiguousarray(tiles)).to(x.device)
+    grid = (len(tiles), triton.cdiv(n_rows, cfg["BLOCK_N"]))
+    _matmul_kernel[grid](x, w, offsets, tiles_d, src, out, _kv(x.device), n_rows, row_bytes, n_cols,
+                         QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                         NSUB=cfg["NSUB"], SUB=cfg["SUB"], BLOCK_K=cfg["NSUB"] * cfg["SUB"], GEMM=cfg["GEMM"],
+                         num_warps=cfg["num_warps"], enable_fp_fusion=False)
+
+
+def _check_x(x: torch.Tensor, n_cols: int, where: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"tkernels.{where}: x must be a float32 tensor, got {got}")
+    if x.dim() != 2 or x.shape[1] != n_cols or not x.is_contiguous():
+        raise ValueError(f"tkernels.{where}: x must be contiguous [T, {n_cols}], got {tuple(x.shape)}")
+
+
+def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int, m_hint: int | None = None
+           ) -> torch.Tensor:
+    """``x @ W.T`` for ``W = dequantize(raw, ggml_type, n_cols)``, computed on the ggml blocks.
+
+    Args:
+        x: float32 ``[T, n_cols]``, contiguous, on ``raw.device``.
+        raw: uint8 ``[rows, row_bytes]``: rows of ggml blocks (layouts: ggml-common.h), bytes within a row
+            contiguous, rows at any stride (a row-slice view of a bigger tensor is fine), any byte alignment.
+        ggml_type: a number in :data:`TYPES`; n_cols: a multiple of its block size.
+        m_hint: token count that picks the kernel configuration (default ``T``); see the module docstring.
+
+    Returns:
+        float32 ``[T, rows]``. Bitwise equal to :func:`grouped` with this matrix as one group and the same
+        ``m_hint``; deterministic (no atomics, fixed reduction order).
+
+    Raises:
+        ValueError, TypeError: unsupported type / n_cols, wrong shapes, dtypes or devices.
+    """
+    _check(ggml_type, n_cols, "linear")
+    _check_x(x, n_cols, "linear")
+    nb = _row_bytes(ggml_type, n_cols)
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != nb or (raw.shape[0] > 1 and raw.stride(1) != 1):
+        raise ValueError(f"tkernels.linear({_label(ggml_type)}): raw must be uint8 [rows, {nb}] with contiguous "
+                         f"rows, got {raw.dtype} {tuple(raw.shape)}")
+    if raw.device != x.device:
+        raise ValueError(f"tkernels.linear: x is on {x.device} but raw is on {raw.device}")
+    n_tok, rows = x.shape[0], raw.shape[0]
+    out = torch.empty((n_tok, rows), dtype=torch.float32, device=x.device)
+    if n_tok == 0 or rows == 0:
+        return out
+    cfg = _config(int(ggml_type), rows, n_cols, n_tok if m_hint is None else int(m_hint))
+    stride = raw.stride(0) if rows > 1 else nb
+    offsets = torch.zeros(1, dtype=torch.int64, device=x.device)
+    src = torch.arange(n_tok, dtype=torch.int32, device=x.device)
+    tiles = _tiles(np.array([0, n_tok], dtype=np.int64), cfg["BLOCK_M"])
+    _launch(x, raw, offsets, tiles, src, out, ggml_type, rows, n_cols, stride, cfg)
+    return out
+
+
+def grouped(x: torch.Tensor, pool: torch.Tensor, offsets: Any, starts: Any, src_rows: Any, ggml_type: int,
+            n_rows: int, n_cols: int, m_hint: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE expert matmul in one launch: output row ``p`` of group ``g`` is ``x[src_rows[p]] @ W_g.T``.
+
+    Args:
+        x: float32 ``[T, n_cols]``, contiguous (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        pool: contiguous uint8 tensor of any shape holding the group matrices (a device tensor, or on CUDA a
+            pinned host tensor, read through unified addressing).
+        offsets: int64 ``[G]``: byte offset in ``pool`` of group ``g``'s matrix, ``n_rows`` rows of
+            ``row_bytes(ggml_type, n_cols)`` bytes back to back (ggml blocks, ggml-common.h). Any byte
+            alignment.
+        starts: int ``[G + 1]``, non-decreasing, ``starts[0] == 0``: group ``g`` owns output rows
+            ``starts[g] .. starts[g+1] - 1`` (empty groups allowed); ``P = starts[G]``.
+        src_rows: int ``[P]``: the row of ``x`` each output row multiplies (values in ``[0, T)``).
+            offsets / starts / src_rows may be numpy arrays, lists or tensors on any device.
+        ggml_type: a number in :data:`TYPES`; n_rows, n_cols: each matrix's shape (``n_cols`` a multiple of the
+            block size).
+        m_hint: token count of the whole MoE call; with the type it alone picks the kernel configuration.
+        out: optional float32 ``[P, n_rows]`` contiguous output on ``x.device``.
+
+    Returns:
+        float32 ``[P, n_rows]`` (``out`` when given). Each row is bitwise the same as :func:`linear` of
+        ``x[src_rows[p]]`` with ``W_g`` and the same ``m_hint``, wherever ``W_g`` sits in the pool and
+        whatever other groups share the launch.
+
+    Raises:
+        ValueError, TypeError: unsupported type / n_cols, bad shapes, starts not monotonic, an offset whose
+        matrix does not fit in ``pool``, a source row out of range (checked when src_rows is on the host).
+    """
+    _check(ggml_type, n_cols, "grouped")
+    _check_x(x, n_cols, "grouped")
+    if pool.dtype != torch.uint8 or not pool.is_contiguous():
+        raise ValueError(f"tkernels.grouped: pool must be a contiguous uint8 tensor, got {pool.dtype}")
+    if x.device.type == "cpu" and pool.device != x.device:
+        raise ValueError(f"tkernels.grouped: x is on {x.device} but pool is on {pool.device}")
+    nb = _row_bytes(ggml_type, n_cols)
+    st = _host(starts)
+    st = (st if st is not None else starts.cpu().numpy()).astype(np.int64).reshape(-1)
+    off_h = _host(offsets)
+    off_h = (off_h if off_h is not None else offsets.cpu().numpy()).astype(np.int64).reshape(-1)
+    n_groups = len(off_h)
+    if len(st) != n_groups + 1 or st[0] != 0 or np.any(np.diff(st) < 0):
+        raise ValueError(f"tkernels.grouped: starts must be non-decreasing [G+1={n_groups + 1}] from 0, got {st}")
+    p_total = int(st[-1])
+    used = np.diff(st) > 0
+    if np.any(used & ((off_h < 0) | (off_h + n_rows * nb > pool.numel()))):
+        raise ValueError(f"tkernels.grouped: a group's matrix ({n_rows} x {nb} bytes) lies outside the pool "
+                         f"({pool.numel()} bytes): offsets {off_h}")
+    src_h = _host(src_rows)
+    if src_h is not None:
+        src_h = np.asarray(src_h).reshape(-1)
+        if len(src_h) != p_total or (p_total and (src_h.min() < 0 or src_h.max() >= x.shape[0])):
+            raise ValueError(f"tkernels.grouped: src_rows must be [{p_total}] rows of x (< {x.shape[0]})")
+    if out is None:
+        out = torch.empty((p_total, n_rows), dtype=torch.float32, device=x.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (p_total, n_rows) or not out.is_contiguous() \
+            or out.device != x.device:
+        raise ValueError(f"tkernels.grouped: out must be contiguous float32 [{p_total}, {n_rows}] on {x.device}")
+    if p_total == 0:
+        return out
+    cfg = _config(int(ggml_type), n_rows, n_cols, int(m_hint))
+    off_d = _as_tensor(off_h, torch.int64, x.device)
+    src_d = _as_tensor(src_rows, torch.int32, x.device)
+    _launch(x, pool, off_d, _tiles(st, cfg["BLOCK_M"]), src_d, out, ggml_type, n_rows, n_cols, nb, cfg)
+    return out

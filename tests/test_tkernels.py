@@ -1,0 +1,308 @@
+"""moestream.gpu.tkernels: Triton kernels on ggml blocks, bit-exact decoding and deterministic matmuls.
+
+Where CUDA is available and ``TRITON_INTERPRET`` is not set by the user, the tests run on CUDA tensors;
+otherwise ``TRITON_INTERPRET=1`` is set here, before triton is imported, and they run on CPU tensors through
+Triton's interpreter (numpy). Shapes are kept small for the interpreter.
+
+Tolerance against the float64 reference ``x.double() @ W.double().T`` (``W`` = the exact float32 weights
+of :func:`moestream.quant.dequantize`): the standard bound for a float32 dot product of ``n`` terms in any
+summation order, ``|err| <= gamma_n * sum_k |x_k| |w_k|`` with ``gamma_n = n u / (1 - n u)``,
+``u = 2**-24`` (one rounding per product and per addition; FMA only tightens it). It holds for every order
+the kernels may use (sub-block sums, tree reductions, sequential FMA chains), so it is rigorous, not tuned.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (tkernels imports it)
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'moestream[test]' on Linux x86-64)")
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
+
+import realblocks  # noqa: E402
+from moestream import quant  # noqa: E402
+from moestream.gpu import tkernels  # noqa: E402
+from test_quant import random_blocks, random_floats  # noqa: E402
+
+T = GGMLQuantizationType
+
+ALL_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
+             T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
+REQUIRED = {T.F16, T.BF16, T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}
+FLOATS = (T.F32, T.F16, T.BF16)
+#: m_hint values: decode GEMV with one row per tile, GEMV with a tile of 8 rows, prefill GEMM
+M_HINTS = (1, 6, 33)
+U = 2.0 ** -24
+
+
+@pytest.fixture(scope="module")
+def device() -> str:
+    return "cuda" if ON_CUDA else "cpu"
+
+
+def ids(t: GGMLQuantizationType) -> str:
+    return t.name
+
+
+def make_raw(qtype: GGMLQuantizationType, n_rows: int, n_cols: int, seed: int) -> torch.Tensor:
+    """uint8 [n_rows, row_bytes] of valid random blocks (finite fp16 scales) or random finite floats."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    if qtype in FLOATS:
+        return torch.from_numpy(random_floats(qtype, n_rows, n_cols, seed))
+    return torch.from_numpy(random_blocks(qtype, n_rows, n_cols // block, seed))
+
+
+def wide(qtype: GGMLQuantizationType) -> int:
+    """A test width: two 256-chunks for the k-quants, a ragged tail (9 blocks) for blocks of 32, 100 for floats."""
+    return {1: 100, 32: 288, 256: 512}[GGML_QUANT_SIZES[qtype][0]]
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    g, w = got.contiguous().view(torch.int32), want.contiguous().view(torch.int32)
+    if not torch.equal(g, w):
+        bad = (g != w).nonzero()
+        i = tuple(bad[0].tolist())
+        raise AssertionError(f"{what}: {len(bad)} of {g.numel()} values differ; first at {i}: "
+                             f"{got[i].item()!r} vs {want[i].item()!r}")
+
+
+def assert_close_to_f64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    """``y`` (float32 [T, N]) within gamma_n * (|x| @ |w|.T) of the float64 product (module docstring)."""
+    x64, w64 = x.double().cpu(), w.double().cpu()
+    ref = x64 @ w64.T
+    n = x.shape[1]
+    bound = (n * U / (1 - n * U)) * (x64.abs() @ w64.abs().T)
+    err = (y.double().cpu() - ref).abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0.0, f"{what}: error exceeds gamma_n bound by {worst:g} (max err {err.max().item():g})"
+
+
+# ---------------------------------------------------------------------------
+# API surface
+# ---------------------------------------------------------------------------
+
+
+def test_types_and_computes():
+    assert {int(t) for t in REQUIRED} <= tkernels.TYPES
+    assert tkernels.available()
+    assert tkernels.computes(T.Q4_K, 512) and not tkernels.computes(T.Q4_K, 384)
+    assert tkernels.computes(T.Q8_0, 96) and not tkernels.computes(T.Q8_0, 100)
+    assert tkernels.computes(T.F16, 7)
+    assert not tkernels.computes(T.Q2_K, 256)  # not computed here
+    assert not tkernels.computes(9999, 256)
+
+
+def test_errors(device):
+    raw = make_raw(T.Q8_0, 4, 64, 0).to(device)
+    x = torch.zeros(2, 64, device=device)
+    with pytest.raises(ValueError, match="Q2_K"):
+        tkernels.dequantize(raw, T.Q2_K, 256)
+    with pytest.raises(ValueError, match="block size"):
+        tkernels.linear(x[:, :40].contiguous(), raw, T.Q8_0, 40)
+    with pytest.raises(TypeError):
+        tkernels.linear(x.double(), raw, T.Q8_0, 64)
+    with pytest.raises(ValueError, match="outside the pool"):
+        tkernels.grouped(x, raw.reshape(-1), [8], [0, 2], [0, 1], T.Q8_0, 4, 64, 2)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        tkernels.grouped(x, raw.reshape(-1), [0, 0], [0, 2, 1], [0, 1], T.Q8_0, 4, 64, 2)
+    with pytest.raises(ValueError, match="src_rows"):
+        tkernels.grouped(x, raw.reshape(-1), [0], [0, 2], [0, 2], T.Q8_0, 4, 64, 2)
+
+
+# ---------------------------------------------------------------------------
+# 1. dequantize: the kernels' decoders are bit-identical to moestream.quant (= gguf's reference)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=ids)
+def test_dequantize_bit_exact(device, qtype):
+    for n_rows, n_cols, seed in ((20, wide(qtype), 1), (3, GGML_QUANT_SIZES[qtype][0], 2)):  # wide; one block
+        raw = make_raw(qtype, n_rows, n_cols, seed)
+        got = tkernels.dequantize(raw.to(device), qtype, n_cols)
+        assert got.dtype == torch.float32
+        assert_bits_equal(got.cpu(), quant.dequantize(raw, qtype, n_cols), f"{qtype.name} {n_rows}x{n_cols}")
+
+
+@pytest.mark.parametrize("qtype", [t for t in ALL_TYPES if t not in FLOATS], ids=ids)
+def test_dequantize_edge_scales(device, qtype):
+    """fp16 scales that are subnormal (the smallest too), +-0, tiny and huge normals: still bit-exact."""
+    scales = np.array([5.96e-8, -1.2e-7, 3.0e-6, -6.0e-5, 6.1e-5, 0.0, -0.0, 0.33, -2.0, 65504.0])
+    block = GGML_QUANT_SIZES[qtype][0]
+    n_cols = 256 if block == 256 else 64
+    raw = torch.from_numpy(random_blocks(qtype, 24, n_cols // block, 7, scales=scales))
+    got = tkernels.dequantize(raw.to(device), qtype, n_cols)
+    assert_bits_equal(got.cpu(), quant.dequantize(raw, qtype, n_cols), qtype.name)
+
+
+@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.F32], ids=ids)
+def test_dequantize_float_specials(device, qtype):
+    """Every fp16 bit pattern (subnormals, infs, NaN payloads), and bf16/f32 specials, exactly as numpy does."""
+    if qtype == T.F16:
+        raw = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.uint8).reshape(256, 512)
+        n_cols = 256
+    elif qtype == T.BF16:
+        raw = torch.arange(0, 65536, 17, dtype=torch.int32).to(torch.int16).view(torch.uint8)[:7680]
+        raw, n_cols = raw.reshape(30, 256), 128
+    else:
+        vals = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-45, -1e-40, 3.4e38, 1.0] * 8)
+        raw, n_cols = vals.view(torch.uint8).reshape(2, 128), 32
+    got = tkernels.dequantize(raw.to(device), qtype, n_cols)
+    assert_bits_equal(got.cpu(), quant.dequantize(raw, qtype, n_cols), qtype.name)
+
+
+def test_unaligned_view(device):
+    """A row-slice view at an odd byte address of a bigger buffer: same decode, same linear bits as a copy."""
+    raw = make_raw(T.Q4_K, 9, 256, 3)
+    big = torch.zeros(1 + raw.numel(), dtype=torch.uint8)
+    big[1:] = raw.reshape(-1)
+    view = big.to(device)[1:].view(9, raw.shape[1])[2:7]
+    assert_bits_equal(tkernels.dequantize(view, T.Q4_K, 256).cpu(), quant.dequantize(raw[2:7], T.Q4_K, 256), "view")
+    x = torch.randn(2, 256).to(device)
+    assert_bits_equal(tkernels.linear(x, view, T.Q4_K, 256), tkernels.linear(x, raw[2:7].clone().to(device),
+                                                                            T.Q4_K, 256), "linear on a view")
+
+
+def test_real_blocks(device):
+    """Real llama.cpp-made blocks (gemma-3-270m Q4_K_M chunks): bit-exact decoding and a close linear."""
+    try:
+        samples = list(realblocks.real_samples(max_rows=16, per_type=1))
+    except realblocks.RealBlocksUnavailable as exc:
+        pytest.skip(f"real GGUF chunk wheels unavailable (network?): {exc}")
+    done = set()
+    for info, _first, raw_np in samples:
+        if not tkernels.computes(info.ggml_type, info.n_cols):
+            continue
+        raw = torch.from_numpy(np.ascontiguousarray(raw_np))
+        want = quant.dequantize(raw, info.ggml_type, info.n_cols)
+        assert_bits_equal(tkernels.dequantize(raw.to(device), info.ggml_type, info.n_cols).cpu(), want, info.name)
+        x = torch.randn(2, info.n_cols, generator=torch.Generator().manual_seed(0))
+        y = tkernels.linear(x.to(device), raw.to(device), info.ggml_type, info.n_cols, m_hint=1)
+        assert_close_to_f64(y, x, want, info.name)
+        done.add(info.ggml_type)
+    assert {T.Q8_0, T.Q4_K, T.Q6_K} <= done, f"real types exercised: {sorted(t.name for t in done)}"
+
+
+# ---------------------------------------------------------------------------
+# 2. linear against the float64 reference
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m_hint", (None, *M_HINTS))
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=ids)
+def test_linear_vs_float64(device, qtype, m_hint):
+    n_cols = wide(qtype)
+    raw = make_raw(qtype, 40, n_cols, 11)
+    w = quant.dequantize(raw, qtype, n_cols)
+    x = torch.randn(5, n_cols, generator=torch.Generator().manual_seed(5))
+    y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=m_hint)
+    assert y.shape == (5, 40) and y.dtype == torch.float32
+    assert_close_to_f64(y, x, w, f"{qtype.name} m_hint={m_hint}")
+    y2 = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=m_hint)
+    assert_bits_equal(y2, y, "second call")
+
+
+# ---------------------------------------------------------------------------
+# 3. grouped: one launch for many experts, the same bits wherever an expert sits
+# ---------------------------------------------------------------------------
+
+
+def build_pool(mats: list[torch.Tensor], order: list[int], lead: int, gaps: list[int]) -> tuple[torch.Tensor, list]:
+    """uint8 pool: ``lead`` junk bytes, then the matrices in ``order``, each followed by a junk gap.
+
+    Returns (pool, offsets) with offsets[e] the byte offset of matrix e.
+    """
+    rng = np.random.default_rng(lead)
+    parts, offsets, pos = [rng.integers(0, 256, lead, dtype=np.uint8)], [0] * len(mats), lead
+    for e, gap in zip(order, gaps, strict=True):
+        offsets[e] = pos
+        parts.append(mats[e].reshape(-1).numpy())
+        parts.append(rng.integers(0, 256, gap, dtype=np.uint8))
+        pos += mats[e].numel() + gap
+    return torch.from_numpy(np.concatenate(parts)), offsets
+
+
+def route(n_tok: int, n_exp: int, k: int, seed: int, empty: tuple[int, ...]) -> list[list[int]]:
+    """For each expert, the tokens routed to it (top-k of random scores; experts in ``empty`` get none)."""
+    rng = np.random.default_rng(seed)
+    scores = rng.standard_normal((n_tok, n_exp))
+    scores[:, list(empty)] = -np.inf
+    top = np.argsort(-scores, axis=1)[:, :k]
+    return [[t for t in range(n_tok) if e in top[t]] for e in range(n_exp)]
+
+
+def launch(x, pool, offsets, groups, order, qtype, n_rows, n_cols, m_hint, device):
+    """grouped() over experts in ``order``: returns {(expert, token): output row}."""
+    starts, src, offs = [0], [], []
+    for e in order:
+        src += groups[e]
+        starts.append(len(src))
+        offs.append(offsets[e])
+    out = tkernels.grouped(x, pool, np.array(offs, dtype=np.int64), np.array(starts, dtype=np.int32),
+                           np.array(src, dtype=np.int32), qtype, n_rows, n_cols, m_hint)
+    assert out.shape == (len(src), n_rows)
+    rows, p = {}, 0
+    for e in order:
+        for t in groups[e]:
+            rows[(e, t)] = out[p]
+            p += 1
+    return rows, out
+
+
+@pytest.mark.parametrize("m_hint", M_HINTS)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=ids)
+def test_grouped(device, qtype, m_hint):
+    n_exp, n_rows = 5, 24
+    n_cols = 256 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+    n_tok = 1 if m_hint == 1 else 6
+    mats = [make_raw(qtype, n_rows, n_cols, 100 + e) for e in range(n_exp)]
+    groups = route(n_tok, n_exp, 2 if n_tok == 1 else 3, m_hint, empty=(3,))
+    x = torch.randn(n_tok, n_cols, generator=torch.Generator().manual_seed(9)).to(device)
+
+    # resident layout: odd lead and odd gaps (any byte alignment), experts in a shuffled order
+    pool_a, off_a = build_pool(mats, [2, 0, 4, 1, 3], lead=7, gaps=[3, 33, 1, 130, 5])
+    rows_a, out_a = launch(x, pool_a.to(device), off_a, groups, range(n_exp), qtype, n_rows, n_cols, m_hint, device)
+    # streamed layout: other slots, other order of groups in the launch
+    pool_b, off_b = build_pool(mats, [3, 1, 4, 0, 2], lead=4098, gaps=[0, 2, 9, 64, 17])
+    order_b = [4, 1, 3, 0, 2]
+    rows_b, _ = launch(x, pool_b.to(device), off_b, groups, order_b, qtype, n_rows, n_cols, m_hint, device)
+    # twice in a row
+    _, out_a2 = launch(x, pool_a.to(device), off_a, groups, range(n_exp), qtype, n_rows, n_cols, m_hint, device)
+    assert_bits_equal(out_a2, out_a, "second launch")
+
+    for e in range(n_exp):
+        if not groups[e]:
+            continue
+        w = quant.dequantize(mats[e], qtype, n_cols)
+        xs = x[groups[e]].contiguous()
+        lin = tkernels.linear(xs, mats[e].to(device), qtype, n_cols, m_hint=m_hint)
+        alone, _ = launch(x, pool_b.to(device), off_b, groups, [e], qtype, n_rows, n_cols, m_hint, device)
+        for j, t in enumerate(groups[e]):
+            what = f"{qtype.name} m_hint={m_hint} expert {e} token {t}"
+            assert_bits_equal(rows_a[(e, t)], lin[j], f"{what}: grouped vs linear")
+            assert_bits_equal(rows_b[(e, t)], rows_a[(e, t)], f"{what}: relocated/permuted")
+            assert_bits_equal(alone[(e, t)], rows_a[(e, t)], f"{what}: alone in its launch")
+        assert_close_to_f64(lin, xs.cpu(), w, f"{qtype.name} expert {e}")
+
+
+def test_grouped_out_and_empty(device):
+    qtype, n_rows, n_cols = T.Q4_0, 8, 64
+    mat = make_raw(qtype, n_rows, n_cols, 1)
+    pool = mat.reshape(-1).to(device)
+    x = torch.randn(3, n_cols).to(device)
+    empty = tkernels.grouped(x, pool, [0, 0], [0, 0, 0], np.zeros(0, np.int32), qtype, n_rows, n_cols, 3)
+    assert empty.shape == (0, n_rows)
+    out = torch.full((4, n_rows), float("nan"), device=device)
+    got = tkernels.grouped(x, pool, torch.tensor([0, 0]), torch.tensor([0, 0, 4], dtype=torch.int32),
+                           torch.tensor([2, 0, 1, 2], dtype=torch.int32), qtype, n_rows, n_cols, 3, out=out)
+    assert got is out
+    assert_bits_equal(out, tkernels.linear(x[[2, 0, 1, 2]].contiguous(), mat.to(device), qtype, n_cols, m_hint=3),
+                      "out=")
