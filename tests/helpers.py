@@ -269,7 +269,7 @@ def assert_slots_hold_their_experts(model: MoEModel, store: StreamingStore) -> i
                 with open(m.path, "rb") as f:
                     f.seek(m.expert_offset(expert))
                     want = f.read(m.bytes_per_expert)
-                got = store.matrix(layer, name)[slot, lead:lead + m.bytes_per_expert].numpy().tobytes()
+                got = store.matrix(layer, name)[slot, lead:lead + m.bytes_per_expert].cpu().numpy().tobytes()
                 assert got == want, (layer, expert, name)
                 checked += 1
     return checked

@@ -125,7 +125,8 @@ class MemoryPlan:
     def line(self) -> str:
         """One line for stderr: the plan's parts."""
         fit = ", every expert fits: nothing is evicted" if self.all_fit else ""
-        return (f"{self.kind} plan: {self.source} = process {self.process / GiB:.2f} + dense {self.dense / GiB:.2f} + KV "
+        return (f"{self.kind} plan: {self.source} = process {self.process / GiB:.2f} + dense {self.dense / GiB:.2f} "
+                f"+ KV "
                 f"{self.kv / GiB:.2f} ({self.n_ctx} tokens) + scratch {self.scratch / GiB:.2f} + pools "
                 f"{self.pools / GiB:.2f} GiB ({self.slots_desc()} of {self.n_experts}{fit}), "
                 f"{self.left / GiB:.2f} GiB left")

@@ -92,7 +92,7 @@ class MoE:
         store = self.store_of()
         n_tok, top_k = ids.shape
         cuda = x.device.type == "cuda"
-        if cuda:  # the router's choice to the host: one small copy (and the one sync) per layer
+        if cuda or self.gpu:  # the router's choice to the host: one small copy (and the one sync) per layer
             ids_host = ids.cpu()
             experts = np.unique(ids_host.numpy()).tolist()
         else:
@@ -104,14 +104,14 @@ class MoE:
             weights = weights * expert_scale[ids]  # real ids, never slot ids
         groups = None
         batch = self._fused
-        if self.fused and not cuda:
+        if self.gpu:  # (on a CPU tensor only under Triton's interpreter, in tests)
+            x = x.contiguous()
+            groups = _Groups(ids_host, weights, keep=True)
+            batch = self._grouped
+            out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
+        elif self.fused and not cuda:
             x = x.contiguous()
             groups = _Groups(ids, weights)
-            out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
-        elif self.gpu and cuda:
-            x = x.contiguous()
-            groups = _Groups(ids_host, weights)
-            batch = self._grouped
             out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
         else:
             out = x.new_zeros((n_tok, top_k, x.shape[-1]))
@@ -256,6 +256,8 @@ class MoE:
 def _to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
     """A small host array to the GPU without synchronising: through torch's caching pinned allocator, copied
     asynchronously on the current stream."""
+    if dev.type != "cuda":
+        return torch.from_numpy(a)
     return torch.from_numpy(a).pin_memory().to(dev, non_blocking=True)
 
 
@@ -265,13 +267,13 @@ class _Groups:
     ids: [tokens, top_k] int64 real expert ids; weights: [tokens, top_k] float32 routing weights.
     """
 
-    def __init__(self, ids: torch.Tensor, weights: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, weights: torch.Tensor, keep: bool = False):
         flat = ids.reshape(-1).cpu().numpy()
         top_k = ids.shape[1]
         order = np.argsort(flat, kind="stable")  # pairs sorted by expert, token order inside
         self.tok = (order // top_k).astype(np.int32)  # row of x
         self.dst = order.astype(np.int32)  # row of out viewed [tokens * top_k, hidden]
-        if weights.device.type == "cuda":  # the weights stay on the GPU, in pair order (w_dev)
+        if keep or weights.device.type == "cuda":  # the weights stay where they are, in pair order (w_dev)
             self.w = None
             self.w_dev = weights.reshape(-1)[torch.from_numpy(order).to(weights.device)].contiguous()
         else:

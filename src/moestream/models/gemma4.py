@@ -131,7 +131,8 @@ class Gemma4(MoEModel):
                 b["pre_norm_2"] = self.norm(p + "pre_ffw_norm_2.weight")
                 b["post_norm_1"] = self.norm(p + "post_ffw_norm_1.weight")
                 b["post_norm_2"] = self.norm(p + "post_ffw_norm_2.weight")
-                b["moe"] = MoE(i, self.layout, lambda: self.store, act=geglu, blocks=self.use_blocks, gpu=self.use_triton)
+                b["moe"] = MoE(i, self.layout, lambda: self.store, act=geglu, blocks=self.use_blocks,
+                               gpu=self.use_triton)
             if self.ple_dim:
                 b["ple_gate"] = self.weight(p + "inp_gate.weight")  # [ple_dim, hidden]
                 b["ple_proj"] = self.weight(p + "proj.weight")  # [hidden, ple_dim]

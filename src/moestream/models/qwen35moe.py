@@ -193,7 +193,8 @@ class Qwen35MoE(MoEModel):
             b = {"attn_norm": self.norm(p + "attn_norm.weight"),
                  "ffn_norm": self.norm(p + "post_attention_norm.weight"),
                  "router": self.weight(p + "ffn_gate_inp.weight"),
-                 "moe": MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton),
+                 "moe": MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks,
+                            gpu=self.use_triton),
                  "sh_gate_inp": self.weight(p + "ffn_gate_inp_shexp.weight"),
                  "sh_gate": self.weight(p + "ffn_gate_shexp.weight"), "sh_up": self.weight(p + "ffn_up_shexp.weight"),
                  "sh_down": self.weight(p + "ffn_down_shexp.weight")}
