@@ -121,6 +121,10 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
         p.add_argument("--gpu-mem", default=None, metavar="SIZE",
                        help="CUDA: the GPU memory moestream may use in all (dense weights, KV cache, scratch, slot "
                        "pools), sized like --mem; default: the GPU's free memory at start less 10%%")
+        p.add_argument("--host-cache", default=None, metavar="SIZE",
+                       help="a second-level expert cache of SIZE in host memory (pinned on CUDA) below the slot "
+                       "pools: a miss it holds is copied from RAM (PCIe speed on a GPU) instead of read from the "
+                       "disk (LFU, as the pools; at least twice the pools' slots per layer; default off)")
         p.add_argument("--pool", default="device", type=str.lower, metavar="device|host",
                        help="CUDA: where the slot pools live: device (default: GPU memory, misses read into a "
                        "small pinned staging ring and copied on a copy stream) or host (pinned host memory that "
@@ -160,7 +164,7 @@ def _load(args: argparse.Namespace, moe_stream: bool):
                        matmul=getattr(args, "matmul", "blocks"), prefetch=getattr(args, "prefetch", False),
                        mem=mem, mem_source=mem_source, direct_io=getattr(args, "direct_io", None),
                        device=getattr(args, "device", "cpu"), pool=getattr(args, "pool", "device"),
-                       gpu_mem=gpu_mem, gpu_mem_source=gpu_mem_source)
+                       gpu_mem=gpu_mem, gpu_mem_source=gpu_mem_source, host_cache=_host_cache_option(args))
     # with a budget the pools are sized once the context is known (_context, verify): defer the store
     return load_model(model_path(args), opts, defer_store=True), opts
 
@@ -199,6 +203,14 @@ def _gpu_mem_option(args: argparse.Namespace) -> tuple[int | None, str | None]:
     return mem, f"--gpu-mem {text}"
 
 
+def _host_cache_option(args: argparse.Namespace) -> int:
+    """--host-cache in bytes (0: off)."""
+    from .budget import parse_mem
+
+    text = getattr(args, "host_cache", None)
+    return 0 if text is None else parse_mem(text, "--host-cache")
+
+
 def _device_desc(model) -> str:  # noqa: ANN001
     """``"cuda (NVIDIA H200), Triton kernels"`` / ``"cpu"`` for the first stderr line."""
     dev = model.device
@@ -225,6 +237,10 @@ def _describe(model) -> str:  # noqa: ANN001
                 f"policy {model.opts.policy}, overlap {'on' if model.opts.overlap else 'off'}, "
                 f"prefetch {'on' if model.opts.prefetch else 'off'}, "
                 f"{f'direct IO ({store.align}-byte aligned)' if store.direct else 'buffered IO'}")
+        if store.tier is not None:
+            rows = store.tier.rows.values()
+            mode += (f", host tier {store.tier.nbytes / GiB:.3f} GiB ({min(rows)} experts/layer"
+                     + (", every expert" if min(rows) == model.n_experts else "") + ")")
         if model.device.type == "cuda":
             mode += (", pools in GPU memory (pinned staging, copy stream)" if store.place == "device" else
                      ", pools in pinned host memory the GPU reads (--pool host)")

@@ -122,12 +122,15 @@ class ExpertStore:
     def capacity(self, layer: int) -> int:
         raise NotImplementedError
 
-    def _jobs(self, layer: int, loads: list[tuple[int, int]]) -> list[ReadJob]:
+    def _jobs(self, layer: int, loads: list[tuple[int, int]], pinned: list[int] = ()) -> list[ReadJob]:
         """The reads of ``loads`` [(expert, slot)] of ``layer``, one per matrix, consecutive per expert; a direct
         read covers the aligned range around the expert and records its lead in the slot."""
         mats = self.layout[layer]
         views, leads, direct, align = self._views[layer], self._leads[layer], self._direct[layer], self.align
         sinks = getattr(self, "_sinks", None)
+        tier = getattr(self, "tier", None)
+        if tier is not None and loads:  # misses of the pool: hits of the host tier are copied, the rest read into it
+            tier_rows, tier_hits = tier.plan(layer, [e for e, _ in loads], pinned)
         jobs = []
         for e, s in loads:
             for name, m in mats.items():
@@ -137,7 +140,13 @@ class ExpertStore:
                     end = -(-(lead + m.bytes_per_expert) // align) * align
                 else:
                     lead, end = 0, m.bytes_per_expert
-                if sinks is not None:  # a slot in GPU memory: read into pinned staging, then copy
+                if tier is not None:  # through the host tier: its row is the staging (or holds the expert)
+                    h = tier_rows[e]
+                    sink = TierSink(tier, layer, (h, name), tier.views[layer][name][h],
+                                    tier.pools[layer][name][h, :end], self.pools[layer][name][s, :end], sinks)
+                    jobs.append(ReadJob(m.path, off - lead, None, lead, m.bytes_per_expert, direct[name],
+                                        sink=sink, size=end, copy_only=e in tier_hits))
+                elif sinks is not None:  # a slot in GPU memory: read into pinned staging, then copy
                     sink = DeviceSink(sinks, layer, self.pools[layer][name][s, :end])
                     jobs.append(ReadJob(m.path, off - lead, None, lead, m.bytes_per_expert, direct[name],
                                         sink=sink, size=end))
@@ -252,7 +261,7 @@ class StreamingStore(ExpertStore):
                  io_threads: int = 8, policy: str = "lfu", pin_memory: bool = False,
                  direct_io: bool | None = None, align: int | None = None,
                  note: Callable[[str], None] = stderr_note, device: str | torch.device = "cpu",
-                 pool: str = "device"):
+                 pool: str = "device", host_cache: int = 0):
         super().__init__(model, layout)
         self.device = torch.device(device)
         if pool not in POOL_PLACES:
@@ -335,6 +344,10 @@ class StreamingStore(ExpertStore):
         self._last_use: dict[int, object] = {}
         if self.place == "device":
             self._sinks = _Staging(2 * io_threads, widest, self.align, self.device)
+        #: the host tier (--host-cache): None, or a second-level cache of experts in (pinned) host memory
+        self.tier: HostTier | None = None
+        if host_cache:
+            self.tier = HostTier(self, host_cache, policy)
 
     @staticmethod
     def read_mode(layout: ExpertLayout, direct_io: bool | None) -> tuple[bool, int]:
@@ -433,7 +446,7 @@ class StreamingStore(ExpertStore):
                     self._join_quietly(draining.pop(s))
         if not plan.loads and not joining:
             return plan.slot_ids, None
-        jobs = self._jobs(layer, plan.loads)
+        jobs = self._jobs(layer, plan.loads, pinned)
         if jobs:
             self._before_reads(layer)
         ticket = self.reader.submit(jobs)
@@ -667,6 +680,105 @@ class StreamingStore(ExpertStore):
 
 #: --pool: where a GPU's slot pools live
 POOL_PLACES = ("device", "host")
+
+
+class HostTier:
+    """``--host-cache SIZE``: a second-level expert cache in host memory (pinned when a GPU computes) between the
+    slot pools and the disk. Per MoE layer, the same number of rows per layer (as many as ``size`` bytes hold,
+    at most every expert), each row the layout of one pool slot (the same stride and lead), and the same policy
+    code as the pools (experts/policy.py) deciding which expert a row holds.
+
+    A miss of the pools that the tier holds is copied from its row (host to device on the copy stream: PCIe speed,
+    no disk read); one it does not hold is read from the disk into a row the policy frees (the row is the staging
+    buffer) and copied from there, so the next miss of it is served from memory. Rows of the experts of the
+    current and the previous tile are never taken (they may still be read into, or copied out of). ConfigError
+    when ``size`` holds fewer rows per layer than twice the pools' slots (a tier smaller than that would evict
+    what the pools are still loading).
+
+    Counters: ``hits`` (pool misses served from the tier), ``misses`` (read from the disk), ``bytes_copied``.
+    """
+
+    def __init__(self, store: StreamingStore, size: int, policy: str):
+        layout = store.layout
+        per_slot = {la: sum(p.shape[1] for p in store.pools[la].values()) for la in store.pools}
+        rows = size // max(sum(per_slot.values()), 1)
+        self.rows = {la: min(rows, layout.n_experts(la)) for la in store.pools}
+        need = {la: min(2 * store.slots[la].n_slots, layout.n_experts(la)) for la in store.pools}
+        short = [la for la in store.pools if self.rows[la] < need[la]]
+        if short:
+            want = sum(per_slot[la] * need[la] for la in store.pools)
+            raise ConfigError(f"--host-cache {size / 2**30:.2f} GiB holds {rows} experts per layer, fewer than twice "
+                              f"the {store.slots[short[0]].n_slots} slots of the pools: give at least "
+                              f"{-(-want // 2**20)}MiB, or leave --host-cache out")
+        gpu = store.device.type == "cuda"
+        self.gpu = gpu
+        self.slots: dict[int, SlotMap] = {}
+        self.policies: dict[int, CachePolicy] = {}
+        self.pools: dict[int, dict[str, torch.Tensor]] = {}
+        self.views: dict[int, dict[str, list[memoryview]]] = {}
+        self.events: dict[int, dict] = {}
+        for la, mats in store.pools.items():
+            n = self.rows[la]
+            self.slots[la] = SlotMap(layout.n_experts(la), n)
+            self.policies[la] = POLICIES[policy](layout.n_experts(la))
+            self.pools[la] = {name: _aligned_pool(n, p.shape[1], max(store.align, 64), gpu) for name, p in mats.items()}
+            self.views[la] = {name: [memoryview(t[i].numpy()) for i in range(n)] for name, t in self.pools[la].items()}
+            self.events[la] = {}  # (row, matrix name) -> the event after the last copy out of it
+        self.nbytes = sum(t.numel() for mats in self.pools.values() for t in mats.values())
+        self.hits = self.misses = self.bytes_copied = 0
+
+    def plan(self, layer: int, experts: list[int], pinned: list[int] = ()) -> tuple[dict[int, int], set[int]]:
+        """Rows for ``experts`` (misses of the pools, distinct real ids): (expert -> row, the experts the tier
+        already holds). The others' rows are taken from the policy's victims (never a row of ``pinned``)."""
+        sm = self.slots[layer]
+        held = {e for e in experts if sm.slot_of[e] >= 0}
+        plan = self.policies[layer].plan(sm, experts, pinned=[e for e in pinned if sm.slot_of[e] >= 0])
+        self.hits += len(held)
+        self.misses += len(experts) - len(held)
+        return dict(zip(experts, plan.slot_ids, strict=True)), held
+
+    def forget(self, layer: int, row: int) -> None:
+        """Row ``row``'s read failed: it holds no expert."""
+        sm = self.slots[layer]
+        e = int(sm.expert_of[row])
+        if e >= 0:
+            sm.slot_of[e] = -1
+        sm.expert_of[row] = -1
+
+
+class TierSink:
+    """The destination of one read or copy through the host tier (``ReadJob.sink``): row ``row`` of ``layer``'s
+    tier (``src``, a view of it) is the staging buffer; ``commit`` copies it into the pool slot ``dest`` (on the
+    copy stream of ``staging`` for a GPU pool; a plain copy for a host pool)."""
+
+    def __init__(self, tier: HostTier, layer: int, row: tuple[int, str], view: memoryview, src: torch.Tensor,
+                 dest: torch.Tensor, staging: _Staging | None):
+        self.tier, self.layer, self.row, self.view = tier, layer, row, view
+        self.src, self.dest, self.staging = src, dest, staging
+
+    def acquire(self, size: int) -> memoryview:
+        ev = self.tier.events[self.layer].get(self.row)
+        if ev is not None:  # a copy out of this row still running: it must finish before the row is overwritten
+            ev.synchronize()
+        return self.view
+
+    def commit(self, buf: memoryview, n: int) -> None:
+        n = min(n, self.dest.shape[0])
+        self.tier.bytes_copied += n
+        if self.staging is None:
+            self.dest[:n].copy_(self.src[:n])
+            return
+        with torch.cuda.stream(self.staging.stream):
+            self.dest[:n].copy_(self.src[:n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.staging.stream)
+        self.tier.events[self.layer][self.row] = ev
+        with self.staging.lock:
+            self.staging.copied.setdefault(self.layer, []).append(ev)
+
+    def release(self, buf: memoryview) -> None:
+        self.tier.forget(self.layer, self.row[0])
+
 
 
 class _Staging:

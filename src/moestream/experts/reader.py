@@ -130,6 +130,8 @@ class ReadJob:
     #: failed read
     sink: object | None = None
     size: int = 0
+    #: with ``sink``: the sink's buffer already holds the bytes (a host-tier hit): nothing is read, commit only
+    copy_only: bool = False
 
     @property
     def need(self) -> int:
@@ -245,6 +247,9 @@ class ExpertReader:
             return self._read_into(job)
         sink = job.sink
         buf = sink.acquire(job.size)  # type: ignore[attr-defined]
+        if job.copy_only:
+            sink.commit(buf, job.size)  # type: ignore[attr-defined]
+            return 0  # no byte came from the file
         try:
             done = self._read_into(replace(job, dest=buf[:job.size], sink=None))
         except BaseException:

@@ -77,6 +77,7 @@ class LoadOptions:
     pool: str = "device"
     gpu_mem: int | None = None
     gpu_mem_source: str | None = None
+    host_cache: int = 0
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
@@ -90,6 +91,9 @@ class LoadOptions:
             raise ConfigError(f"--slots must be a positive number, got {self.slots}")
         if self.io_threads < 1:
             raise ConfigError(f"--io-threads must be at least 1, got {self.io_threads}")
+        if self.host_cache and self.prefetch:
+            raise ConfigError("--host-cache and --prefetch on cannot be combined yet (a prefetch's reads could take "
+                              "host-tier rows still in use); give one of them")
         if self.gpu_mem is not None and self.slots is not None:
             raise ConfigError(f"{self.gpu_mem_source or '--gpu-mem'} and --slots {self.slots} both size the slot "
                               f"pools: give one of them")
@@ -397,7 +401,8 @@ class MoEModel:
             self.memory_plan = self.plan_memory(opts, n_ctx, logits_rows, ubatch=ubatch)
             slots = self.memory_plan.slots
         return StreamingStore(self.gguf, self.layout, slots, self.top_k, opts.io_threads, opts.policy,
-                              direct_io=opts.direct_io, device=self.device, pool=opts.pool)
+                              direct_io=opts.direct_io, device=self.device, pool=opts.pool,
+                              host_cache=opts.host_cache)
 
     def set_routing(self, routing: Callable | None) -> None:
         """Route every MoE layer through ``routing(layer, ids [tokens, top_k] int64) -> ids`` of the same shape
