@@ -2,7 +2,9 @@
 
 qwen3moe default shape: Qwen3-30B-A3B's (hidden 2048, 32 heads / 4 KV heads of dim 128, 128 experts, top-8,
 expert FFN 768) cut to 8 layers. Weights are N(0, std) floats quantized with the `gguf` package's reference
-quantizer (Q8_0 by default; norms and the router stay F32, as llama.cpp's converter writes them).
+quantizer (Q8_0 by default; norms and the router stay F32, as llama.cpp's converter writes them). ``--type Q4_K``,
+``Q4_K_M`` or ``Q6_K`` instead writes random blocks of those types directly (``FAST_TYPES``, ``random_blocks``), on
+every CPU: a 32-layer file (~11 GiB) in about a minute on 16 cores, where the float quantizer takes far longer.
 
 gemma4 (``--arch gemma4``) default shape: Gemma-4-26B-A4B's published config (hidden 2816; sliding layers 16
 heads / 8 KV heads of dim 256, window 1024; global layers 16 heads of dim 512 / 2 KV heads with K = V and
@@ -20,6 +22,7 @@ result (an ordinary GGUF of that architecture); tensors are generated and writte
 stays near the size of the largest tensor.
 
     python tools/make_bench_model.py -o /tmp/q30b-8l-q8_0.gguf --tokenizer-from TOKENIZER.gguf
+    python tools/make_bench_model.py --type Q4_K_M --layers 32 -o /tmp/q30b-32l-q4_k_m.gguf --tokenizer-from TOK.gguf
     python tools/make_bench_model.py --arch gemma4 --type Q4_0 -o /tmp/g26b-6l.gguf --tokenizer-from GEMMA.gguf
 """
 
@@ -114,22 +117,70 @@ def gemma4_tensor_specs(a: argparse.Namespace, n_vocab: int) -> list[tuple[str, 
     return specs
 
 
+#: Standard deviation of the integer codes of random blocks (uniform bytes): int8 (Q8_0), a nibble minus 8
+#: (Q4_0), a nibble (Q4_K, before its per-32 offset), a 6-bit code minus 32 (Q6_K).
+_SD_INT8, _SD_NIBBLE, _SD_6BIT = 73.9, float(np.sqrt((16**2 - 1) / 12)), float(np.sqrt((64**2 - 1) / 12 + 0.25))
+#: Q4_K sub-block scales: even values 32..62, each sub-block's min half its scale, so that with dmin = 15 d
+#: every sub-block's offset (dmin * mn = 7.5 d * sc) centres its nibbles on 0.
+_Q4K_SCALES = np.arange(32, 63, 2)
+#: Q6_K sub-block scales (int8): 32..127.
+_Q6K_SCALES = np.arange(32, 128)
+
+
 def random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n_values: int, std: float) -> np.ndarray:
-    """Random ggml blocks (ggml-common.h layouts) of ``n_values`` values of about ``std``: Q8_0 (f16 d, 32 x
-    int8) or Q4_0 (f16 d, 16 bytes of 4-bit quants stored with an offset of 8). uint8 array of the bytes."""
+    """Random ggml blocks (ggml-common.h layouts) of ``n_values`` values of about ``std`` and mean about 0; uint8
+    array of the bytes. Q8_0: f16 d, 32 x int8. Q4_0: f16 d, 16 bytes of 4-bit quants stored with an offset of 8.
+    Q4_K: f16 d, f16 dmin = 15 d, 12 bytes of 6-bit (scale, min) pairs (scales from :data:`_Q4K_SCALES`, each min
+    half its scale), 128 bytes of nibbles. Q6_K: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8
+    scales (:data:`_Q6K_SCALES`), f16 d. The quants are uniform random bytes, d fixed per type and ``std``."""
     from gguf import GGML_QUANT_SIZES
 
     blk, size = GGML_QUANT_SIZES[qtype]
     n_blocks = n_values // blk
     out = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
     if qtype == GGMLQuantizationType.Q8_0:
-        d = std / 73.9  # uniform int8 quants: sd 73.9
+        out[:, :2] = np.frombuffer(np.float16(std / _SD_INT8).tobytes(), dtype=np.uint8)
     elif qtype == GGMLQuantizationType.Q4_0:
-        d = std / 4.61  # uniform nibbles minus 8: sd 4.61
+        out[:, :2] = np.frombuffer(np.float16(std / 4.61).tobytes(), dtype=np.uint8)
+    elif qtype == GGMLQuantizationType.Q4_K:
+        d = std / (_SD_NIBBLE * float(np.sqrt(np.mean(_Q4K_SCALES.astype(np.float64) ** 2))))
+        out[:, :4] = np.frombuffer(np.array([d, 15 * d], dtype=np.float16).tobytes(), dtype=np.uint8)
+        sc = rng.choice(_Q4K_SCALES.astype(np.uint8), size=(n_blocks, 8))
+        mn = sc >> 1
+        out[:, 4:8] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)  # get_scale_min_k4's packing
+        out[:, 8:12] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+        out[:, 12:16] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    elif qtype == GGMLQuantizationType.Q6_K:
+        d = std / (_SD_6BIT * float(np.sqrt(np.mean(_Q6K_SCALES.astype(np.float64) ** 2))))
+        out[:, 192:208] = rng.choice(_Q6K_SCALES.astype(np.uint8), size=(n_blocks, 16))
+        out[:, 208:210] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
     else:
-        raise SystemExit(f"random blocks of type {qtype.name} are not supported (Q8_0, Q4_0)")
-    out[:, :2] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
+        raise SystemExit(f"random blocks of type {qtype.name} are not supported (Q8_0, Q4_0, Q4_K, Q6_K)")
     return out.reshape(-1)
+
+
+#: Bytes of blocks one worker generates at a time (``random_tensor``).
+CHUNK_BYTES = 32 * 2**20
+
+
+def random_tensor(pool, seed: tuple[int, ...], qtype: GGMLQuantizationType, n_values: int,  # noqa: ANN001
+                  std: float) -> tuple[np.ndarray, list]:
+    """``random_blocks`` of a whole tensor, generated in CHUNK_BYTES pieces on ``pool`` (a thread pool: numpy's
+    generators release the GIL); piece ``j`` draws from ``default_rng((*seed, j))``, so the bytes do not depend on
+    the number of threads. Returns the output array and the pieces' futures (the array is complete once they
+    are all done)."""
+    from gguf import GGML_QUANT_SIZES
+
+    blk, size = GGML_QUANT_SIZES[qtype]
+    n_blocks = n_values // blk
+    out = np.empty(n_blocks * size, dtype=np.uint8)
+    per = max(1, CHUNK_BYTES // size)
+
+    def piece(j: int) -> None:
+        a, b = j * per, min(n_blocks, (j + 1) * per)
+        out[a * size:b * size] = random_blocks(np.random.default_rng((*seed, j)), qtype, (b - a) * blk, std)
+
+    return out, [pool.submit(piece, j) for j in range(-(-n_blocks // per))]
 
 
 def write_gemma4(a: argparse.Namespace) -> int:
@@ -228,8 +279,11 @@ def main() -> int:
     ap.add_argument("-o", "--out", required=True)
     ap.add_argument("--arch", choices=("qwen3moe", "gemma4"), default="qwen3moe")
     ap.add_argument("--tokenizer-from", required=True, help="GGUF whose tokenizer.* metadata is copied")
-    ap.add_argument("--type", default="Q8_0", help="ggml type of the big matrices (gguf can quantize: Q8_0, "
-                    "Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16)")
+    ap.add_argument("--type", default="Q8_0", help="ggml type of the big matrices: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, "
+                    "BF16 through gguf's quantizer (slow); Q4_K, Q4_K_M, Q6_K as random blocks (fast; qwen3moe: see "
+                    "FAST_TYPES); gemma4: Q4_0 or Q8_0 experts, random blocks")
+    ap.add_argument("--threads", type=int, default=None, help="generator threads of the random-block types "
+                    "(default: every CPU)")
     ap.add_argument("--layers", type=int, default=None, help="default: 8 (qwen3moe); the 26B-A4B value (gemma4)")
     ap.add_argument("--hidden", type=int, default=None, help="default: 2048 (qwen3moe); the 26B-A4B value (gemma4)")
     ap.add_argument("--heads", type=int, default=None, help="default: 32 (qwen3moe); the 26B-A4B value (gemma4)")
@@ -247,8 +301,8 @@ def main() -> int:
                        "top_k": 8, "expert_ff": 768}.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    qtype = GGMLQuantizationType[a.type]
-    rng = np.random.default_rng(a.seed)
+    fast = a.type in FAST_TYPES
+    qtype = None if fast else GGMLQuantizationType[a.type]
     tmp = a.out + ".tmp"
     w = GGUFWriter(tmp, "qwen3moe")
     w.add_name(f"random Qwen3-MoE {a.layers}L h{a.hidden} e{a.experts} top{a.top_k} ff{a.expert_ff} {a.type}")
@@ -265,14 +319,18 @@ def main() -> int:
     w.add_expert_count(a.experts)
     w.add_expert_used_count(a.top_k)
     w.add_expert_feed_forward_length(a.expert_ff)
+    if fast and a.type == "Q4_K_M":
+        w.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M: llama-bench's model column says "Q4_K - Medium"
     n_vocab = copy_tokenizer(a.tokenizer_from, w)
     specs = tensor_specs(a, n_vocab)
+    from gguf import GGML_QUANT_SIZES
+    types = []
     for name, shape, q in specs:
-        t = qtype if q else GGMLQuantizationType.F32
+        t = fast_type(a.type, name, a.layers) if fast and q else (qtype if q else GGMLQuantizationType.F32)
+        types.append(t)
         if t == GGMLQuantizationType.F32:
             nbytes = 4 * int(np.prod(shape))
         else:
-            from gguf import GGML_QUANT_SIZES
             blk, size = GGML_QUANT_SIZES[t]
             nbytes = int(np.prod(shape)) // blk * size
         w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=t)
@@ -280,19 +338,73 @@ def main() -> int:
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     t0 = time.time()
-    for i, (name, shape, q) in enumerate(specs, 1):
-        if name.endswith("norm.weight"):
-            data = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-        else:
-            data = (a.std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-        if q and qtype != GGMLQuantizationType.F32:
-            data = quantize(data, qtype)
-        w.write_tensor_data(data)
-        print(f"[{i}/{len(specs)}] {name} {shape} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    if fast:
+        write_fast(a, w, specs, types, t0)
+    else:
+        rng = np.random.default_rng(a.seed)
+        for i, (name, shape, q) in enumerate(specs, 1):
+            if name.endswith("norm.weight"):
+                data = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+            else:
+                data = (a.std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+            if q and qtype != GGMLQuantizationType.F32:
+                data = quantize(data, qtype)
+            w.write_tensor_data(data)
+            print(f"[{i}/{len(specs)}] {name} {shape} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     w.close()
     os.replace(tmp, a.out)
-    print(f"wrote {a.out} ({os.path.getsize(a.out) / 2**30:.2f} GiB)")
+    size = os.path.getsize(a.out)
+    print(f"wrote {a.out} ({size / 2**30:.2f} GiB) in {time.time() - t0:.1f}s")
     return 0
+
+
+#: ``--type`` values written as random blocks directly (qwen3moe), not through the gguf quantizer: seconds per
+#: GiB instead of minutes. Q4_K: every matrix Q4_K but output.weight, Q6_K. Q4_K_M: llama.cpp's Q4_K_M mix
+#: (src/llama-quant.cpp): Q4_K, with attn_v and ffn_down_exps Q6_K in the layers its use_more_bits picks
+#: (the first and last eighth, every third one between) and output.weight Q6_K. Q6_K: every matrix Q6_K.
+FAST_TYPES = ("Q4_K", "Q4_K_M", "Q6_K")
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits (llama-quant.cpp): the layers whose attn_v / ffn_down Q4_K_M makes Q6_K."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def fast_type(mix: str, name: str, n_layers: int) -> GGMLQuantizationType:
+    """The ggml type of quantized tensor ``name`` under ``--type mix`` (one of FAST_TYPES)."""
+    T = GGMLQuantizationType
+    if mix == "Q6_K" or name == "output.weight":
+        return T.Q6_K
+    if mix == "Q4_K_M" and name.startswith("blk.") and name.endswith(("attn_v.weight", "ffn_down_exps.weight")):
+        return T.Q6_K if use_more_bits(int(name.split(".")[1]), n_layers) else T.Q4_K
+    return T.Q4_K
+
+
+def write_fast(a: argparse.Namespace, w: GGUFWriter, specs: list, types: list, t0: float) -> None:
+    """Tensor data of a FAST_TYPES file: random blocks (``random_tensor``) on ``a.threads`` threads, the next
+    tensor generated while the current one is written; F32 tensors (norms, router) N(0, std) or 1 + N(0, 0.1)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(a.threads or os.cpu_count() or 1) as pool:
+        def start(i: int) -> tuple[np.ndarray, list]:
+            name, shape, _ = specs[i]
+            n = int(np.prod(shape))
+            if types[i] != GGMLQuantizationType.F32:
+                return random_tensor(pool, (a.seed, i), types[i], n, a.std)
+            rng = np.random.default_rng((a.seed, i))
+            if name.endswith("norm.weight"):
+                return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32), []
+            return (a.std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32), []
+
+        pending = start(0)
+        for i, (name, shape, _) in enumerate(specs):
+            data, futures = pending
+            for f in futures:
+                f.result()
+            pending = start(i + 1) if i + 1 < len(specs) else None
+            w.write_tensor_data(data)
+            print(f"[{i + 1}/{len(specs)}] {name} {shape} {types[i].name} {time.time() - t0:.0f}s", file=sys.stderr,
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import stat
 import statistics
 import subprocess
@@ -203,6 +204,7 @@ def run_row(cfg: dict) -> dict:
                        overlap=cfg.get("overlap", True), expand_dense=cfg.get("expand_dense", False),
                        matmul=cfg.get("matmul", "blocks"), prefetch=cfg.get("prefetch", False),
                        policy=cfg.get("policy", "lfu"), n_ctx=n_ctx, direct_io=cfg.get("direct_io"),
+                       device=cfg.get("device", "cpu"),
                        mem=None if mem is None else mem["bytes"], mem_source=None if mem is None else mem["source"])
     t_load = time.perf_counter()
     model = load_model(cfg["model"], opts)
@@ -217,6 +219,11 @@ def run_row(cfg: dict) -> dict:
     trace: list | None = [] if store.streaming else None  # the row's routing trace (experts/trace.py)
     store.trace = trace
     result = {**cfg, "load_seconds": load_seconds, "tests": []}
+    if getattr(model, "device", None) is not None:
+        result["device_used"] = str(model.device)  # what "auto" became
+    sync = _cuda_sync(model)
+    from .telemetry import sampler
+    gpu = sampler()  # None without nvidia-ml-py or a GPU
 
     def snapshot() -> tuple[int, int, int, int, float, object]:
         st = store.stats
@@ -225,16 +232,20 @@ def run_row(cfg: dict) -> dict:
     def pp(n: int) -> float:
         toks = [rng.randrange(model.n_vocab) for _ in range(n)]
         cache = model.new_cache(n)
+        sync()
         t0 = time.perf_counter()
         engine.prefill(toks, cache)
+        sync()
         return time.perf_counter() - t0
 
     def tg(n: int) -> float:
         toks = [rng.randrange(model.n_vocab) for _ in range(n)]
         cache = model.new_cache(n + 1)
+        sync()
         t0 = time.perf_counter()
         for pos, tok in enumerate(toks):
             engine.decode_step(tok, pos, cache)
+        sync()
         return time.perf_counter() - t0
 
     # warm-up, as llama-bench does: fills the slot pools and the page cache a little
@@ -246,7 +257,9 @@ def run_row(cfg: dict) -> dict:
         if not n:
             continue
         s0, i0 = snapshot(), len(trace or ())
+        w0 = time.monotonic()
         secs = [fn(n) for _ in range(cfg["repetitions"])]
+        w1 = time.monotonic()
         s1 = snapshot()
         tps = [n / s for s in secs]
         hits, misses = s1[0] - s0[0], s1[1] - s0[1]
@@ -267,7 +280,15 @@ def run_row(cfg: dict) -> dict:
             from .experts.trace import hit_rates
             caps = {layer: store.capacity(layer) for layer in model.layout.moe_layers}
             test.update(hit_rates(trace, caps, (i0, len(trace))))
+        if gpu is not None:
+            summary = gpu.window(w0, w1)
+            test["gpu"] = summary.as_dict() if summary else None
         result["tests"].append(test)
+    if gpu is not None:
+        gpu.stop()
+        from .telemetry import merge
+        summary = merge([t.get("gpu") for t in result["tests"]])
+        result["gpu"] = summary.as_dict() if summary else None
     result["peak_rss_gib"] = peak_rss_bytes() / GiB
     result["pool_gib"] = getattr(store, "pool_bytes", 0) / GiB
     if store.streaming:
@@ -280,6 +301,17 @@ def run_row(cfg: dict) -> dict:
     result["direct_io_used"] = getattr(store, "direct_io", False)  # O_DIRECT to the end of the row
     store.close()
     return result
+
+
+def _cuda_sync(model):  # noqa: ANN001, ANN202
+    """A function that waits for the model's CUDA device to finish queued work (a no-op on CPU), so that the
+    timers around prefill and decode see the kernels, not just their launches."""
+    dev = str(getattr(model, "device", "cpu"))
+    if dev.startswith("cuda"):
+        import torch
+        if torch.cuda.is_available():
+            return lambda: torch.cuda.synchronize(dev)
+    return lambda: None
 
 
 def run_llamacpp_row(cfg: dict) -> dict:
@@ -348,9 +380,153 @@ def run_llamacpp_row(cfg: dict) -> dict:
     return result
 
 
+#: llama-bench rows (``--llama-bench PATH``): kind -> (table label, device, extra llama-bench flags). Every row
+#: also gets ``-t THREADS``; "gpu" and "cpu_moe" are the rows of a GPU run, "cpu" the row of ``--device cpu``.
+LLAMA_BENCH_ROWS = {
+    "gpu": ("llama.cpp all-GPU", "cuda", ["-ngl", "99"]),
+    "cpu_moe": ("llama.cpp experts on CPU", "cuda+cpu", ["-ngl", "99", "-ncmoe", "99"]),
+    # -dev none: a CUDA build otherwise still sends big prompt batches to the GPU with -ngl 0
+    "cpu": ("llama.cpp CPU", "cpu", ["-ngl", "0", "-dev", "none"]),
+}
+_PROGRESS = re.compile(r"llama-bench: benchmark (\d+)/(\d+): (starting|warmup|prompt run|generation run|depth run)")
+
+
+def llama_bench_cmd(cfg: dict) -> list[str]:
+    """The llama-bench command line of a ``--llama-bench`` row: ``-m FILE -p N -n N -r R -o json -fa 0`` (flash
+    attention off: moestream has none), the row kind's flags, ``-t``, ``--repack 0`` when ``cfg["repack"]`` is
+    False, and ``--progress`` (its stderr lines mark where each test's timed repetitions start)."""
+    _, _, flags = LLAMA_BENCH_ROWS[cfg["kind"]]
+    cmd = [cfg["llama_bench"], "-m", cfg["model"], "-p", str(cfg["n_prompt"]), "-n", str(cfg["n_gen"]),
+           "-r", str(cfg["repetitions"]), "-o", "json", "-fa", "0", *flags, "-t", str(cfg["threads"]), "--progress"]
+    if not cfg.get("repack", True):
+        cmd += ["--repack", "0"]
+    return cmd
+
+
+def _proc_read_bytes(pid: int) -> int | None:
+    """``read_bytes`` of /proc/PID/io (bytes the process made the disk read), None once it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def parse_llama_bench_json(text: str) -> list[dict]:
+    """llama-bench ``-o json`` output -> one test dict per entry (``pp<N>`` / ``tg<N>``, tok/s mean, sd and
+    samples from its avg_ts, stddev_ts, samples_ts); OutputError when it is not a JSON array of tests."""
+    try:
+        entries = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OutputError(f"llama-bench did not print JSON ({e}); its output began {text[:200]!r}") from None
+    if not isinstance(entries, list):
+        raise OutputError("llama-bench's JSON is not a list of tests")
+    tests = []
+    for e in entries:
+        n_p, n_g = int(e.get("n_prompt", 0)), int(e.get("n_gen", 0))
+        name = f"pp{n_p}" if n_p and not n_g else f"tg{n_g}" if n_g and not n_p else f"pp{n_p}+tg{n_g}"
+        tests.append({"test": name, "tok_s_mean": float(e["avg_ts"]), "tok_s_sd": float(e.get("stddev_ts", 0.0)),
+                      "samples_tok_s": [float(x) for x in e.get("samples_ts", [])],
+                      "n_gpu_layers": e.get("n_gpu_layers"), "n_cpu_moe": e.get("n_cpu_moe"),
+                      "n_batch": e.get("n_batch"), "n_ubatch": e.get("n_ubatch"), "backends": e.get("backends"),
+                      "gpu_info": e.get("gpu_info"), "model_type": e.get("model_type")})
+    return tests
+
+
+def test_windows(stamps: list[tuple[float, str]], end: float) -> dict[int, tuple[float, float]]:
+    """benchmark index (1-based) -> (start, end) of its timed repetitions, from llama-bench's ``--progress``
+    stderr lines stamped with the time they arrived: from its first "prompt run"/"generation run" line to the
+    next benchmark's "starting" line (the last one: ``end``, the process's exit)."""
+    first: dict[int, float] = {}
+    starts: dict[int, float] = {}
+    for t, line in stamps:
+        m = _PROGRESS.search(line)
+        if not m:
+            continue
+        k = int(m.group(1))
+        if m.group(3) == "starting":
+            starts[k] = t
+        elif m.group(3) in ("prompt run", "generation run"):
+            first.setdefault(k, t)
+    return {k: (t0, min([starts[j] for j in starts if j > k] or [end])) for k, t0 in first.items()}
+
+
+def run_llamabench_row(cfg: dict) -> dict:
+    """A ``--llama-bench`` row: the binary's pp/tg on the same file (``llama_bench_cmd``), run from this process
+    (so that under ``--mem-cap`` it is inside the same cgroup, this small Python wrapper with it), with its
+    stderr lines and /proc/PID/io read_bytes stamped as they arrive: they give each test's timed window for the
+    GPU telemetry and its disk reads. Peak RSS: the binary's (getrusage of the children)."""
+    import resource
+    import threading
+
+    from .telemetry import merge, sampler
+
+    cmd = llama_bench_cmd(cfg)
+    gpu = sampler()
+    t_start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    stamps: list[tuple[float, str]] = []
+    reads: list[tuple[float, int | None]] = []
+    err_lines: list[str] = []
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            t = time.monotonic()
+            stamps.append((t, line))
+            reads.append((t, _proc_read_bytes(proc.pid)))
+            if not _PROGRESS.search(line):
+                err_lines.append(line.rstrip())
+
+    th = threading.Thread(target=read_stderr, daemon=True)
+    th.start()
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    th.join()
+    rc = proc.wait()
+    t_end = time.monotonic()
+    if gpu is not None:
+        gpu.stop()
+    if rc != 0:
+        why = next((x for x in reversed(err_lines) if x.strip()), f"exit status {rc}")
+        raise OutputError(f"llama-bench exited with status {rc}: {why}")
+    tests = parse_llama_bench_json(out)
+    windows = test_windows(stamps, t_end)
+
+    def read_at(t: float) -> int | None:
+        got = [b for s, b in reads if s <= t and b is not None]
+        return got[-1] if got else None
+
+    for k, test in enumerate(tests, 1):
+        a, b = windows.get(k, (None, None))
+        n = int(test["test"][2:]) if test["test"][2:].isdigit() else 0
+        r0, r1 = (read_at(a), read_at(b)) if a is not None else (None, None)
+        disk = None if r0 is None or r1 is None or r1 < r0 else r1 - r0
+        test.update({"hit_rate": None, "streamed_gib": 0.0, "streamed_bytes_per_token": 0,
+                     "disk_read_gib": None if disk is None else disk / GiB,
+                     "disk_bytes_per_token": None if disk is None or not n else disk / (n * cfg["repetitions"])})
+        if gpu is not None:
+            summary = gpu.window(a, b) if a is not None else None
+            test["gpu"] = summary.as_dict() if summary else None
+    label, device, _ = LLAMA_BENCH_ROWS[cfg["kind"]]
+    result = {**cfg, "label": label, "device": device, "command": " ".join(cmd), "tests": tests,
+              "seconds": t_end - t_start,
+              "peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GiB}
+    if gpu is not None:
+        summary = merge([t.get("gpu") for t in tests])
+        result["gpu"] = summary.as_dict() if summary else None
+    return result
+
+
 def _row_label(r: dict) -> tuple[str, str, str, str, str]:
     """(mode, slots, io threads, overlap, prefetch, reads) cells of a row. reads: ``direct`` (O_DIRECT) or
     ``buffered``, what the row used (a row that did not finish: what was asked, ``auto`` for the default)."""
+    if r.get("engine") == "llama-bench":
+        label = LLAMA_BENCH_ROWS[r["kind"]][0] + ("" if r.get("repack", True) else ", repack off")
+        return label, "-", "-", "-", "-", "-"
     if r.get("engine") == "llama.cpp":
         return f"llama.cpp mmap, repack {'on' if r.get('repack', True) else 'off'}", "-", "-", "-", "-", "-"
     if not r["moe_stream"]:
@@ -370,23 +546,26 @@ def _row_label(r: dict) -> tuple[str, str, str, str, str]:
 def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
     """Markdown table, one line per (configuration, test)."""
     capped = any(r.get("mem_cap") for r in rows)
-    vs = any(r.get("engine") == "llama.cpp" for r in rows)
-    cols = ["model", "mode", "slots", "io threads", "overlap", "prefetch", "reads", "test", "t/s", "hit rate",
+    vs = any(r.get("engine") in LLAMA_ENGINES for r in rows)
+    gpu = any(t.get("gpu") for r in rows for t in r.get("tests", ()))
+    cols = ["model", "device", "mode", "slots", "io threads", "overlap", "prefetch", "reads", "test", "t/s", "hit rate",
             "Belady hit rate", "IO stall", "prefetch recall", "miss bytes ready", "GiB streamed", "GiB disk",
             "peak RSS GiB"]
     if capped:
         cols.append("cgroup peak GiB")
     cols.append("IO limit t/s")
+    if gpu:
+        cols += ["GPU util", "GPU W", "GPU mem GiB"]
     if vs:
         cols.append("moestream / llama.cpp")
     out = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
-    llama = {}  # test -> t/s of the llama.cpp row that the ratio uses (repack on uncapped, off capped)
+    llama = {}  # test -> t/s of the llama.cpp row that the ratio uses (ratio_baseline)
+    base = ratio_baseline(rows)
+    if base is not None:
+        for t in base["tests"]:
+            llama[t["test"]] = t["tok_s_mean"]
     for r in rows:
-        if r.get("engine") == "llama.cpp" and "error" not in r and r.get("repack", True) == (not capped):
-            for t in r["tests"]:
-                llama[t["test"]] = t["tok_s_mean"]
-    for r in rows:
-        cells = [os.path.basename(r["model"]), *_row_label(r)]
+        cells = [os.path.basename(r["model"]), _device_cell(r), *_row_label(r)]
         if "error" in r:
             cells += ["-", f"failed: {r['error']}"]
             cells += [""] * (len(cols) - len(cells))
@@ -399,16 +578,62 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
             recall = "-" if t.get("prefetch_recall") is None else f"{100 * t['prefetch_recall']:.1f}%"
             ready = "-" if t.get("miss_bytes_ready") is None else f"{100 * t['miss_bytes_ready']:.1f}%"
             row = cells + [t["test"], f"{t['tok_s_mean']:.2f} ± {t['tok_s_sd']:.2f}", hit, opt, stall, recall, ready,
-                           f"{t['streamed_gib']:.3f}", f"{t['disk_read_gib']:.3f}", f"{r['peak_rss_gib']:.2f}"]
+                           f"{t['streamed_gib']:.3f}", _num(t.get("disk_read_gib"), 3), f"{r['peak_rss_gib']:.2f}"]
             if capped:
                 row.append(f"{r['cgroup_peak_gib']:.2f}" if r.get("cgroup_peak_gib") is not None else "-")
             row.append(_limit(t, bandwidth))
+            if gpu:
+                g = t.get("gpu") or {}
+                row += [_num(g.get("util_mean_pct"), 0, "%"), _num(g.get("power_mean_w"), 0),
+                        _num(g.get("mem_peak_gib"), 2)]
             if vs:
-                base = llama.get(t["test"])
-                ours = r.get("engine") != "llama.cpp"
-                row.append(f"{t['tok_s_mean'] / base:.3g}" if ours and base else "-")
+                ref = llama.get(t["test"])
+                ours = r.get("engine") not in LLAMA_ENGINES
+                row.append(f"{t['tok_s_mean'] / ref:.3g}" if ours and ref else "-")
             out.append("| " + " | ".join(row) + " |")
     return "\n".join(out)
+
+
+#: ``bench --device``: where the moestream rows compute (LoadOptions.device); cuda or auto-with-a-GPU also picks
+#: the GPU rows of ``--llama-bench``.
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+#: The engines of llama.cpp's rows: the bindings (llama-cpp-python) or a llama-bench binary (--llama-bench).
+LLAMA_ENGINES = ("llama.cpp", "llama-bench")
+
+
+def _num(x: float | None, digits: int, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def _device_cell(r: dict) -> str:
+    """The device column: what a moestream row ran on (``device_used`` when it finished, else what was asked),
+    a llama.cpp row's ``device``."""
+    return str(r.get("device_used") or r.get("device") or "cpu")
+
+
+def ratio_baseline(rows: list[dict]) -> dict | None:
+    """The llama.cpp row that the "moestream / llama.cpp" column divides by, None if none finished. llama-bench
+    rows: the one marked ``baseline`` (experts on CPU on a GPU run: the set-up that, as streaming does, keeps the
+    experts out of GPU memory; the CPU row on a CPU run). Binding rows: repack on uncapped, off capped."""
+    capped = any(r.get("mem_cap") for r in rows)
+    for r in rows:
+        if "error" in r:
+            continue
+        if r.get("engine") == "llama-bench" and r.get("baseline"):
+            return r
+        if r.get("engine") == "llama.cpp" and r.get("repack", True) == (not capped):
+            return r
+    return None
 
 
 #: ``bench --routing``: the router's own expert ids, or experts/synthetic.py's calibrated ones
@@ -436,7 +661,7 @@ def routing_note(mode: str, calibration: dict | None, llama: bool) -> str:
 
 def _limit(test: dict, bandwidth: float | None) -> str:
     """IO-bound ceiling: disk bandwidth / bytes read from disk per token (the larger of streamed and disk)."""
-    per_tok = max(test.get("disk_bytes_per_token", 0), test.get("streamed_bytes_per_token", 0))
+    per_tok = max(test.get("disk_bytes_per_token") or 0, test.get("streamed_bytes_per_token") or 0)
     if not bandwidth or per_tok <= 0:
         return "-"
     return f"{bandwidth / per_tok:.1f}"
@@ -449,6 +674,17 @@ def run_bench(args: argparse.Namespace) -> int:
     from .gguf import GGUFModel
     from .models.base import architecture_of
 
+    device = str(getattr(args, "device", "cpu") or "cpu").strip().lower()
+    if device not in DEVICES:
+        raise ConfigError(f"--device: expected cpu, cuda or auto, got {getattr(args, 'device', None)!r}")
+    llama_bench = getattr(args, "llama_bench", None)
+    if llama_bench is not None:
+        if args.vs is None:
+            raise ConfigError("--llama-bench PATH gives the llama.cpp rows of --vs llama.cpp: add --vs llama.cpp")
+        if not os.path.isfile(llama_bench) or not os.access(llama_bench, os.X_OK):
+            raise ConfigError(f"--llama-bench {llama_bench}: not an executable file (build one with "
+                              f"tools/llamacpp_cuda.py build)")
+        llama_bench = os.path.abspath(llama_bench)
     for opt, value in (("--json", args.json), ("--vs", args.vs), ("--mem-cap", args.mem_cap)):
         if value is not None and not value.strip():
             raise ConfigError(f"{opt}: the value is empty" + (" (e.g. 4GiB); without a cap, leave --mem-cap out"
@@ -508,7 +744,7 @@ def run_bench(args: argparse.Namespace) -> int:
     base = {"model": model, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
             "threads": threads, "ubatch": args.ubatch, "expand_dense": args.expand_dense,
             "matmul": getattr(args, "matmul", "blocks"),
-            "policy": args.policy, "routing": routing}
+            "policy": args.policy, "routing": routing, "device": device}
     cfgs = []
     for on in modes:
         if on:
@@ -525,15 +761,27 @@ def run_bench(args: argparse.Namespace) -> int:
         for c in cfgs:
             if c.get("mem") and c["mem"]["bytes"] is None:
                 c["mem"] = {**c["mem"], "bytes": cap.limit_bytes}
-    if args.vs is not None:
-        if args.vs != "llama.cpp":
-            raise ConfigError(f"--vs: only llama.cpp is known, got {args.vs!r}")
+    if args.vs is not None and args.vs != "llama.cpp":
+        raise ConfigError(f"--vs: only llama.cpp is known, got {args.vs!r}")
+    if args.vs is not None and llama_bench is None:
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
             raise ConfigError(f"--vs llama.cpp needs llama-cpp-python in this environment: install it from the "
                               f"moestream checkout with `{sys.executable} tools/llamacpp.py install` (builds "
                               f"llama.cpp once into a cached wheel, about 5 minutes)") from None
+    if args.vs is not None and llama_bench is not None:
+        # the binary's rows instead of the bindings'. A GPU run: all layers on the GPU, and experts on the CPU
+        # (the ratio's baseline); a CPU run: the CPU row. Capped: --repack 0 on the rows with CPU weights (their
+        # repacked weights would be anonymous memory that the cap cannot page back to the file).
+        gpu_run = device == "cuda" or (device == "auto" and _cuda_available())
+        kinds = ["gpu", "cpu_moe"] if gpu_run else ["cpu"]
+        lb = {k: v for k, v in base.items() if k != "device"}
+        for kind in kinds:
+            cfgs.append({**lb, "engine": "llama-bench", "moe_stream": False, "llama_bench": llama_bench,
+                         "kind": kind, "device": LLAMA_BENCH_ROWS[kind][1], "baseline": kind != "gpu",
+                         "repack": not (cap and kind != "gpu")})
+    elif args.vs is not None:
         lbase = {**base, "engine": "llama.cpp", "moe_stream": False}
         # uncapped: llama.cpp's defaults (CPU repack on). Capped: its repacked weights are anonymous memory
         # that the cap cannot page back to the file, so the default gets its own row (expected to fail) and
@@ -607,7 +855,8 @@ if __name__ == "__main__":
 
     try:
         cfg = json.loads(sys.argv[1])
-        print(json.dumps(run_llamacpp_row(cfg) if cfg.get("engine") == "llama.cpp" else run_row(cfg)))
+        run = {"llama.cpp": run_llamacpp_row, "llama-bench": run_llamabench_row}.get(cfg.get("engine"), run_row)
+        print(json.dumps(run(cfg)))
     except MoestreamError as e:
         print(f"moestream: error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -803,6 +803,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "published LRU hit rates (experts/synthetic.py; llama.cpp's rows keep their router)")
     b.add_argument("--vs", default=None, metavar="llama.cpp",
                    help="add llama.cpp's own pp/tg rows on the same file and the ratio moestream / llama.cpp")
+    b.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="with --vs llama.cpp: llama.cpp's rows from this llama-bench binary (e.g. a CUDA build of "
+                   "tools/llamacpp_cuda.py) instead of the llama-cpp-python bindings: all-GPU and experts-on-CPU "
+                   "rows with --device cuda (or auto on a GPU machine), a CPU row otherwise")
+    b.add_argument("--device", default="cpu", type=str.lower, metavar="cpu|cuda|auto",
+                   help="where the moestream rows compute (default cpu); also picks the --llama-bench rows")
     b.add_argument("--mem-cap", default=None, metavar="SIZE",
                    help="run every row in a memory cgroup of SIZE (e.g. 4GiB), page cache included, with the "
                         "file evicted from the page cache before each row (root; cgroup v2, else v1). K/M/G/T and "
