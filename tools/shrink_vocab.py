@@ -47,9 +47,12 @@ def shrink(src: str, dst: str, vocab: int) -> None:
         else:
             w.add_key_value(name, f.parts[-1].tolist()[0], vtype)
     for t in r.tensors:
-        data = np.asarray(t.data)  # quantized: uint8 [..., row bytes]; float types: [..., row length]
-        if int(t.shape[-1]) == n_vocab and (t.name.endswith("token_embd.weight") or t.name == "output.weight"):
-            data = data.reshape(n_vocab, -1)[:vocab]
+        dims = [int(x) for x in reversed(t.shape)]  # torch order, last = row length
+        data = np.asarray(t.data)
+        # the reader's array drops size-1 dims: give it the tensor's own rank (quantized: [..., row bytes])
+        data = data.reshape(*dims[:-1], -1)
+        if dims[0] == n_vocab and (t.name.endswith("token_embd.weight") or t.name == "output.weight"):
+            data = data[:vocab]
         w.add_tensor(t.name, np.ascontiguousarray(data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()

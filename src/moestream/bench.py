@@ -205,7 +205,11 @@ def run_row(cfg: dict) -> dict:
                        matmul=cfg.get("matmul", "blocks"), prefetch=cfg.get("prefetch", False),
                        policy=cfg.get("policy", "lfu"), n_ctx=n_ctx, direct_io=cfg.get("direct_io"),
                        device=cfg.get("device", "cpu"),
-                       mem=None if mem is None else mem["bytes"], mem_source=None if mem is None else mem["source"])
+                       mem=None if mem is None else mem["bytes"], mem_source=None if mem is None else mem["source"],
+                       gpu_mem=None if cfg.get("gpu_mem") is None else cfg["gpu_mem"]["bytes"],
+                       gpu_mem_source=None if cfg.get("gpu_mem") is None else cfg["gpu_mem"]["source"],
+                       host_cache=0 if cfg.get("host_cache") is None else cfg["host_cache"]["bytes"],
+                       pool=cfg.get("pool", "device"))
     t_load = time.perf_counter()
     model = load_model(cfg["model"], opts)
     load_seconds = time.perf_counter() - t_load
@@ -299,6 +303,10 @@ def run_row(cfg: dict) -> dict:
                                  "dense": plan.dense, "kv": plan.kv, "n_ctx": plan.n_ctx, "scratch": plan.scratch,
                                  "pools": plan.pools, "left": plan.left, "all_fit": plan.all_fit}
     result["direct_io_used"] = getattr(store, "direct_io", False)  # O_DIRECT to the end of the row
+    tier = getattr(store, "tier", None)
+    if tier is not None:  # the host tier's counters over the whole row (warm-up included)
+        result["host_tier"] = {"gib": tier.nbytes / GiB, "rows_per_layer": min(tier.rows.values()),
+                               "hits": tier.hits, "misses": tier.misses}
     store.close()
     return result
 
@@ -529,12 +537,24 @@ def _row_label(r: dict) -> tuple[str, str, str, str, str]:
         return label, "-", "-", "-", "-", "-"
     if r.get("engine") == "llama.cpp":
         return f"llama.cpp mmap, repack {'on' if r.get('repack', True) else 'off'}", "-", "-", "-", "-", "-"
+    gpu = str(r.get("device_used") or r.get("device") or "cpu").startswith("cuda")
     if not r["moe_stream"]:
+        if gpu:
+            where = "GPU memory" if r.get("pool", "device") == "device" else "pinned host memory (--pool host)"
+            return f"resident: every expert in {where}", "-", "-", "-", "-", "-"
         return "resident (mmap)", "-", "-", "-", "-", "-"
     per = r.get("slots_per_layer")
     slots = str(r["slots"]) if r.get("slots") is not None else (
         (f"{min(per)}" if min(per) == max(per) else f"{min(per)}-{max(per)}") if per else "budget")
-    mode = "streaming" if r.get("mem") is None else f"streaming, --mem {r['mem']['text']}"
+    mode = "streaming" if r.get("mem") is None or gpu else f"streaming, --mem {r['mem']['text']}"
+    if gpu:
+        if r.get("gpu_mem"):
+            mode += f", --gpu-mem {r['gpu_mem']['text']}"
+        if r.get("pool", "device") == "host":
+            mode += ", --pool host"
+
+    if r.get("host_cache"):
+        mode += f", host tier {r['host_cache']['text']}"
     if "direct_io_used" in r:
         reads = "direct" if r["direct_io_used"] else "buffered"
     else:
@@ -727,6 +747,20 @@ def run_bench(args: argparse.Namespace) -> int:
                 for t in _dedupe([x.strip() for x in args.mem.split(",")])]
     elif args.mem_cap is not None and args.slots is None:  # capped rows: the budget is the cap
         mems = [{"text": args.mem_cap.strip(), "bytes": None, "source": f"--mem {args.mem_cap.strip()} (the cap)"}]
+    gpu_mems: list = [None]
+    if getattr(args, "gpu_mem", None) is not None:  # CUDA rows: VRAM budgets of the pools
+        if args.slots is not None:
+            raise ConfigError(f"--gpu-mem {args.gpu_mem} and --slots {args.slots} both size the slot pools: give one")
+        gpu_mems = [{"text": t, "bytes": parse_mem(t, "--gpu-mem"), "source": f"--gpu-mem {t}"}
+                    for t in _dedupe([x.strip() for x in args.gpu_mem.split(",")])]
+    host_caches: list = [None]
+    if getattr(args, "host_cache", None) is not None:  # host tier sizes; "off" for none
+        host_caches = [None if t.lower() in ("off", "0") else {"text": t, "bytes": parse_mem(t, "--host-cache")}
+                       for t in _dedupe([x.strip() for x in args.host_cache.split(",")])]
+    pools = _dedupe([x.strip().lower() for x in str(getattr(args, "pool", None) or "device").split(",")])
+    for pl in pools:
+        if pl not in ("device", "host"):
+            raise ConfigError(f"--pool: expected device, host or device,host, got {pl!r}")
     slots = _list(args.slots, int, "--slots") if args.slots is not None else [None]
     prefetches = _on_off_list(args.prefetch, "--prefetch")
     ios = _list(args.io_threads, int, "--io-threads")
@@ -748,11 +782,14 @@ def run_bench(args: argparse.Namespace) -> int:
     cfgs = []
     for on in modes:
         if on:
-            for s, mem, t, ov, pf, dio in itertools.product(slots, mems or [None], ios, overlaps, prefetches, directs):
+            for s, mem, t, ov, pf, dio, gm, hc, pl in itertools.product(slots, mems or [None], ios, overlaps,
+                                                                      prefetches, directs, gpu_mems, host_caches,
+                                                                      pools):
                 cfgs.append({**base, "moe_stream": True, "slots": s, "mem": mem, "io_threads": t, "overlap": ov,
-                             "prefetch": pf, "direct_io": dio})
+                             "prefetch": pf, "direct_io": dio, "gpu_mem": gm, "host_cache": hc, "pool": pl})
         else:
-            cfgs.append({**base, "moe_stream": False})
+            for pl in pools:
+                cfgs.append({**base, "moe_stream": False, "pool": pl})
     cap = None
     if args.mem_cap is not None:
         from .memcap import MemCap, parse_cap

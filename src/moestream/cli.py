@@ -807,6 +807,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --vs llama.cpp: llama.cpp's rows from this llama-bench binary (e.g. a CUDA build of "
                    "tools/llamacpp_cuda.py) instead of the llama-cpp-python bindings: all-GPU and experts-on-CPU "
                    "rows with --device cuda (or auto on a GPU machine), a CPU row otherwise")
+    b.add_argument("--gpu-mem", default=None, metavar="SIZE[,SIZE...]", help="CUDA: comma-separated GPU memory "
+                   "budgets of the streaming rows (as run --gpu-mem; default: the GPU's free memory less 10%%)")
+    b.add_argument("--host-cache", default=None, metavar="SIZE[,SIZE...]", help="comma-separated host-tier sizes of "
+                   "the streaming rows (as run --host-cache; off for none), e.g. off,8GiB")
+    b.add_argument("--pool", default="device", metavar="device|host", help="CUDA: where the pools live: device, "
+                   "host or device,host (the resident rows too: every expert copied there)")
     b.add_argument("--device", default="cpu", type=str.lower, metavar="cpu|cuda|auto",
                    help="where the moestream rows compute (default cpu); also picks the --llama-bench rows")
     b.add_argument("--mem-cap", default=None, metavar="SIZE",

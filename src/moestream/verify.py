@@ -75,7 +75,8 @@ def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ub
     ``model`` was loaded with),
     comparing logits bytewise at every step and prompt position."""
     engine = Engine(model, ubatch)
-    model.set_store(ResidentStore(model.gguf, model.layout, device=model.device, pool=opts.pool))
+    resident = ResidentStore(model.gguf, model.layout, device=model.device, pool=opts.pool)
+    model.set_store(resident)
     ref, _, ref_tokens = _run(engine, prompt, steps, None)
     stream_opts = LoadOptions(**{**opts.__dict__, "moe_stream": True})
     n = len(prompt) + steps  # the budget (no --slots) holds the KV cache and every kept logit row of this run
@@ -88,6 +89,7 @@ def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ub
     finally:
         model.opts = saved
         store.close()
+        model.set_store(resident)  # never leave the model with a closed store
     n_logits = sum(t.numel() for t in got[: len(got) - (1 if diff else 0)])
     return VerifyResult(identical=diff is None, steps=len(got) if diff is None else diff[0],
                         n_logits=n_logits, first_diff=diff, streamed_bytes=store.bytes_read,

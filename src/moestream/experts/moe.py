@@ -208,22 +208,21 @@ class MoE:
         slots = np.fromiter((slot_of[e] for e in experts), dtype=np.int64, count=len(experts))
         start, tok, _, dst, idx = groups.select(experts, with_index=True)
         names = ["gate_up"] if self.merged else ["gate", "up"]
-        offs = []
+        offs = {}  # host arrays: grouped() plans its tiles and checks the offsets on the host, then uploads them
         for name in [*names, "down"]:
             pool = store.matrix(self.layer, name)
-            offs.append(slots * pool.stride(0) + store.lead(self.layer, name)[slots])
+            offs[name] = slots * pool.stride(0) + store.lead(self.layer, name)[slots]
         dev = x.device
-        i64 = _to_device(np.concatenate([*offs, idx.astype(np.int64)]), dev)
-        i32 = _to_device(np.concatenate([start, tok, dst, np.arange(len(tok), dtype=np.int32)]), dev)
-        g, p = len(experts), len(tok)
-        d_start, d_tok, d_dst, d_rows = i32[:g + 1], i32[g + 1:g + 1 + p], i32[g + 1 + p:g + 1 + 2 * p], i32[-p:]
-        d_idx = i64[len(offs) * g:]
+        p = len(tok)
+        i32 = _to_device(np.concatenate([tok, dst, np.arange(p, dtype=np.int32)]), dev)
+        d_tok, d_dst, d_rows = i32[:p], i32[p:2 * p], i32[2 * p:]
+        d_idx = _to_device(idx.astype(np.int64), dev)
         m_hint = out.shape[0]
         store.device_ready(self.layer)
 
         def mm(k: int, name: str, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             mat = m[name]
-            return tkernels.grouped(v, store.matrix(self.layer, name), i64[k * g:(k + 1) * g], d_start, rows,
+            return tkernels.grouped(v, store.matrix(self.layer, name), offs[name], start, rows,
                                     mat.ggml_type, mat.rows, mat.cols, m_hint)
 
         if self.merged:

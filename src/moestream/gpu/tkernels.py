@@ -391,8 +391,23 @@ def dequantize(raw: torch.Tensor, ggml_type: int, n_cols: int) -> torch.Tensor:
 
 def _as_tensor(v: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
+        if v.device.type == "cpu" and device.type == "cuda":
+            return _upload(v.to(dtype).numpy(), device)
         return v.to(device=device, dtype=dtype).contiguous()
-    return torch.as_tensor(np.ascontiguousarray(v), dtype=dtype).to(device)
+    return _upload(np.ascontiguousarray(v, dtype=torch.empty(0, dtype=dtype).numpy().dtype), device)
+
+
+def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device`` without a synchronisation: on CUDA through torch's caching pinned
+    allocator and an asynchronous copy on the current stream (a pageable copy would wait for the stream)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+#: linear()'s per-(device, tokens, BLOCK_M) constants: group offset 0, the rows 0..T-1, the tiles
+_LINEAR_CONST: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
 
 
 def _host(v: Any) -> np.ndarray | None:
@@ -414,11 +429,12 @@ def _tiles(starts: np.ndarray, block_m: int) -> np.ndarray:
     return np.stack([grp, p0, cnt], axis=1).astype(np.int32)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tiles: np.ndarray, src: torch.Tensor,
-            out: torch.Tensor, ggml_type: int, n_rows: int, n_cols: int, row_bytes: int, cfg: dict) -> None:
+def _launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tiles: np.ndarray | torch.Tensor,
+            src: torch.Tensor, out: torch.Tensor, ggml_type: int, n_rows: int, n_cols: int, row_bytes: int,
+            cfg: dict) -> None:
     if len(tiles) == 0 or n_rows == 0:
         return
-    tiles_d = torch.from_numpy(np.ascontiguousarray(tiles)).to(x.device)
+    tiles_d = tiles if isinstance(tiles, torch.Tensor) else _upload(tiles, x.device)
     grid = (len(tiles), triton.cdiv(n_rows, cfg["BLOCK_N"]))
     _matmul_kernel[grid](x, w, offsets, tiles_d, src, out, _kv(x.device), n_rows, row_bytes, n_cols,
                          QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
@@ -466,10 +482,17 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int, m_hi
         return out
     cfg = _config(int(ggml_type), rows, n_cols, n_tok if m_hint is None else int(m_hint))
     stride = raw.stride(0) if rows > 1 else nb
-    offsets = torch.zeros(1, dtype=torch.int64, device=x.device)
-    src = torch.arange(n_tok, dtype=torch.int32, device=x.device)
-    tiles = _tiles(np.array([0, n_tok], dtype=np.int64), cfg["BLOCK_M"])
-    _launch(x, raw, offsets, tiles, src, out, ggml_type, rows, n_cols, stride, cfg)
+    key = (x.device, n_tok, cfg["BLOCK_M"])
+    const = _LINEAR_CONST.get(key)
+    if const is None:
+        tiles = _tiles(np.array([0, n_tok], dtype=np.int64), cfg["BLOCK_M"])
+        const = _LINEAR_CONST[key] = (torch.zeros(1, dtype=torch.int64, device=x.device),
+                                      torch.arange(n_tok, dtype=torch.int32, device=x.device),
+                                      torch.from_numpy(tiles).to(x.device), len(tiles))
+        if len(_LINEAR_CONST) > 4096:  # many distinct prefill lengths: keep it bounded
+            _LINEAR_CONST.clear()
+    offsets, src, tiles_d, _ = const
+    _launch(x, raw, offsets, tiles_d, src, out, ggml_type, rows, n_cols, stride, cfg)
     return out
 
 

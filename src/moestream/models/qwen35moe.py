@@ -227,7 +227,9 @@ class Qwen35MoE(MoEModel):
             self.expect_shape(p + "post_attention_norm.weight", (n_embd,), emb)
             self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
                               d(expert_count=self.n_experts, embedding_length=n_embd))
-            self.expect_shape(p + "ffn_gate_inp_shexp.weight", (1, n_embd), emb)
+            # [1, n_embd] as the converter writes it; llama-quantize writes it 1-D (ggml_n_dims drops the 1)
+            if tuple(self.gguf.tensor_info(p + "ffn_gate_inp_shexp.weight").shape) != (n_embd,):
+                self.expect_shape(p + "ffn_gate_inp_shexp.weight", (1, n_embd), emb)
             n_ff = self.gguf.tensor_info(p + "ffn_gate_shexp.weight").shape[0]
             self.expect_shape(p + "ffn_gate_shexp.weight", (n_ff, n_embd), emb)
             self.expect_shape(p + "ffn_up_shexp.weight", (n_ff, n_embd), emb + f" and ffn_gate_shexp's {n_ff} rows")
