@@ -23,7 +23,6 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'moes
 
 from conftest import DEFAULT_GGUF  # noqa: E402
 from helpers import assert_bitwise, logits_of  # noqa: E402
-
 from moestream.experts.pool import ResidentStore  # noqa: E402
 from moestream.models.base import LoadOptions, load_model  # noqa: E402
 
