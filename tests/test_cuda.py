@@ -151,5 +151,26 @@ def test_cli_cuda() -> None:
     assert i.returncode == 0 and "GPU memory plan" in i.stdout
     m = cli("run", "--device", "cuda", "-n", "4", "--gpu-mem", "90MiB")
     assert m.returncode == 0 and "GPU memory plan: --gpu-mem 90MiB" in m.stderr, m.stderr
-    bad = cli("run", "--device", "cuda", "-n", "4", "--gpu-mem", "70MiB")
+    bad = cli("run", "--device", "cuda", "-n", "4", "--gpu-mem", "1GiB", "--slots", "8")
     assert bad.returncode != 0 and "--gpu-mem" in bad.stderr and "Traceback" not in bad.stderr
+    tier = cli("run", "--device", "cuda", "-n", "12", "--temp", "0", "--slots", "4", "--host-cache", "64MiB")
+    assert tier.returncode == 0 and tier.stdout == r.stdout and "host tier" in tier.stderr, tier.stderr
+
+
+@pytest.mark.parametrize("pool", ["device", "host"])
+def test_identity_host_tier(gpu_model, pool: str) -> None:  # noqa: ANN001
+    """Misses served by the host tier (pinned rows copied to the slots) give the same bits, and it does serve."""
+    opts = LoadOptions(slots=gpu_model.top_k, device="cuda", pool=pool, host_cache=256 << 20)
+    res = verify(gpu_model, _ids(gpu_model), 8, opts, ubatch=5)
+    assert res.identical, res.first_diff
+    store = gpu_model.make_store(opts)
+    saved = gpu_model.store
+    gpu_model.set_store(store)
+    try:
+        logits_of(gpu_model, _ids(gpu_model), 4, 5)
+        logits_of(gpu_model, _ids(gpu_model), 4, 5)  # the same experts again: the tier holds them now
+        assert store.tier.hits > 0 and store.bytes_read <= store.tier.misses * max(
+            sum(p.shape[1] for p in mats.values()) for mats in store.pools.values())
+    finally:
+        gpu_model.set_store(saved)
+        store.close()

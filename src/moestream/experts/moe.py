@@ -206,32 +206,34 @@ class MoE:
 
         m = self.mats
         slots = np.fromiter((slot_of[e] for e in experts), dtype=np.int64, count=len(experts))
-        start, tok, _, dst, idx = groups.select(experts, with_index=True)
+        start, tok, _, dst = groups.select(experts)
         names = ["gate_up"] if self.merged else ["gate", "up"]
-        offs = {}  # host arrays: grouped() plans its tiles and checks the offsets on the host, then uploads them
-        for name in [*names, "down"]:
-            pool = store.matrix(self.layer, name)
-            offs[name] = slots * pool.stride(0) + store.lead(self.layer, name)[slots]
-        dev = x.device
-        p = len(tok)
-        i32 = _to_device(np.concatenate([tok, dst, np.arange(p, dtype=np.int32)]), dev)
-        d_tok, d_dst, d_rows = i32[:p], i32[p:2 * p], i32[2 * p:]
-        d_idx = _to_device(idx.astype(np.int64), dev)
+        mats = [*names, "down"]
+        g, p = len(experts), len(tok)
         m_hint = out.shape[0]
+        tiles = tkernels.plan_tiles(start, m_hint)  # the same tiles for every matrix (BLOCK_M: m_hint's)
+        # everything the launches need in two uploads: slot offsets + pair positions (int64), pair rows + tiles
+        offs = [slots * store.matrix(self.layer, n).stride(0) + store.lead(self.layer, n)[slots] for n in mats]
+        dev = x.device
+        i64 = _to_device(np.concatenate([*offs, dst.astype(np.int64)]), dev)
+        i32 = _to_device(np.concatenate([tok, np.arange(p, dtype=np.int32), tiles.reshape(-1)]), dev)
+        d_tok, d_rows, d_tiles = i32[:p], i32[p:2 * p], i32[2 * p:].view(-1, 3)
+        d_dst = i64[len(mats) * g:]  # the (token, k) pairs' flat index: into the weights and the output rows
         store.device_ready(self.layer)
 
         def mm(k: int, name: str, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             mat = m[name]
-            return tkernels.grouped(v, store.matrix(self.layer, name), offs[name], start, rows,
-                                    mat.ggml_type, mat.rows, mat.cols, m_hint)
+            y = torch.empty((p, mat.rows), dtype=torch.float32, device=dev)
+            return tkernels.grouped_planned(v, store.matrix(self.layer, name), i64[k * g:(k + 1) * g], d_tiles,
+                                            rows, mat.ggml_type, mat.rows, mat.cols, m_hint, y)
 
         if self.merged:
             gate, up = mm(0, "gate_up", x, d_tok).split(self.n_ff, dim=-1)
         else:
             gate, up = mm(0, "gate", x, d_tok), mm(1, "up", x, d_tok)
         y = mm(len(names), "down", self.act(gate, up).contiguous(), d_rows)
-        y.mul_(groups.w_dev[d_idx, None])
-        out.view(-1, out.shape[-1]).index_copy_(0, d_dst.long(), y)
+        y.mul_(groups.weights.reshape(-1)[d_dst, None])
+        out.view(-1, out.shape[-1]).index_copy_(0, d_dst, y)
         store.used(self.layer)
 
     def _expert(self, store: ExpertStore, slot: int, xs: torch.Tensor) -> torch.Tensor:
@@ -272,22 +274,20 @@ class _Groups:
         order = np.argsort(flat, kind="stable")  # pairs sorted by expert, token order inside
         self.tok = (order // top_k).astype(np.int32)  # row of x
         self.dst = order.astype(np.int32)  # row of out viewed [tokens * top_k, hidden]
-        if keep or weights.device.type == "cuda":  # the weights stay where they are, in pair order (w_dev)
+        self.weights = weights  # [tokens, top_k] where they are (the GPU path gathers them by pair there)
+        if keep or weights.device.type == "cuda":
             self.w = None
-            self.w_dev = weights.reshape(-1)[torch.from_numpy(order).to(weights.device)].contiguous()
         else:
             self.w = np.ascontiguousarray(weights.reshape(-1).detach().cpu().numpy()[order], dtype=np.float32)
         experts, first, counts = np.unique(flat[order], return_index=True, return_counts=True)
         self.span = {int(e): (int(f), int(f + c)) for e, f, c in zip(experts, first, counts, strict=True)}
 
-    def select(self, experts: list[int], with_index: bool = False) -> tuple:
+    def select(self, experts: list[int]) -> tuple:
         """(start int32 [len(experts) + 1], tok int32, w float32 (None for GPU weights), dst int32) of ``experts``'
-        pairs, in that order; ``with_index``: also their positions int64 in pair order (to gather ``w_dev``)."""
+        pairs, in that order."""
         spans = [self.span[e] for e in experts]
         start = np.zeros(len(spans) + 1, dtype=np.int32)
         np.cumsum([b - a for a, b in spans], out=start[1:])
         idx = np.concatenate([np.arange(a, b) for a, b in spans]) if len(spans) > 1 else np.arange(*spans[0])
         w = None if self.w is None else self.w[idx]
-        if with_index:
-            return start, self.tok[idx], w, self.dst[idx], idx
         return start, self.tok[idx], w, self.dst[idx]

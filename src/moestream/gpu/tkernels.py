@@ -442,6 +442,29 @@ def _launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tiles: np.n
                          num_warps=cfg["num_warps"], enable_fp_fusion=False)
 
 
+def block_m(ggml_type: int, m_hint: int) -> int:
+    """Rows of x per tile of the configuration ``grouped`` uses for ``m_hint`` (the same for every type)."""
+    return _config(int(ggml_type), 1, 1, int(m_hint))["BLOCK_M"]
+
+
+def plan_tiles(starts: np.ndarray, m_hint: int) -> np.ndarray:
+    """int32 [n_tiles, 3] tiles (group, first row, rows) of ``starts`` (int [G+1], non-decreasing from 0) for
+    the configuration of ``m_hint``: what :func:`grouped` plans, for :func:`grouped_planned`."""
+    return _tiles(np.asarray(starts, dtype=np.int64), block_m(0, m_hint))
+
+
+def grouped_planned(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, tiles: torch.Tensor,
+                    src_rows: torch.Tensor, ggml_type: int, n_rows: int, n_cols: int, m_hint: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped` with everything already on the device and nothing checked on the host (the caller built
+    the arguments: the MoE layer, one upload for all of them): offsets int64 [G], tiles int32 [n_tiles, 3] from
+    :func:`plan_tiles` with the same ``m_hint``, src_rows int32 [P], out float32 [P, n_rows]. The same bits as
+    :func:`grouped`. Returns ``out``."""
+    cfg = _config(int(ggml_type), n_rows, n_cols, int(m_hint))
+    _launch(x, pool, offsets, tiles, src_rows, out, ggml_type, n_rows, n_cols, _row_bytes(ggml_type, n_cols), cfg)
+    return out
+
+
 def _check_x(x: torch.Tensor, n_cols: int, where: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
