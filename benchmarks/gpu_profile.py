@@ -40,7 +40,7 @@ def main() -> None:
     a = ap.parse_args()
     gm = parse_mem(a.gpu_mem, "--gpu-mem")
     for label, opts in (("every expert in VRAM", LoadOptions(moe_stream=False, device="cuda")),
-                        (f"streaming --gpu-mem {a.gpu_mem}", LoadOptions(device="cuda", gpu_mem=gm,
+                        (f"streaming --gpu-mem {a.gpu_mem}", LoadOptions(device="cuda", gpu_mem=gm, n_ctx=64,
                                                                          gpu_mem_source=f"--gpu-mem {a.gpu_mem}"))):
         t0 = time.perf_counter()
         model = load_model(a.model, opts)
