@@ -135,8 +135,9 @@ class MemoryPlan:
         """``inspect --mem``'s report."""
         out = [
             f"{self.kind + ' plan':<15} {self.source}: {self.budget / GiB:.3f} GiB",
-            f"  process       {self.process / GiB:.3f} GiB (interpreter, torch, kernels, tokenizer: measured here; "
-            f"run measures its own)",
+            (f"  process       {self.process / GiB:.3f} GiB (interpreter, torch, kernels, tokenizer: measured here; "
+             f"run measures its own)" if self.kind == "memory" else
+             "  process       - (the CUDA context is outside this budget: free GPU memory at start excludes it)"),
             f"  dense weights {self.dense / GiB:.3f} GiB (resident)",
             f"  KV cache      {self.kv / GiB:.3f} GiB ({self.n_ctx} tokens)",
             f"  scratch       {self.scratch / GiB:.3f} GiB (activations of one prefill chunk, logits, kernel buffers)",

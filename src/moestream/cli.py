@@ -612,6 +612,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .report import inspect_model
     mem, source = _mem_option(args)
     gpu_mem, gpu_source = _gpu_mem_option(args)
+    from .models.base import resolve_device
+    if resolve_device(args.device).startswith("cuda") and gpu_mem is None:  # the plan of the GPU's free memory
+        from .budget import gpu_budget
+        gpu_mem, gpu_source = gpu_budget(None, None, resolve_device(args.device))
     if args.ctx_size is not None:
         if mem is None and gpu_mem is None:
             raise ConfigError("-c: inspect prices a context only with --mem or --gpu-mem (the memory plan's KV "
@@ -749,6 +753,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--slots", type=int, default=None, help="price pools of this many slots per layer")
     i.add_argument("--mem", default=None, metavar="SIZE", help="print the memory plan run --mem SIZE makes: slots "
                    "per layer, pool GiB, what is left")
+    i.add_argument("--device", default="cpu", type=str.lower, metavar="cpu|cuda|auto", help="cuda (or auto with a "
+                   "GPU): also print the GPU memory plan of run --device cuda (sized from the GPU's free memory "
+                   "unless --gpu-mem is given)")
     i.add_argument("--gpu-mem", default=None, metavar="SIZE", help="print the GPU memory plan run --device cuda "
                    "--gpu-mem SIZE makes (dense weights, KV cache, scratch and slot pools in VRAM)")
     i.add_argument("-c", "--ctx-size", type=int, default=None, help="with --mem: the context whose KV cache the "
