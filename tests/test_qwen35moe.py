@@ -28,12 +28,14 @@ import pytest
 import torch
 
 from helpers import (
+    assert_bitwise,
     distinct_experts_per_layer,
     expert_slots,
     hf_greedy,
     hf_logits,
     llama_greedy,
     load,
+    logits_of,
     moestream,
     ours_forced,
     ours_greedy,
@@ -347,3 +349,21 @@ def test_cli_bench(q35, tmp_path):
     for r in rows:
         assert {t["test"] for t in r["tests"]} == {"pp8", "tg4"}
         assert all(t["tok_s_mean"] > 0 for t in r["tests"])
+
+
+def test_one_dim_shared_expert_gate(q35, prompt_ids, tmp_path):
+    """llama-quantize writes ``ffn_gate_inp_shexp`` ([1, n_embd] from the converter) as a 1-D tensor (ggml_n_dims
+    drops the trailing 1): such files load and give the same bits as the converter's own."""
+    from gguf import GGUFReader
+
+    from ggufedit import rewrite
+
+    names = [t.name for t in GGUFReader(str(q35["q8_0"])).tensors if t.name.endswith("ffn_gate_inp_shexp.weight")]
+    assert names
+    out = tmp_path / "shexp-1d.gguf"
+    rewrite(q35["q8_0"], out, convert=dict.fromkeys(names, lambda a: np.ascontiguousarray(a.reshape(-1),
+                                                                                           dtype=np.float32)))
+    assert all(len(t.shape) == 1 for t in GGUFReader(str(out)).tensors if t.name in names)
+    a = logits_of(load_model(str(q35["q8_0"]), LoadOptions(moe_stream=False)), prompt_ids[:8], 2, 8)
+    b = logits_of(load_model(str(out), LoadOptions(moe_stream=False)), prompt_ids[:8], 2, 8)
+    assert_bitwise(a, b)
