@@ -695,8 +695,11 @@ def run_bench(args: argparse.Namespace) -> int:
     from .models.base import architecture_of
 
     device = str(getattr(args, "device", "cpu") or "cpu").strip().lower()
-    if device not in DEVICES:
-        raise ConfigError(f"--device: expected cpu, cuda or auto, got {getattr(args, 'device', None)!r}")
+    if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ConfigError(f"--device: expected cpu, cuda (or cuda:N) or auto, got {getattr(args, 'device', None)!r}")
+    if device != "auto":  # refused here in one line (a CPU build of torch), not once per row
+        from .models.base import resolve_device
+        device = resolve_device(device)
     llama_bench = getattr(args, "llama_bench", None)
     if llama_bench is not None:
         if args.vs is None:
@@ -749,7 +752,7 @@ def run_bench(args: argparse.Namespace) -> int:
         mems = [{"text": args.mem_cap.strip(), "bytes": None, "source": f"--mem {args.mem_cap.strip()} (the cap)"}]
     gpu_mems: list = [None]
     if getattr(args, "gpu_mem", None) is not None:  # CUDA rows: VRAM budgets of the pools
-        if args.slots is not None:
+        if args.slots is not None and device.startswith("cuda"):
             raise ConfigError(f"--gpu-mem {args.gpu_mem} and --slots {args.slots} both size the slot pools: give one")
         gpu_mems = [{"text": t, "bytes": parse_mem(t, "--gpu-mem"), "source": f"--gpu-mem {t}"}
                     for t in _dedupe([x.strip() for x in args.gpu_mem.split(",")])]
@@ -763,6 +766,11 @@ def run_bench(args: argparse.Namespace) -> int:
             raise ConfigError(f"--pool: expected device, host or device,host, got {pl!r}")
     slots = _list(args.slots, int, "--slots") if args.slots is not None else [None]
     prefetches = _on_off_list(args.prefetch, "--prefetch")
+    if any(host_caches) and any(prefetches):
+        raise ConfigError("--host-cache and --prefetch on cannot be combined yet (a prefetch's reads could take "
+                          "host-tier rows still in use); give one of them")
+    if device == "cpu":  # CUDA-only lists would give identical rows on the CPU
+        gpu_mems, pools = [None], ["device"]
     ios = _list(args.io_threads, int, "--io-threads")
     for s in slots:
         if s is not None and s < top_k:
@@ -811,7 +819,7 @@ def run_bench(args: argparse.Namespace) -> int:
         # the binary's rows instead of the bindings'. A GPU run: all layers on the GPU, and experts on the CPU
         # (the ratio's baseline); a CPU run: the CPU row. Capped: --repack 0 on the rows with CPU weights (their
         # repacked weights would be anonymous memory that the cap cannot page back to the file).
-        gpu_run = device == "cuda" or (device == "auto" and _cuda_available())
+        gpu_run = device.startswith("cuda") or (device == "auto" and _cuda_available())
         kinds = ["gpu", "cpu_moe"] if gpu_run else ["cpu"]
         lb = {k: v for k, v in base.items() if k != "device"}
         for kind in kinds:

@@ -42,8 +42,9 @@ def parse_mem(text: str, option: str = "--mem") -> int:
     from .memcap import parse_size
 
     if text is None or not str(text).strip():
-        raise ConfigError(f"{option}: the value is empty (e.g. 4GiB); to size the pools from the free memory, "
-                          f"leave {option} out")
+        raise ConfigError(f"{option}: the value is empty (e.g. 4GiB)" + (
+            f"; to size the pools from the free memory, leave {option} out" if option in ("--mem", "--gpu-mem")
+            else ""))
     try:
         n = parse_size(text)
     except ConfigError as e:
@@ -107,11 +108,13 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     #: what the budget covers: "memory" (host) or "GPU memory" (--gpu-mem: pools in VRAM)
     kind: str = "memory"
+    #: bytes of the host tier (--host-cache) this budget holds besides the pools
+    tier: int = 0
 
     @property
     def fixed(self) -> int:
         """Everything but the pools."""
-        return self.process + self.dense + self.kv + self.scratch
+        return self.process + self.dense + self.kv + self.scratch + self.tier
 
     @property
     def left(self) -> int:
@@ -127,7 +130,8 @@ class MemoryPlan:
         fit = ", every expert fits: nothing is evicted" if self.all_fit else ""
         return (f"{self.kind} plan: {self.source} = process {self.process / GiB:.2f} + dense {self.dense / GiB:.2f} "
                 f"+ KV "
-                f"{self.kv / GiB:.2f} ({self.n_ctx} tokens) + scratch {self.scratch / GiB:.2f} + pools "
+                f"{self.kv / GiB:.2f} ({self.n_ctx} tokens) + scratch {self.scratch / GiB:.2f} + "
+                + (f"host tier {self.tier / GiB:.2f} + " if self.tier else "") + "pools "
                 f"{self.pools / GiB:.2f} GiB ({self.slots_desc()} of {self.n_experts}{fit}), "
                 f"{self.left / GiB:.2f} GiB left")
 
@@ -141,6 +145,7 @@ class MemoryPlan:
             f"  dense weights {self.dense / GiB:.3f} GiB (resident)",
             f"  KV cache      {self.kv / GiB:.3f} GiB ({self.n_ctx} tokens)",
             f"  scratch       {self.scratch / GiB:.3f} GiB (activations of one prefill chunk, logits, kernel buffers)",
+            *([f"  host tier     {self.tier / GiB:.3f} GiB (--host-cache)"] if self.tier else []),
             f"  slot pools    {self.pools / GiB:.3f} GiB: {self.slots_desc()} of {self.n_experts} experts "
             f"({100 * sum(self.slots.values()) / (self.n_experts * len(self.slots)):.1f}% of experts"
             + ("; every expert fits, nothing is evicted" if self.all_fit else "") + ")",
@@ -152,7 +157,7 @@ class MemoryPlan:
 
 def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n_ctx: int, scratch: int,
                slot_bytes: dict[int, int], n_experts: dict[int, int], top_k: int, what: str,
-               strict: bool = True, option: str = "--mem", kind: str = "memory") -> MemoryPlan:
+               strict: bool = True, option: str = "--mem", kind: str = "memory", tier: int = 0) -> MemoryPlan:
     """Slots per layer for ``budget`` bytes in all (see the module docstring).
 
     slot_bytes: bytes of one slot of each MoE layer (all its expert matrices, padding included); n_experts:
@@ -160,7 +165,7 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
     ConfigError with the smallest budget that works, or (not ``strict``: the auto budget, which nobody asked
     for) the plan of that smallest budget, with a note saying so.
     """
-    fixed = process + dense + kv + scratch
+    fixed = process + dense + kv + scratch + tier
     layers = sorted(slot_bytes)
     min_slots = {la: min(top_k, n_experts[la]) for la in layers}
     minimum = fixed + sum(slot_bytes[la] * min_slots[la] for la in layers)
@@ -172,10 +177,11 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
     if minimum > budget:
         # the process part is measured, and moves by 10-20 MiB from one start to the next: the size suggested
         # leaves room for that, so that running with it works
-        need = _size_text(minimum + max(PROCESS_JITTER, minimum // 50))
+        need = _size_text(minimum + (max(PROCESS_JITTER, minimum // 50) if process else 0))
         raise ConfigError(
             f"{what}: {source} is too small: process {process / GiB:.2f} + dense weights {dense / GiB:.2f} + KV cache "
-            f"{kv / GiB:.2f} ({n_ctx} tokens) + scratch {scratch / GiB:.2f} + {top_k} slots per layer "
+            f"{kv / GiB:.2f} ({n_ctx} tokens) + scratch {scratch / GiB:.2f} + "
+            + (f"host tier {tier / GiB:.2f} + " if tier else "") + f"{top_k} slots per layer "
             f"{(minimum - fixed) / GiB:.2f} GiB = {minimum / GiB:.2f} GiB; the smallest {option} that works is "
             f"{need}" + (" (or a smaller context)" if kv > 64 * MiB else ""))
     room = budget - fixed
@@ -201,7 +207,7 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
     all_fit = all(slots[la] == n_experts[la] for la in layers)
     return MemoryPlan(budget=budget, source=source, process=process, dense=dense, kv=kv, n_ctx=n_ctx,
                       scratch=scratch, slots=slots, pools=used, n_experts=max(n_experts.values()), top_k=top_k,
-                      minimum=minimum, all_fit=all_fit, notes=notes, kind=kind)
+                      minimum=minimum, all_fit=all_fit, notes=notes, kind=kind, tier=tier)
 
 
 def _size_text(n: int) -> str:

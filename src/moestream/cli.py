@@ -165,8 +165,34 @@ def _load(args: argparse.Namespace, moe_stream: bool):
                        mem=mem, mem_source=mem_source, direct_io=getattr(args, "direct_io", None),
                        device=getattr(args, "device", "cpu"), pool=getattr(args, "pool", "device"),
                        gpu_mem=gpu_mem, gpu_mem_source=gpu_mem_source, host_cache=_host_cache_option(args))
+    for ignored in _ignored_options(args, opts, moe_stream):
+        print(f"moestream: note: {ignored}", file=sys.stderr, flush=True)
     # with a budget the pools are sized once the context is known (_context, verify): defer the store
     return load_model(model_path(args), opts, defer_store=True), opts
+
+
+def _ignored_options(args: argparse.Namespace, opts, moe_stream: bool) -> list[str]:  # noqa: ANN001
+    """Notes for options given that this run does not use (CUDA options on the CPU, streaming ones resident)."""
+    notes = []
+    if not opts.cuda:
+        if getattr(args, "gpu_mem", None) is not None:
+            notes.append("--gpu-mem applies to --device cuda only: ignored on the CPU")
+        if getattr(args, "pool", "device") != "device":
+            notes.append("--pool applies to --device cuda only: ignored on the CPU (the pools are host memory)")
+    if not moe_stream and opts.host_cache:
+        notes.append("--host-cache is a cache below the slot pools: ignored with --moe-stream off")
+    return notes
+
+
+def _tier_line(store) -> str | None:  # noqa: ANN001
+    """``moestream: host tier: ...`` (what the --host-cache tier served), or None without one."""
+    tier = getattr(store, "tier", None)
+    if tier is None:
+        return None
+    n = tier.hits + tier.misses
+    return (f"moestream: host tier: {tier.hits} of {n} pool misses copied from it "
+            f"({100 * tier.hits / max(n, 1):.1f}%), {tier.misses} read from the disk into it, "
+            f"{tier.bytes_copied / GiB:.3f} GiB copied to the slots")
 
 
 def _mem_option(args: argparse.Namespace) -> tuple[int | None, str | None]:
@@ -191,16 +217,12 @@ def _mem_option(args: argparse.Namespace) -> tuple[int | None, str | None]:
 def _gpu_mem_option(args: argparse.Namespace) -> tuple[int | None, str | None]:
     """(bytes, "--gpu-mem TEXT") of --gpu-mem, or (None, None); ConfigError for a bad value or with --slots."""
     from .budget import parse_mem
-    from .errors import ConfigError
 
     text = getattr(args, "gpu_mem", None)
     if text is None:
         return None, None
     mem = parse_mem(text, "--gpu-mem")
-    text = text.strip()
-    if getattr(args, "slots", None) is not None:
-        raise ConfigError(f"--gpu-mem {text} and --slots {args.slots} both size the slot pools: give one of them")
-    return mem, f"--gpu-mem {text}"
+    return mem, f"--gpu-mem {text.strip()}"
 
 
 def _host_cache_option(args: argparse.Namespace) -> int:
@@ -527,6 +549,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         if model.store is not None:
             model.store.close()
+            line = _tier_line(model.store)
+            if line:
+                print(line, file=sys.stderr, flush=True)
     if trace is not None:
         trace.finish()
         trace.write(args.routing_trace)
@@ -670,7 +695,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                  f"{res.slots} slots/layer, overlap {'on' if opts.overlap else 'off'}, prefetch "
                  f"{_prefetch_desc(opts, res.stats)}, {'direct' if res.direct_io else 'buffered'} IO, streamed "
                  f"{res.streamed_bytes / GiB:.4f} GiB, "
-                 f"hit rate {100 * res.hit_rate:.1f}%\n")
+                 f"hit rate {100 * res.hit_rate:.1f}%"
+                 + (f", host tier {res.tier.hits} of {res.tier.hits + res.tier.misses} pool misses"
+                    if res.tier is not None else "") + "\n")
     return 0
 
 

@@ -29,6 +29,8 @@ class VerifyResult:
     stats: StoreStats | None = None
     #: the streaming run's reads were O_DIRECT (to the end; False if they fell back to buffered)
     direct_io: bool = False
+    #: the streaming run's host tier (--host-cache), None without one
+    tier: object = None
 
 
 def _run(engine: Engine, prompt: list[int], steps: int,
@@ -95,7 +97,7 @@ def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ub
                         n_logits=n_logits, first_diff=diff, streamed_bytes=store.bytes_read,
                         hit_rate=store.stats.hit_rate, tokens=tokens if diff else ref_tokens,
                         slots=_slots_text(store), stats=store.stats.copy(),
-                        direct_io=getattr(store, "direct_io", False))
+                        direct_io=getattr(store, "direct_io", False), tier=getattr(store, "tier", None))
 
 
 def _slots_text(store) -> str:  # noqa: ANN001 - StreamingStore

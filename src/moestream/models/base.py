@@ -94,7 +94,7 @@ class LoadOptions:
         if self.host_cache and self.prefetch:
             raise ConfigError("--host-cache and --prefetch on cannot be combined yet (a prefetch's reads could take "
                               "host-tier rows still in use); give one of them")
-        if self.gpu_mem is not None and self.slots is not None:
+        if self.gpu_mem is not None and self.slots is not None and self.cuda:
             raise ConfigError(f"{self.gpu_mem_source or '--gpu-mem'} and --slots {self.slots} both size the slot "
                               f"pools: give one of them")
         if self.mem is not None and self.slots is not None:
@@ -371,6 +371,7 @@ class MoEModel:
             strict = opts.mem is not None
             if cuda:  # --pool host: pinned host pools; dense weights, KV cache and activations are in VRAM
                 dense, kv, scratch = 0, 0, 0
+            extra = {"tier": opts.host_cache}  # the host tier is host memory too
         plan = plan_pools(budget, source, process=process, dense=dense, kv=kv, n_ctx=n_ctx, scratch=scratch,
                           slot_bytes={la: StreamingStore.slot_bytes(self.layout, la, direct, align) for la in layers},
                           n_experts={la: self.layout.n_experts(la) for la in layers}, top_k=self.top_k,
