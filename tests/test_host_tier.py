@@ -57,3 +57,12 @@ def test_cli_reports_it_and_the_plan_counts_it() -> None:
     assert plain.stdout == r.stdout
     m = cli("run", "-n", "4", "--mem", "20GiB", "--host-cache", "100MiB")  # in-process: the suite's RSS counts
     assert m.returncode == 0 and "host tier 0.10" in m.stderr, m.stderr
+
+
+def test_inspect_prices_it() -> None:
+    r = cli("inspect", "--mem", "20GiB", "--host-cache", "100MiB")
+    assert r.returncode == 0 and "host tier     0.098 GiB (--host-cache)" in r.stdout, r.stdout + r.stderr
+    bare = cli("inspect", "--mem", "20GiB")
+    assert "host tier" not in bare.stdout
+    lone = cli("inspect", "--host-cache", "100MiB")
+    assert lone.returncode != 0 and "--mem" in lone.stderr

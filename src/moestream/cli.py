@@ -653,8 +653,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         warning = check_trained_context(shape, args.ctx_size, f"-c {args.ctx_size}", args.override_ctx)
         if warning:
             print(f"moestream: {warning}", file=sys.stderr, flush=True)
+    host_cache = _host_cache_option(args)
+    if host_cache and mem is None:
+        raise ConfigError("--host-cache: inspect prices the host tier in --mem's plan: give --mem too")
     write_stdout(inspect_model(model_path(args), args.slots, mem, source, args.ctx_size, args.expand_dense,
-                               gpu_mem, gpu_source) + "\n")
+                               gpu_mem, gpu_source, host_cache) + "\n")
     return 0
 
 
@@ -783,6 +786,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--device", default="cpu", type=str.lower, metavar="cpu|cuda|auto", help="cuda (or auto with a "
                    "GPU): also print the GPU memory plan of run --device cuda (sized from the GPU's free memory "
                    "unless --gpu-mem is given)")
+    i.add_argument("--host-cache", default=None, metavar="SIZE", help="with --mem: price a host tier of SIZE in "
+                   "the plan (as run --host-cache)")
     i.add_argument("--gpu-mem", default=None, metavar="SIZE", help="print the GPU memory plan run --device cuda "
                    "--gpu-mem SIZE makes (dense weights, KV cache, scratch and slot pools in VRAM)")
     i.add_argument("-c", "--ctx-size", type=int, default=None, help="with --mem: the context whose KV cache the "

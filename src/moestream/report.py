@@ -44,7 +44,7 @@ def _fmt(n: float) -> str:
 
 def inspect_model(path: str, slots: int | None = None, mem: int | None = None, mem_source: str | None = None,
                   n_ctx: int | None = None, expand_dense: bool = False, gpu_mem: int | None = None,
-                  gpu_mem_source: str | None = None) -> str:
+                  gpu_mem_source: str | None = None, host_cache: int = 0) -> str:
     """A human-readable report. Raises GGUFError for a bad file, ConfigError for --slots below top-k.
 
     mem (bytes; ``mem_source`` e.g. ``"--mem 4GiB"``): add the memory plan ``run --mem`` would make for a context
@@ -64,8 +64,8 @@ def inspect_model(path: str, slots: int | None = None, mem: int | None = None, m
         with contextlib.suppress(kernels.KernelBuildError):
             kernels.load()
         tok = GGUFTokenizer.from_fields(g.fields, g.path)
-        plan = shape.plan_memory(LoadOptions(mem=mem, mem_source=mem_source, expand_dense=expand_dense), n_ctx,
-                                 loaded=False)
+        plan = shape.plan_memory(LoadOptions(mem=mem, mem_source=mem_source, expand_dense=expand_dense,
+                                             host_cache=host_cache), n_ctx, loaded=False)
         del tok
     gpu_plan = None
     if gpu_mem is not None:  # the plan run --device cuda --gpu-mem SIZE makes (pools in VRAM)
