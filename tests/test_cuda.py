@@ -174,3 +174,44 @@ def test_identity_host_tier(gpu_model, pool: str) -> None:  # noqa: ANN001
     finally:
         gpu_model.set_store(saved)
         store.close()
+
+
+def _graphs_or_skip(model):  # noqa: ANN001, ANN202
+    if not hasattr(model, "graphs"):
+        pytest.skip(f"CUDA graphs are built for qwen3moe only ({model.gguf.arch} decodes eagerly)")
+    assert model.graphable(), "a resident qwen3moe on CUDA should decode through CUDA graphs"
+    return model.graphs
+
+
+def test_cuda_graphs_same_bits_as_eager(gpu_model) -> None:  # noqa: ANN001
+    """Every decode step of the resident model is a graph replay, with the same bits as the same steps run
+    eagerly (graphs off), and as many hits counted."""
+    from helpers import assert_bitwise
+    from moestream.models.graphs import DecodeGraphs
+
+    graphs = _graphs_or_skip(gpu_model)
+    replays, hits = graphs.replays, gpu_model.store.stats.hits
+    on = logits_of(gpu_model, _ids(gpu_model), 6, 5)
+    assert graphs.off_reason is None and graphs.replays == replays + 6
+    graphed_hits = gpu_model.store.stats.hits - hits
+    gpu_model.graphs = DecodeGraphs()
+    gpu_model.graphs.off_reason = "off for the test"
+    try:
+        hits = gpu_model.store.stats.hits
+        off = logits_of(gpu_model, _ids(gpu_model), 6, 5)
+        assert gpu_model.store.stats.hits - hits == graphed_hits
+    finally:
+        gpu_model.graphs = graphs
+    assert_bitwise(on, off)
+
+
+def test_cuda_graphs_across_key_counts(gpu_model) -> None:  # noqa: ANN001
+    """A decode that crosses 256 cache rows captures a second graph; streaming (eager steps, top-k on the host)
+    gives the same bits as the graphed resident steps there too."""
+    graphs = _graphs_or_skip(gpu_model)
+    prompt = [(7 * i + 3) % gpu_model.n_vocab for i in range(250)]
+    captures = graphs.captures
+    logits_of(gpu_model, prompt, 10, 64)
+    assert graphs.captures - captures == 2 and graphs.off_reason is None  # 256 rows, then the 260 of the context
+    res = verify(gpu_model, prompt, 10, LoadOptions(slots=2 * gpu_model.top_k, device="cuda"), ubatch=64)
+    assert res.identical, res.first_diff

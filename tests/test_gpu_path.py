@@ -23,6 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'moes
 
 from conftest import DEFAULT_GGUF  # noqa: E402
 from helpers import assert_bitwise, logits_of  # noqa: E402
+from moestream.engine import Engine  # noqa: E402
 from moestream.experts.pool import ResidentStore  # noqa: E402
 from moestream.models.base import LoadOptions, load_model  # noqa: E402
 
@@ -59,3 +60,43 @@ def test_grouped_path_identity_and_oracle() -> None:
     scale = max(float(w.abs().max()) for w in want)
     for g, w in zip(streamed, want, strict=True):
         assert float((g - w).abs().max()) <= 1e-5 * scale
+
+
+def _decode_on_device_path(model, ids: list[int], steps: int, eager: bool) -> list[torch.Tensor]:  # noqa: ANN001
+    """Prefill ``ids`` through the usual forward, then ``steps`` greedy steps through the CUDA decode body
+    (qwen3moe ``_decode_body``: device position, attention over a fixed row count, and either the store's MoE
+    path (``eager``) or ``MoE.resident_step``, what a CUDA graph captures)."""
+    from moestream.models.layers import decode_keys
+
+    eng = Engine(model, 8)
+    cache = model.new_cache(len(ids) + steps)
+    model.rope.reserve(cache.n_ctx)
+    model._kpos = torch.arange(cache.n_ctx, dtype=torch.int64)
+    out = [eng.prefill(ids, cache)]
+    tok = int(out[0][-1].argmax())
+    for i in range(steps):
+        pos = len(ids) + i
+        with torch.inference_mode():
+            logits = model._decode_body(torch.tensor([tok]), torch.tensor([pos]), decode_keys(pos, cache.n_ctx),
+                                        cache, eager=eager)
+        out.append(logits)
+        tok = int(logits[0].argmax())
+    return out
+
+
+def test_graphed_decode_step_equals_streaming_step() -> None:
+    """The step a CUDA graph captures (every MoE layer through ``MoE.resident_step``: pairs in top-k order, slot
+    = expert id, nothing on the host) gives the same bits as the streaming store's step through 4 slots (host
+    top-k, slot plan, misses read, pairs grouped by expert); both within 1e-5 of the largest logit of the usual
+    CPU forward (attention over 256 masked rows instead of pos + 1: other summation order)."""
+    model, _ = _grouped_model(4)
+    streamed = _decode_on_device_path(model, IDS, 4, eager=True)
+    assert model.store.stats.misses > 0
+    model.set_store(ResidentStore(model.gguf, model.layout))
+    graphed = _decode_on_device_path(model, IDS, 4, eager=False)
+    assert_bitwise(streamed[1:], graphed[1:])
+    ref = load_model(str(DEFAULT_GGUF), LoadOptions(moe_stream=False, matmul="dequant"))
+    want = logits_of(ref, IDS, 4, 8)
+    for g, w in zip(graphed[1:], want[1:], strict=True):
+        assert int(g.argmax()) == int(w.argmax())
+        assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())

@@ -236,6 +236,52 @@ class MoE:
         out.view(-1, out.shape[-1]).index_copy_(0, d_dst, y)
         store.used(self.layer)
 
+    def on_device(self, store: ExpertStore) -> bool:
+        """Whether :meth:`resident_step` can compute this layer: Triton kernels, every expert addressed by the GPU
+        in place (a ResidentStore on CUDA: VRAM or pinned host pools), no synthetic routing."""
+        return (self.gpu and self.routing is None and getattr(store, "trace", None) is None
+                and type(store).__name__ == "ResidentStore" and getattr(store, "device", None) is not None
+                and store.device.type == "cuda")
+
+    def resident_step(self, store: ExpertStore, x: torch.Tensor, ids: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+        """One decode token's routed experts with nothing on the host: x float32 [1, hidden], ids int64 [1, top_k]
+        real expert ids (= slot ids: every expert is resident), weights float32 [1, top_k] -> [1, hidden].
+
+        No synchronisation and no host-dependent shapes, so a CUDA graph can capture it (models/graphs.py). The
+        pairs stay in top-k order, one tile each; every pair's row is computed by the same kernel configuration
+        as in ``__call__`` (``m_hint`` 1) and the rows are summed in top-k order, so the bits equal the streaming
+        path's. Counts nothing: the graph runner counts each replay's hits."""
+        from ..gpu import tkernels
+
+        dev = x.device
+        top_k = ids.shape[1]
+        key = (id(store), top_k, dev)
+        const = getattr(self, "_dev_const", None)
+        if const is None or const[0] != key:
+            names = ["gate_up"] if self.merged else ["gate", "up"]
+            lead = {n: torch.from_numpy(store.lead(self.layer, n)).to(dev) for n in [*names, "down"]}
+            tiles = torch.from_numpy(tkernels.plan_tiles(np.arange(top_k + 1), 1)).to(dev)
+            const = self._dev_const = (key, lead, tiles, torch.zeros(top_k, dtype=torch.int32, device=dev),
+                                       torch.arange(top_k, dtype=torch.int32, device=dev))
+        _, lead, tiles, zeros, rows = const
+        flat = ids.reshape(-1)
+        x = x.contiguous()
+
+        def mm(name: str, v: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+            mat, pool = self.mats[name], store.matrix(self.layer, name)
+            offs = flat * pool.stride(0) + lead[name].index_select(0, flat)
+            y = torch.empty((top_k, mat.rows), dtype=torch.float32, device=dev)
+            return tkernels.grouped_planned(v, pool, offs, tiles, src, mat.ggml_type, mat.rows, mat.cols, 1, y)
+
+        if self.merged:
+            gate, up = mm("gate_up", x, zeros).split(self.n_ff, dim=-1)
+        else:
+            gate, up = mm("gate", x, zeros), mm("up", x, zeros)
+        y = mm("down", self.act(gate, up).contiguous(), rows)
+        y.mul_(weights.reshape(-1)[:, None])
+        return y.view(1, top_k, -1).sum(dim=1)
+
     def _expert(self, store: ExpertStore, slot: int, xs: torch.Tensor) -> torch.Tensor:
         """One expert's FFN on xs [n, hidden] with its matrices at ``slot`` of the store's pools."""
         def lin(name: str, v: torch.Tensor) -> torch.Tensor:

@@ -247,3 +247,50 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     if n_tok == 1:
         return out.view(1, -1)
     return out.view(n_kv, group, n_tok, -1).permute(2, 0, 1, 3).reshape(n_tok, -1)
+
+
+#: Fewest keys a one-token decode step on CUDA attends over (see :func:`decode_keys`)
+DECODE_MIN_KEYS = 256
+
+
+def decode_keys(pos: int, n_ctx: int) -> int:
+    """Keys a one-token CUDA decode step at position ``pos`` attends over (:func:`attention_at`): the next power of
+    two above ``pos``, at least :data:`DECODE_MIN_KEYS`, at most ``n_ctx``. The shapes of a step then change only
+    when it crosses a power of two, so one captured CUDA graph serves every step up to there (models/graphs.py)."""
+    n = max(DECODE_MIN_KEYS, 1 << pos.bit_length())
+    return min(n, n_ctx)
+
+
+def rope_at(rope: Rope, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """:class:`Rope` of one token at a position held on the device: x float32 [1, heads, head_dim], pos int64 [1]
+    -> rotated, same shape. The same arithmetic (and bits) as ``rope(x, start)``; the tables must already cover
+    the position (``rope.reserve``): a device position cannot grow them."""
+    n_rot, h = rope.n_rot, rope.n_rot // 2
+    cos, sin = rope.cos.index_select(0, pos)[:, None], rope.sin.index_select(0, pos)[:, None]  # [1, 1, n_rot]
+    if n_rot == x.shape[-1]:
+        swapped = torch.cat((x[..., h:], x[..., :h]), dim=-1)
+        return torch.add(x * cos, swapped * sin)
+    xr = x[..., :n_rot]
+    swapped = torch.cat((xr[..., h:], xr[..., :h]), dim=-1)
+    return torch.cat((torch.add(xr * cos, swapped * sin), x[..., n_rot:]), dim=-1)
+
+
+def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kpos: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """One query at a position held on the device, over a fixed number of cache rows (CUDA decode).
+
+    q: float32 [1, n_head, d]; k: [S, n_kv, d], v: [S, n_kv, d_v] (the first S cache rows, S from
+    :func:`decode_keys`); pos: int64 [1]; kpos: int64 [S] (0..S-1). Keys past ``pos`` are masked (their
+    softmax weight is exactly 0). Returns float32 [1, n_head * d_v]. Same semantics as :func:`attention` for
+    one token (values within float rounding: the reductions run over S keys, not pos + 1); the shapes depend on
+    S only, so the step can be captured once in a CUDA graph and replayed at every position below S.
+    """
+    n_head, d = q.shape[1], q.shape[2]
+    n_kv = k.shape[1]
+    qq = q.reshape(n_kv, n_head // n_kv, d)
+    scores = torch.matmul(qq, k.permute(1, 2, 0))  # [n_kv, group, S]
+    if scale != 1.0:
+        scores.mul_(scale)
+    scores.masked_fill_(kpos > pos, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [n_kv, group, d_v]
+    return out.view(1, -1)

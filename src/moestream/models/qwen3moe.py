@@ -16,7 +16,19 @@ import torch.nn.functional as F
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq
+from .graphs import DecodeGraphs
+from .layers import (
+    KVCache,
+    Rope,
+    Weight,
+    attention,
+    attention_at,
+    decode_keys,
+    elementwise,
+    rms_norm,
+    rope_at,
+    rope_inv_freq,
+)
 
 
 @register("qwen3moe")
@@ -40,6 +52,8 @@ class Qwen3MoE(MoEModel):
         self.out_norm = self.norm("output_norm.weight")
         self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
         self.blocks = []
+        self.graphs = DecodeGraphs()
+        self._kpos: torch.Tensor | None = None
         for i in range(self.n_layers):
             p = f"blk.{i}."
             b = {
@@ -116,6 +130,8 @@ class Qwen3MoE(MoEModel):
         n_tok = tokens.shape[0]
         if start + n_tok > cache.n_ctx:
             raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
+        if n_tok == 1 and self.device.type == "cuda" and not logits_all:
+            return self.decode_cuda(tokens, start, cache)
         end = start + n_tok
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
@@ -138,4 +154,66 @@ class Qwen3MoE(MoEModel):
                 x = x + b["down"].linear(elementwise(F.silu, b["gate"].linear(h)) * b["up"].linear(h))
         if not logits_all:
             x = x[-1:]
+        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
+
+    def graphable(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph (models/graphs.py): every expert resident where
+        the GPU addresses it, every MoE layer computable by ``MoE.resident_step``, every dense weight on the
+        Triton kernels or float32, no router lookahead."""
+        store = self.store
+        if self.opts.prefetch or not all(b["moe"].on_device(store) for b in self.blocks if "moe" in b):
+            return False
+        weights = [self.embd, self.output, *(w for b in self.blocks for w in b.values() if isinstance(w, Weight))]
+        return all(w.dense is not None or w.gpu for w in weights)
+
+    def decode_cuda(self, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        """One token at ``start`` on CUDA -> logits [1, vocab]: replayed from a CUDA graph where
+        :meth:`graphable`, else the same code run eagerly (the streaming path: its top-k goes to the host)."""
+        n_keys = decode_keys(start, cache.n_ctx)
+        self.rope.reserve(cache.n_ctx)  # the whole context: a graph holds the tables' address
+        if self._kpos is None or self._kpos.shape[0] < cache.n_ctx:
+            self._kpos = torch.arange(cache.n_ctx, dtype=torch.int64, device=self.device)
+        if self.graphable():
+            store, n_moe = self.store, sum("moe" in b for b in self.blocks)
+
+            def count() -> None:  # the hits a replay does not count: top_k distinct experts per MoE layer
+                store.stats.hits += n_moe * self.top_k
+
+            key = (self.rope.cos.data_ptr(), self._kpos.data_ptr())
+            out = self.graphs.step(self._decode_body, tokens, start, n_keys, cache, store, key, count)
+            if out is not None:
+                return out
+        pos = torch.full((1,), start, dtype=torch.int64, device=self.device)
+        return self._decode_body(tokens, pos, n_keys, cache, eager=True)
+
+    def _decode_body(self, tokens: torch.Tensor, pos: torch.Tensor, n_keys: int, cache: KVCache,
+                     eager: bool = False) -> torch.Tensor:
+        """The decode step of :meth:`decode_cuda`: tokens int64 [1], pos int64 [1] on the device; attention over
+        the first ``n_keys`` cache rows (layers.attention_at). ``eager``: the MoE layers go through the store
+        (router top-k to the host, slots planned, misses read); else ``MoE.resident_step`` (nothing on the host,
+        capturable)."""
+        x = self.embd.rows_of(tokens)  # [1, hidden]
+        scale = 1.0 / math.sqrt(self.head_dim)
+        kpos = self._kpos[:n_keys]
+        for i, b in enumerate(self.blocks):
+            if eager:
+                self.lookahead(i, x)
+            h = rms_norm(x, b["attn_norm"], self.eps)
+            q = rms_norm(b["q"].linear(h).view(1, self.n_head, self.head_dim), b["q_norm"], self.eps)
+            k = rms_norm(b["k"].linear(h).view(1, self.n_kv, self.head_dim), b["k_norm"], self.eps)
+            q = rope_at(self.rope, q, pos)
+            cache.k[i].index_copy_(0, pos, rope_at(self.rope, k, pos))
+            cache.v[i].index_copy_(0, pos, b["v"].linear(h).view(1, self.n_kv, self.head_dim_v))
+            a = attention_at(q, cache.k[i][:n_keys], cache.v[i][:n_keys], pos, kpos, scale)
+            x = x + b["o"].linear(a)
+            h = rms_norm(x, b["ffn_norm"], self.eps)
+            if "moe" in b:
+                ids, w = self.gate(b, h)
+                if eager:
+                    routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
+                else:
+                    routed = b["moe"].resident_step(self.store, h, ids, w)
+                x = x + routed
+            else:
+                x = x + b["down"].linear(elementwise(F.silu, b["gate"].linear(h)) * b["up"].linear(h))
         return self.output.linear(rms_norm(x, self.out_norm, self.eps))

@@ -1,0 +1,102 @@
+"""CUDA graphs of one-token decode steps: a whole step replayed with one launch instead of ~1,200.
+
+A decode step dispatched op by op from Python costs far more host time than GPU time (one token of the
+Qwen3-30B-A3B-shaped model: ~50 ms of host work for ~9 ms of kernels on an H200). When every expert is resident
+where the GPU addresses it (``--moe-stream off`` on CUDA) the step needs nothing from the host: the router's
+top-k picks the pool rows on the device (``MoE.resident_step``), the position lives in a device tensor, and
+attention runs over a fixed number of cache rows with the later ones masked (``layers.attention_at``), so the
+step can be captured once (``torch.cuda.CUDAGraph``) and replayed at every position up to that row count
+(``layers.decode_keys``: powers of two, so a generation captures a handful of graphs).
+
+The graphed step runs the same kernels in the same order as the eager one, so the logits have the same bits as
+an eager step of the same code; the streaming path runs that eager code (its router top-k must reach the host
+to plan the slots), which is what keeps streaming on and off bitwise identical on the GPU.
+
+``MOESTREAM_CUDA_GRAPHS=0`` turns graphs off (every step eager). A capture that fails (an op that cannot be
+captured) turns them off for the model and keeps the reason in ``DecodeGraphs.off_reason``.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+
+import torch
+
+#: body(tokens int64 [1], pos int64 [1], n_keys, cache) -> logits float32 [1, vocab]
+Body = Callable[[torch.Tensor, torch.Tensor, int, object], torch.Tensor]
+
+
+def enabled() -> bool:
+    """False when ``MOESTREAM_CUDA_GRAPHS`` is ``0``, ``off`` or ``false``."""
+    return os.environ.get("MOESTREAM_CUDA_GRAPHS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+class DecodeGraphs:
+    """The captured decode steps of one model, one per key count, for one KV cache at a time.
+
+    ``step(body, tokens, start, n_keys, cache, store, key, on_replay)``: the logits of ``body`` at ``start``, from
+    the graph of ``n_keys`` (captured on first use: a warm-up run on a side stream, then the capture). ``store``:
+    the expert store whose pools the graphs address; ``key``: the other addresses they hold (the RoPE table, ...);
+    another cache, store or key drops every graph (held by weak references: a graph never outlives them).
+    ``on_replay()`` is called once per step (the host-side counters a replay does not run).
+    Returns a new tensor (the graph's output buffer is overwritten by the next replay)."""
+
+    def __init__(self) -> None:
+        self.off_reason: str | None = None if enabled() else "MOESTREAM_CUDA_GRAPHS=0"
+        self._graphs: dict[int, tuple] = {}
+        self._cache: weakref.ref | None = None
+        self._store: weakref.ref | None = None
+        self._key: tuple | None = None
+        self.captures = 0
+        self.replays = 0
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._cache, self._store, self._key = None, None, None
+
+    def step(self, body: Body, tokens: torch.Tensor, start: int, n_keys: int, cache: object, store: object,
+             key: tuple, on_replay: Callable[[], None]) -> torch.Tensor | None:
+        """The graphed step's logits, or None when graphs are off (the caller runs the step eagerly)."""
+        if self.off_reason is not None:
+            return None
+        if (self._cache is None or self._cache() is not cache or self._store() is not store
+                or self._key != key):
+            self.clear()
+            self._cache, self._store, self._key = weakref.ref(cache), weakref.ref(store), key
+        g = self._graphs.get(n_keys)
+        if g is None:
+            try:
+                g = self._capture(body, tokens, start, n_keys, cache)
+            except (RuntimeError, NotImplementedError) as e:  # an op that cannot be captured: eager from now on
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                self.off_reason = f"capture failed: {type(e).__name__}: {first}"
+                self.clear()
+                torch.cuda.synchronize()
+                return None
+            self._graphs[n_keys] = g
+        graph, tok_in, pos_in, out = g
+        tok_in.copy_(tokens)
+        pos_in.fill_(start)
+        graph.replay()
+        self.replays += 1
+        on_replay()
+        return out.clone()
+
+    def _capture(self, body: Body, tokens: torch.Tensor, start: int, n_keys: int, cache: object) -> tuple:
+        dev = tokens.device
+        tok_in = torch.empty(1, dtype=torch.int64, device=dev)
+        pos_in = torch.empty(1, dtype=torch.int64, device=dev)
+        tok_in.copy_(tokens)
+        pos_in.fill_(start)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: compiles kernels, fills lazily made constants (not captured)
+            body(tok_in, pos_in, n_keys, cache)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = body(tok_in, pos_in, n_keys, cache)
+        self.captures += 1
+        return graph, tok_in, pos_in, out
