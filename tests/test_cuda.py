@@ -176,42 +176,46 @@ def test_identity_host_tier(gpu_model, pool: str) -> None:  # noqa: ANN001
         store.close()
 
 
-def _graphs_or_skip(model):  # noqa: ANN001, ANN202
-    if not hasattr(model, "graphs"):
-        pytest.skip(f"CUDA graphs are built for qwen3moe only ({model.gguf.arch} decodes eagerly)")
-    assert model.graphable(), "a resident qwen3moe on CUDA should decode through CUDA graphs"
-    return model.graphs
+@pytest.fixture
+def graphed(gpu_model, monkeypatch):  # noqa: ANN001, ANN201
+    """``gpu_model``'s file loaded again with the opt-in CUDA-graph decode (MOESTREAM_CUDA_GRAPHS=1)."""
+    if gpu_model.gguf.arch != "qwen3moe":
+        pytest.skip(f"CUDA graphs are built for qwen3moe only ({gpu_model.gguf.arch} decodes eagerly)")
+    monkeypatch.setenv("MOESTREAM_CUDA_GRAPHS", "1")
+    model = load_model(gpu_model.gguf.path, LoadOptions(moe_stream=False, device="cuda"))
+    assert model.graphs.opted_in and model.graphable(), "a resident qwen3moe on CUDA should decode through graphs"
+    return model
 
 
-def test_cuda_graphs_same_bits_as_eager(gpu_model) -> None:  # noqa: ANN001
+def test_cuda_graphs_same_bits_as_eager(graphed, cpu_reference) -> None:  # noqa: ANN001
     """Every decode step of the resident model is a graph replay, with the same bits as the same steps run
-    eagerly (graphs off), and as many hits counted."""
+    eagerly (graphs off), as many hits counted, and within the oracle's bar of the CPU float32 path."""
     from helpers import assert_bitwise
     from moestream.models.graphs import DecodeGraphs
 
-    graphs = _graphs_or_skip(gpu_model)
-    replays, hits = graphs.replays, gpu_model.store.stats.hits
-    on = logits_of(gpu_model, _ids(gpu_model), 6, 5)
-    assert graphs.off_reason is None and graphs.replays == replays + 6
-    graphed_hits = gpu_model.store.stats.hits - hits
-    gpu_model.graphs = DecodeGraphs()
-    gpu_model.graphs.off_reason = "off for the test"
-    try:
-        hits = gpu_model.store.stats.hits
-        off = logits_of(gpu_model, _ids(gpu_model), 6, 5)
-        assert gpu_model.store.stats.hits - hits == graphed_hits
-    finally:
-        gpu_model.graphs = graphs
+    graphs = graphed.graphs
+    hits = graphed.store.stats.hits
+    on = logits_of(graphed, _ids(graphed), 6, 5)
+    assert graphs.off_reason is None and graphs.replays == 6 and graphs.captures == 1
+    graphed_hits = graphed.store.stats.hits - hits
+    graphed.graphs = DecodeGraphs()
+    graphed.graphs.opted_in, graphed.graphs.off_reason = True, "off for the test"
+    hits = graphed.store.stats.hits
+    off = logits_of(graphed, _ids(graphed), 6, 5)
+    assert graphed.store.stats.hits - hits == graphed_hits
     assert_bitwise(on, off)
+    want = cpu_reference(graphed.gguf.path, graphed)[:7]
+    scale = max(float(w.abs().max()) for w in want)
+    for step, (g, w) in enumerate(zip(on, want, strict=True)):
+        assert float((g.cpu() - w).abs().max()) <= 1e-4 * scale, step
 
 
-def test_cuda_graphs_across_key_counts(gpu_model) -> None:  # noqa: ANN001
+def test_cuda_graphs_across_key_counts(graphed) -> None:  # noqa: ANN001
     """A decode that crosses 256 cache rows captures a second graph; streaming (eager steps, top-k on the host)
     gives the same bits as the graphed resident steps there too."""
-    graphs = _graphs_or_skip(gpu_model)
-    prompt = [(7 * i + 3) % gpu_model.n_vocab for i in range(250)]
-    captures = graphs.captures
-    logits_of(gpu_model, prompt, 10, 64)
-    assert graphs.captures - captures == 2 and graphs.off_reason is None  # 256 rows, then the 260 of the context
-    res = verify(gpu_model, prompt, 10, LoadOptions(slots=2 * gpu_model.top_k, device="cuda"), ubatch=64)
-    assert res.identical, res.first_diff
+    prompt = [(7 * i + 3) % graphed.n_vocab for i in range(250)]
+    logits_of(graphed, prompt, 10, 64)
+    assert graphed.graphs.captures == 2 and graphed.graphs.off_reason is None  # 256 rows, then the 260 of the context
+    for slots in (graphed.top_k, 2 * graphed.top_k):
+        res = verify(graphed, prompt, 10, LoadOptions(slots=slots, device="cuda"), ubatch=64)
+        assert res.identical, (slots, res.first_diff)

@@ -12,8 +12,11 @@ The graphed step runs the same kernels in the same order as the eager one, so th
 an eager step of the same code; the streaming path runs that eager code (its router top-k must reach the host
 to plan the slots), which is what keeps streaming on and off bitwise identical on the GPU.
 
-``MOESTREAM_CUDA_GRAPHS=0`` turns graphs off (every step eager). A capture that fails (an op that cannot be
-captured) turns them off for the model and keeps the reason in ``DecodeGraphs.off_reason``.
+Opt-in for now: ``MOESTREAM_CUDA_GRAPHS=1`` at load turns this decode path on (qwen3moe). It is checked on the
+CPU (tests/test_gpu_path.py: the captured step's code gives the streaming step's bits under Triton's interpreter)
+but has not yet run on a GPU, so the default CUDA decode stays the eager path that tests/test_cuda.py verified
+there. A capture that fails (an op that cannot be captured) turns graphs off for the model and keeps the reason
+in ``DecodeGraphs.off_reason``; the step then runs eagerly.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ Body = Callable[[torch.Tensor, torch.Tensor, int, object], torch.Tensor]
 
 
 def enabled() -> bool:
-    """False when ``MOESTREAM_CUDA_GRAPHS`` is ``0``, ``off`` or ``false``."""
-    return os.environ.get("MOESTREAM_CUDA_GRAPHS", "1").strip().lower() not in ("0", "off", "false", "no")
+    """True when ``MOESTREAM_CUDA_GRAPHS`` is ``1``, ``on`` or ``true`` (default: off, see the module docstring)."""
+    return os.environ.get("MOESTREAM_CUDA_GRAPHS", "0").strip().lower() in ("1", "on", "true", "yes")
 
 
 class DecodeGraphs:
@@ -44,7 +47,9 @@ class DecodeGraphs:
     Returns a new tensor (the graph's output buffer is overwritten by the next replay)."""
 
     def __init__(self) -> None:
-        self.off_reason: str | None = None if enabled() else "MOESTREAM_CUDA_GRAPHS=0"
+        #: MOESTREAM_CUDA_GRAPHS=1 at load: the model decodes through ``step`` (and its eager twin)
+        self.opted_in = enabled()
+        self.off_reason: str | None = None if self.opted_in else "MOESTREAM_CUDA_GRAPHS is not 1"
         self._graphs: dict[int, tuple] = {}
         self._cache: weakref.ref | None = None
         self._store: weakref.ref | None = None
@@ -76,7 +81,7 @@ class DecodeGraphs:
                 torch.cuda.synchronize()
                 return None
             self._graphs[n_keys] = g
-        graph, tok_in, pos_in, out = g
+        graph, tok_in, pos_in, out, _ = g
         tok_in.copy_(tokens)
         pos_in.fill_(start)
         graph.replay()
@@ -95,8 +100,13 @@ class DecodeGraphs:
         with torch.cuda.stream(side):  # warm-up: compiles kernels, fills lazily made constants (not captured)
             body(tok_in, pos_in, n_keys, cache)
         torch.cuda.current_stream(dev).wait_stream(side)
+        from ..gpu import tkernels
+
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = body(tok_in, pos_in, n_keys, cache)
         self.captures += 1
-        return graph, tok_in, pos_in, out
+        # the lazily made constants the graph reads (tkernels.linear's tiles, ...) live as long as it does, even if
+        # their cache is cleared
+        keep = list(tkernels._LINEAR_CONST.values())
+        return graph, tok_in, pos_in, out, keep

@@ -130,7 +130,7 @@ class Qwen3MoE(MoEModel):
         n_tok = tokens.shape[0]
         if start + n_tok > cache.n_ctx:
             raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
-        if n_tok == 1 and self.device.type == "cuda" and not logits_all:
+        if n_tok == 1 and self.device.type == "cuda" and not logits_all and self.graphs.opted_in:
             return self.decode_cuda(tokens, start, cache)
         end = start + n_tok
         x = self.embd.rows_of(tokens)  # [T, hidden]
