@@ -26,6 +26,9 @@ THREADS_HELP = ("compute threads (default: the free CPUs when the command starts
                 "at most the physical cores, less those other jobs keep busy by the run queue and the 1-minute load "
                 "average -- at least 1; at most 4 x the CPUs)")
 
+TRACE_HELP = ("write a per-token trace to FILE (JSON lines: a header, then per token its text, phase, time, expert "
+              "hits/misses per layer, bytes read, IO wait, RSS, CPU %%, and on CUDA GPU load, memory and power; see "
+              "moestream/runtrace.py); moestream replay FILE plays it")
 DIRECT_IO_HELP = ("read experts with O_DIRECT, bypassing the page cache, so that the slot pools are the only cache "
                   "(default: on where the file system allows it; where it refuses, e.g. tmpfs, reads go through "
                   "the page cache, with a note when on was asked for); off: buffered reads")
@@ -498,6 +501,16 @@ def _print_reply(gen, dec) -> None:  # noqa: ANN001
     write_stdout(dec.flush() + "\n")
 
 
+def _open_run_trace(args: argparse.Namespace, model):  # noqa: ANN001, ANN202
+    """--trace FILE: a started runtrace.TraceWriter with its header written (None without --trace)."""
+    if getattr(args, "trace", None) is None:
+        return None
+    from .runtrace import TraceWriter
+    writer = TraceWriter(args.trace, gpu=str(model.device))
+    writer.header(model, args.command, vars(args))
+    return writer
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .chat import encode_chat
     from .engine import Engine, Sampler, SamplingParams
@@ -510,9 +523,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.interactive:
             raise ConfigError("--routing-trace records one prompt's prefill and decode; it does not apply to -cnv")
         check_trace_path(args.routing_trace, [model_path(args)])
+    if args.trace is not None:
+        from .runtrace import check_trace_path as check_run_trace_path
+        if args.interactive:
+            raise ConfigError("--trace records one prompt's prefill and decode; it does not apply to -cnv yet")
+        check_run_trace_path(args.trace, [model_path(args)])
     params = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     model, _ = _load(args, args.moe_stream)
     trace = None
+    run_trace = None  # --trace: moestream/runtrace.py's writer, opened once the store exists
     try:
         tok = _tokenizer(model)
         engine = Engine(model, args.ubatch)
@@ -533,10 +552,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"the prompt has {len(ids)} tokens; the context size -c {n_ctx} leaves no room to "
                               f"generate")
         dec = tok.stream_decoder()
+        run_trace = _open_run_trace(args, model)
         with interruptible() as interrupted:
             gen = engine.stream(ids, n_predict, Sampler(params), stop_ids=tok.eos_ids, n_ctx=n_ctx,
                                 interrupted=interrupted)
-            tokens = iter(gen)
+            tokens = iter(gen) if run_trace is None else run_trace.follow(gen, tok, tok.decode(ids))
             # The description line and the prompt echo wait for the prefill's logits (the first token): a file
             # whose weights or metadata fail in the first forward pass leaves one error line and nothing on stdout.
             first = next(tokens, None)
@@ -546,12 +566,23 @@ def cmd_run(args: argparse.Namespace) -> int:
             if not args.chat:
                 write_stdout(prompt)
             _print_reply(itertools.chain([] if first is None else [first], tokens), dec)
+    except BaseException as e:
+        if run_trace is not None:  # a failed run leaves no trace file; an interrupted one keeps what it traced
+            if isinstance(e, KeyboardInterrupt):
+                run_trace.close()
+            else:
+                run_trace.abort()
+        raise
     finally:
         if model.store is not None:
             model.store.close()
             line = _tier_line(model.store)
             if line:
                 print(line, file=sys.stderr, flush=True)
+    if run_trace is not None:
+        run_trace.close()
+        print(f"moestream: trace of {run_trace.records} records written to {args.trace} (moestream replay "
+              f"{args.trace} plays it)", file=sys.stderr, flush=True)
     if trace is not None:
         trace.finish()
         trace.write(args.routing_trace)
@@ -773,6 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=0.95)
     r.add_argument("--min-p", type=float, default=0.05)
     r.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed; -1 (default) = random")
+    r.add_argument("--trace", default=None, metavar="FILE", help=TRACE_HELP)
     r.add_argument("--routing-trace", default=None, metavar="FILE",
                    help="write the run's routing trace (every slot request: layer, experts, pinned; JSON lines with "
                    "a header, see experts/trace.py) to FILE, replaced atomically; moestream trace FILE replays it")
