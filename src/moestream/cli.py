@@ -868,6 +868,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write the results as JSON to this file (a symlink is followed; a "
                    "FIFO or device is written into; a regular file is replaced atomically)")
     b.add_argument("--policy", default="lfu", type=str.lower, help="slot replacement policy: lfu or lru")
+    b.add_argument("--trace", default=None, metavar="FILE", help="write one per-token trace of the moestream rows' "
+                   "timed repetitions to FILE (as run --trace; each record tagged with its row, test and repetition; "
+                   "the warm-up is not traced; tracing costs the rows a little speed)")
     b.add_argument("--routing", default="model", metavar="model|calibrated",
                    help="model (default): each row's router picks the experts; calibrated: every moestream row gets "
                    "the same synthetic expert ids with a trained model's popularity skew and reuse, fitted to "

@@ -43,11 +43,10 @@ import json
 import os
 import platform
 import stat
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
