@@ -763,6 +763,35 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    """``moestream replay TRACE``: a trace that cannot be read is one line on stderr and exit status 2."""
+    from .errors import ConfigError
+    from .replay import frame_text, make_app, timeline, write_page
+    from .runtrace import RunTraceError, read_trace
+
+    try:
+        tl = timeline(read_trace(args.file), args.row)
+    except RunTraceError as e:
+        print(f"moestream: error: {e}", file=sys.stderr)
+        return 2
+    if args.at is not None and not 1 <= args.at <= len(tl):
+        raise ConfigError(f"--at {args.at}: {args.file} has tokens 1 to {len(tl)}")
+    if not 0 < args.speed <= 1000:
+        raise ConfigError(f"--speed must be above 0 and at most 1000, got {args.speed}")
+    at = (args.at or len(tl)) - 1
+    if args.html is not None:
+        from .bench import check_json_path
+        check_json_path(args.html, [args.file], option="--html", what="the page")
+        write_page(tl, args.html)
+        print(f"moestream: page of {len(tl)} tokens written to {args.html}", file=sys.stderr, flush=True)
+        return 0
+    if sys.stdout is not None and sys.stdout.isatty() and sys.stdin is not None and sys.stdin.isatty():
+        make_app(tl, args.speed, 0 if args.at is None else at, autoplay=True).run()
+        return 0
+    write_stdout(frame_text(tl, at) + "\n")  # no terminal: the frame at --at (default the last token)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
     _check_common(args)
@@ -902,7 +931,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slots per layer to simulate, comma-separated (default: the recorded count; a resident "
                    "trace: a quarter of the experts, at least top-k)")
     t.set_defaults(func=cmd_trace)
-    ap.subcommands = {"run": r, "inspect": i, "verify": v, "bench": b, "trace": t}  # type: ignore[attr-defined]
+    p = sub.add_parser("replay", help="play a per-token trace (run --trace FILE) back in the terminal, or write it "
+                       "as one HTML page")
+    p.add_argument("file", metavar="TRACE", help="a trace written by moestream run (or bench) --trace FILE")
+    p.add_argument("--html", default=None, metavar="OUT.html", help="write a self-contained page (text with "
+                   "hoverable tokens, plots of latency, IO wait, hit rate, load and power, a scrubber) instead")
+    p.add_argument("--row", type=int, default=None, help="a bench trace: the row to play (default: the first "
+                   "traced row)")
+    p.add_argument("--speed", type=float, default=1.0, help="playback speed, x the recorded speed (default 1)")
+    p.add_argument("--at", type=int, default=None, metavar="N", help="start at token N (1-based); without a "
+                   "terminal, print the frame at token N (default: the last)")
+    p.set_defaults(func=cmd_replay)
+    ap.subcommands = {"run": r, "inspect": i, "verify": v, "bench": b, "trace": t,  # type: ignore[attr-defined]
+                      "replay": p}  # type: ignore[attr-defined]
     return ap
 
 
