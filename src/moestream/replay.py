@@ -288,7 +288,8 @@ h1{font-size:17px;margin:0 0 4px} #meta{color:#555;margin-bottom:10px;font-size:
  border-radius:6px;padding:10px;max-height:220px;overflow:auto}
 .tok{border-radius:2px;cursor:pointer} .tok:hover{background:#ffe9a8;outline:1px solid #e0b000}
 .tok.prefill{color:#6a7280} .tok.later{color:#aab0bb} .tok.cur{background:#2f6fde;color:#fff}
-#controls{margin:12px 0 6px;display:flex;gap:10px;align-items:center} #scrub{flex:1}
+#controls{margin:12px 0 6px;display:flex;flex-wrap:wrap;gap:4px 14px;align-items:center} #scrub{flex:1 1 420px}
+#cur-text{white-space:pre;background:#eef2f8;padding:0 3px}
 #readout{font:12.5px/1.5 ui-monospace,monospace;background:#fff;border:1px solid #d7dbe2;border-radius:6px;
  padding:8px 10px;white-space:pre-wrap}
 .plot{display:block;margin-top:6px;background:#fff;border:1px solid #e3e6ea;border-radius:4px}
@@ -301,7 +302,7 @@ h1{font-size:17px;margin:0 0 4px} #meta{color:#555;margin-bottom:10px;font-size:
 _JS = r"""
 (function(){
 const D = JSON.parse(document.getElementById('trace-data').textContent);
-const N = D.tokens.length, W = 960, H = 92, PADL = 150, PADR = 10;
+const N = D.tokens.length, W = 940, H = 92, PADL = 150, PADR = 10;
 const xs = i => PADL + (i + 0.5) * (W - PADL - PADR) / N;
 const fmt = (v, d, u) => v === null || v === undefined ? '-' : v.toFixed(d) + (u || '');
 function bytes(n){ if (n >= 1073741824) return (n/1073741824).toFixed(2)+' GiB';
@@ -327,7 +328,9 @@ D.tokens.forEach((r, i) => {
   s.className = 'tok' + (r.phase === 'prefill' ? ' prefill' : '');
   s.dataset.i = i; s.textContent = r.text === '' ? '\u200b' : r.text;
   s.addEventListener('mouseenter', e => { tip.textContent = lines(i).join('\n'); tip.style.display = 'block';
-    tip.style.left = (e.clientX + 12) + 'px'; tip.style.top = (e.clientY + 14) + 'px';
+    const tw = tip.offsetWidth, th = tip.offsetHeight;
+    tip.style.left = Math.max(4, Math.min(e.clientX + 12, window.innerWidth - tw - 8)) + 'px';
+    tip.style.top = (e.clientY + 14 + th > window.innerHeight ? e.clientY - th - 10 : e.clientY + 14) + 'px';
     document.getElementById('hovered').textContent = String(i + 1); });
   s.addEventListener('mouseleave', () => { tip.style.display = 'none'; });
   s.addEventListener('click', () => set(i));
