@@ -128,7 +128,7 @@ def test_run_trace_bytes_are_the_misses_expert_sizes(traced_run):
     size = {layer: model.layout.bytes_per_expert(layer) for layer in tr.layers}
     for r in tr.tokens:
         assert r["read_bytes"] == sum(m * size[layer] for layer, m in zip(tr.layers, r["misses"], strict=True))
-        assert r["disk_bytes"] >= 0
+        assert "disk_bytes" not in r  # per generation (the end line), not per token
 
 
 def test_writer_sums_match_the_generation_stats(tmp_path):

@@ -117,7 +117,7 @@ def stats_lines(tl: Timeline, i: int) -> list[str]:
     return [
         f"token {i + 1}/{n}  {what}  text {json.dumps(r['text'], ensure_ascii=False)[:80]}  t {r['t']:.3f} s{tags}",
         f"latency {1000 * r['dt']:.2f} ms ({_num(tps, 1)} tok/s)  IO wait {1000 * r['io_wait_s']:.2f} ms  "
-        f"read {_bytes(r['read_bytes'])}  disk {_bytes(r.get('disk_bytes', 0))}",
+        f"read {_bytes(r['read_bytes'])}",
         f"experts: {h} hits, {m} misses (hit rate {_num(tl.hit_pct[i], 1, '%')})  per layer hits/misses: {per}",
         f"RSS {_bytes(r.get('rss', 0))}  CPU {_num(r.get('cpu_pct'), 0, '%')}  {gpu_s}",
     ]

@@ -19,15 +19,20 @@ File format (JSON lines, UTF-8; ``FORMAT`` / ``VERSION``). Every line is an obje
   ``i`` (record number in the file, from 0), ``t`` (seconds from the trace's start to the end of the interval),
   ``dt`` (the interval's seconds), ``hits`` / ``misses`` (expert uses that found / had to read their expert,
   per MoE layer in the header's ``layers`` order; see StoreStats), ``read_bytes`` (expert bytes read into the
-  slots), ``disk_bytes`` (bytes the process made the disk read: /proc/self/io, page-cache hits excluded),
-  ``io_wait_s`` (seconds the compute thread was blocked on expert reads: StoreStats.stall_seconds), ``rss``
-  (resident set size at the end, bytes), ``cpu_pct`` (the process's CPU time over the interval's wall time,
+  slots), ``io_wait_s`` (seconds the compute thread was blocked on expert reads: StoreStats.stall_seconds), ``rss``
+  (resident set size at the end, bytes: read at most every ``RSS_SECONDS``, the latest reading in between),
+  ``cpu_pct`` (the process's CPU time over the interval's wall time,
   x 100: 400 is four cores busy), ``gpu`` (null without GPU telemetry, else ``util_pct``, ``mem_bytes``,
   ``power_w``: the mean of the NVML samples taken in the interval, ``samples`` their count; with 0 the interval
   was shorter than the sampling period and holds the latest reading before its end). Optional tags name where
   the record belongs: ``row``, ``test``, ``rep`` (bench), ``request`` (serve), ``turn`` (-cnv).
 - ``"end"``: after a generation's records: its tags, ``stop_reason``, ``n_prompt``, ``n_decode``,
-  ``prompt_tps``, ``decode_tps``, ``hit_rate``.
+  ``prompt_tps``, ``decode_tps``, ``hit_rate``, ``disk_bytes`` (bytes the process made the disk read over the
+  generation: /proc/self/io, page-cache hits excluded; per generation, not per token: reading it costs ~30 us).
+
+Cost: a record takes about 50-100 us of the generating thread's time (the counters, /proc/self/statm, one
+line formatted by hand; the file is flushed at most every ``FLUSH_SECONDS``): benchmarks/trace_overhead.py
+measures it against the time per token.
 - ``"row"`` (bench): a row's ``row`` number, ``label`` and, when it ran here, its ``store``.
 
 :class:`TraceWriter` writes it (``header``, then ``begin`` / ``token`` / ``end`` per generation, ``close``);
@@ -56,6 +61,10 @@ FORMAT = "moestream-run-trace"
 VERSION = 1
 #: NVML sampling period of a trace's GPU readings (seconds)
 GPU_INTERVAL = 0.02
+#: the trace file is flushed when a record comes this many seconds after the last flush (and at the end)
+FLUSH_SECONDS = 0.5
+#: a record's RSS is read at most this often (seconds); records in between repeat the latest reading
+RSS_SECONDS = 0.05
 
 
 class RunTraceError(MoestreamError):
@@ -71,6 +80,7 @@ class _Proc:
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self._statm = self._open("/proc/self/statm")
         self._io = self._open("/proc/self/io")
+        self._rss, self._rss_t = 0, -1e9
 
     @staticmethod
     def _open(path: str) -> int | None:
@@ -79,13 +89,19 @@ class _Proc:
         except OSError:
             return None
 
-    def rss(self) -> int:
+    def rss(self, now: float | None = None) -> int:
+        """Bytes resident; with ``now`` (time.monotonic()) the last reading when it is younger than RSS_SECONDS
+        (reading /proc/self/statm costs ~20 us in a busy multi-threaded process; RSS moves slowly)."""
+        if now is not None and now - self._rss_t < RSS_SECONDS:
+            return self._rss
         if self._statm is None:
             return 0
         try:
-            return int(os.pread(self._statm, 256, 0).split()[1]) * self._page
+            self._rss = int(os.pread(self._statm, 256, 0).split()[1]) * self._page
         except (OSError, ValueError, IndexError):
-            return 0
+            self._rss = 0
+        self._rss_t = now if now is not None else time.monotonic()
+        return self._rss
 
     def disk_bytes(self) -> int:
         if self._io is None:
@@ -235,6 +251,9 @@ class TraceWriter:
         self._proc = _Proc()
         self._t0 = time.monotonic()
         self._i = 0
+        self._flushed = self._t0
+        self._tag_json = ""
+        self._disk0 = 0
         self._closed = False
         self._headed = header_written
         self._store = None
@@ -275,10 +294,14 @@ class TraceWriter:
         return self._i
 
     # -- lines
-    def _write(self, obj: dict) -> None:
+    def _write(self, obj: dict | str) -> None:
         try:
-            self._f.write(json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n")
-            self._f.flush()
+            self._f.write((obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+                          + "\n")
+            now = time.monotonic()
+            if now - self._flushed >= FLUSH_SECONDS or not isinstance(obj, str):
+                self._f.flush()
+                self._flushed = now
         except OSError as e:
             raise OutputError(f"{self.option} {self.path}: cannot write the trace ({e.strerror or e})") from None
 
@@ -319,7 +342,7 @@ class TraceWriter:
             counts = [tuple(lc[layer]) for layer in self._layers]
             stall = store.stats.stall_seconds
             read = store.bytes_read
-        return time.monotonic(), self._proc.cpu_seconds(), counts, stall, read, self._proc.disk_bytes()
+        return time.monotonic(), self._proc.cpu_seconds(), counts, stall, read
 
     def begin(self, model, **tags: Any) -> None:  # noqa: ANN001
         """Start a generation on ``model`` (its current store is read from here on): the next record measures from
@@ -328,6 +351,9 @@ class TraceWriter:
             self._store = model.store
             self._layers = list(model.layout.moe_layers)
             self._tags = {k: v for k, v in tags.items() if v is not None}
+            self._tag_json = "".join(f",{json.dumps(k)}:{json.dumps(v, ensure_ascii=False)}"
+                                     for k, v in self._tags.items())
+            self._disk0 = self._proc.disk_bytes()
             self._mark = self._snapshot()
 
     def token(self, text: str, phase: str = "decode", n: int = 1, token_id: int | None = None,
@@ -339,23 +365,22 @@ class TraceWriter:
             if self._mark is None:
                 raise RuntimeError("TraceWriter.token before begin")
             now = self._snapshot()
-            t0, c0, k0, s0, r0, d0 = self._mark
-            t1, c1, k1, s1, r1, d1 = now
+            t0, c0, k0, s0, r0 = self._mark
+            t1, c1, k1, s1, r1 = now
             self._mark = now
             dt = t1 - t0
-            rec = {"kind": "token", "i": self._i, **self._tags, "phase": phase, "n": n}
-            if token_id is not None:
-                rec["id"] = token_id
-            if eog:
-                rec["eog"] = True
-            rec.update({"text": text, "t": round(t1 - self._t0, 6), "dt": round(dt, 6),
-                        "hits": [b[0] - a[0] for a, b in zip(k0, k1, strict=True)],
-                        "misses": [b[1] - a[1] for a, b in zip(k0, k1, strict=True)],
-                        "read_bytes": r1 - r0, "disk_bytes": d1 - d0, "io_wait_s": round(s1 - s0, 6),
-                        "rss": self._proc.rss(), "cpu_pct": round(100 * (c1 - c0) / dt, 1) if dt > 0 else 0.0,
-                        "gpu": self._gpu.reading(t0, t1) if self._gpu is not None else None})
+            gpu = self._gpu.reading(t0, t1) if self._gpu is not None else None
+            # formatted by hand: json.dumps of the whole record costs several times more (see FLUSH_SECONDS)
+            line = (f'{{"kind":"token","i":{self._i}{self._tag_json},"phase":"{phase}","n":{n}'
+                    + (f',"id":{int(token_id)}' if token_id is not None else "") + (',"eog":true' if eog else "")
+                    + f',"text":{json.dumps(text, ensure_ascii=False)},"t":{t1 - self._t0:.6f},"dt":{dt:.6f}'
+                    f',"hits":[{",".join([str(b[0] - a[0]) for a, b in zip(k0, k1, strict=True)])}]'
+                    f',"misses":[{",".join([str(b[1] - a[1]) for a, b in zip(k0, k1, strict=True)])}]'
+                    f',"read_bytes":{r1 - r0},"io_wait_s":{s1 - s0:.6f},"rss":{self._proc.rss(t1)}'
+                    f',"cpu_pct":{100 * (c1 - c0) / dt if dt > 0 else 0.0:.1f}'
+                    f',"gpu":{"null" if gpu is None else json.dumps(gpu)}}}')
             self._i += 1
-            self._write(rec)
+            self._write(line)
 
     def end(self, gen) -> None:  # noqa: ANN001 - engine.Generation
         """After ``gen`` has finished: a record for its end-of-generation token (the interval that sampled it) when
@@ -366,7 +391,8 @@ class TraceWriter:
         with self._lock:
             self._write({"kind": "end", **self._tags, "stop_reason": st.stop_reason, "n_prompt": st.n_prompt,
                          "n_decode": st.n_decode, "prompt_tps": round(st.prompt_tps, 3),
-                         "decode_tps": round(st.decode_tps, 3), "hit_rate": round(st.hit_rate, 6)})
+                         "decode_tps": round(st.decode_tps, 3), "hit_rate": round(st.hit_rate, 6),
+                         "disk_bytes": self._proc.disk_bytes() - self._disk0})
             self._mark = None
 
     def follow(self, gen, tokenizer, prompt_text: str, model=None, **tags: Any) -> Iterator[int]:  # noqa: ANN001
