@@ -297,3 +297,36 @@ def test_reader_refuses_bad_files(tmp_path, traced_run):
         read_trace(str(tmp_path / "bin"))
     with pytest.raises(RunTraceError, match="directory"):
         read_trace(str(tmp_path))
+
+
+def test_writer_around_text_events(tmp_path):
+    """The serve recipe (README): begin, on_prefill, token per TokenEvent, end after the DoneEvent; a stop string
+    ends the generation, and the records' texts are what the events released."""
+    from moestream.textgen import DoneEvent, TokenEvent, text_events
+
+    model = load_model(default_model_path(), LoadOptions(moe_stream=True, slots=8))
+    tok = GGUFTokenizer.from_gguf(default_model_path())
+    engine = Engine(model)
+    ids = tok.encode(PROMPT)
+    free = "".join(tok.decode([t]) for t in list(engine.stream(ids, 10, Sampler(SamplingParams(temp=0)))))
+    stop = free[len(free) // 2:len(free) // 2 + 3]  # a stop string inside the greedy text
+    path = tmp_path / "serve.jsonl"
+    tw = TraceWriter(str(path))
+    tw.header(model, "serve", {})
+    gen = engine.stream(ids, 10, Sampler(SamplingParams(temp=0)))
+    tw.begin(model, request="r1")
+    gen.on_prefill = lambda g: tw.token(PROMPT, phase="prefill", n=len(ids))
+    released = []
+    for ev in text_events(gen, tok, stop=[stop]):
+        if isinstance(ev, TokenEvent):
+            tw.token(ev.text, token_id=ev.id)
+            released.append(ev.text)
+        else:
+            assert isinstance(ev, DoneEvent) and ev.stop == stop
+            tw.end(gen)
+    tw.close()
+    tr = read_trace(str(path))
+    assert [r["phase"] for r in tr.tokens] == ["prefill"] + ["decode"] * len(released)
+    assert [r["text"] for r in tr.tokens[1:]] == released and "".join(released) == free[:free.index(stop)]
+    assert tr.ends[0]["stop_reason"] == "stop" and tr.ends[0]["request"] == "r1"
+    assert sum(sum(r["hits"]) + sum(r["misses"]) for r in tr.tokens) == gen.stats.hits + gen.stats.misses
