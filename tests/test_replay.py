@@ -40,6 +40,15 @@ def plain(widget) -> str:  # noqa: ANN001 - a Static holding a rich Text
     return widget.content.plain
 
 
+def screen(app) -> str:  # noqa: ANN001
+    """What the terminal shows: the text of Textual's own screenshot (SVG), one string per row, joined."""
+    import html
+    import re
+
+    svg = app.export_screenshot()
+    return "\n".join(html.unescape(t).replace("\xa0", " ") for t in re.findall(r"<text[^>]*>(.*?)</text>", svg))
+
+
 # ------------------------------------------------------------------------------------------------ terminal
 def test_terminal_player_scrubbed_with_the_arrow_keys(tl):
     recs = tl.records
@@ -126,6 +135,24 @@ def test_replay_without_a_terminal_prints_the_frame(trace_path, tl):
     assert "token 9/9" in p.stdout
     p = cli("replay", trace_path, "--at", "10")
     assert p.returncode == 1 and "tokens 1 to 9" in p.stderr
+
+
+def test_terminal_player_fits_an_80x24_terminal(tl):
+    """On an 80 x 24 terminal every region is on screen: the title, the text, the strip's caret, and all four
+    lines of the current token's statistics."""
+    async def go() -> str:
+        app = make_app(tl, autoplay=False)
+        async with app.run_test(size=(80, 24)) as pilot:
+            for _ in range(4):
+                await pilot.press("right")
+            await pilot.pause()
+            return screen(app)
+
+    shown = asyncio.run(go())
+    r = tl.records[4]
+    assert "token 5/9 |" in shown and "^ token 5" in shown
+    assert f"token 5/9  decode, id {r['id']}" in shown and f"latency {1000 * r['dt']:.2f} ms" in shown
+    assert "experts:" in shown and "RSS " in shown and "CPU " in shown
 
 
 # ------------------------------------------------------------------------------------------------ bad input

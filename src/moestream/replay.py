@@ -186,8 +186,8 @@ def make_app(tl: Timeline, speed: float = 1.0, start: int = 0, autoplay: bool = 
         CSS = """
         #title { height: 1; background: $primary-background; }
         #textbox { height: 1fr; border: round $secondary; }
-        #strip { height: 6; border: round $secondary; }
-        #stats { height: 6; border: round $secondary; }
+        #strip { height: auto; border: round $secondary; }
+        #stats { height: auto; max-height: 12; border: round $secondary; }
         """
         BINDINGS = [
             Binding("space", "toggle", "play/pause"), Binding("right", "step(1)", "next"),
