@@ -259,3 +259,25 @@ def test_html_page_in_headless_chromium(tmp_path, trace_path, tl, browser_tool):
         assert scrub.input_value() == "0" and page.inner_text("#readout").startswith("token 1/9  prefill of")
         assert errors == [] and requests == [out.as_uri()]
         b.close()
+
+
+def test_html_page_holds_markup_as_text(tmp_path, browser_tool):
+    """A prompt that looks like markup (a script end tag, a comment start, an element) is text on the page."""
+    from playwright.sync_api import sync_playwright
+
+    prompt = 'a </script><!-- <b onmouseover="x()">bold</b> & c'
+    trace, out = tmp_path / "t.jsonl", tmp_path / "t.html"
+    assert cli("run", "-n", "3", "--temp", "0", "-p", prompt, "--trace", str(trace)).returncode == 0
+    assert cli("replay", str(trace), "--html", str(out)).returncode == 0
+    recs = read_trace(str(trace)).tokens
+    with sync_playwright() as pw:
+        b = browser_tool.launch(pw)
+        page = b.new_context(offline=True).new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(out.as_uri())
+        page.wait_for_selector("#plots svg")
+        assert errors == []
+        assert page.locator("#text .tok").first.text_content() == recs[0]["text"] and prompt in recs[0]["text"]
+        assert page.locator("#text b").count() == 0
+        b.close()

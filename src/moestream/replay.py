@@ -398,7 +398,7 @@ def page(tl: Timeline) -> str:
     data = {"tokens": tl.records, "plots": plots, "load_name": tl.load_name,
             "series": {"latency_ms": tl.latency_ms, "io_wait_ms": tl.io_wait_ms, "hit_pct": tl.hit_pct,
                        "load_pct": tl.load_pct, "power_w": tl.power_w}}
-    blob = json.dumps(data, ensure_ascii=False).replace("</", "<\\/").replace("<!--", "<\\!--")
+    blob = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")  # no </script> or <!-- in the page
     row = f", row {tl.row}" if tl.row is not None else ""
     title = f"moestream replay: {model.get('name', '?')}{row}"
     meta = (f"{h.get('command')} of {model.get('name', '?')} ({model.get('arch', '?')}, top-{model.get('top_k', '?')} "
