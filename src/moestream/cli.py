@@ -1,7 +1,7 @@
-"""The ``moestream`` command: run, inspect, verify, bench, trace.
+"""The ``moestream`` command: run, inspect, verify, bench, trace, replay.
 
 Errors that a user can cause (bad file, bad option, read failure) print one line on stderr and exit 1;
-bad command-line syntax exits 2 (argparse).
+bad command-line syntax exits 2 (argparse), and so does a trace file that ``replay`` cannot read.
 """
 
 from __future__ import annotations

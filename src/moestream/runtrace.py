@@ -242,7 +242,9 @@ class TraceWriter:
     FIFO, /dev/null) is written into directly. OutputError naming ``option`` when the file cannot be written.
     ``gpu``: a device name (``cuda:0``) to sample with NVML every :data:`GPU_INTERVAL` seconds (nothing when
     nvidia-ml-py or the GPU is missing: records hold ``gpu`` null); None: no GPU telemetry. Thread-safe (one lock
-    per record), so a server's worker thread can write while another closes it.
+    per record), so a server's worker thread can write while another closes it; but it follows one generation
+    at a time (each record measures from the previous one), as the engine runs them: a server that interleaved
+    generations would need one writer each.
     """
 
     def __init__(self, path: str, gpu: str | None = None, option: str = "--trace", *, header_written: bool = False):
