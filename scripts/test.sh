@@ -7,6 +7,14 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
+# Chromium for the replay page's browser test (tests/test_replay.py drives it with Playwright); Debian's package
+if [ ! -x /usr/bin/chromium ]; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium
+fi
+export MOESTREAM_REQUIRE_BROWSER=1
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
 # llama.cpp as a test oracle (tests marked llamacpp): llama-cpp-python built once from its pinned sdist into

@@ -226,6 +226,7 @@ def run_row(cfg: dict) -> dict:
     if getattr(model, "device", None) is not None:
         result["device_used"] = str(model.device)  # what "auto" became
     sync = _cuda_sync(model)
+    tw = _row_trace(cfg, model)  # --trace: this row's records (moestream/runtrace.py), or None
     from .telemetry import sampler
     gpu = sampler()  # None without nvidia-ml-py or a GPU
 
@@ -233,22 +234,32 @@ def run_row(cfg: dict) -> dict:
         st = store.stats
         return st.hits, st.misses, store.bytes_read, disk_read_bytes(), st.stall_seconds, st.copy()
 
-    def pp(n: int) -> float:
+    def pp(n: int, tags: dict | None = None) -> float:
         toks = [rng.randrange(model.n_vocab) for _ in range(n)]
         cache = model.new_cache(n)
         sync()
+        if tags is not None:
+            tw.begin(model, **tags)
         t0 = time.perf_counter()
         engine.prefill(toks, cache)
         sync()
-        return time.perf_counter() - t0
+        secs = time.perf_counter() - t0
+        if tags is not None:
+            tw.token(tw.tokenizer.decode(toks), phase="prefill", n=n)
+        return secs
 
-    def tg(n: int) -> float:
+    def tg(n: int, tags: dict | None = None) -> float:
         toks = [rng.randrange(model.n_vocab) for _ in range(n)]
         cache = model.new_cache(n + 1)
         sync()
+        if tags is not None:
+            tw.begin(model, **tags)
+            dec = tw.tokenizer.stream_decoder()
         t0 = time.perf_counter()
         for pos, tok in enumerate(toks):
             engine.decode_step(tok, pos, cache)
+            if tags is not None:  # the record of the token this step decoded (bench feeds random tokens)
+                tw.token(dec.push(tok), token_id=tok)
         sync()
         return time.perf_counter() - t0
 
@@ -262,7 +273,8 @@ def run_row(cfg: dict) -> dict:
             continue
         s0, i0 = snapshot(), len(trace or ())
         w0 = time.monotonic()
-        secs = [fn(n) for _ in range(cfg["repetitions"])]
+        secs = [fn(n, None if tw is None else {"row": cfg["trace"]["row"], "test": f"{name}{n}", "rep": r})
+                for r in range(1, cfg["repetitions"] + 1)]
         w1 = time.monotonic()
         s1 = snapshot()
         tps = [n / s for s in secs]
@@ -308,7 +320,50 @@ def run_row(cfg: dict) -> dict:
         result["host_tier"] = {"gib": tier.nbytes / GiB, "rows_per_layer": min(tier.rows.values()),
                                "hits": tier.hits, "misses": tier.misses}
     store.close()
+    if tw is not None:
+        tw.close()
     return result
+
+
+def _row_trace(cfg: dict, model):  # noqa: ANN001, ANN202
+    """bench --trace: a TraceWriter of this row's records into ``cfg["trace"]["path"]`` (run_bench puts the header
+    and the rows together), its ``"row"`` line written, with the model's tokenizer as ``.tokenizer``; or None."""
+    if not cfg.get("trace"):
+        return None
+    from .runtrace import TraceWriter, store_info
+    from .tokenizer import GGUFTokenizer
+    tw = TraceWriter(cfg["trace"]["path"], gpu=str(model.device), header_written=True)
+    tw.tokenizer = GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path)
+    tw.record({"kind": "row", "row": cfg["trace"]["row"], "label": cfg["trace"]["label"],
+               "store": store_info(model.store), "device": str(model.device)})
+    return tw
+
+
+def write_bench_trace(path: str, header: dict, cfgs: list[dict], rows: list[dict]) -> None:
+    """bench --trace PATH: one file, the header (``header``: the options, the model, the rows' labels), then each
+    row's ``"row"`` line and records in row order (a row that failed or is llama.cpp's: its ``"row"`` line with
+    ``traced`` false and the error, if any), written as :func:`write_output` writes."""
+    import datetime
+
+    from .runtrace import FORMAT, VERSION, _machine, _versions
+    head = {"kind": "header", "format": FORMAT, "version": VERSION, "command": "bench",
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **header,
+            "machine": _machine(header.get("device", "cpu")), "versions": _versions()}
+    parts = [json.dumps(head, ensure_ascii=False, separators=(",", ":")) + "\n"]
+    for i, (cfg, row) in enumerate(zip(cfgs, rows, strict=True), 1):
+        t = cfg.get("trace")
+        text = ""
+        if t and "error" not in row:
+            with contextlib.suppress(OSError):
+                with open(t["path"], encoding="utf-8") as f:
+                    text = f.read()
+        if text:
+            parts.append(text)
+        else:
+            label = " ".join(_row_label(cfg)) if not t else t["label"]
+            parts.append(json.dumps({"kind": "row", "row": i, "label": label, "traced": False,
+                                     "error": row.get("error")}) + "\n")
+    write_output(path, "".join(parts), "--trace", "the trace")
 
 
 def _cuda_sync(model):  # noqa: ANN001, ANN202
@@ -719,6 +774,9 @@ def run_bench(args: argparse.Namespace) -> int:
     n_exp = int(g.arch_get("expert_count", 0))
     if args.json is not None:
         check_json_path(args.json, g.paths)
+    trace_path = getattr(args, "trace", None)
+    if trace_path is not None:
+        check_json_path(trace_path, g.paths, option="--trace", what="the trace")
     if args.policy not in ("lfu", "lru"):
         raise ConfigError(f"--policy: unknown cache policy {args.policy!r}; choose one of lfu, lru")
     if args.repetitions < 1:
@@ -847,6 +905,37 @@ def run_bench(args: argparse.Namespace) -> int:
         bandwidth = disk_read_bandwidth(g.paths[0], chunk)
         print(f"disk random-read bandwidth: {bandwidth / 1e9:.2f} GB/s ({chunk / 2**20:.2f} MiB reads, 8 threads, "
               f"O_DIRECT)", file=sys.stderr, flush=True)
+    trace_dir = tempfile.mkdtemp(prefix="moestream-bench-trace-") if trace_path is not None else None
+    if trace_dir is not None:
+        for i, cfg in enumerate(cfgs, 1):
+            if cfg.get("engine") is None:  # moestream's rows; llama.cpp's are not traced
+                cfg["trace"] = {"path": os.path.join(trace_dir, f"row{i}.jsonl"), "row": i,
+                                "label": " ".join(_row_label(cfg))}
+    rows = None
+    try:
+        rows = _run_rows(args, cfgs, g, cap)
+    finally:
+        if trace_dir is not None and rows is None:  # interrupted: no trace, as no --json
+            import shutil
+            shutil.rmtree(trace_dir, ignore_errors=True)
+        elif trace_dir is not None:
+            try:
+                from .experts.layout import ExpertLayout
+                write_bench_trace(trace_path, {
+                    "model": {"path": os.path.abspath(model), "name": os.path.basename(model), "arch": g.arch,
+                              "n_experts": n_exp, "top_k": top_k, "file_bytes": g.file_bytes},
+                    "layers": ExpertLayout(g).moe_layers, "device": device,
+                    "options": {k: v for k, v in vars(args).items() if not callable(v)},
+                    "rows": [{"row": i, "label": " ".join(_row_label(c)), "traced": bool(c.get("trace"))}
+                             for i, c in enumerate(cfgs, 1)]}, cfgs, rows)
+            finally:
+                import shutil
+                shutil.rmtree(trace_dir, ignore_errors=True)
+    return _report(args, rows, bandwidth, routing, calibration, g, model)
+
+
+def _run_rows(args: argparse.Namespace, cfgs: list[dict], g, cap) -> list[dict]:  # noqa: ANN001
+    """Each row in its own process (under the cap's cgroup with --mem-cap): the rows' results, in order."""
     rows = []
     for i, cfg in enumerate(cfgs, 1):
         mode, s, t, ov, pf, reads = _row_label(cfg)
@@ -874,6 +963,12 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             rows.append({**row, "mem_cap": args.mem_cap, "cgroup_peak_gib": peak})
+        rows[-1].pop("trace", None)  # a temporary file of --trace, gone after the run
+    return rows
+
+
+def _report(args: argparse.Namespace, rows: list[dict], bandwidth, routing, calibration, g, model) -> int:  # noqa: ANN001
+    """The table on stdout, --json, and the exit status of run_bench."""
     from .cli import write_stdout
 
     table = format_table(rows, bandwidth)

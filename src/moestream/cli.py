@@ -1,7 +1,7 @@
-"""The ``moestream`` command: run, inspect, verify, bench, trace.
+"""The ``moestream`` command: run, inspect, verify, bench, trace, replay.
 
 Errors that a user can cause (bad file, bad option, read failure) print one line on stderr and exit 1;
-bad command-line syntax exits 2 (argparse).
+bad command-line syntax exits 2 (argparse), and so does a trace file that ``replay`` cannot read.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ THREADS_HELP = ("compute threads (default: the free CPUs when the command starts
                 "at most the physical cores, less those other jobs keep busy by the run queue and the 1-minute load "
                 "average -- at least 1; at most 4 x the CPUs)")
 
+TRACE_HELP = ("write a per-token trace to FILE (JSON lines: a header, then per token its text, phase, time, expert "
+              "hits/misses per layer, bytes read, IO wait, RSS, CPU %%, and on CUDA GPU load, memory and power; see "
+              "moestream/runtrace.py); moestream replay FILE plays it")
 DIRECT_IO_HELP = ("read experts with O_DIRECT, bypassing the page cache, so that the slot pools are the only cache "
                   "(default: on where the file system allows it; where it refuses, e.g. tmpfs, reads go through "
                   "the page cache, with a note when on was asked for); off: buffered reads")
@@ -498,6 +501,16 @@ def _print_reply(gen, dec) -> None:  # noqa: ANN001
     write_stdout(dec.flush() + "\n")
 
 
+def _open_run_trace(args: argparse.Namespace, model):  # noqa: ANN001, ANN202
+    """--trace FILE: a started runtrace.TraceWriter with its header written (None without --trace)."""
+    if getattr(args, "trace", None) is None:
+        return None
+    from .runtrace import TraceWriter
+    writer = TraceWriter(args.trace, gpu=str(model.device))
+    writer.header(model, args.command, vars(args))
+    return writer
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .chat import encode_chat
     from .engine import Engine, Sampler, SamplingParams
@@ -510,9 +523,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.interactive:
             raise ConfigError("--routing-trace records one prompt's prefill and decode; it does not apply to -cnv")
         check_trace_path(args.routing_trace, [model_path(args)])
+    if args.trace is not None:
+        from .runtrace import check_trace_path as check_run_trace_path
+        if args.interactive:
+            raise ConfigError("--trace records one prompt's prefill and decode; it does not apply to -cnv yet")
+        check_run_trace_path(args.trace, [model_path(args)])
     params = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     model, _ = _load(args, args.moe_stream)
     trace = None
+    run_trace = None  # --trace: moestream/runtrace.py's writer, opened once the store exists
     try:
         tok = _tokenizer(model)
         engine = Engine(model, args.ubatch)
@@ -533,10 +552,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"the prompt has {len(ids)} tokens; the context size -c {n_ctx} leaves no room to "
                               f"generate")
         dec = tok.stream_decoder()
+        run_trace = _open_run_trace(args, model)
         with interruptible() as interrupted:
             gen = engine.stream(ids, n_predict, Sampler(params), stop_ids=tok.eos_ids, n_ctx=n_ctx,
                                 interrupted=interrupted)
-            tokens = iter(gen)
+            tokens = iter(gen) if run_trace is None else run_trace.follow(gen, tok, tok.decode(ids))
             # The description line and the prompt echo wait for the prefill's logits (the first token): a file
             # whose weights or metadata fail in the first forward pass leaves one error line and nothing on stdout.
             first = next(tokens, None)
@@ -546,12 +566,23 @@ def cmd_run(args: argparse.Namespace) -> int:
             if not args.chat:
                 write_stdout(prompt)
             _print_reply(itertools.chain([] if first is None else [first], tokens), dec)
+    except BaseException as e:
+        if run_trace is not None:  # a failed run leaves no trace file; an interrupted one keeps what it traced
+            if isinstance(e, KeyboardInterrupt):
+                run_trace.close()
+            else:
+                run_trace.abort()
+        raise
     finally:
         if model.store is not None:
             model.store.close()
             line = _tier_line(model.store)
             if line:
                 print(line, file=sys.stderr, flush=True)
+    if run_trace is not None:
+        run_trace.close()
+        print(f"moestream: trace of {run_trace.records} records written to {args.trace} (moestream replay "
+              f"{args.trace} plays it)", file=sys.stderr, flush=True)
     if trace is not None:
         trace.finish()
         trace.write(args.routing_trace)
@@ -732,6 +763,35 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    """``moestream replay TRACE``: a trace that cannot be read is one line on stderr and exit status 2."""
+    from .errors import ConfigError
+    from .replay import frame_text, make_app, timeline, write_page
+    from .runtrace import RunTraceError, read_trace
+
+    try:
+        tl = timeline(read_trace(args.file), args.row)
+    except RunTraceError as e:
+        print(f"moestream: error: {e}", file=sys.stderr)
+        return 2
+    if args.at is not None and not 1 <= args.at <= len(tl):
+        raise ConfigError(f"--at {args.at}: {args.file} has tokens 1 to {len(tl)}")
+    if not 0 < args.speed <= 1000:
+        raise ConfigError(f"--speed must be above 0 and at most 1000, got {args.speed}")
+    at = (args.at or len(tl)) - 1
+    if args.html is not None:
+        from .bench import check_json_path
+        check_json_path(args.html, [args.file], option="--html", what="the page")
+        write_page(tl, args.html)
+        print(f"moestream: page of {len(tl)} tokens written to {args.html}", file=sys.stderr, flush=True)
+        return 0
+    if sys.stdout is not None and sys.stdout.isatty() and sys.stdin is not None and sys.stdin.isatty():
+        make_app(tl, args.speed, 0 if args.at is None else at, autoplay=True).run()
+        return 0
+    write_stdout(frame_text(tl, at) + "\n")  # no terminal: the frame at --at (default the last token)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
     _check_common(args)
@@ -773,6 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=0.95)
     r.add_argument("--min-p", type=float, default=0.05)
     r.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed; -1 (default) = random")
+    r.add_argument("--trace", default=None, metavar="FILE", help=TRACE_HELP)
     r.add_argument("--routing-trace", default=None, metavar="FILE",
                    help="write the run's routing trace (every slot request: layer, experts, pinned; JSON lines with "
                    "a header, see experts/trace.py) to FILE, replaced atomically; moestream trace FILE replays it")
@@ -836,6 +897,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write the results as JSON to this file (a symlink is followed; a "
                    "FIFO or device is written into; a regular file is replaced atomically)")
     b.add_argument("--policy", default="lfu", type=str.lower, help="slot replacement policy: lfu or lru")
+    b.add_argument("--trace", default=None, metavar="FILE", help="write one per-token trace of the moestream rows' "
+                   "timed repetitions to FILE (as run --trace; each record tagged with its row, test and repetition; "
+                   "the warm-up is not traced; tracing costs the rows a little speed)")
     b.add_argument("--routing", default="model", metavar="model|calibrated",
                    help="model (default): each row's router picks the experts; calibrated: every moestream row gets "
                    "the same synthetic expert ids with a trained model's popularity skew and reuse, fitted to "
@@ -867,7 +931,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slots per layer to simulate, comma-separated (default: the recorded count; a resident "
                    "trace: a quarter of the experts, at least top-k)")
     t.set_defaults(func=cmd_trace)
-    ap.subcommands = {"run": r, "inspect": i, "verify": v, "bench": b, "trace": t}  # type: ignore[attr-defined]
+    p = sub.add_parser("replay", help="play a per-token trace (run --trace FILE) back in the terminal, or write it "
+                       "as one HTML page")
+    p.add_argument("file", metavar="TRACE", help="a trace written by moestream run (or bench) --trace FILE")
+    p.add_argument("--html", default=None, metavar="OUT.html", help="write a self-contained page (text with "
+                   "hoverable tokens, plots of latency, IO wait, hit rate, load and power, a scrubber) instead")
+    p.add_argument("--row", type=int, default=None, help="a bench trace: the row to play (default: the first "
+                   "traced row)")
+    p.add_argument("--speed", type=float, default=1.0, help="playback speed, x the recorded speed (default 1)")
+    p.add_argument("--at", type=int, default=None, metavar="N", help="start at token N (1-based); without a "
+                   "terminal, print the frame at token N (default: the last)")
+    p.set_defaults(func=cmd_replay)
+    ap.subcommands = {"run": r, "inspect": i, "verify": v, "bench": b, "trace": t,  # type: ignore[attr-defined]
+                      "replay": p}  # type: ignore[attr-defined]
     return ap
 
 

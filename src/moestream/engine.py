@@ -409,6 +409,9 @@ class Generation:
         self.stop_ids, self.cache, self.start = stop_ids, cache, start
         self.interrupted = interrupted or (lambda: False)
         self.on_finish = on_finish
+        #: called with this Generation when the prefill has run (before the first token is sampled), e.g. by a
+        #: per-token trace (moestream/runtrace.py) to close the prompt's record; None: nothing is called
+        self.on_prefill: Callable[[Generation], None] | None = None
         self.stats = GenStats(n_prompt=0)
         self.eog: int | None = None
         self.pos = start
@@ -443,6 +446,8 @@ class Generation:
                 st.n_prompt += chunk.shape[0]
                 self.unfed = self.tokens[s + chunk.shape[0]:]
             st.prompt_seconds = time.perf_counter() - t0
+            if self.on_prefill is not None:
+                self.on_prefill(self)
             t1 = time.perf_counter()
             room = n_ctx - self.pos  # tokens that can still be generated: the last one fills position n_ctx
             limit = room if self.n_predict < 0 else min(self.n_predict, room)

@@ -116,6 +116,9 @@ class ExpertStore:
     def __init__(self, model: GGUFModel, layout: ExpertLayout):
         self.model, self.layout = model, layout
         self.stats = StoreStats()
+        #: per MoE layer: [hits, misses], running totals counted as ``stats.hits`` / ``stats.misses`` are (a
+        #: per-token trace takes their differences, moestream/runtrace.py)
+        self.layer_counts: dict[int, list[int]] = {layer: [0, 0] for layer in layout.moe_layers}
         #: a list to append every prepare()'s (layer, experts, pinned) to (a routing trace, experts/trace.py)
         self.trace: list | None = None
 
@@ -228,6 +231,7 @@ class ResidentStore(ExpertStore):
         if self.trace is not None:
             self.trace.append((layer, tuple(experts), tuple(pinned)))
         self.stats.hits += len(experts)
+        self.layer_counts[layer][0] += len(experts)
         return list(experts), None
 
     def matrix(self, layer: int, name: str) -> torch.Tensor:
@@ -415,6 +419,9 @@ class StreamingStore(ExpertStore):
         plan = self.policies[layer].plan(slots, experts, pinned, busy=self._busy(layer))
         self.stats.misses += len(plan.loads)
         self.stats.hits += len(experts) - len(plan.loads)
+        counts = self.layer_counts[layer]
+        counts[0] += len(experts) - len(plan.loads)
+        counts[1] += len(plan.loads)
         per_expert = self._expert_bytes[layer]
         self.stats.miss_bytes += per_expert * len(plan.loads)
         mats = self.layout[layer]
