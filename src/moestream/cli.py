@@ -639,12 +639,13 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
         print(gen.stats.line(), file=sys.stderr, flush=True)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """``moestream serve``: the OpenAI-compatible server (moestream.server) on one model. The socket listens first
-    (GET /health answers 503 at once); the option checks that need torch and the load run in the server's loader
-    thread, and a failure there is one line on stderr and exit 1."""
+def serve_loader(args: argparse.Namespace):  # noqa: ANN201
+    """``(names, load, held)`` of ``moestream serve``'s options: the model names it answers to (``--alias``, or the
+    file name without and with ``.gguf``), the function that checks the options, loads the model as ``run`` does
+    and returns a :class:`moestream.server.Loaded` (run in the server's loader thread), and the list it appends the
+    loaded model to (for closing its store). ConfigError for a bad --port, -c or --alias."""
     from .errors import ConfigError
-    from .server import Loaded, serve
+    from .server import Loaded
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be from 0 to 65535, got {args.port}")
@@ -652,11 +653,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"-c must be from 0 (the default context) to 2^31, got {args.ctx_size}")
     if args.alias is not None and not args.alias.strip():
         raise ConfigError("--alias: the model name is empty")
-    path = model_path(args)
-    base = os.path.basename(path)
+    base = os.path.basename(model_path(args))
     names = [args.alias] if args.alias else list(dict.fromkeys([base.removesuffix(".gguf"), base]))
     args.interactive = False
-    held = []
+    held: list = []
 
     def load() -> Loaded:
         from .engine import Engine
@@ -674,6 +674,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return Loaded(model, tok, Engine(model, args.ubatch), n_ctx,
                       lambda: set_compute_threads(threads, args.matmul))
 
+    return names, load, held
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``moestream serve``: the OpenAI-compatible server (moestream.server) on one model. The socket listens first
+    (GET /health answers 503 at once); the option checks that need torch and the load run in the server's loader
+    thread, and a failure there is one line on stderr and exit 1."""
+    from .server import serve
+
+    names, load, held = serve_loader(args)
     try:
         return serve(load, names, args.host, args.port)
     finally:

@@ -386,6 +386,25 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+def chat_prompt(body: dict, tok) -> list[int]:  # noqa: ANN001
+    """Token ids of a chat request's ``messages`` rendered by the file's chat template: message text is tokenized
+    as plain text, so control-token strings in it (``<|im_end|>``, ``<end_of_turn>``, an EOS string) stay
+    text; only the template's own markup becomes control tokens (:func:`moestream.chat.encode_chat`). APIError
+    400 for bad messages, a file without a template, or a template that would turn message text into control
+    tokens."""
+    from .chat import encode_chat
+    from .tokenizer import TokenizerError
+
+    msgs = chat_messages(body)
+    if tok.chat_template is None:
+        raise APIError(400, "the model file has no chat template (tokenizer.chat_template): use /v1/completions",
+                       code="no_chat_template")
+    try:
+        return encode_chat(tok, msgs)
+    except TokenizerError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+
+
 def completion_prompt(body: dict, tok, n_vocab: int) -> list[int]:  # noqa: ANN001
     """``prompt`` of /v1/completions as token ids: a string (raw model input: BOS as the file wants it, control-
     token text parsed), a list of one string, or a list of token ids (as given)."""
@@ -543,16 +562,7 @@ def create_app(state: ServerState):  # noqa: ANN201
         params, stop, stream, include_usage = common(body)
         tok = ld.tok
         if chat:
-            msgs = chat_messages(body)
-            if tok.chat_template is None:
-                raise APIError(400, "the model file has no chat template (tokenizer.chat_template): use "
-                               "/v1/completions", code="no_chat_template")
-            from .chat import encode_chat
-            from .tokenizer import TokenizerError
-            try:
-                ids = encode_chat(tok, msgs)
-            except TokenizerError as e:
-                raise APIError(400, str(e), param="messages", code="invalid_value") from None
+            ids = chat_prompt(body, tok)
         else:
             ids = completion_prompt(body, tok, ld.model.n_vocab)
         if not ids:
@@ -594,11 +604,13 @@ def create_app(state: ServerState):  # noqa: ANN201
                         return
                     if ev.text:
                         yield sse(chunk(ev.text, None))
+                    # the last chunk carries usage and timings: with include_usage OpenAI's extra chunk with no
+                    # choices, else the finish chunk itself (as llama-server; llama-swap reads them)
                     last = chunk(None, ev.finish_reason)
                     if include_usage:
                         yield sse(last)
-                        last = {**chunk(None, None), "choices": [], "usage": _usage(st)}
-                    last["timings"] = _timings(st)
+                        last = {**chunk(None, None), "choices": []}
+                    last["usage"], last["timings"] = _usage(st), _timings(st)
                     yield sse(last)
                     yield "data: [DONE]\n\n"
             except APIError as e:
