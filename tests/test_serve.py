@@ -140,6 +140,52 @@ def sse_events(resp: httpx.Response) -> list[Any]:
 USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the printing press."}]
 
 
+# ------------------------------------------------------------------------------------------------ the library API
+def test_token_events_carry_per_token_stats() -> None:
+    """TokenEvent's index, position, phase, times and store counters, against the Generation's own statistics
+    (a streaming model with few slots, so that misses happen)."""
+    model = load_model(str(DEFAULT_GGUF), LoadOptions(moe_stream=True, slots=8, io_threads=2))
+    try:
+        tok = GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path)
+        ids = tok.encode("The history of the printing press", add_special=True)
+        gen = Engine(model).stream(ids, 12, Sampler(SamplingParams(temp=0)), n_ctx=len(ids) + 12)
+        events = list(text_events(gen, tok))
+    finally:
+        model.store.close()
+    toks, done = events[:-1], events[-1]
+    assert isinstance(done, DoneEvent) and [e.id for e in toks] == done.stats.tokens
+    assert [e.index for e in toks] == list(range(len(toks)))
+    assert [e.pos for e in toks] == [len(ids) + i for i in range(len(toks))]
+    assert [e.phase for e in toks] == ["prefill"] + ["decode"] * (len(toks) - 1)
+    assert all(e.seconds > 0 for e in toks) and all(b.elapsed > a.elapsed for a, b in zip(toks, toks[1:], strict=False))
+    assert abs(sum(e.seconds for e in toks) - toks[-1].elapsed) < 1e-6
+    for key in ("hits", "misses", "streamed_bytes", "stall_seconds"):
+        seq = [getattr(e, key) for e in toks]
+        assert seq == sorted(seq), key
+    assert toks[0].misses > 0 and toks[0].streamed_bytes > 0  # the prefill read experts
+    if done.stats.stop_reason == "n_predict":  # no forward pass after the last token
+        last = toks[-1]
+        assert (last.hits, last.misses, last.streamed_bytes) == (done.stats.hits, done.stats.misses,
+                                                                 done.stats.streamed_bytes)
+
+
+def test_run_stop_strings(capsys: pytest.CaptureFixture) -> None:
+    prompt = "The history of the printing press"
+    assert main(["run", "-p", prompt, "-n", "24", "--temp", "0"]) == 0
+    full = capsys.readouterr().out.removeprefix(prompt).removesuffix("\n")
+    cut = next((i for i in range(len(full) // 3, len(full) - 3)
+                if full[i:i + 3].strip() and full.find(full[i:i + 3]) == i), None)
+    assert cut is not None, full
+    assert main(["run", "-p", prompt, "-n", "24", "--temp", "0", "--stop", "\u0001", "--stop", full[cut:cut + 3]]) == 0
+    out, err = capsys.readouterr()
+    assert out == prompt + full[:cut] + "\n"
+    assert re.search(r"decode \d+ tok", err)
+    assert main(["run", "-p", prompt, "-n", "4", "--stop", ""]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == ["moestream: error: --stop: a stop string must be non-empty "
+                                                      "text, got ''"]
+
+
 # ------------------------------------------------------------------------------------------------ basics
 def test_health_models_metrics(srv: Any) -> None:
     assert httpx.get(srv.base + "/health").json() == {"status": "ok"}
@@ -503,7 +549,11 @@ class LlamaSwap:
                 self.wfile.write(b"0\r\n\r\n")
                 up.close()
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Quiet(http.server.ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:  # a client that closed: no noise
+                pass
+
+        self.httpd = Quiet(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -564,7 +614,7 @@ def test_llama_swap_config_from_the_readme(capsys: pytest.CaptureFixture) -> Non
         # polled every second: 503 while loading (the socket listens first), then 200
         assert swap.health_codes[-1] == 200 and 503 in swap.health_codes, swap.health_codes
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text + "\n" == want
+        assert text.strip() and text + "\n" == want
         # SIGTERM while a long generation streams: the process still exits within 10 s
         long = httpx.Client(timeout=60)
         req = long.build_request("POST", swap.url + "/v1/chat/completions", json={
@@ -581,3 +631,22 @@ def test_llama_swap_config_from_the_readme(capsys: pytest.CaptureFixture) -> Non
     assert "Traceback" not in err, err
     resp.close()
     long.close()
+
+
+def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """A model that fails to load (after the socket listened) and a port that is taken: one line, exit 1."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    assert main(["serve", "-m", str(bad), "--port", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("moestream: listening on http://127.0.0.1:")
+    assert len(err) == 2 and err[1].startswith(f"moestream: error: {bad}") and "Traceback" not in err[1]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"moestream: error: cannot listen on 127.0.0.1:{port} (Address already in use)"]
+    assert main(["serve", "--port", "70000"]) == 1
+    assert capsys.readouterr().err.strip() == "moestream: error: --port must be from 0 to 65535, got 70000"
