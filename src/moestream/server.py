@@ -537,12 +537,13 @@ def create_app(state: ServerState):  # noqa: ANN201
         usage = _opt(so, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
         return sampling_params(body), stop_strings(body), bool(stream), bool(usage)
 
-    async def events(request: Request, job: Job) -> AsyncIterator[TokenEvent | DoneEvent]:
+    async def events(request: Request, job: Job, poll: bool) -> AsyncIterator[TokenEvent | DoneEvent]:
         """The job's events, as the worker produces them; APIError from the worker is raised. The caller cancels
-        ``job`` when it stops listening (a disconnect)."""
+        ``job`` when it stops listening. ``poll``: check for a disconnect every 0.25 s (a plain response; a
+        streamed one is cancelled by Starlette when its client disconnects)."""
         while True:
             try:
-                item = await asyncio.wait_for(job.events.get(), timeout=0.25)
+                item = await asyncio.wait_for(job.events.get(), timeout=0.25 if poll else None)
             except TimeoutError:
                 if await request.is_disconnected():
                     job.cancelled.set()
@@ -592,7 +593,7 @@ def create_app(state: ServerState):  # noqa: ANN201
             try:
                 if chat:
                     yield sse(chunk(None, None, role=True))
-                async for ev in events(request, job):
+                async for ev in events(request, job, poll=False):
                     if isinstance(ev, TokenEvent):
                         if ev.text:
                             yield sse(chunk(ev.text, None))
@@ -624,7 +625,7 @@ def create_app(state: ServerState):  # noqa: ANN201
     async def complete(request: Request, job: Job, chat: bool, rid: str, created: int, name: str, obj: str):  # noqa: ANN202
         parts, done = [], None
         try:
-            async for ev in events(request, job):
+            async for ev in events(request, job, poll=True):
                 parts.append(ev.text)
                 if isinstance(ev, DoneEvent):
                     done = ev
