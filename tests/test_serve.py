@@ -430,6 +430,37 @@ def test_openai_client_raises_the_status(client: openai.OpenAI) -> None:
     assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=3).choices[0].message.content
 
 
+def test_a_failure_while_generating_is_a_500_and_the_next_request_is_served(srv: Any, client: openai.OpenAI,
+                                                                           oracle: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read fault (the store's own error type) in the middle of a generation: 500 (a plain reply) or an error
+    event (streamed), then the next request gets the library's text."""
+    from moestream.errors import ExpertReadError
+
+    engine = srv.state.loaded.engine
+    real, calls = engine.forward, []
+
+    def failing(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:  # the prefill, a decode step, then the fault
+            raise ExpertReadError("default.gguf", 4096, 512, "planted read fault for the test")
+        return real(*a, **k)
+
+    monkeypatch.setattr(engine, "forward", failing)
+    r = httpx.post(srv.base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 8}, timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "planted read fault" in r.json()["error"]["message"]
+    calls.clear()
+    with httpx.stream("POST", srv.base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 8,
+                                                                        "stream": True}) as resp:
+        evs = sse_events(resp)
+    assert "planted read fault" in evs[-1]["error"]["message"] and "[DONE]" not in evs
+    monkeypatch.setattr(engine, "forward", real)
+    want, _ = library_text(oracle, encode_chat(oracle[1], USER), 8)
+    assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=8,
+                                          temperature=0).choices[0].message.content == want
+
+
 # ------------------------------------------------------------------------------------------------ queue, cancel
 def wait_metric(srv: Any, key: str, cond: Any, timeout: float = 60) -> dict[str, float]:
     end = time.monotonic() + timeout

@@ -647,16 +647,18 @@ def create_app(state: ServerState):  # noqa: ANN201
     async def chat_completions(request: Request) -> object:
         try:
             return await handle(request, chat=True)
-        except APIError:
-            state._count("rejected")
+        except APIError as e:
+            if e.status < 500:  # refused before it started (a failure while generating counts as an error)
+                state._count("rejected")
             raise
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> object:
         try:
             return await handle(request, chat=False)
-        except APIError:
-            state._count("rejected")
+        except APIError as e:
+            if e.status < 500:  # refused before it started (a failure while generating counts as an error)
+                state._count("rejected")
             raise
 
     return app
