@@ -196,7 +196,8 @@ def test_health_models_metrics(srv: Any) -> None:
                  "moestream_prompt_tokens_total", "moestream_generated_tokens_total", "moestream_expert_hit_rate",
                  "moestream_streamed_bytes_total", "moestream_io_wait_seconds_total",
                  "moestream_resident_memory_bytes", "moestream_prompt_tokens_per_second",
-                 "moestream_decode_tokens_per_second", "moestream_expert_pool_bytes"):
+                 "moestream_decode_tokens_per_second", "moestream_expert_pool_bytes", "moestream_running_prompt_tokens",
+                 "moestream_running_prefilled_tokens"):
         assert name in m, name
     assert m["moestream_model_loaded"] == 1 and m["moestream_resident_memory_bytes"] > 0
 
@@ -482,10 +483,19 @@ def raw_post(srv: Any, path: str, body: dict) -> socket.socket:
     return sock
 
 
-def test_disconnect_cancels_its_own_request_during_prefill_and_no_other(srv: Any, oracle: Any) -> None:
+def test_disconnect_cancels_its_own_request_during_prefill_and_no_other(srv: Any, oracle: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A (streamed; a long prompt: many prefill chunks) runs; B, then C (not streamed) wait in the queue. C's
     client goes away, then A's, during A's prefill. A stops mid-prefill, C never runs, B completes with the
-    library's text."""
+    library's text. (Each forward pass is slowed by 20 ms, so that A's prefill lasts seconds on any machine.)"""
+    engine = srv.state.loaded.engine
+    real = engine.forward
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(0.02)
+        return real(*a, **k)
+
+    monkeypatch.setattr(engine, "forward", slow)
     tok = oracle[1]
     long_msgs = [{"role": "user", "content": "printing press " * 120}]
     long_ids = encode_chat(tok, long_msgs)
@@ -511,7 +521,9 @@ def test_disconnect_cancels_its_own_request_during_prefill_and_no_other(srv: Any
         c_sock.close()  # C goes away while queued
         time.sleep(0.5)  # (the server notices C's disconnect within its 0.25 s poll)
         assert m1["moestream_requests_processing"] == 1
-        assert metrics(srv)["moestream_prompt_tokens_total"] == m0["moestream_prompt_tokens_total"]  # A: prefilling
+        m2 = metrics(srv)
+        assert m2["moestream_running_prompt_tokens"] == len(long_ids)
+        assert 0 < m2["moestream_running_prefilled_tokens"] < len(long_ids) - 20 * UBATCH  # A is mid-prefill
     # leaving the block closed A's connection
     tb.join(timeout=180)
     assert got["b"] == b_want
@@ -519,7 +531,7 @@ def test_disconnect_cancels_its_own_request_during_prefill_and_no_other(srv: Any
     m = wait_metric(srv, "moestream_requests_processing", lambda v: v == 0)
     cancelled = m["moestream_requests_total{outcome=cancelled}"] - m0["moestream_requests_total{outcome=cancelled}"]
     completed = m["moestream_requests_total{outcome=completed}"] - m0["moestream_requests_total{outcome=completed}"]
-    assert (cancelled, completed) == (2, 1)  # A (cut in its prefill) and C (never started); B
+    assert (cancelled, completed) == (2, 1), (m, m0)  # A (cut in its prefill) and C (never started); B
     prefilled = m["moestream_prompt_tokens_total"] - m0["moestream_prompt_tokens_total"]
     assert prefilled - len(encode_chat(tok, USER)) < len(long_ids), "A's prefill was not cut short"
     assert m["moestream_generated_tokens_total"] - m0["moestream_generated_tokens_total"] == 10

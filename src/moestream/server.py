@@ -129,6 +129,7 @@ class ServerState:
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.waiting = 0  # jobs queued and not started
         self.running = 0
+        self.current = None  # the Generation running now (its stats grow during the prefill, chunk by chunk)
         self.shutting_down = threading.Event()
         self.counters = Counters()
         self.lock = threading.Lock()
@@ -209,6 +210,7 @@ class ServerState:
             gen = ld.engine.stream(job.ids, job.n_predict, Sampler(job.params), stop_ids=tok.eos_ids,
                                    n_ctx=len(job.ids) + job.n_predict,
                                    interrupted=lambda: job.cancelled.is_set() or self.shutting_down.is_set())
+            self.current = gen
             for ev in TextEvents(gen, tok, job.stop, skip_special=True):
                 if isinstance(ev, DoneEvent):
                     self._account(ev)
@@ -221,6 +223,8 @@ class ServerState:
             self._count("error")
             print(f"moestream: error: generation failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
             job.put(APIError(500, f"generation failed ({type(e).__name__})", "server_error", code=500))
+        finally:
+            self.current = None
 
     def _count(self, outcome: str) -> None:
         with self.lock:
@@ -253,6 +257,7 @@ class ServerState:
         c = self.counters
         with self.lock:
             reqs, waiting, running = dict(c.requests), self.waiting, self.running
+        current = self.current
         n = c.hits + c.misses
         rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
             ("moestream_model_loaded", "gauge", "1 once the model is loaded and the server takes requests",
@@ -260,6 +265,10 @@ class ServerState:
             ("moestream_requests_total", "counter", "generations by outcome (rejected: refused before they "
              "started, e.g. a bad request)", [(f'{{outcome="{k}"}}', v) for k, v in reqs.items()]),
             ("moestream_requests_processing", "gauge", "generations running now (0 or 1)", [("", running)]),
+            ("moestream_running_prompt_tokens", "gauge", "prompt tokens of the generation running now (0: none)",
+             [("", len(current.tokens) if current is not None else 0)]),
+            ("moestream_running_prefilled_tokens", "gauge", "of those, the tokens prefilled so far",
+             [("", current.stats.n_prompt if current is not None else 0)]),
             ("moestream_queue_depth", "gauge", "requests waiting for the generation in progress", [("", waiting)]),
             ("moestream_prompt_tokens_total", "counter", "prompt tokens prefilled", [("", c.prompt_tokens)]),
             ("moestream_prompt_seconds_total", "counter", "seconds spent in prefill", [("", c.prompt_seconds)]),
