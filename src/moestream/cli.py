@@ -1,4 +1,4 @@
-"""The ``moestream`` command: run, inspect, verify, bench, trace, replay.
+"""The ``moestream`` command: run, inspect, verify, bench, trace, serve, replay.
 
 Errors that a user can cause (bad file, bad option, read failure) print one line on stderr and exit 1;
 bad command-line syntax exits 2 (argparse), and so does a trace file that ``replay`` cannot read.
@@ -486,19 +486,23 @@ def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int) -> 
     return n_ctx
 
 
-def _print_reply(gen, dec) -> None:  # noqa: ANN001
-    """Stream the tokens of ``gen`` through the stream decoder ``dec`` to stdout, then end the line; on an error
-    the partial line is ended too (the error itself may be that stdout cannot be written)."""
+def _print_reply(events, pending) -> None:  # noqa: ANN001
+    """Stream the text of ``events`` (an iterator of :mod:`moestream.textgen` events) to stdout, then end the line;
+    on an error the partial line is ended too, with ``pending()`` (the text that was held back; the error itself
+    may be that stdout cannot be written)."""
     from .errors import MoestreamError
+    from .textgen import DoneEvent
 
     try:
-        for t in gen:
-            write_stdout(dec.push(t))
+        for ev in events:
+            if isinstance(ev, DoneEvent):
+                write_stdout(ev.text + "\n")
+                return
+            write_stdout(ev.text)
     except BaseException:
         with contextlib.suppress(MoestreamError, OSError):
-            write_stdout(dec.flush() + "\n")
+            write_stdout(pending() + "\n")
         raise
-    write_stdout(dec.flush() + "\n")
 
 
 def _open_run_trace(args: argparse.Namespace, model):  # noqa: ANN001, ANN202
@@ -515,8 +519,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .chat import encode_chat
     from .engine import Engine, Sampler, SamplingParams
     from .errors import ConfigError
+    from .textgen import StopStrings, TextEvents
 
     prompt, n_predict = _run_options(args)
+    StopStrings(args.stop, "--stop")  # an empty --stop is refused before the model loads
     _check_common(args)
     if args.routing_trace is not None:  # before the model runs: a bad path is one line, not a lost run
         from .experts.trace import check_trace_path
@@ -551,21 +557,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         if len(ids) >= n_ctx and n_predict != 0 or len(ids) > n_ctx:
             raise ConfigError(f"the prompt has {len(ids)} tokens; the context size -c {n_ctx} leaves no room to "
                               f"generate")
-        dec = tok.stream_decoder()
         run_trace = _open_run_trace(args, model)
         with interruptible() as interrupted:
             gen = engine.stream(ids, n_predict, Sampler(params), stop_ids=tok.eos_ids, n_ctx=n_ctx,
                                 interrupted=interrupted)
-            tokens = iter(gen) if run_trace is None else run_trace.follow(gen, tok, tok.decode(ids))
+            text = TextEvents(gen, tok, args.stop, skip_special=False)
+            events = iter(text)
+            if run_trace is not None:
+                events = run_trace.follow_events(events, gen, tok.decode(ids))
             # The description line and the prompt echo wait for the prefill's logits (the first token): a file
             # whose weights or metadata fail in the first forward pass leaves one error line and nothing on stdout.
-            first = next(tokens, None)
+            first = next(events)
             if trace is not None:
                 trace.mark_decode()  # the prefill's requests are in; decode steps from here on
             print(_describe(model), file=sys.stderr, flush=True)
             if not args.chat:
                 write_stdout(prompt)
-            _print_reply(itertools.chain([] if first is None else [first], tokens), dec)
+            _print_reply(itertools.chain([first], events), text.pending)
     except BaseException as e:
         if run_trace is not None:  # a failed run leaves no trace file; an interrupted one keeps what it traced
             if isinstance(e, KeyboardInterrupt):
@@ -617,6 +625,7 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
     during a reply stops that reply. A turn that does not fit, or that the template cannot take, is refused with a
     line on stderr and the session goes on."""
     from .chat import ChatSession, ContextFullError
+    from .textgen import TextEvents
     from .tokenizer import TokenizerError
 
     if tok.chat_template is None:
@@ -658,8 +667,73 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
             except (ContextFullError, TokenizerError) as e:  # this turn is refused, the cache is untouched
                 print(f"moestream: {e}; /exit ends the session", file=sys.stderr, flush=True)
                 continue
-            _print_reply(gen, tok.stream_decoder())
+            text = TextEvents(gen, tok, args.stop, skip_special=False)
+            _print_reply(iter(text), text.pending)
         print(gen.stats.line(), file=sys.stderr, flush=True)
+
+
+def serve_loader(args: argparse.Namespace):  # noqa: ANN201
+    """``(names, load, held)`` of ``moestream serve``'s options: the model names it answers to (``--alias``, or the
+    file name without and with ``.gguf``), the function that checks the options, loads the model as ``run`` does
+    and returns a :class:`moestream.server.Loaded` (run in the server's loader thread), and the list it appends the
+    loaded model to (for closing its store). ConfigError for a bad --port, -c or --alias."""
+    from .errors import ConfigError
+    from .server import Loaded
+
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be from 0 to 65535, got {args.port}")
+    if args.ctx_size is not None and not 0 <= args.ctx_size <= 2**31:
+        raise ConfigError(f"-c must be from 0 (the default context) to 2^31, got {args.ctx_size}")
+    if args.alias is not None and not args.alias.strip():
+        raise ConfigError("--alias: the model name is empty")
+    base = os.path.basename(model_path(args))
+    names = [args.alias] if args.alias else list(dict.fromkeys([base.removesuffix(".gguf"), base]))
+    args.interactive = False
+    if args.trace is not None:  # before listening: a bad path is one line, not a server that fails later
+        from .runtrace import check_trace_path
+        check_trace_path(args.trace, [model_path(args)])
+    held: list = []
+
+    def load() -> Loaded:
+        from .engine import Engine
+
+        _check_common(args)
+        threads = args.threads if args.threads is not None else default_threads()
+        args.threads = threads
+        model, _ = _load(args, args.moe_stream)
+        held.append(model)
+        tok = _tokenizer(model)
+        n_ctx = _context(args, model, 0, -1)
+        print(_describe(model), file=sys.stderr, flush=True)
+        print(f"moestream: serving {names[0]}: context {n_ctx} tokens per request (prompt and reply), one "
+              f"generation at a time", file=sys.stderr, flush=True)
+        trace = _open_run_trace(args, model)
+        if trace is not None:
+            held.append(trace)
+        return Loaded(model, tok, Engine(model, args.ubatch), n_ctx,
+                      lambda: set_compute_threads(threads, args.matmul), trace)
+
+    return names, load, held
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``moestream serve``: the OpenAI-compatible server (moestream.server) on one model. The socket listens first
+    (GET /health answers 503 at once); the option checks that need torch and the load run in the server's loader
+    thread, and a failure there is one line on stderr and exit 1."""
+    from .runtrace import TraceWriter
+    from .server import serve
+
+    names, load, held = serve_loader(args)
+    try:
+        return serve(load, names, args.host, args.port)
+    finally:
+        for obj in held:
+            if isinstance(obj, TraceWriter):
+                obj.close()
+                print(f"moestream: trace of {obj.records} records written to {args.trace} (moestream replay "
+                      f"{args.trace} plays it)", file=sys.stderr, flush=True)
+            elif obj.store is not None:
+                obj.store.close()
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -834,6 +908,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-p", type=float, default=0.05)
     r.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed; -1 (default) = random")
     r.add_argument("--trace", default=None, metavar="FILE", help=TRACE_HELP)
+    r.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop string (repeatable): the text ends before its first occurrence, which is not "
+                   "printed; text that may start one is held until it is known not to")
     r.add_argument("--routing-trace", default=None, metavar="FILE",
                    help="write the run's routing trace (every slot request: layer, experts, pinned; JSON lines with "
                    "a header, see experts/trace.py) to FILE, replaced atomically; moestream trace FILE replays it")
@@ -925,6 +1002,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "at least 64MiB")
     b.set_defaults(func=cmd_bench)
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming)")
+    _add_model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: a free one)")
+    sv.add_argument("-c", "--ctx-size", type=int, default=None,
+                    help="context per request in tokens, prompt and reply together (default: the file's trained "
+                    "context_length, capped so that the KV cache takes at most half the memory available)")
+    sv.add_argument("--override-ctx", action="store_true",
+                    help="allow a context past the file's trained context_length (warns)")
+    sv.add_argument("--moe-stream", type=_on_off, default=True, metavar="on|off",
+                    help="stream routed experts (on, default) or address them in a memory map (off)")
+    sv.add_argument("--alias", default=None, metavar="NAME", help="the model's name in /v1/models and the "
+                    "'model' requests must give (default: the file name without .gguf; the file name too)")
+    sv.add_argument("--trace", default=None, metavar="FILE",
+                    help=TRACE_HELP.replace("per-token trace", "per-token trace of every request") +
+                    "; the file appears when the server stops")
+    sv.set_defaults(func=cmd_serve)
+
     t = sub.add_parser("trace", help="replay a routing trace through LRU, LFU and Belady's optimal replacement")
     t.add_argument("file", metavar="FILE", help="a routing trace written by moestream run --routing-trace FILE")
     t.add_argument("--slots", default=None, metavar="N[,N...]",
@@ -943,7 +1038,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "terminal, print the frame at token N (default: the last)")
     p.set_defaults(func=cmd_replay)
     ap.subcommands = {"run": r, "inspect": i, "verify": v, "bench": b, "trace": t,  # type: ignore[attr-defined]
-                      "replay": p}  # type: ignore[attr-defined]
+                      "serve": sv, "replay": p}
     return ap
 
 

@@ -415,6 +415,27 @@ class TraceWriter:
             if self._mark is not None and not self._closed:
                 self.end(gen)
 
+    def follow_events(self, events, gen, prompt_text: str, model=None, **tags: Any) -> Iterator:  # noqa: ANN001
+        """:meth:`follow` around :mod:`moestream.textgen` events of ``gen`` (``iter(TextEvents(gen, ...))``,
+        unstarted): yields the events, recording each token with the text it released (what a front end printed:
+        stop-string hold-back and UTF-8 completion included), then ``end`` after the DoneEvent. Text a DoneEvent
+        flushes (held back until the end) belongs to no token and is not recorded."""
+        from .textgen import DoneEvent
+
+        self.begin(model if model is not None else gen.engine.model, **tags)
+        n_prompt = len(gen.tokens)
+        gen.on_prefill = lambda g: self.token(prompt_text, phase="prefill", n=n_prompt)
+        try:
+            for ev in events:
+                if isinstance(ev, DoneEvent):
+                    self.end(gen)
+                else:
+                    self.token(ev.text, token_id=ev.id)
+                yield ev
+        finally:
+            if self._mark is not None and not self._closed:
+                self.end(gen)
+
     # -- the file
     def _stop_sampler(self) -> None:
         if self._sampler is not None:

@@ -1,0 +1,774 @@
+"""``moestream serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on one loaded model.
+
+Routes: ``POST /v1/chat/completions`` (the file's chat template, message text tokenized as plain text: see
+:mod:`moestream.chat`), ``POST /v1/completions`` (a raw prompt: control-token text in it is parsed, as llama.cpp
+does with a raw prompt), both streaming (server-sent events, ``data: [DONE]`` at the end) or not;
+``GET /v1/models``; ``GET /health`` (503 while the model loads, 200 once it is ready: the socket listens before
+the model is loaded, so a supervisor such as llama-swap can poll it); ``GET /metrics`` (Prometheus text format).
+
+One generation runs at a time, in a worker thread; requests that arrive meanwhile wait in a FIFO queue. A
+client that disconnects cancels its own request (queued: it never starts; running: the generation stops at
+the next forward pass, between prefill chunks too) and no other. SIGTERM/SIGINT cancel what is queued and
+running and the process exits (uvicorn's graceful shutdown, at most :data:`GRACEFUL_SHUTDOWN_S` for open
+connections).
+
+Errors are OpenAI's error objects, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status in
+the response (400 a malformed or invalid request, 404 an unknown route or model, 503 loading or shutting down,
+500 a failure while generating, such as a read fault: the next request is served as usual).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import queue
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import ConfigError, MoestreamError
+from .textgen import DoneEvent, StopStrings, TextEvents, TokenEvent
+
+if TYPE_CHECKING:  # torch comes with the engine: the server listens before it is imported (see serve)
+    from .engine import Engine, SamplingParams
+
+#: Largest token count accepted (as moestream.engine.MAX_TOKENS, without importing torch here).
+MAX_TOKENS = 2**31
+
+#: Seconds uvicorn waits for open connections at shutdown before it cancels them (the generations themselves are
+#: cancelled at once).
+GRACEFUL_SHUTDOWN_S = 3.0
+#: Stop strings a request may give (OpenAI allows 4; llama-server any number).
+MAX_STOP_STRINGS = 16
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass
+class Loaded:
+    """What a server serves: the model, its tokenizer and engine, the context size each request must fit in
+    (prompt + generated tokens), and ``thread_init``, called once in the worker thread before it computes (compute
+    threads are per thread in torch)."""
+
+    model: object
+    tok: object
+    engine: Engine
+    n_ctx: int
+    thread_init: Callable[[], None] = lambda: None
+    #: --trace: a runtrace.TraceWriter recording every generation (one at a time: the worker's), or None
+    trace: object = None
+
+
+class APIError(Exception):
+    """An OpenAI-style error response: HTTP ``status``, ``message``, ``type``, ``param``, ``code``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",  # noqa: A002
+                 param: str | None = None, code: str | int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Job:
+    """One queued generation. ``events`` receives the worker's events (TokenEvent, DoneEvent, or an APIError)
+    on the request's event loop."""
+
+    ids: list[int]
+    n_predict: int
+    params: SamplingParams
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def put(self, item: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the request's loop is closed: nobody is listening
+            pass
+
+
+@dataclass
+class Counters:
+    """Totals since start for /metrics (seconds, tokens, bytes)."""
+
+    requests: dict = field(default_factory=lambda: {"completed": 0, "cancelled": 0, "error": 0, "rejected": 0})
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    streamed_bytes: int = 0
+    stall_seconds: float = 0.0
+    last_prompt_tps: float = 0.0
+    last_decode_tps: float = 0.0
+
+
+class ServerState:
+    """The model (loaded in a thread, so that the server answers /health at once), the FIFO queue and its worker
+    thread, and the counters. ``load()`` returns a :class:`Loaded` or raises MoestreamError (then /health reports
+    the error and ``on_load_error(message)`` is called)."""
+
+    def __init__(self, load: Callable[[], Loaded], names: list[str],
+                 on_load_error: Callable[[str], None] | None = None):
+        self.load_fn, self.names, self.on_load_error = load, names, on_load_error
+        self.loaded: Loaded | None = None
+        self.load_error: str | None = None
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.waiting = 0  # jobs queued and not started
+        self.running = 0
+        self.current = None  # the Generation running now (its stats grow during the prefill, chunk by chunk)
+        self.shutting_down = threading.Event()
+        self.counters = Counters()
+        self.lock = threading.Lock()
+        self.created = int(time.time())
+        self.traced = 0  # generations recorded by --trace (the records' "request" number)
+        self.worker = threading.Thread(target=self._work, name="moestream-generate", daemon=True)
+        self.loader = threading.Thread(target=self._load, name="moestream-load", daemon=True)
+
+    def start(self) -> None:
+        self.loader.start()
+
+    def _load(self) -> None:
+        try:
+            self.loaded = self.load_fn()
+        except MoestreamError as e:
+            self.load_error = str(e)
+            if self.on_load_error:
+                self.on_load_error(self.load_error)
+            return
+        except BaseException as e:  # noqa: BLE001 - reported as one line; the server then stops
+            self.load_error = f"loading the model failed ({type(e).__name__}: {e})"
+            if self.on_load_error:
+                self.on_load_error(self.load_error)
+            return
+        if not self.shutting_down.is_set():
+            self.worker.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded is not None and self.worker.is_alive()
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            self.waiting += 1
+        self.jobs.put(job)
+
+    def shutdown(self) -> None:
+        """Cancel every queued and running generation and stop the worker (it finishes the forward pass in
+        progress)."""
+        self.shutting_down.set()
+        self.jobs.put(None)
+
+    def _work(self) -> None:
+        assert self.loaded is not None
+        self.loaded.thread_init()
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                break
+            with self.lock:
+                self.waiting -= 1
+            if job.cancelled.is_set() or self.shutting_down.is_set():
+                self._count("cancelled")
+                job.put(APIError(503, "the server is shutting down", "unavailable_error", code=503)
+                        if self.shutting_down.is_set() else None)
+                continue
+            with self.lock:
+                self.running = 1
+            try:
+                self._generate(job)
+            finally:
+                with self.lock:
+                    self.running = 0
+        while True:  # shutting down: tell the queued requests
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.put(APIError(503, "the server is shutting down", "unavailable_error", code=503))
+
+    def _generate(self, job: Job) -> None:
+        from .engine import Sampler
+
+        ld = self.loaded
+        assert ld is not None
+        tok = ld.tok
+        try:
+            gen = ld.engine.stream(job.ids, job.n_predict, Sampler(job.params), stop_ids=tok.eos_ids,
+                                   n_ctx=len(job.ids) + job.n_predict,
+                                   interrupted=lambda: job.cancelled.is_set() or self.shutting_down.is_set())
+            self.current = gen
+            events = iter(TextEvents(gen, tok, job.stop, skip_special=True))
+            if ld.trace is not None:
+                self.traced += 1
+                events = ld.trace.follow_events(events, gen, tok.decode(job.ids), request=self.traced)
+            for ev in events:
+                if isinstance(ev, DoneEvent):
+                    self._account(ev)
+                job.put(ev)
+        except MoestreamError as e:
+            self._count("error")
+            print(f"moestream: error: {e}", file=sys.stderr, flush=True)
+            job.put(APIError(500, str(e), "server_error", code=500))
+        except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
+            self._count("error")
+            print(f"moestream: error: generation failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+            job.put(APIError(500, f"generation failed ({type(e).__name__})", "server_error", code=500))
+        finally:
+            self.current = None
+
+    def _count(self, outcome: str) -> None:
+        with self.lock:
+            self.counters.requests[outcome] += 1
+
+    def _account(self, done: DoneEvent) -> None:
+        st, c = done.stats, self.counters
+        with self.lock:
+            c.requests["cancelled" if st.stop_reason == "interrupted" else "completed"] += 1
+            c.prompt_tokens += st.n_prompt
+            c.prompt_seconds += st.prompt_seconds
+            c.generated_tokens += len(st.tokens)
+            c.decode_steps += st.n_decode
+            c.decode_seconds += st.decode_seconds
+            c.hits += st.hits
+            c.misses += st.misses
+            c.streamed_bytes += st.streamed_bytes
+            c.stall_seconds += st.store.stall_seconds
+            if st.n_prompt:
+                c.last_prompt_tps = st.prompt_tps
+            if st.n_decode:
+                c.last_decode_tps = st.decode_tps
+
+    def metrics_text(self) -> str:
+        """The counters in Prometheus' text exposition format (version 0.0.4)."""
+        import psutil
+
+        from .engine import peak_rss_bytes
+
+        c = self.counters
+        with self.lock:
+            reqs, waiting, running = dict(c.requests), self.waiting, self.running
+        current = self.current
+        n = c.hits + c.misses
+        rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
+            ("moestream_model_loaded", "gauge", "1 once the model is loaded and the server takes requests",
+             [("", 1.0 if self.ready else 0.0)]),
+            ("moestream_requests_total", "counter", "generations by outcome (rejected: refused before they "
+             "started, e.g. a bad request)", [(f'{{outcome="{k}"}}', v) for k, v in reqs.items()]),
+            ("moestream_requests_processing", "gauge", "generations running now (0 or 1)", [("", running)]),
+            ("moestream_running_prompt_tokens", "gauge", "prompt tokens of the generation running now (0: none)",
+             [("", len(current.tokens) if current is not None else 0)]),
+            ("moestream_running_prefilled_tokens", "gauge", "of those, the tokens prefilled so far",
+             [("", current.stats.n_prompt if current is not None else 0)]),
+            ("moestream_queue_depth", "gauge", "requests waiting for the generation in progress", [("", waiting)]),
+            ("moestream_prompt_tokens_total", "counter", "prompt tokens prefilled", [("", c.prompt_tokens)]),
+            ("moestream_prompt_seconds_total", "counter", "seconds spent in prefill", [("", c.prompt_seconds)]),
+            ("moestream_generated_tokens_total", "counter", "tokens generated", [("", c.generated_tokens)]),
+            ("moestream_decode_steps_total", "counter", "decode forward passes (the first generated token of a "
+             "request comes from the prefill)", [("", c.decode_steps)]),
+            ("moestream_decode_seconds_total", "counter", "seconds spent in decode", [("", c.decode_seconds)]),
+            ("moestream_prompt_tokens_per_second", "gauge", "prefill tok/s of the last request",
+             [("", c.last_prompt_tps)]),
+            ("moestream_decode_tokens_per_second", "gauge", "decode tok/s of the last request",
+             [("", c.last_decode_tps)]),
+            ("moestream_expert_hits_total", "counter", "routed-expert uses found in a slot", [("", c.hits)]),
+            ("moestream_expert_misses_total", "counter", "routed-expert uses read from the file", [("", c.misses)]),
+            ("moestream_expert_hit_rate", "gauge", "hits / (hits + misses) since start (1 before any use)",
+             [("", c.hits / n if n else 1.0)]),
+            ("moestream_streamed_bytes_total", "counter", "expert bytes read into slots", [("", c.streamed_bytes)]),
+            ("moestream_io_wait_seconds_total", "counter", "seconds the compute thread waited for expert reads",
+             [("", c.stall_seconds)]),
+            ("moestream_resident_memory_bytes", "gauge", "resident set size of the process now",
+             [("", psutil.Process().memory_info().rss)]),
+            ("moestream_peak_resident_memory_bytes", "gauge", "peak resident set size of the process",
+             [("", peak_rss_bytes())]),
+        ]
+        store = getattr(self.loaded.model, "store", None) if self.loaded is not None else None
+        if store is not None:
+            rows.append(("moestream_expert_pool_bytes", "gauge", "bytes of the expert slot pools",
+                         [("", getattr(store, "pool_bytes", 0))]))
+        out = []
+        for name, kind, help_, samples in rows:
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            out += [f"{name}{labels} {_num(v)}" for labels, v in samples]
+        return "\n".join(out) + "\n"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+# --- request parsing ---------------------------------------------------------------------------------------------
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _opt(body: dict, key: str, check: Callable[[object], bool], what: str, default: object = None) -> object:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not check(v):
+        raise APIError(400, f"'{key}' must be {what}, got {json.dumps(v)[:80]}", param=key,
+                       code="invalid_type" if not isinstance(v, (int, float)) or isinstance(v, bool) else
+                       "invalid_value")
+    return v
+
+
+def sampling_params(body: dict) -> SamplingParams:
+    """SamplingParams of a request's ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed`` (defaults as
+    ``moestream run`` and llama-server: 0.8, 0.95, 40, 0.05, random). APIError 400 for a wrong type or range."""
+    from .engine import SamplingParams
+
+    temp = _opt(body, "temperature", lambda v: _is_num(v) and v >= 0, "a number >= 0", 0.8)
+    top_p = _opt(body, "top_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", 0.95)
+    top_k = _opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (0 or -1: off)", 40)
+    min_p = _opt(body, "min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", 0.05)
+    seed = _opt(body, "seed", lambda v: _is_int(v) and -1 <= v < 2**63, "an integer in [-1, 2^63) (-1: random)", -1)
+    return SamplingParams(temp=float(temp), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p), seed=int(seed))
+
+
+def stop_strings(body: dict) -> list[str]:
+    """The request's ``stop``: a string or a list of strings (at most :data:`MAX_STOP_STRINGS`, none empty)."""
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop",
+                       code="invalid_value")
+    try:
+        StopStrings(stop)
+    except ConfigError as e:
+        raise APIError(400, str(e), param="stop", code="invalid_value") from None
+    return stop
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """``messages`` as chat-template messages: role system/developer (as system)/user/assistant, content a string
+    or a list of ``{"type": "text", "text": ...}`` parts (joined)."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, "'messages' must be a non-empty list of messages", param="messages",
+                       code="invalid_type" if msgs is not None else "missing_required_parameter")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise APIError(400, f"'{where}' must be an object with 'role' and 'content'", param=where,
+                           code="invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"'{where}.role' must be one of {', '.join(ROLES)}, got {json.dumps(role)[:40]}",
+                           param=f"{where}.role", code="invalid_value")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise APIError(400, f"'{where}.content[{j}]' must be a text part ({{\"type\": \"text\", "
+                                   f"\"text\": ...}}): only text is supported", param=f"{where}.content",
+                                   code="invalid_value")
+                parts.append(p["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise APIError(400, f"'{where}.content' must be a string or a list of text parts",
+                           param=f"{where}.content", code="invalid_type")
+        out.append({"role": ROLES[role], "content": content})
+    return out
+
+
+def chat_prompt(body: dict, tok) -> list[int]:  # noqa: ANN001
+    """Token ids of a chat request's ``messages`` rendered by the file's chat template: message text is tokenized
+    as plain text, so control-token strings in it (``<|im_end|>``, ``<end_of_turn>``, an EOS string) stay
+    text; only the template's own markup becomes control tokens (:func:`moestream.chat.encode_chat`). APIError
+    400 for bad messages, a file without a template, or a template that would turn message text into control
+    tokens."""
+    from .chat import encode_chat
+    from .tokenizer import TokenizerError
+
+    msgs = chat_messages(body)
+    if tok.chat_template is None:
+        raise APIError(400, "the model file has no chat template (tokenizer.chat_template): use /v1/completions",
+                       code="no_chat_template")
+    try:
+        return encode_chat(tok, msgs)
+    except TokenizerError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+
+
+def completion_prompt(body: dict, tok, n_vocab: int) -> list[int]:  # noqa: ANN001
+    """``prompt`` of /v1/completions as token ids: a string (raw model input: BOS as the file wants it, control-
+    token text parsed), a list of one string, or a list of token ids (as given)."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise APIError(400, "'prompt' is empty", param="prompt", code="invalid_value")
+        return tok.encode(p, add_special=True)
+    if isinstance(p, list) and p and all(_is_int(t) for t in p):
+        bad = next((t for t in p if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise APIError(400, f"'prompt': token id {bad} is not in the vocabulary (0..{n_vocab - 1})",
+                           param="prompt", code="invalid_value")
+        return list(p)
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise APIError(400, "'prompt': one prompt per request (a list of several is not supported)", param="prompt",
+                       code="invalid_value")
+    raise APIError(400, "'prompt' must be a string, a list of one string, or a list of token ids", param="prompt",
+                   code="invalid_type" if p is not None else "missing_required_parameter")
+
+
+# --- the app -----------------------------------------------------------------------------------------------------
+
+def _usage(st) -> dict:  # noqa: ANN001
+    n = len(st.tokens)
+    return {"prompt_tokens": st.n_prompt, "completion_tokens": n, "total_tokens": st.n_prompt + n}
+
+
+def _timings(st) -> dict:  # noqa: ANN001
+    """llama-server's ``timings`` object. prompt_*: the prefill; predicted_*: the decode steps (the first token
+    comes from the prefill's logits, so predicted_n = completion_tokens - 1 when any token was generated), the
+    same tok/s as ``moestream run``'s stats line."""
+    return {"prompt_n": st.n_prompt, "prompt_ms": 1000 * st.prompt_seconds,
+            "prompt_per_token_ms": 1000 * st.prompt_seconds / st.n_prompt if st.n_prompt else 0.0,
+            "prompt_per_second": st.prompt_tps,
+            "predicted_n": st.n_decode, "predicted_ms": 1000 * st.decode_seconds,
+            "predicted_per_token_ms": 1000 * st.decode_seconds / st.n_decode if st.n_decode else 0.0,
+            "predicted_per_second": st.decode_tps}
+
+
+def create_app(state: ServerState):  # noqa: ANN201
+    """The FastAPI application over ``state``."""
+    app = FastAPI(title="moestream", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error(APIError(404, f"no route {request.method} {request.url.path}", "not_found_error",
+                                  code="not_found"))
+        if exc.status_code == 405:
+            return error(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                  "invalid_request_error", code="method_not_allowed"))
+        return error(APIError(exc.status_code, str(exc.detail), "invalid_request_error", code=exc.status_code))
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error(exc)
+
+    def check_ready() -> Loaded:
+        if state.shutting_down.is_set():
+            raise APIError(503, "the server is shutting down", "unavailable_error", code=503)
+        if state.load_error is not None:
+            raise APIError(500, f"the model failed to load: {state.load_error}", "server_error", code=500)
+        if not state.ready:
+            raise APIError(503, "Loading model", "unavailable_error", code=503)
+        return state.loaded  # type: ignore[return-value]
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            check_ready()
+        except APIError as e:
+            return error(e)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.names[0], "object": "model", "created": state.created, "owned_by": "moestream"}]})
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_type")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise APIError(400, "'model' must be a string", param="model", code="invalid_type")
+        if model is not None and model not in state.names:
+            raise APIError(404, f"the model '{model}' does not exist (this server serves '{state.names[0]}')",
+                           param="model", code="model_not_found")
+        return body
+
+    def plan(body: dict, ids: list[int], ld: Loaded, what: str) -> int:
+        """Tokens to generate: ``max_tokens`` (or ``max_completion_tokens``), at most what the context leaves
+        after the prompt (llama-server's rule); without one, until end of generation or a full context."""
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        mt = _opt(body, key, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        if mt is not None and mt > min(ld.n_ctx, MAX_TOKENS):
+            raise APIError(400, f"'{key}' is {mt}, more than the context of {ld.n_ctx} tokens can hold",
+                           param=key, code="invalid_value")
+        if len(ids) >= ld.n_ctx:
+            raise APIError(400, f"the {what} has {len(ids)} tokens; the context holds {ld.n_ctx} (prompt and "
+                           f"reply together)", param="messages" if what == "conversation" else "prompt",
+                           code="context_length_exceeded")
+        room = ld.n_ctx - len(ids)
+        return room if mt is None else min(mt, room)
+
+    def common(body: dict) -> tuple[SamplingParams, list[str], bool, bool]:
+        n = body.get("n")
+        if n is not None and n != 1:
+            raise APIError(400, "'n': one choice per request (n = 1)", param="n", code="invalid_value")
+        if body.get("logprobs") not in (None, False, 0) or body.get("echo") not in (None, False):
+            key = "logprobs" if body.get("logprobs") not in (None, False, 0) else "echo"
+            raise APIError(400, f"'{key}' is not supported", param=key, code="invalid_value")
+        stream = _opt(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+        so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+        usage = _opt(so, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
+        return sampling_params(body), stop_strings(body), bool(stream), bool(usage)
+
+    async def events(request: Request, job: Job, poll: bool) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """The job's events, as the worker produces them; APIError from the worker is raised. The caller cancels
+        ``job`` when it stops listening. ``poll``: check for a disconnect every 0.25 s (a plain response; a
+        streamed one is cancelled by Starlette when its client disconnects)."""
+        while True:
+            try:
+                item = await asyncio.wait_for(job.events.get(), timeout=0.25 if poll else None)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled.set()
+                    return
+                continue
+            if item is None:
+                return
+            if isinstance(item, APIError):
+                raise item
+            yield item
+            if isinstance(item, DoneEvent):
+                return
+
+    async def handle(request: Request, chat: bool) -> object:
+        ld = check_ready()
+        body = await read_body(request)
+        params, stop, stream, include_usage = common(body)
+        tok = ld.tok
+        if chat:
+            ids = chat_prompt(body, tok)
+        else:
+            ids = completion_prompt(body, tok, ld.model.n_vocab)
+        if not ids:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt", code="invalid_value")
+        n_predict = plan(body, ids, ld, "conversation" if chat else "prompt")
+        job = Job(ids, n_predict, params, stop, asyncio.get_running_loop())
+        state.submit(job)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created, name = int(time.time()), body.get("model") or state.names[0]
+        obj = "chat.completion" if chat else "text_completion"
+        if not stream:
+            return await complete(request, job, chat, rid, created, name, obj)
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": name,
+                    "choices": [choice]}
+
+        def sse(d: dict) -> str:
+            return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
+
+        async def body_iter() -> AsyncIterator[str]:
+            try:
+                if chat:
+                    yield sse(chunk(None, None, role=True))
+                async for ev in events(request, job, poll=False):
+                    if isinstance(ev, TokenEvent):
+                        if ev.text:
+                            yield sse(chunk(ev.text, None))
+                        continue
+                    st = ev.stats
+                    if ev.finish_reason == "interrupted":  # shutdown (a client that left reads nothing)
+                        yield sse(APIError(503, "the server is shutting down; the generation was cancelled",
+                                           "unavailable_error", code=503).body())
+                        return
+                    if ev.text:
+                        yield sse(chunk(ev.text, None))
+                    # the last chunk carries usage and timings: with include_usage OpenAI's extra chunk with no
+                    # choices, else the finish chunk itself (as llama-server; llama-swap reads them)
+                    last = chunk(None, ev.finish_reason)
+                    if include_usage:
+                        yield sse(last)
+                        last = {**chunk(None, None), "choices": []}
+                    last["usage"], last["timings"] = _usage(st), _timings(st)
+                    yield sse(last)
+                    yield "data: [DONE]\n\n"
+            except APIError as e:
+                yield sse(e.body())
+            finally:
+                job.cancelled.set()  # a disconnect cancels here (a no-op once the generation is done)
+
+        return StreamingResponse(body_iter(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def complete(request: Request, job: Job, chat: bool, rid: str, created: int, name: str, obj: str):  # noqa: ANN202
+        parts, done = [], None
+        try:
+            async for ev in events(request, job, poll=True):
+                parts.append(ev.text)
+                if isinstance(ev, DoneEvent):
+                    done = ev
+        finally:
+            job.cancelled.set()
+        if done is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        if done.finish_reason == "interrupted":
+            raise APIError(503, "the server is shutting down; the generation was cancelled", "unavailable_error",
+                           code=503)
+        text = "".join(parts)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": done.finish_reason} if chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason})
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": name, "choices": [choice],
+                             "usage": _usage(done.stats), "timings": _timings(done.stats)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> object:
+        try:
+            return await handle(request, chat=True)
+        except APIError as e:
+            if e.status < 500:  # refused before it started (a failure while generating counts as an error)
+                state._count("rejected")
+            raise
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> object:
+        try:
+            return await handle(request, chat=False)
+        except APIError as e:
+            if e.status < 500:  # refused before it started (a failure while generating counts as an error)
+                state._count("rejected")
+            raise
+
+    return app
+
+
+def make_server(state: ServerState, log_level: str = "warning"):  # noqa: ANN201
+    """A uvicorn server for ``state``'s app whose exit (SIGTERM/SIGINT, or ``handle_exit``) first cancels the
+    generations. Run it with :func:`run_server` on a bound socket."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:  # noqa: ANN001
+            state.shutdown()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(create_app(state), log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off")
+    return Server(config)
+
+
+def listen(host: str, port: int):  # noqa: ANN201
+    """A TCP socket bound to ``host:port`` and listening (``port`` 0: a free port; see ``getsockname()``).
+    ConfigError naming the address when it cannot be bound."""
+    import socket
+
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: cannot resolve it ({e.strerror or e})") from None
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+async def run_server(server, state: ServerState, sock, on_started: Callable[[], None] | None = None) -> None:  # noqa: ANN001
+    """Serve on ``sock`` until ``server.should_exit``; the model starts loading once the server accepts
+    connections (``on_started`` is called then)."""
+    config = server.config
+    if not config.loaded:
+        config.load()
+    server.lifespan = config.lifespan_class(config)
+    await server.startup(sockets=[sock])
+    if on_started:
+        on_started()
+    state.start()
+    if not server.should_exit:
+        await server.main_loop()
+    await server.shutdown(sockets=[sock])
+
+
+def serve(load: Callable[[], Loaded], names: list[str], host: str, port: int) -> int:
+    """Listen on ``host:port`` at once, load the model in a thread (``load``), serve until SIGTERM/SIGINT
+    (which cancel the generations; the process then exits 0). Returns 1 when the model failed to load (one line
+    on stderr). ConfigError when the address cannot be bound."""
+    import signal
+
+    failed: list[str] = []
+    state = ServerState(load, names)
+    server = make_server(state)
+
+    def load_failed(message: str) -> None:
+        failed.append(message)
+        print(f"moestream: error: {message}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    state.on_load_error = load_failed
+    sock = listen(host, port)
+    bound = sock.getsockname()[1]
+
+    def started() -> None:
+        print(f"moestream: listening on http://{host}:{bound} (GET /health is 503 until the model is loaded)",
+              file=sys.stderr, flush=True)
+
+    handlers = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn's own capture re-raises the signal at the end
+        handlers[sig] = signal.signal(sig, server.handle_exit)
+    try:
+        asyncio.run(run_server(server, state, sock, started))
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+        state.shutdown()
+        sock.close()
+    if state.worker.is_alive():
+        state.worker.join(timeout=5)  # the forward pass in progress
+    if state.loader.is_alive():  # still loading: nothing to hand back but the process
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 1 if failed else 0
