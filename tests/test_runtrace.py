@@ -159,8 +159,10 @@ def test_writer_sums_match_the_generation_stats(tmp_path):
     assert sum(sum(r["hits"]) for r in r1) == st.hits and sum(sum(r["misses"]) for r in r1) == st.misses
     assert sum(r["read_bytes"] for r in r1) == st.streamed_bytes
     assert sum(r["io_wait_s"] for r in r1) == pytest.approx(st.store.stall_seconds, abs=1e-4)
-    assert r1[0]["dt"] == pytest.approx(st.prompt_seconds, abs=3e-3)
-    assert sum(r["dt"] for r in r1[1:]) == pytest.approx(st.decode_seconds, abs=3e-3)
+    # the records' intervals are the engine's own timings plus the writer's bookkeeping (loose: a busy machine
+    # preempts the thread between the two clocks)
+    assert r1[0]["dt"] == pytest.approx(st.prompt_seconds, rel=0.25, abs=0.02)
+    assert sum(r["dt"] for r in r1[1:]) == pytest.approx(st.decode_seconds, rel=0.25, abs=0.02)
     # the eog record: the decode step of token k and the sampling of the stop token, not part of the output
     assert [r.get("eog", False) for r in r2] == [False] * (k + 1) + [True] and r2[-1]["id"] == out[k]
     assert r2[-1]["text"] == "" and sum(sum(r["hits"]) + sum(r["misses"]) for r in r2) == gen2.stats.hits + \
