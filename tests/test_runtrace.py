@@ -332,3 +332,19 @@ def test_writer_around_text_events(tmp_path):
     assert [r["text"] for r in tr.tokens[1:]] == released and "".join(released) == free[:free.index(stop)]
     assert tr.ends[0]["stop_reason"] == "stop" and tr.ends[0]["request"] == "r1"
     assert sum(sum(r["hits"]) + sum(r["misses"]) for r in tr.tokens) == gen.stats.hits + gen.stats.misses
+
+
+def test_interactive_trace_records_every_turn(tmp_path):
+    """``run -cnv --trace FILE``: each turn is one generation of the trace (tagged ``turn``), its token texts what
+    the turn printed."""
+    t = tmp_path / "cnv.jsonl"
+    p = cli("run", "-cnv", "-n", "6", "--temp", "0", "--slots", "8", "--trace", str(t),
+            stdin="Hello there\nAnd again\n/exit\n")
+    assert p.returncode == 0, p.stderr
+    tr = read_trace(str(t))
+    assert [e["turn"] for e in tr.ends] == [1, 2]
+    replies = "".join("".join(r["text"] for r in tr.tokens if r["turn"] == n and r["phase"] == "decode") + "\n"
+                      for n in (1, 2))
+    assert replies == p.stdout
+    prefills = [r for r in tr.tokens if r["phase"] == "prefill"]
+    assert [r["turn"] for r in prefills] == [1, 2] and "Hello there" in prefills[0]["text"]

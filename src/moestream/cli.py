@@ -531,8 +531,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_trace_path(args.routing_trace, [model_path(args)])
     if args.trace is not None:
         from .runtrace import check_trace_path as check_run_trace_path
-        if args.interactive:
-            raise ConfigError("--trace records one prompt's prefill and decode; it does not apply to -cnv yet")
         check_run_trace_path(args.trace, [model_path(args)])
     params = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     model, _ = _load(args, args.moe_stream)
@@ -624,8 +622,7 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
     stdout, its stats line goes to stderr. Ends at EOF or /exit (status 0) or Ctrl-C at the prompt (130); Ctrl-C
     during a reply stops that reply. A turn that does not fit, or that the template cannot take, is refused with a
     line on stderr and the session goes on."""
-    from .chat import ChatSession, ContextFullError
-    from .textgen import TextEvents
+    from .chat import ChatSession
     from .tokenizer import TokenizerError
 
     if tok.chat_template is None:
@@ -639,8 +636,31 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
     if sys.stdin is None:
         from .errors import ConfigError
         raise ConfigError("-cnv: standard input is closed (it reads one message per line from it)")
+    run_trace = _open_run_trace(args, model)  # --trace: every turn, tagged with its number
+    try:
+        return _turns(args, tok, session, prompt, n_predict, sampler, run_trace)
+    except BaseException as e:
+        if run_trace is not None and not isinstance(e, KeyboardInterrupt):
+            run_trace.abort()  # a failed session leaves no trace file
+            run_trace = None
+        raise
+    finally:
+        if run_trace is not None:
+            run_trace.close()
+            print(f"moestream: trace of {run_trace.records} records written to {args.trace} (moestream replay "
+                  f"{args.trace} plays it)", file=sys.stderr, flush=True)
+
+
+def _turns(args: argparse.Namespace, tok, session, prompt: str | None, n_predict: int, sampler,  # noqa: ANN001
+           run_trace) -> int:  # noqa: ANN001
+    """The -cnv prompt loop of :func:`_interactive`."""
+    from .chat import ContextFullError
+    from .textgen import TextEvents
+    from .tokenizer import TokenizerError
+
     tty = sys.stdin.isatty()
     pending = prompt
+    n_turn = 0
     while True:
         if pending is not None:
             text, pending = pending, None
@@ -668,7 +688,11 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
                 print(f"moestream: {e}; /exit ends the session", file=sys.stderr, flush=True)
                 continue
             text = TextEvents(gen, tok, args.stop, skip_special=False)
-            _print_reply(iter(text), text.pending)
+            events = iter(text)
+            if run_trace is not None:
+                n_turn += 1
+                events = run_trace.follow_events(events, gen, tok.decode(gen.tokens), turn=n_turn)
+            _print_reply(events, text.pending)
         print(gen.stats.line(), file=sys.stderr, flush=True)
 
 
