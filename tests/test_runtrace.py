@@ -226,8 +226,6 @@ def test_trace_path_refused_before_the_model_runs(tmp_path):
     assert p.returncode == 1 and "directory" in p.stderr
     p = cli("run", "-n", "2", "--trace", default_model_path())
     assert p.returncode == 1 and "model file" in p.stderr
-    p = cli("run", "-cnv", "--trace", str(tmp_path / "t.jsonl"))
-    assert p.returncode == 1 and "-cnv" in p.stderr
     assert os.listdir(tmp_path) == []
 
 

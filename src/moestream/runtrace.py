@@ -401,19 +401,12 @@ class TraceWriter:
         """Iterate ``gen`` (an unstarted Generation of ``model``, default ``gen.engine.model``), yielding its token
         ids and writing its records: the prompt's (``prompt_text``) when the prefill has run, then one per token
         (its text from ``tokenizer``'s stream decoder), then ``end``."""
-        self.begin(model if model is not None else gen.engine.model, **tags)
-        n_prompt = len(gen.tokens)
-        gen.on_prefill = lambda g: self.token(prompt_text, phase="prefill", n=n_prompt)
         dec = tokenizer.stream_decoder()
-        it = iter(gen)
-        try:
-            for tok in it:
-                self.token(dec.push(tok), token_id=tok)
-                yield tok
-        finally:
-            it.close()
-            if self._mark is not None and not self._closed:
-                self.end(gen)
+
+        def record(tok: int) -> None:
+            self.token(dec.push(tok), token_id=tok)
+
+        return self._traced(iter(gen), gen, prompt_text, model, tags, record)
 
     def follow_events(self, events, gen, prompt_text: str, model=None, **tags: Any) -> Iterator:  # noqa: ANN001
         """:meth:`follow` around :mod:`moestream.textgen` events of ``gen`` (``iter(TextEvents(gen, ...))``,
@@ -422,17 +415,28 @@ class TraceWriter:
         flushes (held back until the end) belongs to no token and is not recorded."""
         from .textgen import DoneEvent
 
+        def record(ev) -> None:  # noqa: ANN001
+            if isinstance(ev, DoneEvent):
+                self.end(gen)
+            else:
+                self.token(ev.text, token_id=ev.id)
+
+        return self._traced(events, gen, prompt_text, model, tags, record)
+
+    def _traced(self, items: Iterator, gen, prompt_text: str, model, tags: dict, record) -> Iterator:  # noqa: ANN001
+        """Yield ``items`` (``gen``'s tokens or events), ``record(item)`` before each; the prompt's record when the
+        prefill has run; ``end`` when the generation is over (if ``record`` did not write it)."""
         self.begin(model if model is not None else gen.engine.model, **tags)
         n_prompt = len(gen.tokens)
         gen.on_prefill = lambda g: self.token(prompt_text, phase="prefill", n=n_prompt)
         try:
-            for ev in events:
-                if isinstance(ev, DoneEvent):
-                    self.end(gen)
-                else:
-                    self.token(ev.text, token_id=ev.id)
-                yield ev
+            for item in items:
+                record(item)
+                yield item
         finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
             if self._mark is not None and not self._closed:
                 self.end(gen)
 

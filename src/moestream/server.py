@@ -659,23 +659,21 @@ def create_app(state: ServerState):  # noqa: ANN201
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": name, "choices": [choice],
                              "usage": _usage(done.stats), "timings": _timings(done.stats)})
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> object:
+    async def refused_counted(request: Request, chat: bool) -> object:
         try:
-            return await handle(request, chat=True)
+            return await handle(request, chat=chat)
         except APIError as e:
             if e.status < 500:  # refused before it started (a failure while generating counts as an error)
                 state._count("rejected")
             raise
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> object:
+        return await refused_counted(request, chat=True)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> object:
-        try:
-            return await handle(request, chat=False)
-        except APIError as e:
-            if e.status < 500:  # refused before it started (a failure while generating counts as an error)
-                state._count("rejected")
-            raise
+        return await refused_counted(request, chat=False)
 
     return app
 
