@@ -106,7 +106,8 @@ def disk_read_bandwidth(path: str, chunk_bytes: int, n_reads: int = 48, threads:
         os.close(fd)
 
 
-def check_json_path(path: str, inputs: list[str] = (), option: str = "--json", what: str = "the results") -> None:
+def check_json_path(path: str, inputs: list[str] = (), option: str = "--json", what: str = "the results",
+                    input_kind: str = "the model file") -> None:
     """ConfigError, before any row runs, when ``--json PATH`` (``option``) cannot be written (see ``write_json``)
     or names one of ``inputs`` (the model's files: a typo must not replace the model with ``what``)."""
     if path == "":
@@ -126,7 +127,7 @@ def check_json_path(path: str, inputs: list[str] = (), option: str = "--json", w
     for inp in inputs:
         with contextlib.suppress(OSError):
             if st is not None and os.path.samefile(real, inp):
-                raise ConfigError(f"{option} {path}: that is the model file {inp}; choose another path for "
+                raise ConfigError(f"{option} {path}: that is {input_kind} {inp}; choose another path for "
                                   f"{what}")
     if st is not None and not stat.S_ISREG(st.st_mode):  # a FIFO, /dev/null, a terminal: written into as it is
         if not os.access(real, os.W_OK):

@@ -879,7 +879,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     at = (args.at or len(tl)) - 1
     if args.html is not None:
         from .bench import check_json_path
-        check_json_path(args.html, [args.file], option="--html", what="the page")
+        check_json_path(args.html, [args.file], option="--html", what="the page", input_kind="the trace")
         write_page(tl, args.html)
         print(f"moestream: page of {len(tl)} tokens written to {args.html}", file=sys.stderr, flush=True)
         return 0

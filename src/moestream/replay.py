@@ -65,6 +65,9 @@ def timeline(trace: RunTrace, row: int | None = None) -> Timeline:
     if not recs:
         if row is not None and trace.tokens:
             have = sorted({r.get("row") for r in trace.tokens if r.get("row") is not None})
+            if not have:
+                raise RunTraceError(f"{trace.path}: --row {row}: this is a trace of moestream "
+                                    f"{trace.header.get('command')}, which has no rows (--row is for bench traces)")
             raise RunTraceError(f"{trace.path}: no records of row {row} (rows with records: "
                                 f"{', '.join(map(str, have))})")
         raise RunTraceError(f"{trace.path}: the trace holds no token records (the run ended before its prefill?)")

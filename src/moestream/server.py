@@ -48,6 +48,9 @@ MAX_TOKENS = 2**31
 #: Seconds uvicorn waits for open connections at shutdown before it cancels them (the generations themselves are
 #: cancelled at once).
 GRACEFUL_SHUTDOWN_S = 3.0
+#: Seconds between two checks of a plain (not streamed) request's connection while it generates
+DISCONNECT_POLL_S = 0.25
+_NOTHING = object()
 #: Stop strings a request may give (OpenAI allows 4; llama-server any number).
 MAX_STOP_STRINGS = 16
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -421,6 +424,31 @@ def chat_prompt(body: dict, tok) -> list[int]:  # noqa: ANN001
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
 
 
+def _text_bytes(v: object) -> int:
+    """UTF-8 bytes of every string in a JSON value (the message texts, the prompt)."""
+    if isinstance(v, str):
+        return len(v.encode("utf-8"))
+    if isinstance(v, list):
+        return sum(_text_bytes(x) for x in v)
+    if isinstance(v, dict):
+        return sum(_text_bytes(x) for x in v.values())
+    return 0
+
+
+def _surely_too_long(body: dict, chat: bool, ld: Loaded) -> None:
+    """APIError 400 ``context_length_exceeded``, before tokenizing, for a prompt whose text cannot fit: more bytes
+    than twice the context times the longest token (a tokenizer needs at least bytes / longest-token tokens; the
+    factor 2 leaves room for a normalizer that shortens text). Tokenizing megabytes would hold a thread for
+    seconds to reach the same answer."""
+    text = body.get("messages") if chat else body.get("prompt")
+    n = _text_bytes(text)
+    if n > 2 * ld.n_ctx * ld.tok.max_token_bytes:
+        what = "conversation" if chat else "prompt"
+        raise APIError(400, f"the {what} has {n} bytes of text, far more than the context of {ld.n_ctx} tokens can "
+                       f"hold (prompt and reply together)", param="messages" if chat else "prompt",
+                       code="context_length_exceeded")
+
+
 def completion_prompt(body: dict, tok, n_vocab: int) -> list[int]:  # noqa: ANN001
     """``prompt`` of /v1/completions as token ids: a string (raw model input: BOS as the file wants it, control-
     token text parsed), a list of one string, or a list of token ids (as given)."""
@@ -516,6 +544,13 @@ def create_app(state: ServerState):  # noqa: ANN201
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+        try:  # JSON's \ud800-style escapes can spell lone UTF-16 surrogates, which are not text
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff escape): not "
+                           "valid text", code="invalid_value") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_type")
         model = body.get("model")
@@ -557,13 +592,19 @@ def create_app(state: ServerState):  # noqa: ANN201
         """The job's events, as the worker produces them; APIError from the worker is raised. The caller cancels
         ``job`` when it stops listening. ``poll``: check for a disconnect every 0.25 s (a plain response; a
         streamed one is cancelled by Starlette when its client disconnects)."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         while True:
             try:
-                item = await asyncio.wait_for(job.events.get(), timeout=0.25 if poll else None)
+                item = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_S if poll else None)
             except TimeoutError:
+                item = _NOTHING
+            if poll and loop.time() - checked >= DISCONNECT_POLL_S:  # also while tokens keep arriving
+                checked = loop.time()
                 if await request.is_disconnected():
                     job.cancelled.set()
                     return
+            if item is _NOTHING:
                 continue
             if item is None:
                 return
@@ -578,10 +619,11 @@ def create_app(state: ServerState):  # noqa: ANN201
         body = await read_body(request)
         params, stop, stream, include_usage = common(body)
         tok = ld.tok
+        _surely_too_long(body, chat, ld)
         if chat:
-            ids = chat_prompt(body, tok)
+            ids = await asyncio.to_thread(chat_prompt, body, tok)
         else:
-            ids = completion_prompt(body, tok, ld.model.n_vocab)
+            ids = await asyncio.to_thread(completion_prompt, body, tok, ld.model.n_vocab)
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt", code="invalid_value")
         n_predict = plan(body, ids, ld, "conversation" if chat else "prompt")

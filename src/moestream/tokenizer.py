@@ -38,6 +38,7 @@ Nothing is cached on disk.
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import re
 import threading
@@ -322,6 +323,13 @@ class GGUFTokenizer:
         self._piece_cache: dict[int, bytes] = {}
         self._char_bytes: dict[str, int] | None = None
         self._plain_lock = threading.Lock()
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token string of the vocabulary in UTF-8 bytes: no token stands for more bytes of text
+        (a byte-level token's characters are one byte each, SentencePiece's '▁' three bytes for one space, a byte
+        token ``<0xAB>`` six for one), so a text of B bytes needs at least B / max_token_bytes tokens."""
+        return max((len(str(t).encode("utf-8", "surrogatepass")) for t in self._tokens), default=1) or 1
 
     # ------------------------------------------------------------------ construction
     @classmethod
