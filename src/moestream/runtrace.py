@@ -446,14 +446,20 @@ class TraceWriter:
             self._sampler.stop()
             self._sampler = None
 
+    def _shut(self) -> bool:
+        """Mark closed and stop the samplers (under the lock); False when it was closed already."""
+        if self._closed:
+            return False
+        self._closed = True
+        self._stop_sampler()
+        self._proc.close()
+        return True
+
     def close(self) -> None:
         """Finish the file: flush, close, rename the temporary file onto ``path``. Idempotent."""
         with self._lock:
-            if self._closed:
+            if not self._shut():
                 return
-            self._closed = True
-            self._stop_sampler()
-            self._proc.close()
             try:
                 self._f.close()
                 if self._tmp is not None:
@@ -465,11 +471,8 @@ class TraceWriter:
     def abort(self) -> None:
         """Give up (the run failed): close and remove the temporary file; ``path`` is left as it was."""
         with self._lock:
-            if self._closed:
+            if not self._shut():
                 return
-            self._closed = True
-            self._stop_sampler()
-            self._proc.close()
             with contextlib.suppress(OSError):
                 self._f.close()
             self._discard()
