@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .. import kernels, quant
 from .layout import ExpertLayout
-from .pool import ExpertStore
+from .pool import ExpertStore, ResidentStore
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -240,8 +240,7 @@ class MoE:
         """Whether :meth:`resident_step` can compute this layer: Triton kernels, every expert addressed by the GPU
         in place (a ResidentStore on CUDA: VRAM or pinned host pools), no synthetic routing."""
         return (self.gpu and self.routing is None and getattr(store, "trace", None) is None
-                and type(store).__name__ == "ResidentStore" and getattr(store, "device", None) is not None
-                and store.device.type == "cuda")
+                and isinstance(store, ResidentStore) and store.device.type == "cuda")
 
     def resident_step(self, store: ExpertStore, x: torch.Tensor, ids: torch.Tensor,
                       weights: torch.Tensor) -> torch.Tensor:
