@@ -247,10 +247,25 @@ FIXTURES: dict[str, ModelSpec] = {
 #: :func:`build_model`'s result). They supply what differs (spec, checkpoint writer, converter venv pins,
 #: tokenizer) and build through this module's :func:`build_model`, :func:`converter_venv`,
 #: :func:`build_tokenizer_dir`, :func:`model_key` and checkpoint helpers.
-FAMILY_MODULES: dict[str, str] = {
-    "gemma4-tiny": "fixtures_gemma4",
-    "qwen35moe-tiny": "fixtures_qwen35moe",
-}
+def _discover_families() -> dict[str, str]:
+    """Every ``tools/fixtures_<family>.py`` (but ``fixtures_published``) with a ``FIXTURES`` dict: its names."""
+    import ast
+
+    found: dict[str, str] = {}
+    for path in sorted(Path(__file__).resolve().parent.glob("fixtures_*.py")):
+        if path.stem == "fixtures_published":
+            continue
+        for node in ast.parse(path.read_text()).body:  # the names only: the module is imported when built
+            target = node.target if isinstance(node, ast.AnnAssign) else (
+                node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+            if isinstance(target, ast.Name) and target.id == "FIXTURES" and isinstance(node.value, ast.Dict):
+                for key in node.value.keys:
+                    if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                        found[key.value] = path.stem
+    return found
+
+
+FAMILY_MODULES: dict[str, str] = _discover_families()
 
 
 def _family_module(name: str) -> Any:

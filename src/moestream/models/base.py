@@ -480,15 +480,28 @@ def load_model(path: str, opts: LoadOptions | None = None, defer_store: bool = F
 
 
 def architecture_of(gguf: GGUFModel) -> type[MoEModel]:
-    """The model class of ``gguf.arch``; GGUFError naming the file and listing the supported ones otherwise."""
-    from . import (
-        gemma4,  # noqa: F401 - registers
-        qwen3moe,  # noqa: F401 - registers
-        qwen35moe,  # noqa: F401 - registers
-    )
+    """The model class of ``gguf.arch``; GGUFError naming the file and listing the supported ones otherwise.
 
+    Every module of the ``moestream.models`` package is imported once (each registers its architectures with
+    :func:`register`), so adding an architecture is adding one module."""
+    _import_architectures()
     cls = ARCHITECTURES.get(gguf.arch)
     if cls is None:
         raise GGUFError(f"{gguf.path}: architecture {gguf.arch!r} is not supported; supported: "
                         f"{', '.join(sorted(ARCHITECTURES))}")
     return cls
+
+
+#: modules of moestream.models that hold no architecture
+_NOT_ARCHITECTURES = frozenset({"base", "layers", "graphs", "routing"})
+
+
+def _import_architectures() -> None:
+    import importlib
+    import pkgutil
+
+    from .. import models
+
+    for info in pkgutil.iter_modules(models.__path__):
+        if info.name not in _NOT_ARCHITECTURES and not info.name.startswith("_"):
+            importlib.import_module(f"{models.__name__}.{info.name}")
