@@ -24,6 +24,7 @@ from moestream import bench, cli
 from moestream.engine import Engine, check_cache_fits
 from moestream.errors import ConfigError, ForwardError, GGUFError, OutputError
 from moestream.memcap import parse_cap, parse_size
+from moestream.models import base
 from moestream.models.base import LoadOptions, load_model
 
 
@@ -452,10 +453,18 @@ def test_inspect_clamps_slots_like_run():
 
 def test_inspect_unknown_architecture_like_run(tmp_path, default_gguf):
     path = tmp_path / "other.gguf"
-    rewrite(default_gguf, path, arch="llama")
+    rewrite(default_gguf, path, arch="bert")
     lines = {assert_one_line_error(moestream(cmd, "-m", str(path))) for cmd in ("inspect", "run")}
-    assert lines == {f"moestream: error: {path}: architecture 'llama' is not supported; supported: "
-                     f"gemma4, qwen35moe, qwen3moe"}
+    assert lines == {f"moestream: error: {path}: architecture 'bert' is not supported; supported: "
+                     f"{supported_architectures()}"}
+
+
+def supported_architectures() -> str:
+    """The registered architectures as the error lists them (every model module imported)."""
+    base._import_architectures()
+    names = sorted(base.ARCHITECTURES)
+    assert {"gemma4", "qwen35moe", "qwen3moe"} <= set(names)
+    return ", ".join(names)
 
 
 def test_device_is_not_a_model():
