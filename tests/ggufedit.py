@@ -12,10 +12,12 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 def rewrite(src: str | Path, dst: str | Path, arch: str | None = None, split_max_tensors: int = 0,
             convert: dict[str, Callable[[np.ndarray], np.ndarray]] | None = None,
-            set_kv: dict[str, object] | None = None) -> list[Path]:
+            set_kv: dict[str, object] | None = None,
+            add_kv: dict[str, tuple[object, GGUFValueType]] | None = None) -> list[Path]:
     """Copy ``src`` to ``dst`` (with split parts when ``split_max_tensors``), optionally renaming the
     architecture or replacing tensors by ``convert[name](float32 array)`` (a numpy array of a plain dtype
-    such as float64) or metadata values by ``set_kv`` (same value type). Returns the written paths."""
+    such as float64) or metadata values by ``set_kv`` (same value type), and adding keys the file lacks,
+    ``add_kv[key] = (value, type)``. Returns the written paths."""
     r = GGUFReader(str(src))
     old_arch = r.fields["general.architecture"].contents()
     w = GGUFWriter(str(dst), arch or old_arch, split_max_tensors=split_max_tensors)
@@ -30,6 +32,10 @@ def rewrite(src: str | Path, dst: str | Path, arch: str | None = None, split_max
             w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1])
         else:
             w.add_key_value(key, f.contents(), f.types[0])
+    for key, (value, vtype) in (add_kv or {}).items():
+        if key in r.fields:
+            raise ValueError(f"{src}: add_kv key {key} is already in the file (use set_kv)")
+        w.add_key_value(key, value, vtype)
     for t in r.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         if convert and t.name in convert:

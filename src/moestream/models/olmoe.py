@@ -1,0 +1,147 @@
+"""OLMoE (GGUF ``general.architecture = olmoe``), e.g. allenai/OLMoE-1B-7B-0924.
+
+Per layer: RMSNorm -> attention (n_head query heads, n_kv key/value heads) whose q and k projections are each
+RMSNormed over the WHOLE projected vector (q: [n_head * head_dim], k: [n_kv * head_dim], one norm weight of
+that length, not per head), then NEOX RoPE -> residual -> RMSNorm -> softmax router over all experts, top-k
+of the probabilities -> SwiGLU experts weighted by those probabilities -> residual. No shared expert, no dense
+layers. Semantics follow transformers' OlmoeForCausalLM (OlmoeAttention, OlmoeTopKRouter) and llama.cpp's
+olmoe graph (src/models/olmoe.cpp).
+
+Routing weights: transformers renormalizes the top-k probabilities only when ``norm_topk_prob`` (false in
+the published config); llama.cpp's olmoe graph never does and reads no key for it. moestream reads
+``olmoe.expert_weights_norm`` (a bool, the key other families use for the same switch) and defaults to
+false when the file lacks it, which is what llama.cpp computes and what the published model was trained
+with. ``clip_qkv`` (null in the published config) has no GGUF key and is not applied, as in llama.cpp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import GGUFError
+from ..experts.moe import MoE
+from .base import LoadOptions, MoEModel, register
+from .layers import KVCache, Rope, attention, rms_norm, rope_inv_freq
+
+
+@register("olmoe")
+class Olmoe(MoEModel):
+    def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
+        super().__init__(gguf, opts)
+        self.n_layers = self.meta_int("block_count", required=True)
+        self.n_embd = self.meta_int("embedding_length", required=True)
+        self.n_head = self.meta_int("attention.head_count", required=True)
+        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
+        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        self.head_dim_v = self.meta_int("attention.value_length", self.head_dim)
+        self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-5)
+        self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        norm_w = self.gguf.arch_get("expert_weights_norm", False)
+        if not isinstance(norm_w, bool):
+            raise GGUFError(f"{self.gguf.path}: metadata key {self._key('expert_weights_norm')} must be a bool, "
+                            f"got {norm_w!r}")
+        #: whether the top-k router probabilities are renormalized to sum 1 (transformers' norm_topk_prob)
+        self.norm_topk = norm_w
+        self.check_shapes()
+        if opts.metadata_only:
+            return
+        self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
+        self.embd = self.lookup_table("token_embd.weight")
+        self.n_vocab = self.embd.shape[0]
+        self.out_norm = self.norm("output_norm.weight")
+        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.blocks = []
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            self.blocks.append({
+                "attn_norm": self.norm(p + "attn_norm.weight"),
+                "q": self.weight(p + "attn_q.weight"), "k": self.weight(p + "attn_k.weight"),
+                "v": self.weight(p + "attn_v.weight"), "o": self.weight(p + "attn_output.weight"),
+                "q_norm": self.norm(p + "attn_q_norm.weight"), "k_norm": self.norm(p + "attn_k_norm.weight"),
+                "ffn_norm": self.norm(p + "ffn_norm.weight"),
+                "router": self.weight(p + "ffn_gate_inp.weight"),
+                "moe": MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton),
+            })
+
+    def check_shapes(self) -> None:
+        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is
+        read. Every layer must have routed experts (OLMoE has no dense layers)."""
+        d = self.meta_desc
+        n_embd, n_head, n_kv, hd, hdv = self.n_embd, self.n_head, self.n_kv, self.head_dim, self.head_dim_v
+        if hd % 2:
+            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__key_length=hd)} must be even (RoPE rotates "
+                            f"pairs of dimensions)")
+        emb = d(embedding_length=n_embd)
+        self.check_common_shapes(n_embd, emb)
+        q_desc = d(attention__head_count=n_head, attention__key_length=hd)
+        k_desc = d(attention__head_count_kv=n_kv, attention__key_length=hd)
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            if i not in self.layout:
+                raise GGUFError(f"{self.gguf.path}: tensor {p}ffn_gate_exps.weight is missing (every olmoe layer "
+                                f"has routed experts; {d(block_count=self.n_layers)})")
+            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
+            self.expect_shape(p + "attn_q.weight", (n_head * hd, n_embd), q_desc + ", " + emb)
+            self.expect_shape(p + "attn_k.weight", (n_kv * hd, n_embd), k_desc + ", " + emb)
+            self.expect_shape(p + "attn_v.weight", (n_kv * hdv, n_embd),
+                              d(attention__head_count_kv=n_kv, attention__value_length=hdv, embedding_length=n_embd))
+            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hdv),
+                              d(attention__head_count=n_head, attention__value_length=hdv, embedding_length=n_embd))
+            self.expect_shape(p + "attn_q_norm.weight", (n_head * hd,), q_desc + " (q is normed whole)")
+            self.expect_shape(p + "attn_k_norm.weight", (n_kv * hd,), k_desc + " (k is normed whole)")
+            self.expect_shape(p + "ffn_norm.weight", (n_embd,), emb)
+            self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
+                              d(expert_count=self.n_experts, embedding_length=n_embd))
+        if n_head % n_kv:
+            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
+                            f"{d(attention__head_count_kv=n_kv)}")
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, self.device)
+
+    def cache_bytes(self, n_ctx: int) -> int:
+        return 4 * self.n_layers * n_ctx * self.n_kv * (self.head_dim + self.head_dim_v)
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits: [T, n_experts] float32 -> (ids [T, top_k] int64, weights [T, top_k] float32): the
+        top-k of softmax(logits) over all experts, as they are (transformers' OlmoeTopKRouter with
+        norm_topk_prob false; llama.cpp's build_moe_ffn with softmax gating, norm_w false), or divided by their
+        sum when the file sets ``expert_weights_norm``."""
+        probs = torch.softmax(router_logits, dim=-1)
+        w, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return ids, w
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks[layer]
+        return self.route(b["router"].linear(rms_norm(x, b["ffn_norm"], self.eps)))[0]
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
+        """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
+        n_tok = tokens.shape[0]
+        if start + n_tok > cache.n_ctx:
+            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
+        end = start + n_tok
+        x = self.embd.rows_of(tokens)  # [T, hidden]
+        scale = 1.0 / math.sqrt(self.head_dim)
+        for i, b in enumerate(self.blocks):
+            self.lookahead(i, x)
+            h = rms_norm(x, b["attn_norm"], self.eps)
+            # q/k RMSNorm over the whole projection [T, n_head * head_dim] (OlmoeAttention), then split into heads
+            q = rms_norm(b["q"].linear(h), b["q_norm"], self.eps).view(n_tok, self.n_head, self.head_dim)
+            k = rms_norm(b["k"].linear(h), b["k_norm"], self.eps).view(n_tok, self.n_kv, self.head_dim)
+            q = self.rope(q, start)
+            self.rope(k, start, out=cache.k[i][start:end])
+            cache.v[i][start:end] = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
+            a = attention(q, cache.k[i][:end], cache.v[i][:end], start, scale)
+            x = x + b["o"].linear(a)
+            h = rms_norm(x, b["ffn_norm"], self.eps)
+            ids, w = self.route(b["router"].linear(h))
+            routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
+            x = x + routed
+        if not logits_all:
+            x = x[-1:]
+        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
