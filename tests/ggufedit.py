@@ -13,16 +13,19 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 def rewrite(src: str | Path, dst: str | Path, arch: str | None = None, split_max_tensors: int = 0,
             convert: dict[str, Callable[[np.ndarray], np.ndarray]] | None = None,
             set_kv: dict[str, object] | None = None,
-            add_kv: dict[str, tuple[object, GGUFValueType]] | None = None) -> list[Path]:
+            add_kv: dict[str, tuple[object, GGUFValueType]] | None = None,
+            drop_kv: tuple[str, ...] = ()) -> list[Path]:
     """Copy ``src`` to ``dst`` (with split parts when ``split_max_tensors``), optionally renaming the
     architecture or replacing tensors by ``convert[name](float32 array)`` (a numpy array of a plain dtype
-    such as float64) or metadata values by ``set_kv`` (same value type), and adding keys the file lacks,
-    ``add_kv[key] = (value, type)``. Returns the written paths."""
+    such as float64) or metadata values by ``set_kv`` (same value type), adding keys the file lacks,
+    ``add_kv[key] = (value, type)``, or leaving out the metadata keys ``drop_kv``. Returns the written paths."""
     r = GGUFReader(str(src))
     old_arch = r.fields["general.architecture"].contents()
     w = GGUFWriter(str(dst), arch or old_arch, split_max_tensors=split_max_tensors)
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment") or key.startswith("split."):
+            continue
+        if key in drop_kv:
             continue
         if arch and key.startswith(old_arch + "."):
             key = arch + key[len(old_arch):]
