@@ -133,3 +133,14 @@ def test_rms_eps_default(fam_files, fam_hf, tmp_path):
         finally:
             model.store.close()
     assert torch.equal(out[0], out[1])
+
+
+def test_llama3_rope_factors_refused(fam_files, tmp_path):
+    """A llama file with a ``rope_freqs.weight`` tensor (Llama 3's RoPE frequency factors, which llama.cpp's llama
+    graph applies and models/llama.py does not): refused in one line naming the file and the tensor."""
+    def add(n: str, d: np.ndarray, t: int) -> list[tuple[str, np.ndarray]]:
+        return [(n, d), ("rope_freqs.weight", np.ones(32, np.float32))] if n == "output_norm.weight" else [(n, d)]
+    bad = rewrite(fam_files["q8_0"], tmp_path / "rope-freqs.gguf", tensors=add)
+    with pytest.raises(GGUFError, match="rope_freqs.weight") as e:
+        load_model(str(bad), LoadOptions(metadata_only=True))
+    assert "\n" not in str(e.value) and str(bad) in str(e.value)

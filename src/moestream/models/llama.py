@@ -44,7 +44,7 @@ class Mixtral(MoEModel):
         self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
         self.head_dim_v = self.meta_int("attention.value_length", self.head_dim)
         self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
-        # llama.cpp's default for a missing epsilon in llama files is 1e-5 (hparams f_norm_rms_eps, read required)
+        # llama.cpp requires this key for llama files; the default is Mixtral-8x7B's published rms_norm_eps
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-5)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.check_shapes()
@@ -82,6 +82,13 @@ class Mixtral(MoEModel):
         if self.n_rot != hd:
             raise GGUFError(f"{self.gguf.path}: metadata {d(rope__dimension_count=self.n_rot)} differs from "
                             f"{d(attention__key_length=hd)}: partial RoPE is not supported for llama files")
+        unsupported = [n for n in self.gguf.tensors if n.startswith(("rope_freqs.", "rope_factors_"))
+                       or "_shexp." in n or n.endswith(".bias")]
+        unsupported += [f"metadata key {self.gguf.arch}.{k}" for k in ("attention.scale", "expert_weights_scale")
+                        if self.has_meta(k)]
+        if unsupported:  # llama.cpp's llama graph knows these (Llama 3 RoPE factors, Granite), moestream does not
+            raise GGUFError(f"{self.gguf.path}: llama file with {unsupported[0]}: only Mixtral-style llama files "
+                            f"(no RoPE frequency factors, biases, shared experts or scales) are supported")
         emb = d(embedding_length=n_embd)
         self.check_common_shapes(n_embd, emb)
         for i in range(self.n_layers):
@@ -107,6 +114,10 @@ class Mixtral(MoEModel):
         if n_head % n_kv:
             raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
                             f"{d(attention__head_count_kv=n_kv)}")
+
+    def has_meta(self, suffix: str) -> bool:
+        """Whether the file holds the metadata key ``<arch>.<suffix>``."""
+        return self.gguf.arch_get(suffix) is not None
 
     def new_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, self.device)
