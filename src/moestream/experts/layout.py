@@ -14,6 +14,8 @@ from ..gguf import GGUFModel
 EXPERT_MATRICES = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down",
                    "ffn_gate_up_exps": "gate_up"}
 _EXPS_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down|gate_up)_exps)\.weight$")
+# Early Mixtral GGUFs (llama.cpp before the merged ``_exps`` tensors): one 2-D tensor per expert.
+_PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(?:gate|up|down)\.(\d+)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,18 @@ class ExpertMatrix:
 class ExpertLayout:
     """The expert matrices of every MoE layer: ``layout[layer][matrix] -> ExpertMatrix``.
 
-    Raises GGUFError if expert tensors of one layer disagree in expert count.
+    Raises GGUFError if expert tensors of one layer disagree in expert count, or (one line naming the file and
+    the first such tensor) if the file stores each expert as its own 2-D tensor (``blk.N.ffn_gate.E.weight``,
+    the layout of early Mixtral GGUFs), which moestream does not read.
     """
 
     def __init__(self, model: GGUFModel):
         self.layers: dict[int, dict[str, ExpertMatrix]] = {}
+        per_expert = next((n for n in model.tensors if _PER_EXPERT_RE.match(n)), None)
+        if per_expert is not None:
+            raise GGUFError(f"{model.path}: experts stored one 2-D tensor per expert (e.g. {per_expert}, the "
+                            f"layout of early Mixtral GGUFs) are not supported; convert the model again with a "
+                            f"current llama.cpp, which writes merged blk.N.ffn_*_exps tensors")
         for name, info in model.tensors.items():
             m = _EXPS_RE.match(name)
             if not m:

@@ -1,0 +1,172 @@
+"""Mixtral: llama with routed experts (GGUF ``general.architecture = llama``).
+
+Per layer: RMSNorm -> GQA attention with RoPE (no biases, no q/k norms) -> residual -> RMSNorm -> softmax router
+over all experts, top-k of the probabilities, the k weights renormalized to sum 1 -> SwiGLU experts -> residual.
+Final RMSNorm and an untied ``output`` matrix (``token_embd`` when the file has none). Semantics follow
+transformers' MixtralForCausalLM (MixtralTopKRouter: softmax, topk, divide by the sum) and llama.cpp's llama
+graph (build_moe_ffn with softmax gating and normalized weights).
+
+RoPE: llama.cpp's llama uses the "normal" RoPE mode, rotating adjacent pairs (2i, 2i+1) of each head; its
+converter permuted the q/k rows of the checkpoint so that this equals transformers' rotate-half RoPE on the
+original weights. Here q and k are de-interleaved (dims 0,2,4,... then 1,3,5,...) and rotated NEOX style
+(layers.Rope): the same rotation, with the head's dims permuted alike in q and k, which leaves every q.k
+product unchanged. A dense llama file (no ``ffn_*_exps`` tensors) is refused by MoEModel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import GGUFError
+from ..experts.moe import MoE
+from .base import LoadOptions, MoEModel, register
+from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """x: float32 [T, heads, head_dim] -> the same values with each head's dims reordered (0, 2, 4, ..., 1, 3,
+    5, ...): llama.cpp's adjacent RoPE pairs (2i, 2i+1) become NEOX pairs (i, i + head_dim/2)."""
+    t, h, d = x.shape
+    return x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
+
+
+@register("llama")
+class Mixtral(MoEModel):
+    def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
+        super().__init__(gguf, opts)
+        self.n_layers = self.meta_int("block_count", required=True)
+        self.n_embd = self.meta_int("embedding_length", required=True)
+        self.n_head = self.meta_int("attention.head_count", required=True)
+        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
+        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        self.head_dim_v = self.meta_int("attention.value_length", self.head_dim)
+        self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
+        # llama.cpp requires this key for llama files; the default is Mixtral-8x7B's published rms_norm_eps
+        self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-5)
+        self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.check_shapes()
+        if opts.metadata_only:
+            return
+        self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
+        self.embd = self.lookup_table("token_embd.weight")
+        self.n_vocab = self.embd.shape[0]
+        self.out_norm = self.norm("output_norm.weight")
+        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.blocks = []
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            b = {
+                "attn_norm": self.norm(p + "attn_norm.weight"),
+                "q": self.weight(p + "attn_q.weight"), "k": self.weight(p + "attn_k.weight"),
+                "v": self.weight(p + "attn_v.weight"), "o": self.weight(p + "attn_output.weight"),
+                "ffn_norm": self.norm(p + "ffn_norm.weight"),
+            }
+            if i in self.layout:
+                b["router"] = self.weight(p + "ffn_gate_inp.weight")
+                b["moe"] = MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton)
+            else:
+                b["gate"], b["up"] = self.weight(p + "ffn_gate.weight"), self.weight(p + "ffn_up.weight")
+                b["down"] = self.weight(p + "ffn_down.weight")
+            self.blocks.append(b)
+
+    def check_shapes(self) -> None:
+        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read."""
+        d = self.meta_desc
+        n_embd, n_head, n_kv, hd, hdv = self.n_embd, self.n_head, self.n_kv, self.head_dim, self.head_dim_v
+        if hd % 2:
+            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__key_length=hd)} must be even (RoPE rotates "
+                            f"pairs of dimensions)")
+        if self.n_rot != hd:
+            raise GGUFError(f"{self.gguf.path}: metadata {d(rope__dimension_count=self.n_rot)} differs from "
+                            f"{d(attention__key_length=hd)}: partial RoPE is not supported for llama files")
+        unsupported = [n for n in self.gguf.tensors if n.startswith(("rope_freqs.", "rope_factors_"))
+                       or "_shexp." in n or n.endswith(".bias")]
+        unsupported += [f"metadata key {self.gguf.arch}.{k}" for k in ("attention.scale", "expert_weights_scale")
+                        if self.has_meta(k)]
+        if unsupported:  # llama.cpp's llama graph knows these (Llama 3 RoPE factors, Granite), moestream does not
+            raise GGUFError(f"{self.gguf.path}: llama file with {unsupported[0]}: only Mixtral-style llama files "
+                            f"(no RoPE frequency factors, biases, shared experts or scales) are supported")
+        emb = d(embedding_length=n_embd)
+        self.check_common_shapes(n_embd, emb)
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
+            self.expect_shape(p + "attn_q.weight", (n_head * hd, n_embd),
+                              d(attention__head_count=n_head, attention__key_length=hd, embedding_length=n_embd))
+            self.expect_shape(p + "attn_k.weight", (n_kv * hd, n_embd),
+                              d(attention__head_count_kv=n_kv, attention__key_length=hd, embedding_length=n_embd))
+            self.expect_shape(p + "attn_v.weight", (n_kv * hdv, n_embd),
+                              d(attention__head_count_kv=n_kv, attention__value_length=hdv, embedding_length=n_embd))
+            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hdv),
+                              d(attention__head_count=n_head, attention__value_length=hdv, embedding_length=n_embd))
+            self.expect_shape(p + "ffn_norm.weight", (n_embd,), emb)
+            if i in self.layout:
+                self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
+                                  d(expert_count=self.n_experts, embedding_length=n_embd))
+            else:
+                n_ff = self.gguf.tensor_info(p + "ffn_gate.weight").shape[0]
+                self.expect_shape(p + "ffn_gate.weight", (n_ff, n_embd), emb)
+                self.expect_shape(p + "ffn_up.weight", (n_ff, n_embd), emb + f" and ffn_gate's {n_ff} rows")
+                self.expect_shape(p + "ffn_down.weight", (n_embd, n_ff), emb + f" and ffn_gate's {n_ff} rows")
+        if n_head % n_kv:
+            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
+                            f"{d(attention__head_count_kv=n_kv)}")
+
+    def has_meta(self, suffix: str) -> bool:
+        """Whether the file holds the metadata key ``<arch>.<suffix>``."""
+        return self.gguf.arch_get(suffix) is not None
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, self.device)
+
+    def cache_bytes(self, n_ctx: int) -> int:
+        return 4 * self.n_layers * n_ctx * self.n_kv * (self.head_dim + self.head_dim_v)
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits: float32 [T, n_experts] -> (ids [T, top_k] int64, weights [T, top_k] float32, sum 1):
+        softmax over all experts, top-k of the probabilities, renormalized (transformers MixtralTopKRouter;
+        llama.cpp build_moe_ffn, softmax gating, norm_w)."""
+        probs = torch.softmax(router_logits, dim=-1)
+        w, ids = torch.topk(probs, self.top_k, dim=-1)
+        return ids, w / w.sum(dim=-1, keepdim=True)
+
+    def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: float32 [T, hidden], the FFN-normed input of MoE block ``b`` -> :meth:`route` of its router logits."""
+        return self.route(b["router"].linear(h))
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks[layer]
+        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
+        """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``.
+        The cache holds the keys de-interleaved and rotated (see the module docstring)."""
+        n_tok = tokens.shape[0]
+        if start + n_tok > cache.n_ctx:
+            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
+        end = start + n_tok
+        x = self.embd.rows_of(tokens)  # [T, hidden]
+        scale = 1.0 / math.sqrt(self.head_dim)
+        for i, b in enumerate(self.blocks):
+            self.lookahead(i, x)
+            h = rms_norm(x, b["attn_norm"], self.eps)
+            q = deinterleave(b["q"].linear(h).view(n_tok, self.n_head, self.head_dim))
+            k = deinterleave(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim))
+            q = self.rope(q, start)
+            self.rope(k, start, out=cache.k[i][start:end])
+            cache.v[i][start:end] = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
+            a = attention(q, cache.k[i][:end], cache.v[i][:end], start, scale)
+            x = x + b["o"].linear(a)
+            h = rms_norm(x, b["ffn_norm"], self.eps)
+            if "moe" in b:
+                ids, w = self.gate(b, h)
+                routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
+                x = x + routed
+            else:
+                x = x + b["down"].linear(elementwise(F.silu, b["gate"].linear(h)) * b["up"].linear(h))
+        if not logits_all:
+            x = x[-1:]
+        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
