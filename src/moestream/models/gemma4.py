@@ -26,7 +26,7 @@ from .. import kernels
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import LayerKVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq
+from .layers import LayerKVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -214,9 +214,7 @@ class Gemma4(MoEModel):
         [T, top_k] float32 summing to 1). Router input: RMSNorm without weight * router scale / sqrt(hidden)
         (transformers' Gemma4TextRouter); the per-expert scale is applied later, by the MoE layer."""
         x = rms_norm(h, b["router_scale"], self.eps) * self.n_embd ** -0.5
-        probs = torch.softmax(b["router"].linear(x), dim=-1)
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        return ids, w / w.sum(dim=-1, keepdim=True)
+        return softmax_topk(b["router"].linear(x), self.top_k, norm=True)
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.route(self.blocks[layer], x)[0]  # the router reads the residual stream itself

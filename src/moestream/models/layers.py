@@ -294,3 +294,11 @@ def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.T
     scores.masked_fill_(kpos > pos, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [n_kv, group, d_v]
     return out.view(1, -1)
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing: router_logits float32 [T, n_experts] -> (ids int64 [T, top_k], weights float32
+    [T, top_k]): the top-k of softmax over all experts, divided by their sum when ``norm`` (transformers'
+    ``norm_topk_prob``; llama.cpp build_moe_ffn with softmax gating and ``norm_w``), else as they are."""
+    w, ids = torch.topk(torch.softmax(router_logits, dim=-1), top_k, dim=-1)
+    return ids, (w / w.sum(dim=-1, keepdim=True) if norm else w)

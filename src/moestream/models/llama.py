@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq
+from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -129,9 +129,7 @@ class Mixtral(MoEModel):
         """router_logits: float32 [T, n_experts] -> (ids [T, top_k] int64, weights [T, top_k] float32, sum 1):
         softmax over all experts, top-k of the probabilities, renormalized (transformers MixtralTopKRouter;
         llama.cpp build_moe_ffn, softmax gating, norm_w)."""
-        probs = torch.softmax(router_logits, dim=-1)
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        return ids, w / w.sum(dim=-1, keepdim=True)
+        return softmax_topk(router_logits, self.top_k, norm=True)
 
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: float32 [T, hidden], the FFN-normed input of MoE block ``b`` -> :meth:`route` of its router logits."""

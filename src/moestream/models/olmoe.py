@@ -23,7 +23,7 @@ import torch
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, rms_norm, rope_inv_freq
+from .layers import KVCache, Rope, attention, rms_norm, rope_inv_freq, softmax_topk
 
 
 @register("olmoe")
@@ -109,11 +109,7 @@ class Olmoe(MoEModel):
         top-k of softmax(logits) over all experts, as they are (transformers' OlmoeTopKRouter with
         norm_topk_prob false; llama.cpp's build_moe_ffn with softmax gating, norm_w false), or divided by their
         sum when the file sets ``expert_weights_norm``."""
-        probs = torch.softmax(router_logits, dim=-1)
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            w = w / w.sum(dim=-1, keepdim=True)
-        return ids, w
+        return softmax_topk(router_logits, self.top_k, norm=self.norm_topk)
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         b = self.blocks[layer]

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq
+from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
 
 
 @register("qwen2moe")
@@ -156,8 +156,7 @@ class Qwen2MoE(MoEModel):
         """router_logits: [T, n_experts] float32 -> (ids [T, top_k] int64, weights [T, top_k] float32): the top-k
         softmax probabilities themselves (not renormalized: transformers' ``norm_topk_prob=False``, llama.cpp's
         ``norm_w=false``)."""
-        w, ids = torch.topk(torch.softmax(router_logits, dim=-1), self.top_k, dim=-1)
-        return ids, w
+        return softmax_topk(router_logits, self.top_k, norm=False)
 
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] the FFN-normed input of block ``b`` -> :meth:`route` of its router logits."""

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import Rope, attention, elementwise, rms_norm, rope_inv_freq
+from .layers import Rope, attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
 
 
 class HybridCache:
@@ -270,9 +270,7 @@ class Qwen35MoE(MoEModel):
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits: [T, n_experts] -> (ids [T, top_k] int64, weights [T, top_k] float32, sum 1)."""
-        probs = torch.softmax(router_logits, dim=-1)
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        return ids, w / w.sum(dim=-1, keepdim=True)
+        return softmax_topk(router_logits, self.top_k, norm=True)
 
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] the FFN-normed input of block ``b`` -> :meth:`route` of its router logits."""

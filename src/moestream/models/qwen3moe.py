@@ -28,6 +28,7 @@ from .layers import (
     rms_norm,
     rope_at,
     rope_inv_freq,
+    softmax_topk,
 )
 
 
@@ -114,9 +115,7 @@ class Qwen3MoE(MoEModel):
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits: [T, n_experts] -> (ids [T, top_k] int64, weights [T, top_k] float32, sum 1)."""
-        probs = torch.softmax(router_logits, dim=-1)
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        return ids, w / w.sum(dim=-1, keepdim=True)
+        return softmax_topk(router_logits, self.top_k, norm=True)
 
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] the FFN-normed input of MoE block ``b`` -> :meth:`route` of its router logits."""
