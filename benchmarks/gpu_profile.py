@@ -19,9 +19,9 @@ from moestream.engine import Engine
 from moestream.models.base import LoadOptions, load_model
 
 
-def decode(engine: Engine, n: int, start_tok: int = 11) -> float:
+def decode(engine: Engine, n: int, n_ctx: int, start_tok: int = 11) -> float:
     model = engine.model
-    cache = model.new_cache(n + 8)
+    cache = model.new_cache(n_ctx)  # one size for every call: the same memory, so the decode graphs stay valid
     for pos in range(4):
         engine.decode_step(start_tok + pos, pos, cache)
     torch.cuda.synchronize()
@@ -46,14 +46,17 @@ def main() -> None:
         model = load_model(a.model, opts)
         load = time.perf_counter() - t0
         engine = Engine(model)
-        tps = decode(engine, a.n)
+        tps = decode(engine, a.n, a.n + 8)
         st = model.store.stats
+        g = getattr(model, "graphs", None)
+        graphs = "" if g is None else (f", graphs: {g.captures} captures, {g.replays} replays"
+                                       f" ({g.segment_replays} segments), off: {g.off_reason}")
         print(f"== {label}: load {load:.1f} s, decode {tps:.2f} tok/s, hit rate {st.hit_rate:.1%}, "
-              f"stall {st.stall_seconds:.2f} s, pools {getattr(model.store, 'pool_bytes', 0) / 2**30:.2f} GiB",
+              f"stall {st.stall_seconds:.2f} s, pools {getattr(model.store, 'pool_bytes', 0) / 2**30:.2f} GiB{graphs}",
               flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            decode(engine, 8)
+            decode(engine, 8, a.n + 8)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=48))
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=48))
         model.store.close()

@@ -219,3 +219,16 @@ def test_cuda_graphs_across_key_counts(graphed) -> None:  # noqa: ANN001
     for slots in (graphed.top_k, 2 * graphed.top_k):
         res = verify(graphed, prompt, 10, LoadOptions(slots=slots, device="cuda"), ubatch=64)
         assert res.identical, (slots, res.first_diff)
+
+
+@pytest.mark.parametrize("pool", ["device", "host"])
+def test_cuda_graph_segments_streaming(graphed, pool: str) -> None:  # noqa: ANN001
+    """Streaming decode replays one graph per segment between MoE layers (the experts eager between them): the
+    same bits as the resident whole-step graph, at top-k slots (misses every step) and with the host tier."""
+    for opts in (LoadOptions(slots=graphed.top_k, device="cuda", pool=pool),
+                 LoadOptions(slots=graphed.top_k, device="cuda", pool=pool, host_cache=256 << 20)):
+        before = graphed.graphs.segment_replays
+        res = verify(graphed, _ids(graphed), 8, opts, ubatch=5)
+        assert res.identical, res.first_diff
+        assert res.streamed_bytes > 0 and graphed.graphs.off_reason is None
+        assert graphed.graphs.segment_replays - before >= 7 * len(graphed._segments()), "streaming ran eagerly"

@@ -237,7 +237,7 @@ def run_row(cfg: dict) -> dict:
 
     def pp(n: int, tags: dict | None = None) -> float:
         toks = [rng.randrange(model.n_vocab) for _ in range(n)]
-        cache = model.new_cache(n)
+        cache = model.new_cache(cfg["n_prompt"])  # warm-up and test the same size: on CUDA the same memory
         sync()
         if tags is not None:
             tw.begin(model, **tags)
@@ -251,7 +251,7 @@ def run_row(cfg: dict) -> dict:
 
     def tg(n: int, tags: dict | None = None) -> float:
         toks = [rng.randrange(model.n_vocab) for _ in range(n)]
-        cache = model.new_cache(n + 1)
+        cache = model.new_cache(cfg["n_gen"] + 1)  # (models/layers.KVArena: the decode graphs stay valid)
         sync()
         if tags is not None:
             tw.begin(model, **tags)
@@ -316,6 +316,10 @@ def run_row(cfg: dict) -> dict:
                                  "dense": plan.dense, "kv": plan.kv, "n_ctx": plan.n_ctx, "scratch": plan.scratch,
                                  "pools": plan.pools, "left": plan.left, "all_fit": plan.all_fit}
     result["direct_io_used"] = getattr(store, "direct_io", False)  # O_DIRECT to the end of the row
+    g = getattr(model, "graphs", None)
+    if g is not None and getattr(model, "device", None) is not None and model.device.type == "cuda":
+        result["cuda_graphs"] = {"captures": g.captures, "replays": g.replays,  # warm-up included
+                                 "segment_replays": g.segment_replays, "off": g.off_reason}
     tier = getattr(store, "tier", None)
     if tier is not None:  # the host tier's counters over the whole row (warm-up included)
         result["host_tier"] = {"gib": tier.nbytes / GiB, "rows_per_layer": min(tier.rows.values()),

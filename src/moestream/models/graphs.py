@@ -9,8 +9,11 @@ step can be captured once (``torch.cuda.CUDAGraph``) and replayed at every posit
 (``layers.decode_keys``: powers of two, so a generation captures a handful of graphs).
 
 The graphed step runs the same kernels in the same order as the eager one, so the logits have the same bits as
-an eager step of the same code; the streaming path runs that eager code (its router top-k must reach the host
-to plan the slots), which is what keeps streaming on and off bitwise identical on the GPU.
+an eager step of the same code. A streaming step cannot be one graph (each MoE layer's router top-k must reach
+the host to plan the slots and start the reads), so it is cut at the MoE layers (``segment``): the attention and
+router of each layer (with the dense layers before it) is one graph replay, and the layer's experts run eagerly
+through the store between two replays. The segments are the same code as the whole-step graph, so streaming on
+and off stay bitwise identical on the GPU.
 
 Opt-in for now: ``MOESTREAM_CUDA_GRAPHS=1`` at load turns this decode path on (qwen3moe). It is checked on the
 CPU (tests/test_gpu_path.py: the captured step's code gives the streaming step's bits under Triton's interpreter)
@@ -32,8 +35,14 @@ Body = Callable[[torch.Tensor, torch.Tensor, int, object], torch.Tensor]
 
 
 def enabled() -> bool:
-    """True when ``MOESTREAM_CUDA_GRAPHS`` is ``1``, ``on`` or ``true`` (default: off, see the module docstring)."""
-    return os.environ.get("MOESTREAM_CUDA_GRAPHS", "0").strip().lower() in ("1", "on", "true", "yes")
+    """False when ``MOESTREAM_CUDA_GRAPHS`` is ``0``, ``off``, ``false`` or ``no`` (default: on)."""
+    return os.environ.get("MOESTREAM_CUDA_GRAPHS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _addresses(cache: object) -> tuple[int, ...]:
+    """Where a KV cache's tensors are: a graph captured on one cache serves any cache at the same addresses (a
+    cache made again in the same memory, ``layers.KVArena``), since it reads only the rows below its key count."""
+    return tuple(t.data_ptr() for t in (*cache.k, *cache.v) if t is not None)
 
 
 class DecodeGraphs:
@@ -42,23 +51,28 @@ class DecodeGraphs:
     ``step(body, tokens, start, n_keys, cache, store, key, on_replay)``: the logits of ``body`` at ``start``, from
     the graph of ``n_keys`` (captured on first use: a warm-up run on a side stream, then the capture). ``store``:
     the expert store whose pools the graphs address; ``key``: the other addresses they hold (the RoPE table, ...);
-    another cache, store or key drops every graph (held by weak references: a graph never outlives them).
+    a cache at other addresses, another store or key drops every graph (the store held by a weak reference).
     ``on_replay()`` is called once per step (the host-side counters a replay does not run).
     Returns a new tensor (the graph's output buffer is overwritten by the next replay)."""
 
     def __init__(self) -> None:
         #: MOESTREAM_CUDA_GRAPHS=1 at load: the model decodes through ``step`` (and its eager twin)
         self.opted_in = enabled()
-        self.off_reason: str | None = None if self.opted_in else "MOESTREAM_CUDA_GRAPHS is not 1"
+        self.off_reason: str | None = None if self.opted_in else "MOESTREAM_CUDA_GRAPHS=0"
         self._graphs: dict[int, tuple] = {}
-        self._cache: weakref.ref | None = None
+        #: the streaming step's segments (``segment``): (n_keys, segment) -> (graph, static inputs, outputs, keep)
+        self._segments: dict[tuple, tuple] = {}
+        self._cache: tuple | None = None  # the KV cache's tensor addresses the graphs were captured on
         self._store: weakref.ref | None = None
         self._key: tuple | None = None
         self.captures = 0
         self.replays = 0
+        #: replays of streaming segments (``segment``), also counted in ``replays``
+        self.segment_replays = 0
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._segments.clear()
         self._cache, self._store, self._key = None, None, None
 
     def step(self, body: Body, tokens: torch.Tensor, start: int, n_keys: int, cache: object, store: object,
@@ -66,19 +80,16 @@ class DecodeGraphs:
         """The graphed step's logits, or None when graphs are off (the caller runs the step eagerly)."""
         if self.off_reason is not None:
             return None
-        if (self._cache is None or self._cache() is not cache or self._store() is not store
-                or self._key != key):
+        at = _addresses(cache)
+        if self._cache != at or self._store is None or self._store() is not store or self._key != key:
             self.clear()
-            self._cache, self._store, self._key = weakref.ref(cache), weakref.ref(store), key
+            self._cache, self._store, self._key = at, weakref.ref(store), key
         g = self._graphs.get(n_keys)
         if g is None:
             try:
                 g = self._capture(body, tokens, start, n_keys, cache)
             except (RuntimeError, NotImplementedError) as e:  # an op that cannot be captured: eager from now on
-                first = (str(e).strip().splitlines() or [""])[0][:200]
-                self.off_reason = f"capture failed: {type(e).__name__}: {first}"
-                self.clear()
-                torch.cuda.synchronize()
+                self._off(e)
                 return None
             self._graphs[n_keys] = g
         graph, tok_in, pos_in, out, _ = g
@@ -89,24 +100,68 @@ class DecodeGraphs:
         on_replay()
         return out.clone()
 
+    def segment(self, key: tuple, fn: Callable[..., tuple], inputs: tuple, cache: object,
+                addresses: tuple) -> tuple | None:
+        """``fn(*inputs)`` (a tuple of tensors, nothing from the host) replayed from a graph captured for ``key`` on
+        first use; None when graphs are off. ``inputs``: tensors (or None) copied into the graph's own input
+        buffers before each replay; ``cache`` and ``addresses`` as in :meth:`step` (another cache or other
+        addresses drop every graph). The returned tensors are the graph's output buffers: overwritten by its next
+        replay (the caller uses them before that, or copies them)."""
+        if self.off_reason is not None:
+            return None
+        at = _addresses(cache)
+        if self._cache != at or self._key != addresses:
+            self.clear()
+            self._cache, self._store, self._key = at, None, addresses
+        g = self._segments.get(key)
+        if g is None:
+            dev = next(t.device for t in cache.k if t is not None)
+            static = tuple(None if t is None else t.to(dev, copy=True) for t in inputs)
+            try:
+                g = self._segments[key] = (*self._capture_fn(fn, static), static)
+            except (RuntimeError, NotImplementedError) as e:
+                self._off(e)
+                return None
+        else:
+            for s, t in zip(g[3], inputs, strict=True):
+                if s is not None:
+                    s.copy_(t)
+        graph, out, _, _ = g
+        graph.replay()
+        self.replays += 1
+        self.segment_replays += 1
+        return out
+
+    def _off(self, e: BaseException) -> None:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        self.off_reason = f"capture failed: {type(e).__name__}: {first}"
+        self.clear()
+        torch.cuda.synchronize()
+
+    def _capture_fn(self, fn: Callable[..., object], static: tuple) -> tuple:
+        """(graph, outputs, keep) of ``fn(*static)``: one warm-up run on a side stream (compiles kernels, fills
+        lazily made constants; not captured), then the capture."""
+        dev = next(t.device for t in static if t is not None)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            fn(*static)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        from ..gpu import tkernels
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(*static)
+        self.captures += 1
+        # the lazily made constants the graph reads (tkernels.linear's tiles, ...) live as long as it does, even if
+        # their cache is cleared
+        return graph, out, list(tkernels._LINEAR_CONST.values())
+
     def _capture(self, body: Body, tokens: torch.Tensor, start: int, n_keys: int, cache: object) -> tuple:
         dev = tokens.device
         tok_in = torch.empty(1, dtype=torch.int64, device=dev)
         pos_in = torch.empty(1, dtype=torch.int64, device=dev)
         tok_in.copy_(tokens)
         pos_in.fill_(start)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up: compiles kernels, fills lazily made constants (not captured)
-            body(tok_in, pos_in, n_keys, cache)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        from ..gpu import tkernels
-
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = body(tok_in, pos_in, n_keys, cache)
-        self.captures += 1
-        # the lazily made constants the graph reads (tkernels.linear's tiles, ...) live as long as it does, even if
-        # their cache is cleared
-        keep = list(tkernels._LINEAR_CONST.values())
+        graph, out, keep = self._capture_fn(lambda t, p: body(t, p, n_keys, cache), (tok_in, pos_in))
         return graph, tok_in, pos_in, out, keep

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -189,6 +191,32 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * 4 for t in self.k + self.v)
+
+
+class KVArena:
+    """One model's KV memory on CUDA, reused by its successive caches, so that a cache made for the next request
+    lies at the addresses the last one's decode graphs were captured on (models/graphs.py keys them by address).
+
+    ``get(n_ctx, make)``: a cache of ``n_ctx`` rows, zeroed: rows ``[:n_ctx]`` of the arena's cache when the last
+    one handed out is no longer referenced (the arena grows to the largest ``n_ctx`` asked for, once, and keeps
+    it), else a new ``make(n_ctx)`` (two caches in use at once never share memory)."""
+
+    def __init__(self) -> None:
+        self._base = None
+        self._last: weakref.ref | None = None
+
+    def get(self, n_ctx: int, make: Callable[[int], object]) -> object:
+        if self._last is not None and self._last() is not None:
+            return make(n_ctx)
+        if self._base is None or self._base.n_ctx < n_ctx:
+            self._base = None  # the old memory back first
+            self._base = make(n_ctx)
+        cache = copy.copy(self._base)
+        cache.n_ctx = n_ctx
+        cache.k = [None if t is None else t[:n_ctx].zero_() for t in self._base.k]
+        cache.v = [None if t is None else t[:n_ctx].zero_() for t in self._base.v]
+        self._last = weakref.ref(cache)
+        return cache
 
 
 class LayerKVCache:

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU machine's checks and benchmark table, in two parts that fit the device tool's 10-minute calls. The
+# machine cannot reach a package index, so what it needs travels in build/gpu/ (made here):
+#   .venv/bin/python tools/gpu_fixtures.py build/gpu/fix --only qwen3moe-tiny gemma4-tiny qwen35moe-tiny
+#   .venv/bin/python tools/llamacpp_cuda.py slim build/gpu/llama.cpp-cuda-slim.tar.xz
+#   xz -c ~/.cache/moestream/tokenizers/qwen2-*/header.gguf > build/gpu/tok.gguf.xz   (a real Qwen2 tokenizer)
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d build/gpu gguf==0.19.0
+# then, on the GPU machine (logs and JSON under $OUT):
+#   bash benchmarks/gpu_run.sh tests   # llama.cpp's CUDA build started behind; bench model; tests/test_cuda.py;
+#                                      # gpu_profile.py (graphs on, then off)
+#   bash benchmarks/gpu_run.sh bench   # the README's GPU table (the same machine, right after: /tmp kept)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  build/gpu/gguf-*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
+M=/tmp/q32.gguf
+LLB=/tmp/llb/build/bin/llama-bench
+
+case "${1:-}" in
+tests)
+  nvidia-smi -L; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  # llama.cpp with CUDA, behind everything else (its own session: it outlives this call, for the bench part)
+  setsid nohup python3 tools/llamacpp_cuda.py build build/gpu/llama.cpp-cuda-slim.tar.xz /tmp/llb -j10 \
+    > /tmp/llb.log 2>&1 < /dev/null &
+  xz -dc build/gpu/tok.gguf.xz > /tmp/tok.gguf
+  ( time python3 tools/make_bench_model.py --type Q4_K_M --layers 32 -o $M --tokenizer-from /tmp/tok.gguf ) \
+    > "$OUT/make_bench_model.log" 2>&1
+  MOESTREAM_GPU_FIXTURES=build/gpu/fix timeout 330 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py \
+    2>&1 | tee "$OUT/test_cuda.log" | tail -40
+  timeout 100 python3 benchmarks/gpu_profile.py $M -n 32 > "$OUT/profile-graphs.txt" 2>&1
+  grep "^==" "$OUT/profile-graphs.txt"
+  MOESTREAM_CUDA_GRAPHS=0 timeout 80 python3 benchmarks/gpu_profile.py $M -n 32 > "$OUT/profile-eager.txt" 2>&1
+  grep "^==" "$OUT/profile-eager.txt"
+  tail -3 /tmp/llb.log
+  ;;
+bench)
+  for i in $(seq 1 60); do [ -x $LLB ] && break; sleep 5; done
+  tail -2 /tmp/llb.log
+  B="bench -m $M -p 64 -n 16 -r 1 -t 16 --device cuda"
+  timeout 240 python3 -m moestream $B --moe-stream on,off --direct-io off --gpu-mem 2GiB,4GiB --vs llama.cpp --llama-bench $LLB \
+    --json "$OUT/b_uncapped.json" > "$OUT/b_uncapped.md" 2>"$OUT/b_uncapped.err"; cat "$OUT/b_uncapped.md"
+  timeout 90 python3 -m moestream $B --moe-stream on --direct-io off --gpu-mem 4GiB --host-cache 12GiB \
+    --json "$OUT/b_tier.json" > "$OUT/b_tier.md" 2>"$OUT/b_tier.err"; cat "$OUT/b_tier.md"
+  timeout 80 python3 -m moestream $B --moe-stream on --direct-io off --pool host \
+    --json "$OUT/b_host.json" > "$OUT/b_host.md" 2>"$OUT/b_host.err"; cat "$OUT/b_host.md"
+  timeout 150 python3 -m moestream $B --mem-cap 8G --moe-stream on --gpu-mem 4GiB --cold --vs llama.cpp --llama-bench $LLB \
+    --json "$OUT/b_cap8.json" > "$OUT/b_cap8.md" 2>"$OUT/b_cap8.err"; cat "$OUT/b_cap8.md"
+  tail -5 "$OUT"/*.err
+  ;;
+*)
+  echo "usage: benchmarks/gpu_run.sh tests|bench" >&2; exit 2
+  ;;
+esac
