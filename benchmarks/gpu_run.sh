@@ -9,28 +9,40 @@
 #   bash benchmarks/gpu_run.sh tests   # llama.cpp's CUDA build started behind; bench model; tests/test_cuda.py;
 #                                      # gpu_profile.py (graphs on, then off)
 #   bash benchmarks/gpu_run.sh bench   # the README's GPU table (the same machine, right after: /tmp kept)
+#   bash benchmarks/gpu_run.sh ab      # streaming and resident rows with CUDA graphs on and off, side by side
+# BUNDLE=DIR uses another folder than build/gpu (its *.whl are installed; tests read DIR/fix; a missing
+# llama.cpp tarball skips that build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+BUNDLE=${BUNDLE:-build/gpu}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  build/gpu/gguf-*.whl || exit 1
+  "$BUNDLE"/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
 M=/tmp/q32.gguf
 LLB=/tmp/llb/build/bin/llama-bench
+
+bench_model() {
+  [ -f $M ] && return
+  xz -dc "$BUNDLE"/tok.gguf.xz > /tmp/tok.gguf
+  ( time python3 tools/make_bench_model.py --type Q4_K_M --layers 32 -o $M --tokenizer-from /tmp/tok.gguf ) \
+    > "$OUT/make_bench_model.log" 2>&1
+}
 
 case "${1:-}" in
 tests)
   nvidia-smi -L; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   # llama.cpp with CUDA, behind everything else (its own session: it outlives this call, for the bench part)
-  setsid nohup python3 tools/llamacpp_cuda.py build build/gpu/llama.cpp-cuda-slim.tar.xz /tmp/llb -j10 \
-    > /tmp/llb.log 2>&1 < /dev/null &
-  xz -dc build/gpu/tok.gguf.xz > /tmp/tok.gguf
-  ( time python3 tools/make_bench_model.py --type Q4_K_M --layers 32 -o $M --tokenizer-from /tmp/tok.gguf ) \
-    > "$OUT/make_bench_model.log" 2>&1
-  MOESTREAM_GPU_FIXTURES=build/gpu/fix timeout 330 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py \
+  if [ -f "$BUNDLE"/llama.cpp-cuda-slim.tar.xz ]; then
+    setsid nohup python3 tools/llamacpp_cuda.py build "$BUNDLE"/llama.cpp-cuda-slim.tar.xz /tmp/llb -j10 \
+      > /tmp/llb.log 2>&1 < /dev/null &
+  fi
+  bench_model
+  MOESTREAM_GPU_FIXTURES="$BUNDLE"/fix timeout 330 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py \
     2>&1 | tee "$OUT/test_cuda.log" | tail -40
+  [ -n "${NO_PROFILE:-}" ] && exit 0
   timeout 100 python3 benchmarks/gpu_profile.py $M -n 32 > "$OUT/profile-graphs.txt" 2>&1
   grep "^==" "$OUT/profile-graphs.txt"
   MOESTREAM_CUDA_GRAPHS=0 timeout 80 python3 benchmarks/gpu_profile.py $M -n 32 > "$OUT/profile-eager.txt" 2>&1
@@ -51,7 +63,16 @@ bench)
     --json "$OUT/b_cap8.json" > "$OUT/b_cap8.md" 2>"$OUT/b_cap8.err"; cat "$OUT/b_cap8.md"
   tail -5 "$OUT"/*.err
   ;;
+ab)
+  bench_model
+  for g in 1 0; do
+    MOESTREAM_CUDA_GRAPHS=$g timeout 150 python3 -m moestream bench -m $M -p 64 -n 32 -r 2 --device cuda \
+      --moe-stream on,off --direct-io off --gpu-mem 2GiB,4GiB --json "$OUT/ab_graphs$g.json" \
+      > "$OUT/ab_graphs$g.md" 2>"$OUT/ab_graphs$g.err"
+    echo "== MOESTREAM_CUDA_GRAPHS=$g"; grep "tg32" "$OUT/ab_graphs$g.md"
+  done
+  ;;
 *)
-  echo "usage: benchmarks/gpu_run.sh tests|bench" >&2; exit 2
+  echo "usage: benchmarks/gpu_run.sh tests|bench|ab" >&2; exit 2
   ;;
 esac

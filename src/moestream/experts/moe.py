@@ -212,11 +212,13 @@ class MoE:
         g, p = len(experts), len(tok)
         m_hint = out.shape[0]
         tiles = tkernels.plan_tiles(start, m_hint)  # the same tiles for every matrix (BLOCK_M: m_hint's)
-        # everything the launches need in two uploads: slot offsets + pair positions (int64), pair rows + tiles
+        # everything the launches need in one upload: slot offsets + pair positions (int64), pair rows + tiles
         offs = [slots * store.matrix(self.layer, n).stride(0) + store.lead(self.layer, n)[slots] for n in mats]
         dev = x.device
-        i64 = _to_device(np.concatenate([*offs, dst.astype(np.int64)]), dev)
-        i32 = _to_device(np.concatenate([tok, np.arange(p, dtype=np.int32), tiles.reshape(-1)]), dev)
+        h64 = np.concatenate([*offs, dst.astype(np.int64)])
+        h32 = np.concatenate([tok, np.arange(p, dtype=np.int32), tiles.reshape(-1)]).astype(np.int32, copy=False)
+        blob = _to_device(np.concatenate([h64.view(np.uint8), h32.view(np.uint8)]), dev)  # one upload
+        i64, i32 = blob[:h64.nbytes].view(torch.int64), blob[h64.nbytes:].view(torch.int32)
         d_tok, d_rows, d_tiles = i32[:p], i32[p:2 * p], i32[2 * p:].view(-1, 3)
         d_dst = i64[len(mats) * g:]  # the (token, k) pairs' flat index: into the weights and the output rows
         store.device_ready(self.layer)
@@ -300,11 +302,13 @@ class MoE:
 
 
 def _to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
-    """A small host array to the GPU without synchronising: through torch's caching pinned allocator, copied
-    asynchronously on the current stream."""
+    """A small host array to the GPU without synchronising (gpu/tkernels.py ``_upload``: through a pinned ring,
+    copied asynchronously on the current stream); on the CPU the array itself."""
     if dev.type != "cuda":
         return torch.from_numpy(a)
-    return torch.from_numpy(a).pin_memory().to(dev, non_blocking=True)
+    from ..gpu import tkernels
+
+    return tkernels._upload(a, dev)
 
 
 class _Groups:

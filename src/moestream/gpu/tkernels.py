@@ -398,12 +398,51 @@ def _as_tensor(v: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array on ``device`` without a synchronisation: on CUDA through torch's caching pinned
-    allocator and an asynchronous copy on the current stream (a pageable copy would wait for the stream)."""
+    """A small host array on ``device`` without a synchronisation: copied into a ring of pinned host memory
+    (``_PinnedRing``) and from there asynchronously on the current stream (a pageable copy would wait for the
+    stream; torch's ``pin_memory()`` per array costs more host time than the copy). Same dtype and shape."""
     t = torch.from_numpy(np.ascontiguousarray(a))
     if device.type != "cuda":
         return t
-    return t.pin_memory().to(device, non_blocking=True)
+    ring = _RINGS.get(device)
+    if ring is None:
+        ring = _RINGS[device] = _PinnedRing()
+    return ring.upload(t, device)
+
+
+class _PinnedRing:
+    """Pinned staging for :func:`_upload`: arrays are copied in one after another (256-byte aligned); when the
+    ring is full it starts again from the front after a synchronisation of the device (every copy out of the ring
+    is then done; once per ``size`` bytes uploaded). Arrays larger than a quarter of the ring, and any
+    upload while a CUDA graph is being captured (a graph would replay the copy from memory reused since), take
+    torch's ``pin_memory()`` instead."""
+
+    def __init__(self, size: int = 4 << 20) -> None:
+        import threading
+
+        self.size = size
+        self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self.host = self.buf.numpy()
+        self.off = 0
+        self.lock = threading.Lock()
+
+    def upload(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        if n == 0 or 4 * n > self.size or torch.cuda.is_current_stream_capturing():
+            return t.pin_memory().to(device, non_blocking=True)
+        with self.lock:
+            if self.off + n > self.size:
+                torch.cuda.synchronize(device)  # every stream: a graph's warm-up uploads on a side stream
+                self.off = 0
+            o = self.off
+            self.off = (o + n + 255) & ~255
+            self.host[o:o + n] = t.reshape(-1).view(torch.uint8).numpy()
+            out = torch.empty(n, dtype=torch.uint8, device=device)
+            out.copy_(self.buf[o:o + n], non_blocking=True)
+        return out.view(t.dtype).view(t.shape)
+
+
+_RINGS: dict[torch.device, _PinnedRing] = {}
 
 
 #: linear()'s per-(device, tokens, BLOCK_M) constants: group offset 0, the rows 0..T-1, the tiles
