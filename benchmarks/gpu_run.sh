@@ -4,7 +4,9 @@
 #   .venv/bin/python tools/gpu_fixtures.py build/gpu/fix --only qwen3moe-tiny gemma4-tiny qwen35moe-tiny
 #   .venv/bin/python tools/llamacpp_cuda.py slim build/gpu/llama.cpp-cuda-slim.tar.xz
 #   xz -c ~/.cache/moestream/tokenizers/qwen2-*/header.gguf > build/gpu/tok.gguf.xz   (a real Qwen2 tokenizer)
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d build/gpu gguf==0.19.0
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d build/gpu gguf==0.19.0 transformers==5.24.0
+#     (the machine's own transformers 5.17 lacks the GGUF tokenizer mapping that `moestream run` uses)
+# Everything that travels is at most 64 MiB (the tracked tree is ~25 MB): three families' fixtures per bundle.
 # then, on the GPU machine (logs and JSON under $OUT):
 #   bash benchmarks/gpu_run.sh tests   # llama.cpp's CUDA build started behind; bench model; tests/test_cuda.py;
 #                                      # gpu_profile.py (graphs on, then off)
