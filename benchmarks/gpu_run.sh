@@ -12,7 +12,7 @@
 #                                      # gpu_profile.py (graphs on, then off)
 #   bash benchmarks/gpu_run.sh bench   # the README's GPU table (the same machine, right after: /tmp kept)
 #   bash benchmarks/gpu_run.sh ab      # streaming and resident rows with CUDA graphs on and off, side by side
-# BUNDLE=DIR uses another folder than build/gpu (its *.whl are installed; tests read DIR/fix; a missing
+# PYTEST_ARGS / TEST_TIMEOUT pass to the test run. BUNDLE=DIR uses another folder than build/gpu (its *.whl are installed; tests read DIR/fix; a missing
 # llama.cpp tarball skips that build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,7 @@ tests)
       > /tmp/llb.log 2>&1 < /dev/null &
   fi
   bench_model
-  MOESTREAM_GPU_FIXTURES="$BUNDLE"/fix timeout 330 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py \
+  MOESTREAM_GPU_FIXTURES="$BUNDLE"/fix timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py ${PYTEST_ARGS:-} \
     2>&1 | tee "$OUT/test_cuda.log" | tail -40
   [ -n "${NO_PROFILE:-}" ] && exit 0
   timeout 100 python3 benchmarks/gpu_profile.py $M -n 32 > "$OUT/profile-graphs.txt" 2>&1
