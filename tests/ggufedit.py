@@ -14,11 +14,12 @@ def rewrite(src: str | Path, dst: str | Path, arch: str | None = None, split_max
             convert: dict[str, Callable[[np.ndarray], np.ndarray]] | None = None,
             set_kv: dict[str, object] | None = None,
             add_kv: dict[str, tuple[object, GGUFValueType]] | None = None,
-            drop_kv: tuple[str, ...] = ()) -> list[Path]:
+            drop_kv: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = ()) -> list[Path]:
     """Copy ``src`` to ``dst`` (with split parts when ``split_max_tensors``), optionally renaming the
     architecture or replacing tensors by ``convert[name](float32 array)`` (a numpy array of a plain dtype
     such as float64) or metadata values by ``set_kv`` (same value type), adding keys the file lacks,
-    ``add_kv[key] = (value, type)``, or leaving out the metadata keys ``drop_kv``. Returns the written paths."""
+    ``add_kv[key] = (value, type)``, or leaving out the metadata keys ``drop_kv`` or the tensors ``drop_tensors``.
+    Returns the written paths."""
     r = GGUFReader(str(src))
     old_arch = r.fields["general.architecture"].contents()
     w = GGUFWriter(str(dst), arch or old_arch, split_max_tensors=split_max_tensors)
@@ -40,6 +41,8 @@ def rewrite(src: str | Path, dst: str | Path, arch: str | None = None, split_max
             raise ValueError(f"{src}: add_kv key {key} is already in the file (use set_kv)")
         w.add_key_value(key, value, vtype)
     for t in r.tensors:
+        if t.name in drop_tensors:
+            continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         if convert and t.name in convert:
             from gguf.quants import dequantize

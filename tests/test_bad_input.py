@@ -598,3 +598,23 @@ def test_closed_stdout_or_stdin_is_one_line(args, closed, needle):
     assert p.returncode == 1, p.stderr
     assert "Traceback" not in p.stderr, p.stderr
     assert lines == [f"moestream: error: {lines[0][len('moestream: error: '):]}"] and needle in lines[0], p.stderr
+
+
+# ------------------------------------------------------------------------------------------------ layers and experts
+@pytest.mark.parametrize("matrix", ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"])
+def test_a_missing_expert_matrix_is_named(tmp_path, default_gguf, matrix):
+    """Before: run and verify died with a traceback (KeyError: 'up'), inspect listed the layer without it."""
+    path = tmp_path / "bad.gguf"
+    rewrite(default_gguf, path, drop_tensors=(f"blk.2.{matrix}.weight",))
+    for cmd in (("inspect",), ("run", "-n", "2"), ("verify", "--steps", "2")):
+        assert_one_line_error(moestream(cmd[0], "-m", str(path), *cmd[1:]), str(path),
+                              f"layer 2's routed experts are incomplete: tensor blk.2.{matrix}.weight is missing")
+
+
+def test_layers_past_block_count_are_refused(tmp_path, default_gguf):
+    """Before: block_count 3 on a 4-layer file ran the first 3 layers (other text, verify 'identical')."""
+    path = tmp_path / "bad.gguf"
+    rewrite(default_gguf, path, set_kv={"qwen3moe.block_count": 3})
+    for cmd in (("inspect",), ("run", "-n", "2")):
+        assert_one_line_error(moestream(cmd[0], "-m", str(path), *cmd[1:]), str(path),
+                              "metadata key qwen3moe.block_count=3 but the file has tensors of 1 more layer(s)")

@@ -232,12 +232,17 @@ def check_two_turns(model: MoEModel, tok: GGUFTokenizer, n_reply: int = 6, ubatc
 
 
 def test_two_turns_default_model(default_gguf: Path, default_tok: GGUFTokenizer) -> None:
-    check_two_turns(load_model(str(default_gguf), LoadOptions(moe_stream=True, slots=8, io_threads=2)), default_tok)
+    # float32 matmuls (--matmul dequant): the KV-cached decode and the fresh prefill differ by float rounding in
+    # attention (~1e-6), which the blocks path's int8 activations can turn into a different rounding of one
+    # activation and a 1e-2 logit difference on some inputs and CPUs (seen with the AVX2/AVX-512 kernels, not the
+    # portable ones): not what this test is about
+    check_two_turns(load_model(str(default_gguf), LoadOptions(moe_stream=True, slots=8, io_threads=2,
+                                                              matmul="dequant")), default_tok)
 
 
 def test_two_turns_qwen35moe_recurrent_state(q35: dict) -> None:
     """Qwen 3.5's DeltaNet state cannot be rewound: the second turn appends to it."""
-    model = load_model(str(q35["q8_0"]), LoadOptions(moe_stream=True, io_threads=2))
+    model = load_model(str(q35["q8_0"]), LoadOptions(moe_stream=True, io_threads=2, matmul="dequant"))
     check_two_turns(model, GGUFTokenizer.from_gguf(str(q35["q8_0"])))
 
 

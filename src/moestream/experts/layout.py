@@ -79,6 +79,15 @@ class ExpertLayout:
                 part=info.part, offset=info.offset,
             )
         for layer, mats in self.layers.items():
+            have = set(mats)
+            need = ({"gate_up", "down"} if "gate_up" in have else {"gate", "up", "down"})
+            if have != need:  # one matrix missing (or a merged gate_up beside a separate gate / up)
+                names = {v: k for k, v in EXPERT_MATRICES.items()}
+                missing = sorted(f"blk.{layer}.{names[m]}.weight" for m in need - have)
+                extra = sorted(f"blk.{layer}.{names[m]}.weight" for m in have - need)
+                what = (f"tensor {', '.join(missing)} is missing" if missing else
+                        f"tensors {', '.join(extra)} beside blk.{layer}.ffn_gate_up_exps.weight")
+                raise GGUFError(f"{model.path}: layer {layer}'s routed experts are incomplete: {what}")
             counts = {m.n_experts for m in mats.values()}
             if len(counts) != 1:
                 raise GGUFError(f"{model.path}: layer {layer} expert tensors disagree on expert count: {counts}")

@@ -17,6 +17,8 @@ from ..experts.pool import ExpertStore, ResidentStore, StreamingStore
 from ..gguf import GGUFModel
 from .layers import Weight, check_computable
 
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+
 #: --matmul modes: kernels on the ggml blocks, or dequantize-then-matmul (see LoadOptions)
 MATMUL_MODES = ("blocks", "dequant")
 
@@ -240,6 +242,14 @@ class MoEModel:
         """Experts, token embedding, output norm and (untied) output matrix against ``embedding_length``
         (``emb``: its description for messages). GGUFError naming the tensor. Returns the vocabulary size."""
         self.check_expert_shapes(n_embd)
+        n_layers = getattr(self, "n_layers", None)
+        if n_layers is not None:  # layers past block_count would be silently left out (llama.cpp refuses them)
+            past = sorted({int(m.group(1)) for name in self.gguf.tensors
+                           if (m := _BLOCK_RE.match(name)) and int(m.group(1)) >= n_layers})
+            if past:
+                first = next(n for n in sorted(self.gguf.tensors) if n.startswith(f"blk.{past[0]}."))
+                raise GGUFError(f"{self.gguf.path}: metadata key {self._key('block_count')}={n_layers} but the file has "
+                                f"tensors of {len(past)} more layer(s) (e.g. {first})")
         vocab = self.gguf.tensor_info("token_embd.weight").shape[0]
         self.expect_shape("token_embd.weight", (vocab, n_embd), emb)
         self.expect_shape("output_norm.weight", (n_embd,), emb)
@@ -371,7 +381,10 @@ class MoEModel:
             strict = opts.mem is not None
             if cuda:  # --pool host: pinned host pools; dense weights, KV cache and activations are in VRAM
                 dense, kv, scratch = 0, 0, 0
-            extra = {"tier": opts.host_cache}  # the host tier is host memory too
+            # the host tier is host memory too: what it will hold, at most every expert (HostTier's rows)
+            every = sum(self.layout.n_experts(la) * StreamingStore.slot_bytes(self.layout, la, direct, align)
+                        for la in layers)
+            extra = {"tier": min(opts.host_cache, every) if opts.host_cache else opts.host_cache}
         plan = plan_pools(budget, source, process=process, dense=dense, kv=kv, n_ctx=n_ctx, scratch=scratch,
                           slot_bytes={la: StreamingStore.slot_bytes(self.layout, la, direct, align) for la in layers},
                           n_experts={la: self.layout.n_experts(la) for la in layers}, top_k=self.top_k,
