@@ -248,8 +248,9 @@ class MoEModel:
                            if (m := _BLOCK_RE.match(name)) and int(m.group(1)) >= n_layers})
             if past:
                 first = next(n for n in sorted(self.gguf.tensors) if n.startswith(f"blk.{past[0]}."))
-                raise GGUFError(f"{self.gguf.path}: metadata key {self._key('block_count')}={n_layers} but the file has "
-                                f"tensors of {len(past)} more layer(s) (e.g. {first})")
+                key = self._key("block_count")
+                raise GGUFError(f"{self.gguf.path}: metadata key {key}={n_layers} but the file has tensors of "
+                                f"{len(past)} more layer(s) (e.g. {first})")
         vocab = self.gguf.tensor_info("token_embd.weight").shape[0]
         self.expect_shape("token_embd.weight", (vocab, n_embd), emb)
         self.expect_shape("output_norm.weight", (n_embd,), emb)
