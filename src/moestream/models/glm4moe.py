@@ -183,8 +183,9 @@ class Glm4MoE(MoEModel):
         self.check_common_shapes(n_embd, emb)
         q_desc = d(attention__head_count=n_head, attention__key_length=hd, embedding_length=n_embd)
         kv_desc = d(attention__head_count_kv=n_kv, attention__key_length=hd, embedding_length=n_embd)
-        exp_desc = (f"{self._key('expert_feed_forward_length')}={self.gguf.arch_get('expert_feed_forward_length')}"
-                    f" (width {self.n_ff_exp})")
+        exp_key = self._key("expert_feed_forward_length")
+        exp_desc = (f"{exp_key}={self.n_ff_exp}" if self.gguf.arch_get("expert_feed_forward_length") else
+                    f"{exp_key}=0: {self._key('feed_forward_length')} / expert_used_count = {self.n_ff_exp}")
         sh_desc = f"{exp_desc} x {d(expert_shared_count=self.n_shared)}, {emb}"
         for i in range(self.n_layers):
             p = f"blk.{i}."
