@@ -219,16 +219,25 @@ def test_routing_key_defaults_llama_cpp_agrees(llama_cpp, fam_files, tmp_path):
         assert diff < TOL, path.name
 
 
-def test_mtp_key_absent_runs_every_block(fam_files, tmp_path):
-    """Without ``nextn_predict_layers`` every block is a trunk layer (llama.cpp's default 0): the MTP block is
-    then run as a fifth layer, so the logits change."""
+def test_mtp_key_absent_refused(fam_files, tmp_path):
+    """Without ``nextn_predict_layers`` every block counts as a trunk layer (llama.cpp's default 0), and block 4,
+    with its ``nextn.*`` tensors, would run as a fifth layer: refused in one line naming the tensor and the keys."""
     plain = tmp_path / "no-nextn.gguf"
-    rewrite(fam_files["q8_0"], plain, drop_kv=("glm4moe.nextn_predict_layers",))
-    model = load_model(str(plain), LoadOptions(moe_stream=False))
-    assert model.n_layers == 5 and model.layout.moe_layers == [1, 2, 3, 4]
-    a = logits_of(load_model(str(fam_files["q8_0"]), LoadOptions(moe_stream=False)), IDS, 2, 8)
-    b = logits_of(model, IDS, 2, 8)
-    assert not torch.equal(a[0], b[0])
+    rewrite(fam_files[FAM.quant], plain, drop_kv=("glm4moe.nextn_predict_layers",))
+    with pytest.raises(GGUFError) as e:
+        load_model(str(plain), LoadOptions(metadata_only=True))
+    msg = str(e.value)
+    assert msg.startswith(f"{plain}: tensor blk.4.nextn.") and "block_count=5, glm4moe.nextn_predict_layers=0" in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.llamacpp
+def test_mtp_key_absent_llama_cpp_refuses(llama_cpp, fam_files, tmp_path):
+    """llama.cpp refuses the same file (the MTP block's tensors are left over: "wrong number of tensors")."""
+    plain = tmp_path / "no-nextn.gguf"
+    rewrite(fam_files["f32"], plain, drop_kv=("glm4moe.nextn_predict_layers",))
+    with pytest.raises(Exception):  # noqa: B017, PT011 - llama-cpp-python raises ValueError or RuntimeError
+        llama_model(llama_cpp, plain)
 
 
 # ------------------------------------------------------------------------------------------------ bad input

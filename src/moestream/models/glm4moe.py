@@ -36,7 +36,9 @@ the generic hyper-parameter loader), which is
   ``expert_count`` and ``0 < expert_group_used_count < expert_group_count``; so does moestream (GGUFError), plus
   at least two experts per group (a group's score sums its best two).
 - ``leading_dense_block_count``: absent = 0 (every layer MoE).
-- ``nextn_predict_layers``: absent = 0 (no MTP blocks).
+- ``nextn_predict_layers``: absent = 0 (no MTP blocks). A file whose ``blk.N.nextn.*`` tensors then fall in the
+  trunk is refused (llama.cpp refuses it too: it loads no ``nextn`` tensor of a trunk block and stops at its
+  tensor count).
 - ``expert_shared_count``: required, as in llama.cpp; the shared expert's width is ``expert_feed_forward_length x
   expert_shared_count`` (checked against ``ffn_gate_shexp``).
 - ``expert_feed_forward_length``: required, as in llama.cpp; 0 means ``feed_forward_length / expert_used_count``
@@ -187,8 +189,13 @@ class Glm4MoE(MoEModel):
         exp_desc = (f"{exp_key}={self.n_ff_exp}" if self.gguf.arch_get("expert_feed_forward_length") else
                     f"{exp_key}=0: {self._key('feed_forward_length')} / expert_used_count = {self.n_ff_exp}")
         sh_desc = f"{exp_desc} x {d(expert_shared_count=self.n_shared)}, {emb}"
+        nextn = {int(n.split(".")[1]): n for n in self.gguf.tensors if n.startswith("blk.") and ".nextn." in n}
         for i in range(self.n_layers):
             p = f"blk.{i}."
+            if i in nextn:  # llama.cpp refuses it too (a tensor it does not load: "wrong number of tensors")
+                raise GGUFError(f"{path}: tensor {nextn[i]} belongs to an MTP block but the metadata "
+                                f"({d(block_count=self.n_blocks, nextn_predict_layers=self.n_mtp)}) makes block {i} "
+                                f"a trunk layer")
             self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
             self.expect_shape(p + "attn_q.weight", (n_head * hd, n_embd), q_desc)
             self.expect_shape(p + "attn_k.weight", (n_kv * hd, n_embd), kv_desc)
