@@ -13,8 +13,8 @@ differently; FIELD-NOTES measured llama.cpp vs transformers at 2.5e-5 on a tiny 
 bias / group routing). Measured here (2026-12-02, the printed lines): ``glm4moe-tiny`` F32 vs transformers 8.11e-6
 over the 33-token prompt (logit range 15.9), resident and streaming; vs llama.cpp 2.79e-5 over the prompt and 31
 decode steps; without the group keys 2.46e-5 and without the norm key 2.71e-5 vs llama.cpp (16 positions);
-``glm4moe-qknorm-tiny`` 4.29e-6 vs transformers, 2.4e-5 vs llama.cpp (33 positions). The whole file: 40 tests,
-6 min 36 s on this 2-core machine shared with another job (fixtures cached).
+``glm4moe-qknorm-tiny`` 4.29e-6 vs transformers, 2.4e-5 vs llama.cpp (33 positions). The whole file: 41 tests,
+7 min 2 s on this 2-core machine shared with another job (fixtures cached).
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ llama.cpp's ``src/models/glm4-moe.cpp``; the routing function lives in ``models/
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -71,8 +72,6 @@ class Glm4MoE(MoEModel):
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         # The MTP blocks' routed experts must stay out of the expert store: let the base class read the tensor
         # table without making a store, drop those layers from the layout, then make the store.
-        import dataclasses
-
         super().__init__(gguf, dataclasses.replace(opts, metadata_only=True))
         self.opts = opts
         path = gguf.path
