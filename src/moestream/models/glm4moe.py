@@ -1,0 +1,308 @@
+"""GLM-4.5 MoE (GGUF ``general.architecture = glm4moe``; transformers ``Glm4MoeForCausalLM``: GLM-4.5, GLM-4.5-Air).
+
+Per trunk layer:
+
+- ``h = RMSNorm(x)``; GQA attention with ``q = W_q h + b_q``, ``k = W_k h + b_k``, ``v = W_v h + b_v`` (the biases
+  are optional: ``attention_bias``, true in the published models), then, where the file has
+  ``attn_q_norm``/``attn_k_norm`` (``use_qk_norm``: GLM-4.5 yes, GLM-4.5-Air no), an RMSNorm of each head of q
+  and of k (one weight of ``head_dim``); NEOX RoPE over the first ``rope.dimension_count`` dims of each head only
+  (``partial_rotary_factor`` 0.5: half of them), the rest passed through; scale ``1/sqrt(head_dim)``, causal;
+  ``x += W_o a``.
+- ``h = RMSNorm(x)`` (``post_attention_norm``). The first ``leading_dense_block_count`` layers
+  (``first_k_dense_replace``) are dense: ``x += W_down(silu(W_gate h) * W_up h)``. The others are MoE layers:
+  router logits ``W_r h``, routed by :func:`routing.sigmoid_group_topk` (sigmoid scores; the per-expert
+  ``exp_probs_b`` bias, transformers' ``e_score_correction_bias``, added only to choose; group-limited choice;
+  weights renormalized and scaled), SwiGLU experts, plus an ungated SwiGLU shared expert on the same ``h``:
+  ``x += routed + shared``.
+
+Then ``RMSNorm`` and the output matrix (``token_embd`` when the file has no ``output``).
+
+NextN / MTP layers. ``block_count`` counts them (the converter adds ``num_nextn_predict_layers`` to the trunk's
+layers and writes ``nextn_predict_layers``): the last ``nextn_predict_layers`` blocks are the multi-token
+prediction heads, used by llama.cpp only for speculative drafting, never in the main graph. moestream runs the
+first ``block_count - nextn_predict_layers`` blocks only, as llama.cpp's glm4moe graph does; it reads none of the
+MTP blocks' tensors and keeps their routed experts out of the expert store (no slot pool for them).
+
+Routing keys, when the file lacks them: what llama.cpp does (``llama_model_glm4_moe::load_arch_hparams`` and
+the generic hyper-parameter loader), which is
+
+- ``expert_gating_func``: absent (or 0, none) means sigmoid. Only sigmoid is computed here: a file that asks for
+  another gating function is refused (llama.cpp would apply it; no published GLM-4.5 uses one).
+- ``expert_weights_norm``: absent = false (no renormalization). transformers' config default is true, and both
+  published configs set it true (so the converter writes it).
+- ``expert_weights_scale``: absent = no scaling (llama.cpp's 0.0, which it treats like 1.0).
+- ``expert_group_count`` / ``expert_group_used_count``: absent = 0 = no group limit (the published
+  ``n_group = topk_group = 1`` also means none). With a group count > 1, llama.cpp requires it to divide
+  ``expert_count`` and ``0 < expert_group_used_count < expert_group_count``; so does moestream (GGUFError), plus
+  at least two experts per group (a group's score sums its best two).
+- ``leading_dense_block_count``: absent = 0 (every layer MoE).
+- ``nextn_predict_layers``: absent = 0 (no MTP blocks). A file whose ``blk.N.nextn.*`` tensors then fall in the
+  trunk is refused (llama.cpp refuses it too: it loads no ``nextn`` tensor of a trunk block and stops at its
+  tensor count).
+- ``expert_shared_count``: required, as in llama.cpp; the shared expert's width is ``expert_feed_forward_length x
+  expert_shared_count`` (checked against ``ffn_gate_shexp``).
+- ``expert_feed_forward_length``: required, as in llama.cpp; 0 means ``feed_forward_length / expert_used_count``
+  (llama.cpp's fallback).
+
+The MoE layers' tensors include ``blk.N.exp_probs_b.bias`` (required, as in llama.cpp). M-RoPE
+(``rope.dimension_sections``, GLM-4.5V) is refused. Semantics follow transformers' ``modeling_glm4_moe.py`` and
+llama.cpp's ``src/models/glm4-moe.cpp``; the routing function lives in ``models/routing.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import GGUFError
+from ..experts.moe import MoE
+from .base import LoadOptions, MoEModel, register
+from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq
+from .routing import sigmoid_group_topk
+
+#: llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values: 0 none (glm4moe reads it as sigmoid), 1 softmax, 2 sigmoid
+GATING_SIGMOID = 2
+
+
+@register("glm4moe")
+class Glm4MoE(MoEModel):
+    def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
+        # The MTP blocks' routed experts must stay out of the expert store: let the base class read the tensor
+        # table without making a store, drop those layers from the layout, then make the store.
+        super().__init__(gguf, dataclasses.replace(opts, metadata_only=True))
+        self.opts = opts
+        path = gguf.path
+        self.n_blocks = self.meta_int("block_count", required=True)
+        self.n_mtp = self.meta_int("nextn_predict_layers", 0, minimum=0)
+        if self.n_mtp >= self.n_blocks:
+            raise GGUFError(f"{path}: metadata {self.meta_desc(nextn_predict_layers=self.n_mtp)} leaves no trunk "
+                            f"layers of {self.meta_desc(block_count=self.n_blocks)}")
+        self.n_layers = self.n_blocks - self.n_mtp
+        self.layout.layers = {la: m for la, m in self.layout.layers.items() if la < self.n_layers}
+        self.n_embd = self.meta_int("embedding_length", required=True)
+        self.n_head = self.meta_int("attention.head_count", required=True)
+        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
+        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
+        self.eps = self.meta_float("attention.layer_norm_rms_epsilon", required=True)
+        self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.n_dense = self.meta_int("leading_dense_block_count", 0, minimum=0)
+        self.read_routing_keys()
+        self.n_ff_exp = self.expert_width()
+        self.n_shared = self.meta_int("expert_shared_count", required=True, minimum=0)
+        self.check_shapes()
+        if opts.metadata_only:
+            return
+        if not opts.budgeted:
+            self.store = self.make_store(opts)
+        self.rope = Rope(rope_inv_freq(self.rope_base, self.n_rot, self.device))
+        self.embd = self.lookup_table("token_embd.weight")
+        self.n_vocab = self.embd.shape[0]
+        self.out_norm = self.norm("output_norm.weight")
+        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.blocks = []
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            b = {
+                "attn_norm": self.norm(p + "attn_norm.weight"),
+                "q": self.weight(p + "attn_q.weight"), "k": self.weight(p + "attn_k.weight"),
+                "v": self.weight(p + "attn_v.weight"), "o": self.weight(p + "attn_output.weight"),
+                "ffn_norm": self.norm(p + "post_attention_norm.weight"),
+            }
+            for name in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight"):
+                b[name] = self.norm(p + name) if self.has(p + name) else None
+            if i < self.n_dense:
+                b.update(gate=self.weight(p + "ffn_gate.weight"), up=self.weight(p + "ffn_up.weight"),
+                         down=self.weight(p + "ffn_down.weight"))
+            else:
+                b.update(router=self.weight(p + "ffn_gate_inp.weight"), score_bias=self.norm(p + "exp_probs_b.bias"),
+                         moe=MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton))
+                if self.n_shared:
+                    b.update(sh_gate=self.weight(p + "ffn_gate_shexp.weight"),
+                             sh_up=self.weight(p + "ffn_up_shexp.weight"),
+                             sh_down=self.weight(p + "ffn_down_shexp.weight"))
+            self.blocks.append(b)
+
+    # --- metadata ---------------------------------------------------------------------------------------------
+    def read_routing_keys(self) -> None:
+        """The routing keys, with llama.cpp's defaults for absent ones (see the module docstring)."""
+        g, path, d = self.gguf.arch_get, self.gguf.path, self.meta_desc
+        gating = g("expert_gating_func", 0)
+        if isinstance(gating, bool) or not isinstance(gating, int) or gating not in (0, GATING_SIGMOID):
+            raise GGUFError(f"{path}: metadata {d(expert_gating_func=gating)} is not sigmoid ({GATING_SIGMOID}); "
+                            f"moestream computes glm4moe routing with sigmoid gating only")
+        norm_w = g("expert_weights_norm", False)
+        if not isinstance(norm_w, bool):
+            raise GGUFError(f"{path}: metadata key {self._key('expert_weights_norm')} must be a bool, got {norm_w!r}")
+        #: the top-k weights are divided by their sum (transformers' norm_topk_prob)
+        self.norm_topk = norm_w
+        scale = self.meta_float("expert_weights_scale", 0.0, allow_zero=True)
+        #: routed_scaling_factor (llama.cpp's 0.0, the absent key's value, scales nothing, like 1.0)
+        self.routed_scale = scale if scale != 0.0 else 1.0
+        self.n_group = self.meta_int("expert_group_count", 0, minimum=0)
+        self.topk_group = self.meta_int("expert_group_used_count", 0, minimum=0)
+        n_exp = self.n_experts
+        if self.n_group > 1:
+            groups = d(expert_group_count=self.n_group)
+            if n_exp % self.n_group or n_exp // self.n_group < 2:
+                raise GGUFError(f"{path}: metadata {groups} does not divide {d(expert_count=n_exp)} into groups of "
+                                f"at least two experts")
+            if not 0 < self.topk_group < self.n_group:
+                raise GGUFError(f"{path}: metadata {d(expert_group_used_count=self.topk_group)} must be at least 1 "
+                                f"and less than {groups} (as llama.cpp requires)")
+        else:
+            self.n_group = self.topk_group = 1  # no group limit
+
+    def expert_width(self) -> int:
+        """The routed experts' width: ``expert_feed_forward_length`` (required, as in llama.cpp; 0: llama.cpp's
+        fallback ``feed_forward_length / expert_used_count``)."""
+        n_ff_exp = self.meta_int("expert_feed_forward_length", required=True, minimum=0)
+        if n_ff_exp:
+            return n_ff_exp
+        return self.meta_int("feed_forward_length", required=True) // self.top_k
+
+    def check_shapes(self) -> None:
+        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read:
+        every trunk tensor the forward pass reads; the MTP blocks are not checked (they are not run)."""
+        d, path = self.meta_desc, self.gguf.path
+        n_embd, n_head, n_kv, hd = self.n_embd, self.n_head, self.n_kv, self.head_dim
+        if self.n_rot % 2 or self.n_rot > hd:
+            raise GGUFError(f"{path}: metadata {d(rope__dimension_count=self.n_rot)} must be even and at most "
+                            f"{d(attention__key_length=hd)}")
+        sections = self.gguf.arch_get("rope.dimension_sections")
+        if sections is not None and any(sections):
+            raise GGUFError(f"{path}: metadata {d(rope__dimension_sections=list(sections))} asks for M-RoPE "
+                            f"(GLM-4.5V), which moestream does not compute")
+        if self.n_dense > self.n_layers:
+            trunk = d(block_count=self.n_blocks, nextn_predict_layers=self.n_mtp)
+            raise GGUFError(f"{path}: metadata {d(leading_dense_block_count=self.n_dense)} is more than the "
+                            f"{self.n_layers} trunk layers ({trunk})")
+        emb = d(embedding_length=n_embd)
+        self.check_common_shapes(n_embd, emb)
+        q_desc = d(attention__head_count=n_head, attention__key_length=hd, embedding_length=n_embd)
+        kv_desc = d(attention__head_count_kv=n_kv, attention__key_length=hd, embedding_length=n_embd)
+        exp_key = self._key("expert_feed_forward_length")
+        exp_desc = (f"{exp_key}={self.n_ff_exp}" if self.gguf.arch_get("expert_feed_forward_length") else
+                    f"{exp_key}=0: {self._key('feed_forward_length')} / expert_used_count = {self.n_ff_exp}")
+        sh_desc = f"{exp_desc} x {d(expert_shared_count=self.n_shared)}, {emb}"
+        nextn = {int(n.split(".")[1]): n for n in self.gguf.tensors if n.startswith("blk.") and ".nextn." in n}
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            if i in nextn:  # llama.cpp refuses it too (a tensor it does not load: "wrong number of tensors")
+                raise GGUFError(f"{path}: tensor {nextn[i]} belongs to an MTP block but the metadata "
+                                f"({d(block_count=self.n_blocks, nextn_predict_layers=self.n_mtp)}) makes block {i} "
+                                f"a trunk layer")
+            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
+            self.expect_shape(p + "attn_q.weight", (n_head * hd, n_embd), q_desc)
+            self.expect_shape(p + "attn_k.weight", (n_kv * hd, n_embd), kv_desc)
+            self.expect_shape(p + "attn_v.weight", (n_kv * hd, n_embd), kv_desc)
+            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hd), q_desc)
+            for name, n in (("attn_q.bias", n_head * hd), ("attn_k.bias", n_kv * hd), ("attn_v.bias", n_kv * hd)):
+                if self.has(p + name):
+                    self.expect_shape(p + name, (n,), q_desc if name == "attn_q.bias" else kv_desc)
+            for name in ("attn_q_norm.weight", "attn_k_norm.weight"):
+                if self.has(p + name):
+                    self.expect_shape(p + name, (hd,), d(attention__key_length=hd) + " (one norm per head)")
+            self.expect_shape(p + "post_attention_norm.weight", (n_embd,), emb)
+            if i < self.n_dense:
+                if i in self.layout:
+                    raise GGUFError(f"{path}: layer {i} has routed experts but the metadata "
+                                    f"({d(leading_dense_block_count=self.n_dense)}) makes it a dense layer")
+                n_ff = self.gguf.tensor_info(p + "ffn_gate.weight").shape[0]
+                ff = emb + f" and ffn_gate's {n_ff} rows"
+                self.expect_shape(p + "ffn_up.weight", (n_ff, n_embd), ff)
+                self.expect_shape(p + "ffn_down.weight", (n_embd, n_ff), ff)
+                continue
+            if i not in self.layout:
+                raise GGUFError(f"{path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps) but the metadata "
+                                f"({d(leading_dense_block_count=self.n_dense)}) makes it an MoE layer")
+            self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
+                              d(expert_count=self.n_experts, embedding_length=n_embd))
+            self.expect_shape(p + "exp_probs_b.bias", (self.n_experts,), d(expert_count=self.n_experts))
+            for name, m in self.layout[i].items():
+                rows = m.cols if name == "down" else (m.rows // 2 if name == "gate_up" else m.rows)
+                if rows != self.n_ff_exp:
+                    raise GGUFError(f"{path}: tensor blk.{i}.ffn_{name}_exps.weight has experts of width {rows} but "
+                                    f"the metadata ({exp_desc}) implies {self.n_ff_exp}")
+            if self.n_shared:
+                n_sh = self.n_ff_exp * self.n_shared
+                self.expect_shape(p + "ffn_gate_shexp.weight", (n_sh, n_embd), sh_desc)
+                self.expect_shape(p + "ffn_up_shexp.weight", (n_sh, n_embd), sh_desc)
+                self.expect_shape(p + "ffn_down_shexp.weight", (n_embd, n_sh), sh_desc)
+        if n_head % n_kv:
+            raise GGUFError(f"{path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
+                            f"{d(attention__head_count_kv=n_kv)}")
+
+    # --- compute ----------------------------------------------------------------------------------------------
+    def new_cache(self, n_ctx: int) -> KVCache:
+        return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim, self.device)
+
+    def cache_bytes(self, n_ctx: int) -> int:
+        return 4 * self.n_layers * n_ctx * self.n_kv * 2 * self.head_dim
+
+    def route(self, b: dict, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits: [T, n_experts] float32 of MoE block ``b`` -> (ids [T, top_k] int64, weights [T, top_k]
+        float32): :func:`routing.sigmoid_group_topk` with the block's score-correction bias and the file's keys."""
+        return sigmoid_group_topk(router_logits, self.top_k, bias=b["score_bias"], n_group=self.n_group,
+                                  topk_group=self.topk_group, norm=self.norm_topk, scale=self.routed_scale)
+
+    def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, hidden] the FFN-normed input of MoE block ``b`` -> :meth:`route` of its router logits."""
+        return self.route(b, b["router"].linear(h))
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks[layer]
+        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
+
+    @staticmethod
+    def _swiglu(gate, up, down, h: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - Weight
+        return down.linear(elementwise(F.silu, gate.linear(h)) * up.linear(h))
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
+        """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
+        n_tok = tokens.shape[0]
+        if start + n_tok > cache.n_ctx:
+            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
+        end = start + n_tok
+        x = self.embd.rows_of(tokens)  # [T, hidden]
+        scale = 1.0 / math.sqrt(self.head_dim)
+        for i, b in enumerate(self.blocks):
+            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
+            h = rms_norm(x, b["attn_norm"], self.eps)
+            q, k, v = b["q"].linear(h), b["k"].linear(h), b["v"].linear(h)
+            if b["attn_q.bias"] is not None:
+                q = q + b["attn_q.bias"]
+            if b["attn_k.bias"] is not None:
+                k = k + b["attn_k.bias"]
+            if b["attn_v.bias"] is not None:
+                v = v + b["attn_v.bias"]
+            q = q.view(n_tok, self.n_head, self.head_dim)
+            k = k.view(n_tok, self.n_kv, self.head_dim)
+            if b["attn_q_norm.weight"] is not None:  # per head, before RoPE
+                q = rms_norm(q, b["attn_q_norm.weight"], self.eps)
+            if b["attn_k_norm.weight"] is not None:
+                k = rms_norm(k, b["attn_k_norm.weight"], self.eps)
+            q = self.rope(q, start)  # the first n_rot dims of each head; the rest copied
+            self.rope(k, start, out=cache.k[i][start:end])
+            cache.v[i][start:end] = v.view(n_tok, self.n_kv, self.head_dim)
+            a = attention(q, cache.k[i][:end], cache.v[i][:end], start, scale)
+            x = x + b["o"].linear(a)
+            h = rms_norm(x, b["ffn_norm"], self.eps)
+            if "moe" not in b:  # a leading dense layer
+                x = x + self._swiglu(b["gate"], b["up"], b["down"], h)
+                continue
+            ids, w = self.gate(b, h)
+            shared = None
+            if self.n_shared:
+                def shared(hs: torch.Tensor, b: dict = b) -> torch.Tensor:
+                    """The shared expert of block b on hs [T, hidden] -> [T, hidden] (no gate)."""
+                    return self._swiglu(b["sh_gate"], b["sh_up"], b["sh_down"], hs)
+
+            routed, sh = b["moe"](h, ids, w, shared=shared, overlap=self.opts.overlap)
+            x = x + routed if sh is None else x + routed + sh
+        if not logits_all:
+            x = x[-1:]
+        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
