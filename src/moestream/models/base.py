@@ -242,8 +242,10 @@ class MoEModel:
         """Experts, token embedding, output norm and (untied) output matrix against ``embedding_length``
         (``emb``: its description for messages). GGUFError naming the tensor. Returns the vocabulary size."""
         self.check_expert_shapes(n_embd)
-        n_layers = getattr(self, "n_layers", None)
-        if n_layers is not None:  # layers past block_count would be silently left out (llama.cpp refuses them)
+        # layers past block_count would be silently left out (llama.cpp refuses them); ``n_blocks``: a family whose
+        # block_count holds blocks it does not run (glm4moe's MTP blocks)
+        n_layers = getattr(self, "n_blocks", None) or getattr(self, "n_layers", None)
+        if n_layers is not None:
             past = sorted({int(m.group(1)) for name in self.gguf.tensors
                            if (m := _BLOCK_RE.match(name)) and int(m.group(1)) >= n_layers})
             if past:
