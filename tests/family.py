@@ -69,6 +69,8 @@ class Family:
     hf_tol: float = 1e-4
     llama_tol: float = 1e-4
     quant: str = "q8_0"
+    #: the share of each layer's experts the identity prompt must select (a family of many experts: less)
+    distinct_share: float = 0.5
 
 
 def standard_tests(ns: dict[str, Any], fam: Family) -> None:
@@ -161,7 +163,8 @@ def standard_tests(ns: dict[str, Any], fam: Family) -> None:
 
     def test_std_slot_ids_differ_from_expert_ids(fam_files):
         """Streaming through a pool of top-k + 1 slots really puts experts in slots other than their ids (the
-        dual addressing is exercised), and the identity prompt selects more than half the experts."""
+        dual addressing is exercised), and the identity prompt selects more than ``distinct_share`` of the
+        experts (half by default)."""
         path = str(fam_files[fam.quant])
         model = load_model(path, LoadOptions(slots=min(fam.top_k + 1, fam.n_experts), io_threads=2))
         ids = GGUFTokenizer.from_gguf(path).encode(IDENTITY_PROMPT)
@@ -169,7 +172,7 @@ def standard_tests(ns: dict[str, Any], fam: Family) -> None:
         store = model.store
         try:
             assert isinstance(store, StreamingStore)
-            assert distinct > model.n_experts // 2
+            assert distinct > model.n_experts * fam.distinct_share, (distinct, model.n_experts)
             moved = [(e, s) for e, s in expert_slots(store) if e != s]
             assert moved, "every expert sat in the slot of its own id"
         finally:

@@ -103,6 +103,32 @@ FIXTURES: dict[str, Qwen35MoeSpec] = {
         seed=0,
         outtypes=("f32", "q8_0"),
     ),
+    # The routing of the published Qwen3.5-397B-A17B (512 experts, 10 used per token, one shared expert) at
+    # tiny sizes: many experts, most of them unused by a short prompt, a top-k over a long router row.
+    "qwen35moe-512": Qwen35MoeSpec(
+        hidden_size=128,
+        num_hidden_layers=4,
+        # layers 0-2 gated DeltaNet, layer 3 gated full attention (with 2, the converter still wrote
+        # full_attention_interval 4 beside layer 1's full-attention tensors: llama.cpp's converter reads 4)
+        full_attention_interval=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        partial_rotary_factor=0.25,
+        mrope_section=(3, 3, 2),
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        initializer_range=0.07,
+        seed=0,
+        outtypes=("f32", "q8_0"),
+    ),
 }
 
 
