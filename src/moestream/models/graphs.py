@@ -15,11 +15,11 @@ router of each layer (with the dense layers before it) is one graph replay, and 
 through the store between two replays. The segments are the same code as the whole-step graph, so streaming on
 and off stay bitwise identical on the GPU.
 
-Opt-in for now: ``MOESTREAM_CUDA_GRAPHS=1`` at load turns this decode path on (qwen3moe). It is checked on the
-CPU (tests/test_gpu_path.py: the captured step's code gives the streaming step's bits under Triton's interpreter)
-but has not yet run on a GPU, so the default CUDA decode stays the eager path that tests/test_cuda.py verified
-there. A capture that fails (an op that cannot be captured) turns graphs off for the model and keeps the reason
-in ``DecodeGraphs.off_reason``; the step then runs eagerly.
+On by default (``MOESTREAM_CUDA_GRAPHS=0`` at load turns it off; qwen3moe). Checked on an H200
+(tests/test_cuda.py: graphed steps bitwise equal to the same steps run eagerly, streaming segments equal to the
+resident graph) and on the CPU (tests/test_gpu_path.py: the captured step's code gives the streaming step's bits
+under Triton's interpreter). A capture that fails (an op that cannot be captured) turns graphs off for the model
+and keeps the reason in ``DecodeGraphs.off_reason``; the step then runs eagerly.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class DecodeGraphs:
     Returns a new tensor (the graph's output buffer is overwritten by the next replay)."""
 
     def __init__(self) -> None:
-        #: MOESTREAM_CUDA_GRAPHS=1 at load: the model decodes through ``step`` (and its eager twin)
+        #: not MOESTREAM_CUDA_GRAPHS=0 at load: the model decodes through ``step``/``segment``
         self.opted_in = enabled()
         self.off_reason: str | None = None if self.opted_in else "MOESTREAM_CUDA_GRAPHS=0"
         self._graphs: dict[int, tuple] = {}
