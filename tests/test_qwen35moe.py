@@ -367,3 +367,29 @@ def test_one_dim_shared_expert_gate(q35, prompt_ids, tmp_path):
     a = logits_of(load_model(str(q35["q8_0"]), LoadOptions(moe_stream=False)), prompt_ids[:8], 2, 8)
     b = logits_of(load_model(str(out), LoadOptions(moe_stream=False)), prompt_ids[:8], 2, 8)
     assert_bitwise(a, b)
+
+
+def test_mtp_blocks_counted_by_block_count_are_not_run(q35, tmp_path) -> None:
+    """A file whose last block is an MTP block (``nextn_predict_layers`` 1, as llama.cpp's converter writes
+    without ``--no-nextn``) loads: block_count still covers it (no "more layers" refusal), the trunk is the
+    other blocks, and that block's experts get no slot pool. Its logits equal the first three blocks' alone:
+    the same file with block_count 3 and the last block's tensors dropped."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from ggufedit import rewrite
+    from moestream.models.base import LoadOptions, load_model
+
+    n = q35["config"]["num_hidden_layers"]
+    mtp = tmp_path / "mtp.gguf"
+    rewrite(q35["f32"], mtp, add_kv={"qwen35moe.nextn_predict_layers": (1, GGUFValueType.UINT32)})
+    last = tuple(t.name for t in GGUFReader(str(q35["f32"])).tensors if t.name.startswith(f"blk.{n - 1}."))
+    trunk = tmp_path / "trunk.gguf"
+    rewrite(q35["f32"], trunk, set_kv={"qwen35moe.block_count": n - 1}, drop_tensors=last)
+    m = load_model(str(mtp), LoadOptions(slots=4, io_threads=2))
+    assert (m.n_blocks, m.n_mtp, m.n_layers) == (n, 1, n - 1)
+    assert sorted(m.store.slots) == list(range(n - 1))
+    ref = load_model(str(trunk), LoadOptions(moe_stream=False))
+    ids = [11, 200, 7, 3000, 42]
+    got = m.forward(torch.tensor(ids), 0, m.new_cache(8), logits_all=True)
+    want = ref.forward(torch.tensor(ids), 0, ref.new_cache(8), logits_all=True)
+    assert torch.equal(got, want)

@@ -217,7 +217,7 @@ class MoE:
         dev = x.device
         h64 = np.concatenate([*offs, dst.astype(np.int64)])
         h32 = np.concatenate([tok, np.arange(p, dtype=np.int32), tiles.reshape(-1)]).astype(np.int32, copy=False)
-        blob = _to_device(np.concatenate([h64.view(np.uint8), h32.view(np.uint8)]), dev)  # one upload
+        blob = tkernels._upload(np.concatenate([h64.view(np.uint8), h32.view(np.uint8)]), dev)  # one upload
         i64, i32 = blob[:h64.nbytes].view(torch.int64), blob[h64.nbytes:].view(torch.int32)
         d_tok, d_rows, d_tiles = i32[:p], i32[p:2 * p], i32[2 * p:].view(-1, 3)
         d_dst = i64[len(mats) * g:]  # the (token, k) pairs' flat index: into the weights and the output rows
@@ -299,16 +299,6 @@ class MoE:
         else:
             gate, up = lin("gate", xs), lin("up", xs)
         return lin("down", self.act(gate, up))
-
-
-def _to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
-    """A small host array to the GPU without synchronising (gpu/tkernels.py ``_upload``: through a pinned ring,
-    copied asynchronously on the current stream); on the CPU the array itself."""
-    if dev.type != "cuda":
-        return torch.from_numpy(a)
-    from ..gpu import tkernels
-
-    return tkernels._upload(a, dev)
 
 
 class _Groups:

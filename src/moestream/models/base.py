@@ -160,6 +160,16 @@ class MoEModel:
         #: matmuls through the Triton kernels on the ggml blocks (``--matmul blocks`` on a CUDA device)
         self.use_triton = opts.matmul == "blocks" and self.device.type == "cuda" and _triton_available()
         self.layout = ExpertLayout(gguf)
+        #: the file's blocks (block_count), the trailing next-token-prediction (MTP / NextN) blocks among them
+        #: (nextn_predict_layers, absent = 0), and the trunk layers that are run: the MTP blocks are not run (as in
+        #: llama.cpp's graphs), and their routed experts get no slot pool
+        self.n_blocks = self.meta_int("block_count", required=True)
+        self.n_mtp = self.meta_int("nextn_predict_layers", 0, minimum=0)
+        if self.n_mtp >= self.n_blocks:
+            raise GGUFError(f"{gguf.path}: metadata {self.meta_desc(nextn_predict_layers=self.n_mtp)} leaves no "
+                            f"trunk layers of {self.meta_desc(block_count=self.n_blocks)}")
+        self.n_layers = self.n_blocks - self.n_mtp
+        self.layout.layers = {la: m for la, m in self.layout.layers.items() if la < self.n_layers}
         if not self.layout.moe_layers:
             raise GGUFError(f"{gguf.path}: no routed-expert tensors (blk.N.ffn_*_exps) found")
         self.n_experts = int(gguf.arch_get("expert_count", required=True))
@@ -242,17 +252,13 @@ class MoEModel:
         """Experts, token embedding, output norm and (untied) output matrix against ``embedding_length``
         (``emb``: its description for messages). GGUFError naming the tensor. Returns the vocabulary size."""
         self.check_expert_shapes(n_embd)
-        # layers past block_count would be silently left out (llama.cpp refuses them); ``n_blocks``: a family whose
-        # block_count holds blocks it does not run (glm4moe's MTP blocks)
-        n_layers = getattr(self, "n_blocks", None) or getattr(self, "n_layers", None)
-        if n_layers is not None:
-            past = sorted({int(m.group(1)) for name in self.gguf.tensors
-                           if (m := _BLOCK_RE.match(name)) and int(m.group(1)) >= n_layers})
-            if past:
-                first = next(n for n in sorted(self.gguf.tensors) if n.startswith(f"blk.{past[0]}."))
-                key = self._key("block_count")
-                raise GGUFError(f"{self.gguf.path}: metadata key {key}={n_layers} but the file has tensors of "
-                                f"{len(past)} more layer(s) (e.g. {first})")
+        # layers past block_count would be silently left out (llama.cpp refuses them)
+        past = sorted({int(m.group(1)) for name in self.gguf.tensors
+                       if (m := _BLOCK_RE.match(name)) and int(m.group(1)) >= self.n_blocks})
+        if past:
+            first = next(n for n in sorted(self.gguf.tensors) if n.startswith(f"blk.{past[0]}."))
+            raise GGUFError(f"{self.gguf.path}: metadata key {self._key('block_count')}={self.n_blocks} but the file "
+                            f"has tensors of {len(past)} more layer(s) (e.g. {first})")
         vocab = self.gguf.tensor_info("token_embd.weight").shape[0]
         self.expect_shape("token_embd.weight", (vocab, n_embd), emb)
         self.expect_shape("output_norm.weight", (n_embd,), emb)

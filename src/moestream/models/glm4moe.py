@@ -51,7 +51,6 @@ llama.cpp's ``src/models/glm4-moe.cpp``; the routing function lives in ``models/
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -70,18 +69,7 @@ GATING_SIGMOID = 2
 @register("glm4moe")
 class Glm4MoE(MoEModel):
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
-        # The MTP blocks' routed experts must stay out of the expert store: let the base class read the tensor
-        # table without making a store, drop those layers from the layout, then make the store.
-        super().__init__(gguf, dataclasses.replace(opts, metadata_only=True))
-        self.opts = opts
-        path = gguf.path
-        self.n_blocks = self.meta_int("block_count", required=True)
-        self.n_mtp = self.meta_int("nextn_predict_layers", 0, minimum=0)
-        if self.n_mtp >= self.n_blocks:
-            raise GGUFError(f"{path}: metadata {self.meta_desc(nextn_predict_layers=self.n_mtp)} leaves no trunk "
-                            f"layers of {self.meta_desc(block_count=self.n_blocks)}")
-        self.n_layers = self.n_blocks - self.n_mtp
-        self.layout.layers = {la: m for la, m in self.layout.layers.items() if la < self.n_layers}
+        super().__init__(gguf, opts)  # n_blocks, n_mtp, n_layers (the trunk); the MTP blocks get no slot pool
         self.n_embd = self.meta_int("embedding_length", required=True)
         self.n_head = self.meta_int("attention.head_count", required=True)
         self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
@@ -96,8 +84,6 @@ class Glm4MoE(MoEModel):
         self.check_shapes()
         if opts.metadata_only:
             return
-        if not opts.budgeted:
-            self.store = self.make_store(opts)
         self.rope = Rope(rope_inv_freq(self.rope_base, self.n_rot, self.device))
         self.embd = self.lookup_table("token_embd.weight")
         self.n_vocab = self.embd.shape[0]

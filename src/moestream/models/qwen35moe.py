@@ -136,13 +136,8 @@ class Qwen35MoE(MoEModel):
         super().__init__(gguf, opts)
         g = gguf.arch_get
         path = gguf.path
-        # MTP (next-token prediction) blocks, if the file has them, come after the trunk and are not run.
-        n_blocks = self.meta_int("block_count", required=True)
-        n_mtp = self.meta_int("nextn_predict_layers", 0, minimum=0)
-        if n_mtp >= n_blocks:
-            raise GGUFError(f"{path}: metadata {self.meta_desc(nextn_predict_layers=n_mtp)} leaves no trunk layers "
-                            f"of {self.meta_desc(block_count=n_blocks)}")
-        self.n_layers = n_blocks - n_mtp
+        # MTP (next-token prediction) blocks, if the file has them, come after the trunk and are not run: the
+        # base class's n_layers is the trunk
         self.n_embd = self.meta_int("embedding_length", required=True)
         self.n_head = self.meta_int("attention.head_count", required=True)
         self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)

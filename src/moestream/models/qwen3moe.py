@@ -56,6 +56,7 @@ class Qwen3MoE(MoEModel):
         self.blocks = []
         self.graphs = DecodeGraphs()
         self._kv_arena = KVArena()
+        self._segs: list[list[int]] | None = None
         self._kpos: torch.Tensor | None = None
         for i in range(self.n_layers):
             p = f"blk.{i}."
@@ -200,15 +201,16 @@ class Qwen3MoE(MoEModel):
 
     def _segments(self) -> list[list[int]]:
         """The decode step cut at the MoE layers: segment j ends with MoE layer j's attention and router (the
-        last segment: the layers after the last MoE layer and the output head)."""
-        segs, cur = [], []
-        for i, b in enumerate(self.blocks):
-            cur.append(i)
-            if "moe" in b:
-                segs.append(cur)
-                cur = []
-        segs.append(cur)
-        return segs
+        last segment: the layers after the last MoE layer and the output head). Made once per model."""
+        if self._segs is None:
+            segs, cur = [], []
+            for i, b in enumerate(self.blocks):
+                cur.append(i)
+                if "moe" in b:
+                    segs.append(cur)
+                    cur = []
+            self._segs = [*segs, cur]
+        return self._segs
 
     def _segment(self, j: int, layers: list[int], x: torch.Tensor, routed: torch.Tensor | None, pos: torch.Tensor,
                  n_keys: int, cache: KVCache, look: bool = False) -> tuple[torch.Tensor, ...]:
