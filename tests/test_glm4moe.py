@@ -32,7 +32,7 @@ from moestream.models.base import LoadOptions, load_model
 from moestream.models.routing import sigmoid_group_topk
 
 FAM = Family(fixture="glm4moe-tiny", arch="glm4moe", hf_class="Glm4MoeForCausalLM", top_k=4, n_experts=16,
-             n_layers=5, moe_layers=4)  # inspect counts the file's blocks: 4 trunk + 1 MTP; MoE: 3 trunk + MTP
+             n_layers=4, moe_layers=3)  # the trunk, as run: 4 layers (the first dense) + 1 MTP block, not run
 standard_tests(globals(), FAM)
 
 IDS = [785, 18484, 3493, 572, 5798, 304, 220, 16, 19, 20, 15, 13, 100, 2000, 30000, 151000]  # in-vocabulary
@@ -149,6 +149,25 @@ def test_router_matches_transformers(fam_files, fam_hf):
 
 
 # ------------------------------------------------------------------------------------------------ MTP
+def test_inspect_reports_the_trunk_and_the_mtp_block(fam_files):
+    """inspect counts what run runs (the trunk's layers and experts) and names the MTP block apart; the MTP
+    block's bytes are counted neither as dense weights nor as routed experts."""
+    from helpers import cli
+    from moestream.report import _fmt
+
+    p = cli("inspect", "-m", str(fam_files["f32"]))
+    assert p.returncode == 0, p.stderr
+    m = load_model(str(fam_files["f32"]), LoadOptions(metadata_only=True))
+    tensors = m.gguf.tensors
+    mtp = sum(t.n_bytes for n, t in tensors.items() if n.startswith("blk.4."))
+    trunk_exps = sum(t.n_bytes for n, t in tensors.items() if "_exps." in n and not n.startswith("blk.4."))
+    dense = sum(t.n_bytes for n, t in tensors.items() if "_exps." not in n and not n.startswith("blk.4."))
+    assert mtp > 0 and m.layout.total_bytes == trunk_exps
+    assert f"layers          4 (3 with routed experts); + 1 MTP block ({_fmt(mtp)}), not run" in p.stdout
+    assert f"dense weights   {_fmt(dense)} (resident" in p.stdout
+    assert f"routed experts  {_fmt(trunk_exps)} (" in p.stdout
+
+
 def test_mtp_block_not_run_nor_streamed(fam_files):
     """The file has 5 blocks, the last one the MTP block (``nextn_predict_layers`` 1, with routed experts and
     ``nextn.*`` tensors): moestream runs 4, reads none of block 4's tensors and makes no slot pool for it."""

@@ -9,8 +9,8 @@ from collections import Counter
 from gguf import GGMLQuantizationType
 
 from .errors import ConfigError, GGUFError
-from .experts.layout import ExpertLayout
 from .gguf import GGUFModel
+from .models.base import BLOCK_TENSOR as _BLOCK
 from .models.base import LoadOptions, architecture_of, default_slots
 
 GiB = 2**30
@@ -71,7 +71,7 @@ def inspect_model(path: str, slots: int | None = None, mem: int | None = None, m
     if gpu_mem is not None:  # the plan run --device cuda --gpu-mem SIZE makes (pools in VRAM)
         gpu_plan = shape.plan_memory(LoadOptions(gpu_mem=gpu_mem, gpu_mem_source=gpu_mem_source,
                                                  expand_dense=expand_dense), n_ctx, loaded=False, gpu=True)
-    layout = ExpertLayout(g)
+    layout = shape.layout  # the trunk's: MTP blocks (nextn_predict_layers) are not run and get no pool
     if not layout.moe_layers:
         raise GGUFError(f"{path}: no routed-expert tensors (blk.N.ffn_*_exps) found")
     n_exp = int(g.arch_get("expert_count", required=True))
@@ -83,7 +83,8 @@ def inspect_model(path: str, slots: int | None = None, mem: int | None = None, m
     clamped = f" (--slots {n_slots} clamped to the expert count, as run does)" if n_slots > n_exp else ""
     n_slots = min(n_slots, n_exp)
     expert_names = {f"blk.{layer}.ffn_{m}_exps.weight" for layer, mats in layout.layers.items() for m in mats}
-    dense = [t for n, t in g.tensors.items() if n not in expert_names]
+    unrun = {n for n in g.tensors if (m := _BLOCK.match(n)) and int(m.group(1)) >= shape.n_layers}
+    dense = [t for n, t in g.tensors.items() if n not in expert_names and n not in unrun]
     dense_bytes = sum(t.n_bytes for t in dense)
     dense_f32 = sum(t.n_bytes if t.ggml_type == GGMLQuantizationType.F32 else 4 * math.prod(t.shape)
                     for t in dense)
@@ -95,7 +96,9 @@ def inspect_model(path: str, slots: int | None = None, mem: int | None = None, m
         f"file            {path}" + (f" ({len(g.paths)} parts)" if len(g.paths) > 1 else ""),
         f"architecture    {g.arch}",
         f"name            {g.get('general.name', '?')}",
-        f"layers          {g.arch_get('block_count', '?')} ({len(layout.moe_layers)} with routed experts)",
+        f"layers          {shape.n_layers} ({len(layout.moe_layers)} with routed experts)"
+        + (f"; + {shape.n_mtp} MTP block{'s' * (shape.n_mtp > 1)} ({_fmt(sum(g.tensors[n].n_bytes for n in unrun))}), "
+           f"not run" if shape.n_mtp else ""),
         f"experts         {n_exp} per layer, {top_k} used per token (top-k)",
         "tensor types    " + ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
         *_expert_lines(layout),

@@ -281,6 +281,42 @@ class MoEModel:
             log_multiplier=self.meta_float("rope.scaling.yarn_log_multiplier", 0.0, allow_zero=True),
             attn_factor=self.meta_float("rope.scaling.attn_factor", 1.0))
 
+    def softmax_routing(self, norm: bool, switchable: bool) -> bool:
+        """The routing keys of a softmax-routed family, checked; returns whether the top-k weights are renormalized.
+
+        The converter writes none of them for these families, and llama.cpp's graphs fix the routing per
+        architecture (softmax gating, renormalization on or off, no scale), reading no key. Absent keys give that
+        fixed routing. A file that sets them:
+
+        - ``expert_gating_func``: 1 (softmax) or 0 (none: llama.cpp's "unset") is accepted; another function is
+          refused (these families' checkpoints have no such option).
+        - ``expert_weights_norm``: with ``switchable`` (the transformers class has ``norm_topk_prob``: Qwen3-MoE,
+          Qwen2-MoE, OLMoE) the file's value is used, as transformers would with that ``norm_topk_prob``;
+          otherwise a value other than ``norm`` is refused (the architecture always does ``norm``).
+        - ``expert_weights_scale``: absent, 0 (llama.cpp's "unset") or 1 is accepted; another value is refused.
+
+        GGUFError naming the key and value for what is refused or mistyped."""
+        g, path, d = self.gguf.arch_get, self.gguf.path, self.meta_desc
+        gating = g("expert_gating_func", 0)
+        if isinstance(gating, bool) or gating not in (0, 1):
+            raise GGUFError(f"{path}: metadata {d(expert_gating_func=gating)} is not softmax (1); {self.gguf.arch} "
+                            f"routes with softmax only")
+        given = g("expert_weights_norm")
+        if given is not None:
+            if not isinstance(given, bool):
+                raise GGUFError(f"{path}: metadata key {self._key('expert_weights_norm')} must be a bool, "
+                                f"got {given!r}")
+            if not switchable and given != norm:
+                how = "renormalizes" if norm else "never renormalizes"
+                raise GGUFError(f"{path}: metadata {d(expert_weights_norm=str(given).lower())} contradicts the "
+                                f"architecture: {self.gguf.arch} always {how} its top-k weights")
+            norm = given
+        scale = self.meta_float("expert_weights_scale", 0.0, allow_zero=True)
+        if scale not in (0.0, 1.0):
+            raise GGUFError(f"{path}: metadata {d(expert_weights_scale=scale)} asks to scale the routed experts' "
+                            f"weights, which {self.gguf.arch} does not do")
+        return norm
+
     def meta_desc(self, **values: Any) -> str:
         """``"qwen3moe.attention.head_count=4, ..."`` for error messages; keyword ``a__b`` is key ``a.b``."""
         return ", ".join(f"{self._key(k.replace('__', '.'))}={v}" for k, v in values.items())

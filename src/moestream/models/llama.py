@@ -48,6 +48,7 @@ class Mixtral(MoEModel):
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-5)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
+        self.softmax_routing(norm=True, switchable=False)  # Mixtral: always renormalized
         self.check_shapes()
         if opts.metadata_only:
             return

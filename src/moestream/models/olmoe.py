@@ -39,12 +39,8 @@ class Olmoe(MoEModel):
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-5)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
-        norm_w = self.gguf.arch_get("expert_weights_norm", False)
-        if not isinstance(norm_w, bool):
-            raise GGUFError(f"{self.gguf.path}: metadata key {self._key('expert_weights_norm')} must be a bool, "
-                            f"got {norm_w!r}")
         #: whether the top-k router probabilities are renormalized to sum 1 (transformers' norm_topk_prob)
-        self.norm_topk = norm_w
+        self.norm_topk = self.softmax_routing(norm=False, switchable=True)
         self.check_shapes()
         if opts.metadata_only:
             return

@@ -48,6 +48,8 @@ class Qwen2MoE(MoEModel):
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
+        #: top-k weights renormalized (transformers' norm_topk_prob; published false, llama.cpp never)
+        self.norm_topk = self.softmax_routing(norm=False, switchable=True)
         self.n_ff_exp = self.expert_widths()
         self.check_shapes()
         #: the shared expert's width (rows of ffn_gate_shexp, equal to the key where the file has it)
@@ -156,8 +158,8 @@ class Qwen2MoE(MoEModel):
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits: [T, n_experts] float32 -> (ids [T, top_k] int64, weights [T, top_k] float32): the top-k
         softmax probabilities themselves (not renormalized: transformers' ``norm_topk_prob=False``, llama.cpp's
-        ``norm_w=false``)."""
-        return softmax_topk(router_logits, self.top_k, norm=False)
+        ``norm_w=false``), or renormalized when the file sets ``expert_weights_norm`` true."""
+        return softmax_topk(router_logits, self.top_k, norm=self.norm_topk)
 
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] the FFN-normed input of block ``b`` -> :meth:`route` of its router logits."""

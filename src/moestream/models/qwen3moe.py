@@ -46,6 +46,8 @@ class Qwen3MoE(MoEModel):
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
+        #: top-k weights renormalized (transformers' norm_topk_prob; published true, llama.cpp always)
+        self.norm_topk = self.softmax_routing(norm=True, switchable=True)
         self.check_shapes()
         if opts.metadata_only:
             return
@@ -123,8 +125,9 @@ class Qwen3MoE(MoEModel):
         return 4 * self.n_layers * n_ctx * self.n_kv * (self.head_dim + self.head_dim_v)
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """router_logits: [T, n_experts] -> (ids [T, top_k] int64, weights [T, top_k] float32, sum 1)."""
-        return softmax_topk(router_logits, self.top_k, norm=True)
+        """router_logits: [T, n_experts] -> (ids [T, top_k] int64, weights [T, top_k] float32, summing to 1 unless
+        the file sets ``expert_weights_norm`` false)."""
+        return softmax_topk(router_logits, self.top_k, norm=self.norm_topk)
 
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] the FFN-normed input of MoE block ``b`` -> :meth:`route` of its router logits."""
