@@ -15,7 +15,7 @@ from ..experts.layout import _EXPS_RE as EXPERT_TENSOR
 from ..experts.layout import ExpertLayout
 from ..experts.pool import ExpertStore, ResidentStore, StreamingStore
 from ..gguf import GGUFModel
-from .layers import Weight, check_computable
+from .layers import Weight, check_computable, rms_norm
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 
@@ -406,6 +406,29 @@ class MoEModel:
     def mapped_tables(self) -> list[str]:
         """Tensors loaded with :meth:`lookup_table` (subclasses list their row-lookup tables)."""
         return ["token_embd.weight"] if self.has("output.weight") else []
+
+    def load_ends(self) -> None:
+        """The two ends every family shares: ``embd`` (``token_embd``, a row-lookup table), ``n_vocab``,
+        ``out_norm`` (``output_norm``) and ``output`` (``output``, or the embedding when the file ties them)."""
+        self.embd = self.lookup_table("token_embd.weight")
+        self.n_vocab = self.embd.shape[0]
+        self.out_norm = self.norm("output_norm.weight")
+        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+
+    def head(self, x: torch.Tensor, logits_all: bool) -> torch.Tensor:
+        """x float32 [T, hidden], the last layer's output -> logits float32 [T, vocab] (``logits_all``) or
+        [1, vocab] of the last position: RMSNorm with ``out_norm`` (epsilon ``self.eps``), then ``output``."""
+        if not logits_all:
+            x = x[-1:]
+        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
+
+    @staticmethod
+    def check_room(cache: Any, start: int, n_tok: int) -> int:
+        """The end position ``start + n_tok``; ValueError when the cache's ``n_ctx`` cannot hold it."""
+        end = start + n_tok
+        if end > cache.n_ctx:
+            raise ValueError(f"context full: {end} tokens > n_ctx {cache.n_ctx}")
+        return end
 
     def norm(self, name: str) -> torch.Tensor:
         """A norm vector as float32 [n] on the device."""

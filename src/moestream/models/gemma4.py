@@ -86,10 +86,7 @@ class Gemma4(MoEModel):
         self.kv_owners = [(n_kv[i], d_swa if self.is_swa[i] else d_full) for i in range(first_shared)]
         if opts.metadata_only:
             return
-        self.embd = self.lookup_table("token_embd.weight")
-        self.n_vocab = self.embd.shape[0]
-        self.out_norm = self.norm("output_norm.weight")
-        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.load_ends()
         if self.ple_dim:
             self.ple_embd = self.lookup_table("per_layer_token_embd.weight")  # [vocab, n_layers * ple_dim]
             self.ple_proj = self.weight("per_layer_model_proj.weight")  # [n_layers * ple_dim, hidden]

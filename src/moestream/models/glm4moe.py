@@ -54,12 +54,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq
+from .layers import KVCache, Rope, cached_attention, rms_norm, rope_inv_freq, swiglu_ffn
 from .routing import sigmoid_group_topk
 
 #: llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values: 0 none (glm4moe reads it as sigmoid), 1 softmax, 2 sigmoid
@@ -86,10 +85,7 @@ class Glm4MoE(MoEModel):
         if opts.metadata_only:
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.n_rot, self.device))
-        self.embd = self.lookup_table("token_embd.weight")
-        self.n_vocab = self.embd.shape[0]
-        self.out_norm = self.norm("output_norm.weight")
-        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.load_ends()
         self.blocks = []
         for i in range(self.n_layers):
             p = f"blk.{i}."
@@ -244,16 +240,10 @@ class Glm4MoE(MoEModel):
         b = self.blocks[layer]
         return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
 
-    @staticmethod
-    def _swiglu(gate, up, down, h: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - Weight
-        return down.linear(elementwise(F.silu, gate.linear(h)) * up.linear(h))
-
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
         """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
         n_tok = tokens.shape[0]
-        if start + n_tok > cache.n_ctx:
-            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
-        end = start + n_tok
+        self.check_room(cache, start, n_tok)
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
@@ -272,24 +262,20 @@ class Glm4MoE(MoEModel):
                 q = rms_norm(q, b["attn_q_norm.weight"], self.eps)
             if b["attn_k_norm.weight"] is not None:
                 k = rms_norm(k, b["attn_k_norm.weight"], self.eps)
-            q = self.rope(q, start)  # the first n_rot dims of each head; the rest copied
-            self.rope(k, start, out=cache.k[i][start:end])
-            cache.v[i][start:end] = v.view(n_tok, self.n_kv, self.head_dim)
-            a = attention(q, cache.k[i][:end], cache.v[i][:end], start, scale)
+            # RoPE on the first n_rot dims of each head; the rest copied
+            a = cached_attention(q, k, v.view(n_tok, self.n_kv, self.head_dim), self.rope, cache, i, start, scale)
             x = x + b["o"].linear(a)
             h = rms_norm(x, b["ffn_norm"], self.eps)
             if "moe" not in b:  # a leading dense layer
-                x = x + self._swiglu(b["gate"], b["up"], b["down"], h)
+                x = x + swiglu_ffn(b["gate"], b["up"], b["down"], h)
                 continue
             ids, w = self.gate(b, h)
             shared = None
             if self.n_shared:
                 def shared(hs: torch.Tensor, b: dict = b) -> torch.Tensor:
                     """The shared expert of block b on hs [T, hidden] -> [T, hidden] (no gate)."""
-                    return self._swiglu(b["sh_gate"], b["sh_up"], b["sh_down"], hs)
+                    return swiglu_ffn(b["sh_gate"], b["sh_up"], b["sh_down"], hs)
 
             routed, sh = b["moe"](h, ids, w, shared=shared, overlap=self.opts.overlap)
             x = x + routed if sh is None else x + routed + sh
-        if not logits_all:
-            x = x[-1:]
-        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
+        return self.head(x, logits_all)

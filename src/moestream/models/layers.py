@@ -227,6 +227,25 @@ class Rope:
         return out
 
 
+def swiglu_ffn(gate: Weight, up: Weight, down: Weight, h: torch.Tensor) -> torch.Tensor:
+    """A dense SwiGLU FFN (dense layers, shared experts): h float32 [T, hidden] -> ``W_down(silu(W_gate h) *
+    W_up h)`` float32 [T, hidden]."""
+    return down.linear(elementwise(torch.nn.functional.silu, gate.linear(h)) * up.linear(h))
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cache: KVCache | LayerKVCache,
+                     layer: int, start: int, scale: float, window: int | None = None) -> torch.Tensor:
+    """One layer's attention over its KV cache: q float32 [T, n_head, d], k [T, n_kv, d], v [T, n_kv, d_v] of the
+    new tokens at positions start..start+T-1 (projected, normed as the family does, not yet rotated). Rotates
+    q and k with ``rope`` (k straight into the cache rows), writes v into the cache, and returns
+    :func:`attention` of q over the cache up to the last new token: float32 [T, n_head * d_v]."""
+    end = start + q.shape[0]
+    q = rope(q, start)
+    rope(k, start, out=cache.k[layer][start:end])
+    cache.v[layer][start:end] = v
+    return attention(q, cache.k[layer][:end], cache.v[layer][:end], start, scale, window)
+
+
 class KVCache:
     """Per-layer key/value cache. k, v: float32 [n_ctx, n_kv_heads, head_dim] per layer."""
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
+from .layers import KVCache, Rope, cached_attention, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -53,10 +52,7 @@ class Mixtral(MoEModel):
         if opts.metadata_only:
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
-        self.embd = self.lookup_table("token_embd.weight")
-        self.n_vocab = self.embd.shape[0]
-        self.out_norm = self.norm("output_norm.weight")
-        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.load_ends()
         self.blocks = []
         for i in range(self.n_layers):
             p = f"blk.{i}."
@@ -86,7 +82,7 @@ class Mixtral(MoEModel):
                             f"{d(attention__key_length=hd)}: partial RoPE is not supported for llama files")
         unsupported = [n for n in self.gguf.tensors if n.startswith(("rope_freqs.", "rope_factors_"))
                        or "_shexp." in n or n.endswith(".bias")]
-        unsupported += [f"metadata key {self.gguf.arch}.{k}" for k in ("attention.scale", "expert_weights_scale")
+        unsupported += [f"metadata key {self.gguf.arch}.{k}" for k in ("attention.scale",)
                         if self.has_meta(k)]
         if unsupported:  # llama.cpp's llama graph knows these (Llama 3 RoPE factors, Granite), moestream does not
             raise GGUFError(f"{self.gguf.path}: llama file with {unsupported[0]}: only Mixtral-style llama files "
@@ -145,9 +141,7 @@ class Mixtral(MoEModel):
         """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``.
         The cache holds the keys de-interleaved and rotated (see the module docstring)."""
         n_tok = tokens.shape[0]
-        if start + n_tok > cache.n_ctx:
-            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
-        end = start + n_tok
+        self.check_room(cache, start, n_tok)
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
@@ -155,10 +149,8 @@ class Mixtral(MoEModel):
             h = rms_norm(x, b["attn_norm"], self.eps)
             q = deinterleave(b["q"].linear(h).view(n_tok, self.n_head, self.head_dim))
             k = deinterleave(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim))
-            q = self.rope(q, start)
-            self.rope(k, start, out=cache.k[i][start:end])
-            cache.v[i][start:end] = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
-            a = attention(q, cache.k[i][:end], cache.v[i][:end], start, scale)
+            v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
+            a = cached_attention(q, k, v, self.rope, cache, i, start, scale)
             x = x + b["o"].linear(a)
             h = rms_norm(x, b["ffn_norm"], self.eps)
             if "moe" in b:
@@ -166,7 +158,5 @@ class Mixtral(MoEModel):
                 routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
                 x = x + routed
             else:
-                x = x + b["down"].linear(elementwise(F.silu, b["gate"].linear(h)) * b["up"].linear(h))
-        if not logits_all:
-            x = x[-1:]
-        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
+                x = x + swiglu_ffn(b["gate"], b["up"], b["down"], h)
+        return self.head(x, logits_all)

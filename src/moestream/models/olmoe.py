@@ -23,7 +23,7 @@ import torch
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, rms_norm, rope_inv_freq, softmax_topk
+from .layers import KVCache, Rope, cached_attention, rms_norm, rope_inv_freq, softmax_topk
 
 
 @register("olmoe")
@@ -45,10 +45,7 @@ class Olmoe(MoEModel):
         if opts.metadata_only:
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
-        self.embd = self.lookup_table("token_embd.weight")
-        self.n_vocab = self.embd.shape[0]
-        self.out_norm = self.norm("output_norm.weight")
-        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.load_ends()
         self.blocks = []
         for i in range(self.n_layers):
             p = f"blk.{i}."
@@ -115,9 +112,7 @@ class Olmoe(MoEModel):
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
         """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
         n_tok = tokens.shape[0]
-        if start + n_tok > cache.n_ctx:
-            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
-        end = start + n_tok
+        self.check_room(cache, start, n_tok)
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
@@ -126,15 +121,11 @@ class Olmoe(MoEModel):
             # q/k RMSNorm over the whole projection [T, n_head * head_dim] (OlmoeAttention), then split into heads
             q = rms_norm(b["q"].linear(h), b["q_norm"], self.eps).view(n_tok, self.n_head, self.head_dim)
             k = rms_norm(b["k"].linear(h), b["k_norm"], self.eps).view(n_tok, self.n_kv, self.head_dim)
-            q = self.rope(q, start)
-            self.rope(k, start, out=cache.k[i][start:end])
-            cache.v[i][start:end] = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
-            a = attention(q, cache.k[i][:end], cache.v[i][:end], start, scale)
+            v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
+            a = cached_attention(q, k, v, self.rope, cache, i, start, scale)
             x = x + b["o"].linear(a)
             h = rms_norm(x, b["ffn_norm"], self.eps)
             ids, w = self.route(b["router"].linear(h))
             routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
             x = x + routed
-        if not logits_all:
-            x = x[-1:]
-        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
+        return self.head(x, logits_all)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ..errors import GGUFError
 from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
+from .layers import KVCache, Rope, cached_attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
 
 
 @register("qwen2moe")
@@ -57,10 +57,7 @@ class Qwen2MoE(MoEModel):
         if opts.metadata_only:
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
-        self.embd = self.lookup_table("token_embd.weight")
-        self.n_vocab = self.embd.shape[0]
-        self.out_norm = self.norm("output_norm.weight")
-        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.load_ends()
         self.blocks = []
         for i in range(self.n_layers):
             p = f"blk.{i}."
@@ -171,9 +168,7 @@ class Qwen2MoE(MoEModel):
 
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
         n_tok = tokens.shape[0]
-        if start + n_tok > cache.n_ctx:
-            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
-        end = start + n_tok
+        self.check_room(cache, start, n_tok)
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
@@ -181,10 +176,8 @@ class Qwen2MoE(MoEModel):
             h = rms_norm(x, b["attn_norm"], self.eps)
             q = (b["q"].linear(h) + b["bq"]).view(n_tok, self.n_head, self.head_dim)
             k = (b["k"].linear(h) + b["bk"]).view(n_tok, self.n_kv, self.head_dim)
-            q = self.rope(q, start)
-            self.rope(k, start, out=cache.k[i][start:end])  # rotated keys straight into the cache
-            cache.v[i][start:end] = (b["v"].linear(h) + b["bv"]).view(n_tok, self.n_kv, self.head_dim)
-            a = attention(q, cache.k[i][:end], cache.v[i][:end], start, scale)
+            v = (b["v"].linear(h) + b["bv"]).view(n_tok, self.n_kv, self.head_dim)
+            a = cached_attention(q, k, v, self.rope, cache, i, start, scale)
             x = x + b["o"].linear(a)
             h = rms_norm(x, b["ffn_norm"], self.eps)
             ids, w = self.gate(b, h)
@@ -196,6 +189,4 @@ class Qwen2MoE(MoEModel):
 
             routed, sh = b["moe"](h, ids, w, shared=shared, overlap=self.opts.overlap)
             x = x + routed + sh
-        if not logits_all:
-            x = x[-1:]
-        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
+        return self.head(x, logits_all)

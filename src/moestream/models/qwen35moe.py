@@ -177,10 +177,7 @@ class Qwen35MoE(MoEModel):
             return
 
         self.rope = Rope(rope_inv_freq(self.rope_base, self.n_rot, self.device))
-        self.embd = self.lookup_table("token_embd.weight")
-        self.n_vocab = self.embd.shape[0]
-        self.out_norm = self.norm("output_norm.weight")
-        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.load_ends()
         self.blocks = []
         for i in range(self.n_layers):
             p = f"blk.{i}."

@@ -52,10 +52,7 @@ class Qwen3MoE(MoEModel):
         if opts.metadata_only:
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
-        self.embd = self.lookup_table("token_embd.weight")
-        self.n_vocab = self.embd.shape[0]
-        self.out_norm = self.norm("output_norm.weight")
-        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.load_ends()
         self.blocks = []
         self.graphs = DecodeGraphs()
         self._kv_arena = KVArena()
