@@ -40,7 +40,8 @@ Then ``RMSNorm`` and the output matrix (``token_embd`` when the file has no ``ou
 YaRN (``rope.scaling.type = yarn``; the published DeepSeek-V2/V3 configs): the inverse frequencies are
 :func:`layers.yarn_inv_freq` of ``rope.scaling.factor``, ``rope.scaling.original_context_length`` and beta_fast
 32 / beta_slow 1 (``rope.scaling.yarn_beta_fast`` / ``yarn_beta_slow`` where the file has them; the llama.cpp of the
-pinned sdist does not read those keys and always uses 32 / 1). The attention scale is DeepSeek's:
+pinned sdist does not read those keys for deepseek2 and always uses 32 / 1, the published values); the original
+context ``rope.scaling.original_context_length`` (absent: ``context_length``, as llama.cpp). The attention scale is DeepSeek's:
 ``kq_scale = m^2 / sqrt(dk)`` with ``m = 1 + 0.1 * mscale_all_dim * ln(factor)``, where
 ``mscale_all_dim = rope.scaling.yarn_log_multiplier / 0.1`` (the converter writes 0.1 x mscale_all_dim; llama.cpp
 divides it back), and the cos/sin are not scaled: transformers scales them by
@@ -87,9 +88,8 @@ import torch.nn.functional as F
 
 from ..errors import GGUFError
 from ..experts.moe import MoE
-from . import layers
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq
+from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
 from .routing import group_topk
 
 #: llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values
@@ -125,7 +125,7 @@ class DeepSeek2(MoEModel):
         self.check_shapes()
         if opts.metadata_only:
             return
-        self.rope = Rope(self.inv_freq(), interleaved=True)
+        self.rope = Rope(self.inv_freq(), scale=self.rope_scale, interleaved=True)
         self.embd = self.lookup_table("token_embd.weight")
         self.n_vocab = self.embd.shape[0]
         self.out_norm = self.norm("output_norm.weight")
@@ -202,45 +202,34 @@ class DeepSeek2(MoEModel):
             self.n_group = self.topk_group = 1
 
     def read_rope_scaling(self) -> None:
-        """``self.yarn`` (None, or (factor, original context, beta_fast, beta_slow)) and ``self.kq_scale``."""
-        g, path, d = self.gguf.arch_get, self.gguf.path, self.meta_desc
-        kind = g("rope.scaling.type", "none")
-        attn_factor = g("rope.scaling.attn_factor")
-        if attn_factor is not None and float(attn_factor) != 1.0:
-            raise GGUFError(f"{path}: metadata {d(rope__scaling__attn_factor=attn_factor)} is not computed for "
-                            f"deepseek2 (only 1.0)")
-        self.yarn = None
+        """``self.yarn`` (None, or MoEModel.rope_scaling's :class:`RopeScaling`), ``self.rope_scale`` (the cos/sin
+        factor) and ``self.kq_scale`` (module docstring)."""
+        path, d = self.gguf.path, self.meta_desc
+        self.yarn = self.rope_scaling(("yarn",))  # None: no scaling (absent, none, or factor 1)
         self.kq_scale = 1.0 / math.sqrt(self.head_k)
-        if kind == "none":
+        self.rope_scale = 1.0
+        if self.yarn is None:
             return
-        if kind != "yarn":
-            raise GGUFError(f"{path}: metadata {d(rope__scaling__type=kind)}: moestream computes deepseek2 with no "
-                            f"rope scaling or yarn only")
-        factor = self.meta_float("rope.scaling.factor", required=True)
-        n_orig = self.meta_int("rope.scaling.original_context_length", required=True)
-        beta_fast = self.meta_float("rope.scaling.yarn_beta_fast", 32.0)
-        beta_slow = self.meta_float("rope.scaling.yarn_beta_slow", 1.0)
-        log_mul = g("rope.scaling.yarn_log_multiplier")
-        if log_mul is None:
+        if self.yarn.attn_factor != 1.0:
+            raise GGUFError(f"{path}: metadata {d(rope__scaling__attn_factor=self.yarn.attn_factor)} is not "
+                            f"computed for deepseek2 (only 1.0)")
+        if self.yarn.log_multiplier == 0.0:
             raise GGUFError(f"{path}: yarn rope scaling without metadata key "
                             f"{self._key('rope.scaling.yarn_log_multiplier')} (mscale_all_dim): llama.cpp and "
                             f"transformers scale its attention differently; moestream refuses it")
-        mscale_all_dim = self.meta_float("rope.scaling.yarn_log_multiplier", allow_zero=True) / 0.1
-        self.yarn = (factor, n_orig, beta_fast, beta_slow)
-        m = 1.0 + 0.1 * mscale_all_dim * math.log(factor) if factor > 1.0 else 1.0
+        mscale_all_dim = self.yarn.log_multiplier / 0.1  # the converter writes 0.1 x mscale_all_dim
+        # llama.cpp's deepseek2 takes mscale = mscale_all_dim (it reads no mscale): the cos/sin factor is 1
+        self.rope_scale = yarn_attention_factor(self.yarn.factor, mscale_all_dim, mscale_all_dim)
+        m = 0.1 * mscale_all_dim * math.log(self.yarn.factor) + 1.0  # factor > 1 here
         self.kq_scale = m * m / math.sqrt(self.head_k)
 
     def inv_freq(self) -> torch.Tensor:
         """float32 [n_rot/2]: plain RoPE, or YaRN's (:func:`layers.yarn_inv_freq`)."""
         if self.yarn is None:
             return rope_inv_freq(self.rope_base, self.n_rot, self.device)
-        yarn = getattr(layers, "yarn_inv_freq", None)
-        if yarn is None:
-            raise GGUFError(f"{self.gguf.path}: yarn rope scaling needs layers.yarn_inv_freq, which this moestream "
-                            f"lacks")
-        factor, n_orig, beta_fast, beta_slow = self.yarn
-        return yarn(self.rope_base, self.n_rot, factor=factor, original_context=n_orig, beta_fast=beta_fast,
-                    beta_slow=beta_slow, device=self.device)
+        y = self.yarn
+        return yarn_inv_freq(self.rope_base, self.n_rot, y.factor, y.orig_ctx, y.beta_fast, y.beta_slow,
+                             device=self.device)
 
     def check_shapes(self) -> None:
         """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read:
