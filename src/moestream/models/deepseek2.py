@@ -41,7 +41,8 @@ YaRN (``rope.scaling.type = yarn``; the published DeepSeek-V2/V3 configs): the i
 :func:`layers.yarn_inv_freq` of ``rope.scaling.factor``, ``rope.scaling.original_context_length`` and beta_fast
 32 / beta_slow 1 (``rope.scaling.yarn_beta_fast`` / ``yarn_beta_slow`` where the file has them; the llama.cpp of the
 pinned sdist does not read those keys for deepseek2 and always uses 32 / 1, the published values); the original
-context ``rope.scaling.original_context_length`` (absent: ``context_length``, as llama.cpp). The attention scale is DeepSeek's:
+context ``rope.scaling.original_context_length`` (absent: ``context_length``, as llama.cpp).
+The attention scale is DeepSeek's:
 ``kq_scale = m^2 / sqrt(dk)`` with ``m = 1 + 0.1 * mscale_all_dim * ln(factor)``, where
 ``mscale_all_dim = rope.scaling.yarn_log_multiplier / 0.1`` (the converter writes 0.1 x mscale_all_dim; llama.cpp
 divides it back), and the cos/sin are not scaled: transformers scales them by
