@@ -14,11 +14,13 @@ def rewrite(src: str | Path, dst: str | Path, arch: str | None = None, split_max
             convert: dict[str, Callable[[np.ndarray], np.ndarray]] | None = None,
             set_kv: dict[str, object] | None = None,
             add_kv: dict[str, tuple[object, GGUFValueType]] | None = None,
-            drop_kv: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = ()) -> list[Path]:
+            drop_kv: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = (),
+            add_tensors: dict[str, np.ndarray] | None = None) -> list[Path]:
     """Copy ``src`` to ``dst`` (with split parts when ``split_max_tensors``), optionally renaming the
     architecture or replacing tensors by ``convert[name](float32 array)`` (a numpy array of a plain dtype
     such as float64) or metadata values by ``set_kv`` (same value type), adding keys the file lacks,
-    ``add_kv[key] = (value, type)``, or leaving out the metadata keys ``drop_kv`` or the tensors ``drop_tensors``.
+    ``add_kv[key] = (value, type)``, or leaving out the metadata keys ``drop_kv`` or the tensors ``drop_tensors``,
+    or appending tensors ``add_tensors[name]`` (float32 arrays in torch order, written F32).
     Returns the written paths."""
     r = GGUFReader(str(src))
     old_arch = r.fields["general.architecture"].contents()
@@ -52,6 +54,8 @@ def rewrite(src: str | Path, dst: str | Path, arch: str | None = None, split_max
             w.add_tensor(t.name, np.asarray(t.data).reshape(shape))
         else:
             w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    for name, arr in (add_tensors or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

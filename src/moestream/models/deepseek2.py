@@ -1,0 +1,406 @@
+"""DeepSeek-V2/V3 (GGUF ``general.architecture = deepseek2``; transformers ``DeepseekV3ForCausalLM`` /
+``DeepseekV2ForCausalLM``; also GLM-4.7-Flash, which llama.cpp's converter writes as deepseek2).
+
+Per trunk layer, with H heads, ``nope`` = ``key_length_mla - rope.dimension_count`` (qk_nope_head_dim), ``rope`` =
+``rope.dimension_count`` (qk_rope_head_dim), ``dk = nope + rope``, ``dv`` = ``value_length_mla`` (v_head_dim),
+``r`` = ``attention.kv_lora_rank``:
+
+- ``h = RMSNorm(x)``. Queries: ``q = W_qb RMSNorm(W_qa h)`` (q LoRA: ``attention.q_lora_rank`` > 0, tensors
+  ``attn_q_a``, ``attn_q_a_norm``, ``attn_q_b``) or ``q = W_q h`` (no q LoRA, DeepSeek-V2-Lite: ``attn_q``);
+  per head ``q = [q_nope | q_pe]`` (nope + rope dims).
+- Latent: ``[c | k_pe] = W_kva h`` (``attn_kv_a_mqa``, r + rope rows), ``c = RMSNorm(c)`` (``attn_kv_a_norm``);
+  ``k_pe`` is one head shared by all heads. RoPE on ``q_pe`` and ``k_pe`` only, interleaved (GPT-J pairs:
+  llama.cpp's LLAMA_ROPE_TYPE_NORM for deepseek2; transformers' ``rope_interleave`` / DeepSeek's own
+  view-transpose permutation), theta ``rope.freq_base``, YaRN where the file says so (below).
+- Per head the up-projections ``k_nope = W_kb[h] c`` and ``v = W_vb[h] c``. The converter of the pinned llama.cpp
+  writes them split (``attn_k_b`` [H, r, nope], ``attn_v_b`` [H, dv, r], with ``attention.key_length_mla`` /
+  ``value_length_mla``); older files have one ``attn_kv_b`` [H x (nope + dv), r] (transformers' ``kv_b_proj``),
+  split here at load. Both are read.
+- Scores ``(q_nope . k_nope + q_pe . k_pe) * kq_scale``, causal softmax, ``a = sum p v``, ``x += W_o a``.
+
+**The absorbed form.** moestream computes MLA absorbed, as llama.cpp does for the split tensors: the cache holds
+per position only ``[c | rope(k_pe)]`` (r + rope floats per layer, shared by every head), queries become
+``[W_kb[h]^T q_nope | rope(q_pe)]`` (r + rope dims), attention is multi-query attention with one KV head whose
+values are ``c``, and each head's output is ``W_vb[h] (sum p c)``. This equals transformers' unabsorbed form
+(which decompresses every cached latent into per-head keys and values) by associativity alone:
+``q_nope . (W_kb[h] c) = (W_kb[h]^T q_nope) . c`` and ``sum_s p_s W_vb[h] c_s = W_vb[h] sum_s p_s c_s``; only float
+rounding differs (tests/test_deepseek2.py, the published YaRN: 8.0e-5 from transformers over a 33-token prompt;
+on 16 tokens 6.6e-5 absorbed where the unabsorbed form in the same code gives 3.6e-5; llama.cpp, absorbed too, is
+1.7e-4 from transformers on that file). The interleaved RoPE
+leaves q_pe/k_pe in the interleaved layout where transformers writes the same values de-interleaved: a permutation
+of the rope dims applied to queries and keys alike, which leaves every q.k unchanged. The absorbed up-projections
+are kept dequantized to float32 (``[H, r, nope]`` and ``[H, dv, r]``, per-head batched matmuls).
+
+- ``h = RMSNorm(x)`` (``ffn_norm``). The first ``leading_dense_block_count`` layers are dense SwiGLU; the others
+  are MoE: router ``W_r h``, gating (below) with the optional per-expert ``exp_probs_b`` bias (transformers'
+  ``e_score_correction_bias``, added only to choose), group-limited choice, weights renormalized and scaled
+  (:func:`routing.group_topk`), SwiGLU experts, plus ungated SwiGLU shared experts (``expert_shared_count``
+  of them, one matrix ``expert_feed_forward_length x expert_shared_count`` wide): ``x += routed + shared``.
+
+Then ``RMSNorm`` and the output matrix (``token_embd`` when the file has no ``output``).
+
+YaRN (``rope.scaling.type = yarn``; the published DeepSeek-V2/V3 configs): the inverse frequencies are
+:func:`layers.yarn_inv_freq` of ``rope.scaling.factor``, ``rope.scaling.original_context_length`` and beta_fast
+32 / beta_slow 1 (``rope.scaling.yarn_beta_fast`` / ``yarn_beta_slow`` where the file has them; the llama.cpp of the
+pinned sdist does not read those keys for deepseek2 and always uses 32 / 1, the published values); the original
+context ``rope.scaling.original_context_length`` (absent: ``context_length``, as llama.cpp).
+The attention scale is DeepSeek's:
+``kq_scale = m^2 / sqrt(dk)`` with ``m = 1 + 0.1 * mscale_all_dim * ln(factor)``, where
+``mscale_all_dim = rope.scaling.yarn_log_multiplier / 0.1`` (the converter writes 0.1 x mscale_all_dim; llama.cpp
+divides it back), and the cos/sin are not scaled: transformers scales them by
+``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``, which is 1 for every published config (mscale ==
+mscale_all_dim: 1.0 for V3, 0.707 for V2) and which llama.cpp, that never reads ``mscale``, also makes 1 for
+deepseek2. A YaRN file without ``yarn_log_multiplier`` is refused: there llama.cpp scales both cos/sin and kq by
+``1 + 0.1 ln(factor)`` while transformers scales cos/sin only. ``rope.scaling.attn_factor`` other than 1 and other
+scaling types are refused; rope.scaling.type none (or absent) is plain RoPE.
+
+Routing keys, when the file lacks them (llama.cpp's ``llama_model_deepseek2::load_arch_hparams`` and the
+generic loader), and where moestream decides:
+
+- ``expert_gating_func``: 1 softmax, 2 sigmoid; others are refused. **Absent (or 0)**: llama.cpp picks softmax
+  (the DeepSeek-V2/V2.5 GGUFs made before the key existed) except for one shape it recognises as GLM-4.7-Flash
+  (47 or 48 layers and a 154,880-token vocabulary), for which it picks sigmoid; GLM-4.7-Flash's converter writes
+  no gating key. moestream infers sigmoid from the presence of the ``exp_probs_b`` selection bias (DeepSeek-V3's
+  and GLM-4.7-Flash's noaux_tc routing has it; V2/V2.5's softmax routing has none) and softmax otherwise. That is
+  llama.cpp's choice on every published file of the family (V2/V2.5: no bias, softmax; GLM-4.7-Flash: bias,
+  sigmoid; V3: the converter writes 2) and differs from it only on a file with a bias, no key and another shape,
+  where llama.cpp would add a sigmoid model's correction bias to softmax probabilities.
+- ``expert_weights_norm``: absent = false (no renormalization; the converter writes it only when true).
+- ``expert_weights_scale``: absent (or 0.0) = no scaling, as llama.cpp (never a zero weight).
+- ``expert_group_count`` / ``expert_group_used_count``: absent = no group limit; with a count > 1 it must divide
+  ``expert_count`` into groups of at least two and ``0 < used < count`` (llama.cpp asserts the same). A group's
+  score is the sum of its two best choice scores whatever the gating (llama.cpp's build_moe_ffn; transformers'
+  DeepSeek-V2 ``group_limited_greedy`` takes the group's maximum instead: softmax with groups, the 236B
+  DeepSeek-V2/V2.5, follows llama.cpp here and was not compared with transformers).
+- ``leading_dense_block_count``: absent = 0. ``expert_shared_count``, ``expert_feed_forward_length``,
+  ``attention.kv_lora_rank``, ``attention.layer_norm_rms_epsilon``: required, as in llama.cpp.
+  ``attention.q_lora_rank``: absent = 0 = no q LoRA (llama.cpp requires the key except for the V2-Lite shapes).
+
+NextN / MTP blocks (``nextn_predict_layers``, GLM-4.7-Flash files) are left out by MoEModel (not run, no slot
+pool). Refused: DeepSeek-OCR's deepseek2ocr (another architecture name), attention temperature scaling
+(``attention.temperature_scale``, Mistral-Large-3 files), q/kv biases. Semantics follow transformers'
+``modeling_deepseek_v3.py`` / ``modeling_deepseek_v2.py`` and llama.cpp's ``src/models/deepseek2.cpp``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import GGUFError
+from ..experts.moe import MoE
+from .base import LoadOptions, MoEModel, register
+from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
+from .routing import group_topk
+
+#: llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values
+GATING_NONE, GATING_SOFTMAX, GATING_SIGMOID = 0, 1, 2
+
+
+@register("deepseek2")
+class DeepSeek2(MoEModel):
+    def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
+        super().__init__(gguf, opts)  # n_blocks, n_mtp, n_layers (the trunk); MTP blocks get no slot pool
+        self.n_embd = self.meta_int("embedding_length", required=True)
+        self.n_head = self.meta_int("attention.head_count", required=True)
+        self.eps = self.meta_float("attention.layer_norm_rms_epsilon", required=True)
+        self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.n_rot = self.meta_int("rope.dimension_count", required=True)
+        self.kv_rank = self.meta_int("attention.kv_lora_rank", required=True)
+        self.q_rank = self.meta_int("attention.q_lora_rank", 0, minimum=0)
+        #: the file has attn_k_b / attn_v_b (key_length_mla present) rather than the legacy attn_kv_b
+        self.split_kv_b = self.gguf.arch_get("attention.key_length_mla") is not None
+        if self.split_kv_b:
+            self.head_k = self.meta_int("attention.key_length_mla", required=True)
+            self.head_v = self.meta_int("attention.value_length_mla", required=True)
+        else:
+            self.head_k = self.meta_int("attention.key_length", required=True)
+            self.head_v = self.meta_int("attention.value_length", required=True)
+        self.n_nope = self.head_k - self.n_rot
+        self.n_dense = self.meta_int("leading_dense_block_count", 0, minimum=0)
+        self.n_ff_exp = self.meta_int("expert_feed_forward_length", required=True)
+        self.n_shared = self.meta_int("expert_shared_count", required=True, minimum=0)
+        self.refuse_unsupported()
+        self.read_routing_keys()
+        self.read_rope_scaling()
+        self.check_shapes()
+        if opts.metadata_only:
+            return
+        self.rope = Rope(self.inv_freq(), scale=self.rope_scale, interleaved=True)
+        self.embd = self.lookup_table("token_embd.weight")
+        self.n_vocab = self.embd.shape[0]
+        self.out_norm = self.norm("output_norm.weight")
+        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
+        self.blocks = []
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            b = {"attn_norm": self.norm(p + "attn_norm.weight"), "kv_a": self.weight(p + "attn_kv_a_mqa.weight"),
+                 "kv_a_norm": self.norm(p + "attn_kv_a_norm.weight"), "o": self.weight(p + "attn_output.weight"),
+                 "ffn_norm": self.norm(p + "ffn_norm.weight")}
+            if self.q_rank:
+                b.update(q_a=self.weight(p + "attn_q_a.weight"), q_a_norm=self.norm(p + "attn_q_a_norm.weight"),
+                         q_b=self.weight(p + "attn_q_b.weight"))
+            else:
+                b["q"] = self.weight(p + "attn_q.weight")
+            b["w_kb"], b["w_vb"] = self.up_projections(p)
+            if i < self.n_dense:
+                b.update(gate=self.weight(p + "ffn_gate.weight"), up=self.weight(p + "ffn_up.weight"),
+                         down=self.weight(p + "ffn_down.weight"))
+            else:
+                bias = p + "exp_probs_b.bias"
+                b.update(router=self.weight(p + "ffn_gate_inp.weight"),
+                         score_bias=self.norm(bias) if self.has(bias) else None,
+                         moe=MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton))
+                if self.n_shared:
+                    b.update(sh_gate=self.weight(p + "ffn_gate_shexp.weight"),
+                             sh_up=self.weight(p + "ffn_up_shexp.weight"),
+                             sh_down=self.weight(p + "ffn_down_shexp.weight"))
+            self.blocks.append(b)
+
+    # --- metadata ---------------------------------------------------------------------------------------------
+    def refuse_unsupported(self) -> None:
+        """GGUFError (one line) for what the module docstring lists as refused."""
+        path, d = self.gguf.path, self.meta_desc
+        temp = self.gguf.arch_get("attention.temperature_scale")
+        if temp:
+            raise GGUFError(f"{path}: metadata {d(attention__temperature_scale=temp)} asks for attention "
+                            f"temperature scaling, which moestream does not compute for deepseek2")
+        for name in self.gguf.tensors:
+            if name.startswith("blk.") and name.endswith((".attn_q_a.bias", ".attn_kv_a_mqa.bias", ".attn_q.bias")):
+                raise GGUFError(f"{path}: tensor {name}: attention biases are not computed for deepseek2")
+
+    def read_routing_keys(self) -> None:
+        """The routing keys, with the defaults of the module docstring."""
+        g, path, d = self.gguf.arch_get, self.gguf.path, self.meta_desc
+        gating = g("expert_gating_func", GATING_NONE)
+        if isinstance(gating, bool) or not isinstance(gating, int) or gating not in (GATING_NONE, GATING_SOFTMAX,
+                                                                                      GATING_SIGMOID):
+            raise GGUFError(f"{path}: metadata {d(expert_gating_func=gating)} is neither softmax ({GATING_SOFTMAX}) "
+                            f"nor sigmoid ({GATING_SIGMOID}); moestream computes deepseek2 routing with those only")
+        if gating == GATING_NONE:  # absent: sigmoid where the selection bias exists (see the module docstring)
+            has_bias = any(n.startswith("blk.") and n.endswith(".exp_probs_b.bias") for n in self.gguf.tensors)
+            gating = GATING_SIGMOID if has_bias else GATING_SOFTMAX
+        #: "sigmoid" or "softmax"
+        self.gating = "sigmoid" if gating == GATING_SIGMOID else "softmax"
+        norm_w = g("expert_weights_norm", False)
+        if not isinstance(norm_w, bool):
+            raise GGUFError(f"{path}: metadata key {self._key('expert_weights_norm')} must be a bool, got {norm_w!r}")
+        self.norm_topk = norm_w
+        scale = self.meta_float("expert_weights_scale", 0.0, allow_zero=True)
+        #: routed_scaling_factor (absent or 0.0: no scaling, as llama.cpp)
+        self.routed_scale = scale if scale != 0.0 else 1.0
+        self.n_group = self.meta_int("expert_group_count", 0, minimum=0)
+        self.topk_group = self.meta_int("expert_group_used_count", 0, minimum=0)
+        if self.n_group > 1:
+            groups = d(expert_group_count=self.n_group)
+            if self.n_experts % self.n_group or self.n_experts // self.n_group < 2:
+                raise GGUFError(f"{path}: metadata {groups} does not divide {d(expert_count=self.n_experts)} into "
+                                f"groups of at least two experts")
+            if not 0 < self.topk_group < self.n_group:
+                raise GGUFError(f"{path}: metadata {d(expert_group_used_count=self.topk_group)} must be at least 1 "
+                                f"and less than {groups} (as llama.cpp requires)")
+        else:
+            self.n_group = self.topk_group = 1
+
+    def read_rope_scaling(self) -> None:
+        """``self.yarn`` (None, or MoEModel.rope_scaling's :class:`RopeScaling`), ``self.rope_scale`` (the cos/sin
+        factor) and ``self.kq_scale`` (module docstring)."""
+        path, d = self.gguf.path, self.meta_desc
+        self.yarn = self.rope_scaling(("yarn",))  # None: no scaling (absent, none, or factor 1)
+        self.kq_scale = 1.0 / math.sqrt(self.head_k)
+        self.rope_scale = 1.0
+        if self.yarn is None:
+            return
+        if self.yarn.attn_factor != 1.0:
+            raise GGUFError(f"{path}: metadata {d(rope__scaling__attn_factor=self.yarn.attn_factor)} is not "
+                            f"computed for deepseek2 (only 1.0)")
+        if self.yarn.log_multiplier == 0.0:
+            raise GGUFError(f"{path}: yarn rope scaling without metadata key "
+                            f"{self._key('rope.scaling.yarn_log_multiplier')} (mscale_all_dim): llama.cpp and "
+                            f"transformers scale its attention differently; moestream refuses it")
+        mscale_all_dim = self.yarn.log_multiplier / 0.1  # the converter writes 0.1 x mscale_all_dim
+        # llama.cpp's deepseek2 takes mscale = mscale_all_dim (it reads no mscale): the cos/sin factor is 1
+        self.rope_scale = yarn_attention_factor(self.yarn.factor, mscale_all_dim, mscale_all_dim)
+        m = 0.1 * mscale_all_dim * math.log(self.yarn.factor) + 1.0  # factor > 1 here
+        self.kq_scale = m * m / math.sqrt(self.head_k)
+
+    def inv_freq(self) -> torch.Tensor:
+        """float32 [n_rot/2]: plain RoPE, or YaRN's (:func:`layers.yarn_inv_freq`)."""
+        if self.yarn is None:
+            return rope_inv_freq(self.rope_base, self.n_rot, self.device)
+        y = self.yarn
+        return yarn_inv_freq(self.rope_base, self.n_rot, y.factor, y.orig_ctx, y.beta_fast, y.beta_slow,
+                             device=self.device)
+
+    def check_shapes(self) -> None:
+        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read:
+        every trunk tensor the forward pass reads."""
+        d, path = self.meta_desc, self.gguf.path
+        n_embd, n_head, hk, hv, r, rot = self.n_embd, self.n_head, self.head_k, self.head_v, self.kv_rank, self.n_rot
+        k_key = "attention.key_length_mla" if self.split_kv_b else "attention.key_length"
+        v_key = "attention.value_length_mla" if self.split_kv_b else "attention.value_length"
+        k_desc = f"{self._key(k_key)}={hk}, {d(rope__dimension_count=rot)}"
+        if rot % 2 or self.n_nope < 1:
+            raise GGUFError(f"{path}: metadata {k_desc}: rope.dimension_count must be even and less than the key "
+                            f"length")
+        if self.split_kv_b:
+            want_k = self.meta_int("attention.key_length", r + rot)
+            want_v = self.meta_int("attention.value_length", r)
+            if (want_k, want_v) != (r + rot, r):
+                raise GGUFError(f"{path}: metadata {d(attention__key_length=want_k, attention__value_length=want_v)} "
+                                f"but MLA needs kv_lora_rank + rope = {r + rot} and kv_lora_rank = {r} "
+                                f"({d(attention__kv_lora_rank=r)})")
+        if self.n_dense > self.n_layers:
+            raise GGUFError(f"{path}: metadata {d(leading_dense_block_count=self.n_dense)} is more than the "
+                            f"{self.n_layers} trunk layers")
+        emb = d(embedding_length=n_embd)
+        self.check_common_shapes(n_embd, emb)
+        q_desc = f"{d(attention__head_count=n_head)} x {k_desc}"
+        v_desc = f"{d(attention__head_count=n_head)} x {self._key(v_key)}={hv}"
+        r_desc = d(attention__kv_lora_rank=r)
+        qr_desc = d(attention__q_lora_rank=self.q_rank)
+        exp_desc = d(expert_feed_forward_length=self.n_ff_exp)
+        sh_desc = f"{exp_desc} x {d(expert_shared_count=self.n_shared)}, {emb}"
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
+            if self.q_rank:
+                self.expect_shape(p + "attn_q_a.weight", (self.q_rank, n_embd), f"{qr_desc}, {emb}")
+                self.expect_shape(p + "attn_q_a_norm.weight", (self.q_rank,), qr_desc)
+                self.expect_shape(p + "attn_q_b.weight", (n_head * hk, self.q_rank), f"{q_desc}, {qr_desc}")
+            else:
+                if self.has(p + "attn_q_a.weight"):
+                    raise GGUFError(f"{path}: tensor {p}attn_q_a.weight exists but metadata key "
+                                    f"{self._key('attention.q_lora_rank')} is absent or 0")
+                self.expect_shape(p + "attn_q.weight", (n_head * hk, n_embd), f"{q_desc}, {emb}")
+            self.expect_shape(p + "attn_kv_a_mqa.weight", (r + rot, n_embd),
+                              f"{r_desc} + {d(rope__dimension_count=rot)}, {emb}")
+            self.expect_shape(p + "attn_kv_a_norm.weight", (r,), r_desc)
+            if self.split_kv_b:
+                self.expect_shape(p + "attn_k_b.weight", (n_head, r, self.n_nope), f"{q_desc}, {r_desc}")
+                self.expect_shape(p + "attn_v_b.weight", (n_head, hv, r), f"{v_desc}, {r_desc}")
+            else:
+                self.expect_shape(p + "attn_kv_b.weight", (n_head * (self.n_nope + hv), r),
+                                  f"{q_desc}, {v_desc}, {r_desc}")
+            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hv), f"{v_desc}, {emb}")
+            self.expect_shape(p + "ffn_norm.weight", (n_embd,), emb)
+            if i < self.n_dense:
+                if i in self.layout:
+                    raise GGUFError(f"{path}: layer {i} has routed experts but the metadata "
+                                    f"({d(leading_dense_block_count=self.n_dense)}) makes it a dense layer")
+                n_ff = self.gguf.tensor_info(p + "ffn_gate.weight").shape[0]
+                ff = emb + f" and ffn_gate's {n_ff} rows"
+                self.expect_shape(p + "ffn_gate.weight", (n_ff, n_embd), ff)
+                self.expect_shape(p + "ffn_up.weight", (n_ff, n_embd), ff)
+                self.expect_shape(p + "ffn_down.weight", (n_embd, n_ff), ff)
+                continue
+            if i not in self.layout:
+                raise GGUFError(f"{path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps) but the metadata "
+                                f"({d(leading_dense_block_count=self.n_dense)}) makes it an MoE layer")
+            self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
+                              d(expert_count=self.n_experts, embedding_length=n_embd))
+            if self.has(p + "exp_probs_b.bias"):
+                self.expect_shape(p + "exp_probs_b.bias", (self.n_experts,), d(expert_count=self.n_experts))
+            for name, m in self.layout[i].items():
+                rows = m.cols if name == "down" else (m.rows // 2 if name == "gate_up" else m.rows)
+                if rows != self.n_ff_exp:
+                    raise GGUFError(f"{path}: tensor blk.{i}.ffn_{name}_exps.weight has experts of width {rows} but "
+                                    f"the metadata ({exp_desc}) implies {self.n_ff_exp}")
+            if self.n_shared:
+                n_sh = self.n_ff_exp * self.n_shared
+                self.expect_shape(p + "ffn_gate_shexp.weight", (n_sh, n_embd), sh_desc)
+                self.expect_shape(p + "ffn_up_shexp.weight", (n_sh, n_embd), sh_desc)
+                self.expect_shape(p + "ffn_down_shexp.weight", (n_embd, n_sh), sh_desc)
+
+    def up_projections(self, p: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``p``'s up-projections as float32: W_kb [H, nope, r] (transformers' kv_b_proj rows of k_nope, per
+        head; the file's attn_k_b [H, r, nope] transposed back) and W_vb [H, dv, r] (attn_v_b), or both split from
+        the legacy attn_kv_b [H x (nope + dv), r]."""
+        def dense(name: str) -> torch.Tensor:
+            w = self.weight(name)
+            t = w.float()
+            self.dense_bytes += t.numel() * 4 - w.nbytes
+            return t
+
+        if self.split_kv_b:
+            return (dense(p + "attn_k_b.weight").transpose(1, 2).contiguous(),
+                    dense(p + "attn_v_b.weight").contiguous())
+        kv_b = dense(p + "attn_kv_b.weight").view(self.n_head, self.n_nope + self.head_v, self.kv_rank)
+        return kv_b[:, :self.n_nope].contiguous(), kv_b[:, self.n_nope:].contiguous()
+
+    # --- compute ----------------------------------------------------------------------------------------------
+    def new_cache(self, n_ctx: int) -> KVCache:
+        """Per layer ``k``: [n_ctx, 1, r + rope] = [c | rope(k_pe)] (the values are its first r dims)."""
+        return KVCache(self.n_layers, n_ctx, 1, self.kv_rank + self.n_rot, 0, self.device)
+
+    def cache_bytes(self, n_ctx: int) -> int:
+        return 4 * self.n_layers * n_ctx * (self.kv_rank + self.n_rot)
+
+    def route(self, b: dict, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits: [T, n_experts] float32 of MoE block ``b`` -> (ids [T, top_k] int64, weights [T, top_k]
+        float32): the gating scores, then :func:`routing.group_topk` with the block's bias and the file's keys."""
+        if self.gating == "sigmoid":
+            scores = elementwise(torch.sigmoid, router_logits)
+        else:
+            scores = torch.softmax(router_logits, dim=-1)
+        return group_topk(scores, self.top_k, bias=b["score_bias"], n_group=self.n_group,
+                          topk_group=self.topk_group, norm=self.norm_topk, scale=self.routed_scale)
+
+    def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.route(b, b["router"].linear(h))
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks[layer]
+        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
+
+    @staticmethod
+    def _swiglu(gate, up, down, h: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - Weight
+        return down.linear(elementwise(F.silu, gate.linear(h)) * up.linear(h))
+
+    def _attention(self, i: int, b: dict, h: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        """MLA, absorbed (module docstring): h [T, hidden] normed -> [T, hidden]; fills layer i's cache rows."""
+        n_tok, r, nope = h.shape[0], self.kv_rank, self.n_nope
+        end = start + n_tok
+        if self.q_rank:
+            q = b["q_b"].linear(rms_norm(b["q_a"].linear(h), b["q_a_norm"], self.eps))
+        else:
+            q = b["q"].linear(h)
+        q = q.view(n_tok, self.n_head, self.head_k)
+        kv = b["kv_a"].linear(h)  # [T, r + rope]
+        rows = cache.k[i][start:end]  # [T, 1, r + rope]
+        rows[:, 0, :r] = rms_norm(kv[:, :r], b["kv_a_norm"], self.eps)
+        self.rope(kv[:, None, r:], start, out=rows[:, :, r:])
+        q_abs = torch.matmul(q[..., :nope].transpose(0, 1), b["w_kb"])  # [H, T, r]: W_kb[h]^T q_nope
+        qq = torch.cat((q_abs.transpose(0, 1), self.rope(q[..., nope:], start)), dim=-1)  # [T, H, r + rope]
+        keys = cache.k[i][:end]
+        a = attention(qq, keys, keys[..., :r], start, self.kq_scale)  # [T, H * r]
+        out = torch.matmul(a.view(n_tok, self.n_head, r).transpose(0, 1), b["w_vb"].transpose(1, 2))  # [H, T, dv]
+        return b["o"].linear(out.transpose(0, 1).reshape(n_tok, self.n_head * self.head_v))
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
+        """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
+        n_tok = tokens.shape[0]
+        if start + n_tok > cache.n_ctx:
+            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
+        x = self.embd.rows_of(tokens)  # [T, hidden]
+        for i, b in enumerate(self.blocks):
+            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
+            x = x + self._attention(i, b, rms_norm(x, b["attn_norm"], self.eps), start, cache)
+            h = rms_norm(x, b["ffn_norm"], self.eps)
+            if "moe" not in b:  # a leading dense layer
+                x = x + self._swiglu(b["gate"], b["up"], b["down"], h)
+                continue
+            ids, w = self.gate(b, h)
+            shared = None
+            if self.n_shared:
+                def shared(hs: torch.Tensor, b: dict = b) -> torch.Tensor:
+                    """The shared experts of block b on hs [T, hidden] -> [T, hidden] (no gate)."""
+                    return self._swiglu(b["sh_gate"], b["sh_up"], b["sh_down"], hs)
+
+            routed, sh = b["moe"](h, ids, w, shared=shared, overlap=self.opts.overlap)
+            x = x + routed if sh is None else x + routed + sh
+        if not logits_all:
+            x = x[-1:]
+        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
