@@ -184,3 +184,19 @@ def test_top_p_zero_keeps_the_top_token(model_path):
 ])
 def test_bad_bench_options(model_path, args, needle):
     assert_one_line_error(moestream("bench", "-m", model_path, "-p", "4", "-n", "2", "-r", "1", *args), needle)
+
+
+def test_rope_scaling_refused_where_not_computed(tmp_path, model_path):
+    """A family that computes no RoPE scaling refuses a file that asks for it (YaRN here) instead of rotating
+    with the unscaled angles; a factor of 1 (any kind) is no scaling and loads."""
+    from gguf import GGUFValueType
+    path = tmp_path / "yarn.gguf"
+    rewrite(model_path, path, add_kv={"qwen3moe.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+                                      "qwen3moe.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+                                      "qwen3moe.rope.scaling.original_context_length": (256, GGUFValueType.UINT32)})
+    p = moestream("inspect", "-m", str(path))
+    assert_one_line_error(p, str(path), "qwen3moe.rope.scaling.type=yarn", "does not compute for qwen3moe")
+    one = tmp_path / "yarn1.gguf"
+    rewrite(model_path, one, add_kv={"qwen3moe.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+                                     "qwen3moe.rope.scaling.factor": (1.0, GGUFValueType.FLOAT32)})
+    load_model(str(one), LoadOptions(metadata_only=True))

@@ -137,6 +137,22 @@ def resolve_device(name: str) -> str:
     raise ConfigError(f"--device: unknown device {name!r}; choose one of {', '.join(DEVICES)} (or cuda:N)")
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """A file's RoPE scaling (:meth:`MoEModel.rope_scaling`): ``kind`` (e.g. ``"yarn"``), ``factor`` (context
+    extension, >= 1), ``orig_ctx`` (the pre-training context, tokens), YaRN's ``beta_fast``/``beta_slow``
+    (rotations bounding the ramp), ``log_multiplier`` (llama.cpp's ``yarn_log_multiplier``: 0.1 x DeepSeek's
+    ``mscale_all_dim``) and ``attn_factor`` (``rope.scaling.attn_factor``)."""
+
+    kind: str
+    factor: float
+    orig_ctx: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    log_multiplier: float = 0.0
+    attn_factor: float = 1.0
+
+
 def default_slots(n_experts: int, top_k: int) -> int:
     """Default pool size: a quarter of the experts, at least top-k."""
     return max(top_k, n_experts // 4)
@@ -231,6 +247,39 @@ class MoEModel:
             raise GGUFError(f"{self.gguf.path}: metadata key {self._key(suffix)} is {int(v)}, which must be at "
                             f"least {minimum}")
         return int(v)
+
+    def rope_scaling(self, supported: Sequence[str] = ("none",)) -> RopeScaling | None:
+        """The file's RoPE scaling keys (``{arch}.rope.scaling.*``), with llama.cpp's defaults for absent ones
+        (``llama_model_loader`` / ``llama_hparams``): type ``none`` when absent; ``factor`` absent or 0 = 1;
+        ``original_context_length`` absent = ``context_length``; ``yarn_beta_fast`` 32, ``yarn_beta_slow`` 1,
+        ``yarn_log_multiplier`` 0 and ``attn_factor`` 1 when absent.
+
+        Returns None for type ``none`` or a factor of 1 (no scaling), else a :class:`RopeScaling`. GGUFError
+        naming the key for a type not in ``supported`` (a family computes only what it lists: anything else
+        would silently rotate with the wrong angles) or a value out of range."""
+        kind = self.gguf.arch_get("rope.scaling.type", "none")
+        if not isinstance(kind, str):
+            raise GGUFError(f"{self.gguf.path}: metadata key {self._key('rope.scaling.type')} must be a string, "
+                            f"got {kind!r}")
+        if kind == "none":
+            return None
+        factor = self.meta_float("rope.scaling.factor", 0.0, allow_zero=True) or 1.0
+        if factor == 1.0:  # every kind of scaling leaves the angles (and YaRN's magnitude) as they are
+            return None
+        if kind not in supported:
+            known = ", ".join(supported)
+            raise GGUFError(f"{self.gguf.path}: metadata {self.meta_desc(rope__scaling__type=kind)} asks for RoPE "
+                            f"scaling that moestream does not compute for {self.gguf.arch} (it computes: {known})")
+        if factor < 1.0:
+            raise GGUFError(f"{self.gguf.path}: metadata {self.meta_desc(rope__scaling__factor=factor)} is below 1 "
+                            f"(a context shrink, which moestream does not compute)")
+        return RopeScaling(
+            kind=kind, factor=factor,
+            orig_ctx=self.meta_int("rope.scaling.original_context_length", self.meta_int("context_length", 4096)),
+            beta_fast=self.meta_float("rope.scaling.yarn_beta_fast", 32.0),
+            beta_slow=self.meta_float("rope.scaling.yarn_beta_slow", 1.0),
+            log_multiplier=self.meta_float("rope.scaling.yarn_log_multiplier", 0.0, allow_zero=True),
+            attn_factor=self.meta_float("rope.scaling.attn_factor", 1.0))
 
     def meta_desc(self, **values: Any) -> str:
         """``"qwen3moe.attention.head_count=4, ..."`` for error messages; keyword ``a__b`` is key ``a.b``."""

@@ -72,6 +72,7 @@ class Gemma4(MoEModel):
         self.ple_dim = self.meta_int("embedding_length_per_layer_input", 0, minimum=0)
         base_full = self.meta_float("rope.freq_base", 10000.0)
         base_swa = self.meta_float("rope.freq_base_swa", base_full)
+        self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         n_rot_full = self.meta_int("rope.dimension_count", d_full)
         n_rot_swa = self.meta_int("rope.dimension_count_swa", d_swa)
         for key, n_rot, hd, hd_key in (("rope.dimension_count", n_rot_full, d_full, "attention.key_length"),

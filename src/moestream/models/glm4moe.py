@@ -77,6 +77,7 @@ class Glm4MoE(MoEModel):
         self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", required=True)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         self.n_dense = self.meta_int("leading_dense_block_count", 0, minimum=0)
         self.read_routing_keys()
         self.n_ff_exp = self.expert_width()

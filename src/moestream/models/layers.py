@@ -118,6 +118,48 @@ def rope_inv_freq(base: float, n_rot: int, device: torch.device | str = "cpu") -
     return 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.int64, device=device).float() / n_rot))
 
 
+def yarn_inv_freq(base: float, n_rot: int, factor: float, orig_ctx: int, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """YaRN inverse frequencies (Peng et al. 2023, arXiv:2309.00071): float32 [n_rot/2].
+
+    Per pair i: ``theta_i = base^(-2i/n_rot)`` (extrapolated, unscaled) and ``theta_i / factor`` (interpolated),
+    mixed by a ramp over the pair index that is 1 (pure extrapolation) below ``low`` and 0 (pure interpolation)
+    above ``high``, linear between; ``low``/``high`` are the pair indices that turn ``beta_fast`` and
+    ``beta_slow`` times in ``orig_ctx`` positions, floored and ceiled (the "truncated" correction range:
+    llama.cpp's ggml_rope_yarn_corr_dims, transformers' ``truncate=True``, the only form a GGUF can give).
+    The float32 arithmetic follows transformers' ``_compute_yarn_parameters`` step by step, so the angles are
+    the same bits. The cos/sin magnitude factor is separate (:func:`yarn_attention_factor`, ``Rope(scale=)``).
+    ValueError unless factor >= 1, orig_ctx >= 1 and n_rot is even.
+    """
+    if factor < 1.0 or orig_ctx < 1 or n_rot % 2:
+        raise ValueError(f"YaRN needs factor >= 1, an original context >= 1 and an even n_rot; got factor {factor}, "
+                         f"original context {orig_ctx}, n_rot {n_rot}")
+
+    def corr_dim(n_turns: float) -> float:  # the pair index whose wavelength turns n_turns times in orig_ctx
+        return (n_rot * math.log(orig_ctx / (n_turns * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), n_rot - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp (transformers' guard)
+    ramp = torch.clamp((torch.arange(n_rot // 2, dtype=torch.float32) - low) / (high - low), 0, 1).to(device)
+    pos_freqs = base ** (torch.arange(0, n_rot, 2, device=device).float() / n_rot)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_attention_factor(factor: float, mscale: float = 0.0, mscale_all_dim: float = 0.0) -> float:
+    """YaRN's cos/sin magnitude factor: ``0.1 ln(factor) + 1`` (1.0 for factor <= 1); with ``mscale`` and
+    ``mscale_all_dim`` both non-zero (DeepSeek's configs), ``m(factor, mscale) / m(factor, mscale_all_dim)`` with
+    ``m(s, a) = 0.1 a ln(s) + 1`` (transformers' ``_compute_yarn_parameters``, its ``get_mscale``)."""
+    def m(scale: float, a: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * a * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return float(m(factor, mscale) / m(factor, mscale_all_dim))
+    return m(factor)
+
+
 class Rope:
     """Rotary embedding, NEOX style (rotate halves), with its cos/sin tables kept for the positions reached.
 
@@ -130,10 +172,14 @@ class Rope:
     The tables are computed in fixed blocks of ``block`` positions (at most 16384 angles, below torch's
     parallel grain size), each block on its own: a position's cos/sin are the same bits whatever the order the
     positions were reached in and whatever the thread count.
+
+    scale: cos and sin are multiplied by it (YaRN's attention factor, :func:`yarn_attention_factor`; transformers'
+    ``attention_scaling``); 1.0 multiplies nothing.
     """
 
-    def __init__(self, inv_freq: torch.Tensor):
+    def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0):
         self.inv_freq = inv_freq
+        self.scale = float(scale)
         self.n_rot = 2 * inv_freq.shape[0]
         self.block = max(1, 16384 // max(inv_freq.shape[0], 1))
         self.cos = inv_freq.new_empty((0, self.n_rot))
@@ -151,6 +197,8 @@ class Rope:
             pos = torch.arange(b0, b0 + self.block, dtype=torch.int64, device=self.inv_freq.device)
             ang = pos.float()[:, None] * self.inv_freq[None, :]  # [block, n_rot/2]
             c, s = ang.cos(), ang.sin()
+            if self.scale != 1.0:
+                c, s = c * self.scale, s * self.scale
             cos.append(torch.cat((c, c), dim=-1))
             sin.append(torch.cat((-s, s), dim=-1))
         self.cos, self.sin = torch.cat(cos), torch.cat(sin)

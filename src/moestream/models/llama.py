@@ -47,6 +47,7 @@ class Mixtral(MoEModel):
         # llama.cpp requires this key for llama files; the default is Mixtral-8x7B's published rms_norm_eps
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-5)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         self.check_shapes()
         if opts.metadata_only:
             return

@@ -38,6 +38,7 @@ class Olmoe(MoEModel):
         self.head_dim_v = self.meta_int("attention.value_length", self.head_dim)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-5)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         norm_w = self.gguf.arch_get("expert_weights_norm", False)
         if not isinstance(norm_w, bool):
             raise GGUFError(f"{self.gguf.path}: metadata key {self._key('expert_weights_norm')} must be a bool, "

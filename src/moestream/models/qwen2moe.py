@@ -47,6 +47,7 @@ class Qwen2MoE(MoEModel):
         self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         self.n_ff_exp = self.expert_widths()
         self.check_shapes()
         #: the shared expert's width (rows of ffn_gate_shexp, equal to the key where the file has it)

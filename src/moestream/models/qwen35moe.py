@@ -145,6 +145,7 @@ class Qwen35MoE(MoEModel):
         self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         self.conv_kernel = self.meta_int("ssm.conv_kernel", required=True)
         self.d_k = self.meta_int("ssm.state_size", required=True)
         self.n_k_heads = self.meta_int("ssm.group_count", required=True)

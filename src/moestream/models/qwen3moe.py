@@ -45,6 +45,7 @@ class Qwen3MoE(MoEModel):
         self.head_dim_v = self.meta_int("attention.value_length", self.head_dim)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         self.check_shapes()
         if opts.metadata_only:
             return
