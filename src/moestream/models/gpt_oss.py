@@ -43,9 +43,8 @@ import torch
 
 from ..errors import GGUFError
 from ..experts.moe import ClampedSwiGLU, MoE
-from . import layers
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, rms_norm, rope_inv_freq
+from .layers import KVCache, Rope, attention, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
 
 #: transformers' ``swiglu_alpha`` / ``swiglu_limit`` of the published configs; llama.cpp's constants
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
@@ -119,8 +118,8 @@ class GptOss(MoEModel):
         s = self.scaling
         if s is None:
             return Rope(rope_inv_freq(base, self.n_rot, self.device))
-        inv = layers.yarn_inv_freq(base, self.n_rot, s.factor, s.orig_ctx, s.beta_fast, s.beta_slow, self.device)
-        return Rope(inv, scale=layers.yarn_attention_factor(s.factor) * s.attn_factor)
+        inv = yarn_inv_freq(base, self.n_rot, s.factor, s.orig_ctx, s.beta_fast, s.beta_slow, self.device)
+        return Rope(inv, scale=yarn_attention_factor(s.factor) * s.attn_factor)
 
     def check_shapes(self) -> None:
         """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is
