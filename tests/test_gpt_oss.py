@@ -7,6 +7,14 @@ GGUF describes, see the fixture's docstring), 32 experts top-4 of width 256 with
 reached by some activations), router with bias, softmax over the top-k logits. F32 from llama.cpp's converter,
 MXFP4_MOE (MXFP4 experts, Q8_0 dense) from llama.cpp's quantizer.
 
+Tolerances. transformers: the project's 1e-4. llama.cpp: 1e-3, because llama.cpp itself differs from transformers
+by more than 1e-4 on this file, growing with the position (measured 2026-12-02 over a 280-token prompt: llama.cpp vs
+transformers 6.3e-5 at positions 0-31, 1.0e-4 at 32-63, 4.3e-4 at 224-255; moestream vs transformers 3.6e-5 to
+5.9e-5 at every position). The likely cause, read in ggml-cpu's ``ggml_rope_cache_init`` and not verified: ggml
+computes each pair's angle as ``pos * theta_scale^i`` by repeated float32 multiplication (one rounding per pair
+index), where transformers and moestream multiply the position by a precomputed inverse frequency; the angle error
+grows with the position. FIELD-NOTES' 9e-5 (gpt-oss with truncate true) was over a shorter prompt.
+
 Biases indexed by real expert id: the streaming tests (``test_std_f32_matches_transformers[stream]`` through a
 pool of top-k + 2 slots, ``test_std_verify_identical`` at top-k slots, ``test_std_slot_ids_differ_from_expert_ids``
 showing slots != ids) would fail if a bias were read by slot id: the expert in slot s is not expert s, so its bias
@@ -18,17 +26,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGUFValueType
 
 from family import PROMPT, Family, standard_tests
 from ggufedit import rewrite
-from helpers import expert_slots, hf_logits, llama_model
+from helpers import expert_slots, hf_logits
 from moestream.errors import GGUFError
 from moestream.experts.moe import ClampedSwiGLU
 from moestream.models.base import LoadOptions, load_model
 from moestream.tokenizer import GGUFTokenizer
 
 FAM = Family(fixture="gpt-oss-tiny", arch="gpt-oss", hf_class="GptOssForCausalLM", top_k=4, n_experts=32,
-             n_layers=4, moe_layers=4, quant="mxfp4_moe", llama_tol=1e-4)
+             n_layers=4, moe_layers=4, quant="mxfp4_moe", llama_tol=1e-3)
 standard_tests(globals(), FAM)
 
 TOL = 1e-4
@@ -44,7 +53,7 @@ def _ours(path, ids, **opts) -> torch.Tensor:  # noqa: ANN001
 
 
 def _long_prompt(path) -> list[int]:  # noqa: ANN001
-    """A prompt of more than 2 x the sliding window (128) tokens."""
+    """A prompt of more than 2 x the sliding window (128) tokens (264 with the fixture's tokenizer)."""
     ids = GGUFTokenizer.from_gguf(str(path)).encode(" ".join([PROMPT] * 8))
     assert len(ids) > 260
     return ids[:280]
@@ -66,7 +75,7 @@ def test_rope_is_transformers_yarn(fam_files, fam_hf):
 
 
 def test_long_prompt_sliding_window_and_sinks(fam_files, fam_hf):
-    """280 tokens (past 2 x the window): logits within 1e-4 of transformers at every position; the window and
+    """264 tokens (past 2 x the window): logits within 1e-4 of transformers at every position; the window and
     the sinks each matter on this file (dropping either moves the logits by more than 1e-2)."""
     ids = _long_prompt(fam_files["f32"])
     ref = hf_logits(fam_hf, ids)
@@ -87,7 +96,8 @@ def test_long_prompt_sliding_window_and_sinks(fam_files, fam_hf):
         no_sinks = run()
     finally:
         model.store.close()
-    assert (no_window[:128] - got[:128]).abs().max().item() == 0  # the window cuts nothing before position 128
+    # the window cuts nothing before position 128 (equal up to the rounding of expert matmuls over other row counts)
+    assert (no_window[:128] - got[:128]).abs().max().item() < 1e-4
     assert (no_window[128:] - got[128:]).abs().max().item() > 1e-2
     assert (no_sinks - got).abs().max().item() > 1e-2
 
@@ -103,7 +113,8 @@ def test_decode_past_window_equals_prefill(fam_files):
         steps = torch.cat([model.forward(torch.tensor([t]), 120 + j, cache) for j, t in enumerate(ids[120:])])
     finally:
         model.store.close()
-    assert (steps - full[120:]).abs().max().item() < 1e-4
+    # float32 sums over other shapes (one query vs 160): 1.06e-4 measured; a wrong window moves logits by > 1e-2
+    assert (steps - full[120:]).abs().max().item() < 5e-4
 
 
 def test_clamp_reached(fam_files, monkeypatch):
@@ -195,9 +206,12 @@ def test_harmony_template_matches_transformers(fam_files):
 # ------------------------------------------------------------------------------------------------ llama.cpp
 @pytest.mark.llamacpp
 def test_long_prompt_matches_llama_cpp(llama_cpp, fam_files):
-    """llama.cpp (f32 KV, flash attention off) over the 280-token prompt: logits within the family's bound."""
+    """llama.cpp (f32 KV, flash attention off) over the 264-token prompt: logits within the family's bound."""
     ids = _long_prompt(fam_files["f32"])
-    llm = llama_model(llama_cpp, fam_files["f32"])
+    llm = llama_cpp.Llama(  # helpers.llama_model's settings with a context that holds the prompt
+        model_path=str(fam_files["f32"]), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, n_threads_batch=2,
+        logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False,
+        seed=0, verbose=False)
     try:
         llm.eval(ids)
         ref = np.array(llm.scores[:len(ids)], dtype=np.float32)
@@ -218,7 +232,8 @@ def test_long_prompt_matches_llama_cpp(llama_cpp, fam_files):
     ({"set_kv": {"gpt-oss.expert_feed_forward_length": 512}},
      r"ffn_\w+_exps\.weight has experts of width 256 but .*expert_feed_forward_length=512"),
     ({"set_kv": {"gpt-oss.attention.key_length": 32}}, r"differ: partial rotary|tensor blk\.0\.attn_q\.weight"),
-    ({"set_kv": {"gpt-oss.rope.dimension_count": 32}}, r"rope\.dimension_count=32.*partial rotary"),
+    ({"add_kv": {"gpt-oss.rope.dimension_count": (32, GGUFValueType.UINT32)}},
+     r"rope\.dimension_count=32.*partial rotary"),
     ({"set_kv": {"gpt-oss.rope.scaling.type": "linear"}}, r"rope\.scaling\.type=linear asks for RoPE scaling"),
     ({"set_kv": {"gpt-oss.attention.head_count": 4}}, r"tensor blk\.0\.attn_q\.weight has shape"),
     ({"drop_tensors": ("blk.1.attn_sinks.weight",)}, r"blk\.1\.attn_sinks\.weight"),
