@@ -29,6 +29,26 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 swiglu.kernel_act = kernels.ACT_SILU  # type: ignore[attr-defined]  # the C kernels' code for it
 
 
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation (transformers' ``GptOssExperts._apply_gate``, ggml's ``swiglu_oai``):
+    ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)``.
+    float32 [n, n_ff] x2 -> [n, n_ff]; the sigmoid in fixed slices (layers.elementwise: the same bits whatever the
+    thread count). No C-kernel code (no ``kernel_act``): a layer with it computes per expert."""
+
+    def __init__(self, alpha: float, limit: float):
+        self.alpha, self.limit = float(alpha), float(limit)
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        from ..models.layers import elementwise
+
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * elementwise(torch.sigmoid, gate * self.alpha))
+
+    def __repr__(self) -> str:
+        return f"ClampedSwiGLU(alpha={self.alpha}, limit={self.limit})"
+
+
 class MoE:
     """Routed experts of one layer.
 
@@ -37,10 +57,15 @@ class MoE:
     ``act.kernel_act`` attribute names it for the C kernels. blocks: compute the experts with moestream's C
     kernels on the ggml blocks, one call per set of ready experts (kernels.moe), where they compute the
     layer's types and activation; otherwise one dequantize-then-matmul per matrix per expert.
+    bias: optional per-expert output biases that stay resident, ``{matrix: float32 [n_experts, rows]}`` for some of
+    ``gate``, ``up``, ``down`` (``gate_up`` for a merged matrix), added to that matrix's output and indexed by the
+    REAL expert id (the matmul itself addresses the pool by slot id). A layer with biases computes per expert (the
+    fused C call and the CUDA grouped launches take none).
     """
 
     def __init__(self, layer: int, layout: ExpertLayout, store_of: Callable[[], ExpertStore],
-                 act: Activation = swiglu, blocks: bool = False, gpu: bool = False):
+                 act: Activation = swiglu, blocks: bool = False, gpu: bool = False,
+                 bias: dict[str, torch.Tensor] | None = None):
         self.layer = layer
         self.mats = layout[layer]
         self.store_of = store_of
@@ -49,16 +74,24 @@ class MoE:
         m = self.mats
         gate, up, down = (m["gate_up"], m["gate_up"], m["down"]) if self.merged else (m["gate"], m["up"], m["down"])
         self.n_ff = gate.rows // 2 if self.merged else gate.rows
+        #: per-expert biases by matrix name, [n_experts, rows] float32, indexed by real expert id (or None)
+        self.bias = {k: v for k, v in (bias or {}).items() if v is not None} or None
+        if self.bias is not None:
+            for name, b in self.bias.items():
+                mat = m.get(name)
+                if mat is None or tuple(b.shape) != (mat.n_experts, mat.rows):
+                    raise ValueError(f"layer {layer}: bias {name} of shape {list(b.shape)} fits no expert matrix "
+                                     f"{'' if mat is None else [mat.n_experts, mat.rows]}")
         kact = getattr(act, "kernel_act", None)
         #: one C call per set of experts (types equal for gate and up, computed by the kernels, CPU)
-        self.fused = (blocks and kact is not None and gate.ggml_type == up.ggml_type
+        self.fused = (blocks and kact is not None and self.bias is None and gate.ggml_type == up.ggml_type
                       and kernels.computes(gate.ggml_type, gate.cols) and kernels.computes(down.ggml_type, down.cols))
         #: per-matrix C kernels where the layer cannot be fused (mixed gate/up types)
         self.blocks = blocks
         #: CUDA: the Triton kernels on the ggml blocks, one grouped launch per matrix (gpu/tkernels.py), where
         #: they compute every matrix's type; otherwise one dequantize-then-matmul per matrix per expert
         self.gpu = False
-        if gpu:
+        if gpu and self.bias is None:
             from ..gpu import tkernels
             self.gpu = all(tkernels.computes(mm.ggml_type, mm.cols) for mm in m.values())
         self.kernel_act = kact
@@ -158,7 +191,7 @@ class MoE:
                         tok, kk = (ids == expert).nonzero(as_tuple=True)
                         if cuda:
                             store.device_ready(self.layer)
-                        y = self._expert(store, slot_of[expert], x[tok])
+                        y = self._expert(store, slot_of[expert], x[tok], expert)
                         out[tok, kk] = y * weights[tok, kk, None]
                         if cuda:
                             store.used(self.layer)
@@ -283,15 +316,20 @@ class MoE:
         y.mul_(weights.reshape(-1)[:, None])
         return y.view(1, top_k, -1).sum(dim=1)
 
-    def _expert(self, store: ExpertStore, slot: int, xs: torch.Tensor) -> torch.Tensor:
-        """One expert's FFN on xs [n, hidden] with its matrices at ``slot`` of the store's pools."""
+    def _expert(self, store: ExpertStore, slot: int, xs: torch.Tensor, expert: int) -> torch.Tensor:
+        """One expert's FFN on xs [n, hidden] with its matrices at ``slot`` of the store's pools; its biases (if
+        any) are those of real expert id ``expert``."""
         def lin(name: str, v: torch.Tensor) -> torch.Tensor:
             m = self.mats[name]
             lead = int(store.lead(self.layer, name)[slot])
             raw = store.matrix(self.layer, name)[slot, lead:lead + m.bytes_per_expert].view(m.rows, -1)
             if self.blocks and v.device.type == "cpu" and kernels.computes(m.ggml_type, m.cols):
-                return kernels.linear(v, raw, m.ggml_type, m.cols)
-            return quant.linear(v, raw, m.ggml_type, m.cols)
+                y = kernels.linear(v, raw, m.ggml_type, m.cols)
+            else:
+                y = quant.linear(v, raw, m.ggml_type, m.cols)
+            if self.bias is not None and name in self.bias:
+                y = y + self.bias[name][expert]  # real id: the biases stay resident, never in a slot
+            return y
 
         if self.merged:
             gu = lin("gate_up", xs)

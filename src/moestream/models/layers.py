@@ -330,7 +330,7 @@ class LayerKVCache:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-              window: int | None = None) -> torch.Tensor:
+              window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of new queries over the cache, optionally limited to a sliding window.
 
     q: float32 [T, n_head, d] for positions start..start+T-1; k: [start+T, n_kv, d], v: [start+T, n_kv, d_v]
@@ -338,7 +338,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     reads KV head h // (n_head / n_kv) (transformers' repeat_kv order). Scores are q.k * scale.
     window: a query at position p sees keys at positions p - window < j <= p (transformers'
     ``sliding_window``; llama.cpp's LLAMA_SWA_TYPE_STANDARD masks p - j >= n_swa); None: every j <= p.
-    Returns float32 [T, n_head * d_v].
+    sinks: optional float32 [n_head], one learned logit per query head that joins the softmax's denominator and
+    attends to nothing (GPT-OSS: transformers' ``s_aux``, llama.cpp's ``ggml_soft_max_add_sinks``): weights
+    ``exp(s_j) / (sum_j exp(s_j) + exp(sink_h))``. Returns float32 [T, n_head * d_v].
 
     GQA without copying the cache: the queries of one KV head's group are the rows of one matrix,
     [n_kv, group * T, d], multiplied with that head's keys. A single new token (decode) sees every key it is
@@ -364,7 +366,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
         if window is not None:
             masked = masked | (qpos - kpos >= window)
         scores.view(n_kv, group, n_tok, n_keys).masked_fill_(masked, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [n_kv, group * T, d_v]
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # one more logit per row (the head's sink), dropped after the softmax
+        sink = sinks.view(n_kv, group, 1, 1).expand(n_kv, group, n_tok, 1).reshape(n_kv, group * n_tok, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :n_keys]
+    out = torch.matmul(probs, v.transpose(0, 1))  # [n_kv, group * T, d_v]
     if n_tok == 1:
         return out.view(1, -1)
     return out.view(n_kv, group, n_tok, -1).permute(2, 0, 1, 3).reshape(n_tok, -1)

@@ -1,0 +1,231 @@
+"""GPT-OSS (GGUF ``general.architecture = gpt-oss``; transformers ``GptOssForCausalLM``: gpt-oss-20b, gpt-oss-120b).
+
+Per layer, as transformers' ``modeling_gpt_oss.py`` and llama.cpp's ``src/models/openai-moe.cpp`` compute it:
+
+- ``h = RMSNorm(x)``; GQA attention with ``q = W_q h + b_q``, ``k = W_k h + b_k``, ``v = W_v h + b_v`` (biases
+  optional, present in the published models), NEOX RoPE with YaRN (``rope.scaling.*``: inverse frequencies mixed
+  between extrapolation and interpolation over the truncated correction range, cos/sin times
+  ``0.1 ln(factor) + 1`` and ``rope.scaling.attn_factor``), scale ``1/sqrt(head_dim)``, causal; sliding-window
+  layers see the last ``attention.sliding_window`` positions only; the softmax of every head has one more logit in
+  its denominator, the head's learned sink (``attn_sinks``), that attends to nothing; ``x += W_o a + b_o``.
+- ``h = RMSNorm(x)`` (``post_attention_norm``); router logits ``W_r h + b_r``; the top-k logits, softmaxed among
+  themselves (llama.cpp's SOFTMAX_WEIGHT gating), weight the experts; each expert is
+  ``W_down a + b_down`` with ``a = (u + 1) * g * sigmoid(1.702 g)``, ``g = min(W_gate h + b_gate, 7)``,
+  ``u = clamp(W_up h + b_up, -7, 7)`` (the clamped SwiGLU, experts/moe.py ``ClampedSwiGLU``; the expert biases
+  stay resident and are indexed by real expert id); ``x += sum_k w_k expert_k(h)``.
+
+Then ``RMSNorm`` and the (untied, required) output matrix.
+
+Keys, when the file lacks them (llama.cpp's ``llama_model_openai_moe::load_arch_hparams`` and the generic loader):
+
+- ``attention.layer_norm_rms_epsilon``, ``expert_feed_forward_length``, ``attention.sliding_window``: required.
+- ``attention.sliding_window_pattern``: absent = 2 (layers 0, 2, 4, ... sliding, the others full, as transformers'
+  default ``layer_types``); one integer n: layer i slides when ``n == 0`` or ``i % n < n - 1``; a list of bools:
+  per layer.
+- ``rope.freq_base``: 10000; ``rope.freq_base_swa``: the same as ``rope.freq_base``.
+- ``rope.scaling.*``: the shared reader (``MoEModel.rope_scaling``): type none or yarn (any other type is refused);
+  ``yarn_log_multiplier`` must be 0 (DeepSeek's mscale form; no GPT-OSS uses it).
+- The SwiGLU's alpha 1.702 and limit 7.0 are constants in llama.cpp (no GGUF key) and here.
+- ``expert_weights_scale`` and ``expert_gating_func`` are not read (llama.cpp does not read them for this
+  architecture either: its graph always uses SOFTMAX_WEIGHT and no scale).
+
+The truncated YaRN range is the only one a GGUF can give (FIELD-NOTES: gpt-oss-20b's published config says
+``truncate: false``, which transformers computes and llama.cpp cannot); moestream computes llama.cpp's.
+``attention.key_length`` must equal ``rope.dimension_count`` (llama.cpp's openai-moe shapes take the head dim from
+it): partial rotary is refused. No CUDA-graph decode for this family.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import GGUFError
+from ..experts.moe import ClampedSwiGLU, MoE
+from .base import LoadOptions, MoEModel, register
+from .layers import KVCache, Rope, attention, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
+
+#: transformers' ``swiglu_alpha`` / ``swiglu_limit`` of the published configs; llama.cpp's constants
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+
+
+@register("gpt-oss")
+class GptOss(MoEModel):
+    def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
+        super().__init__(gguf, opts)
+        self.n_embd = self.meta_int("embedding_length", required=True)
+        self.n_head = self.meta_int("attention.head_count", required=True)
+        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
+        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
+        self.eps = self.meta_float("attention.layer_norm_rms_epsilon", required=True)
+        self.n_ff_exp = self.meta_int("expert_feed_forward_length", required=True)
+        self.window = self.meta_int("attention.sliding_window", required=True)
+        self.is_swa = self.swa_pattern()
+        self.rope_base = self.meta_float("rope.freq_base", 10000.0)
+        self.rope_base_swa = self.meta_float("rope.freq_base_swa", self.rope_base)
+        self.scaling = self.rope_scaling(("yarn",))
+        if self.scaling is not None and self.scaling.log_multiplier:
+            raise GGUFError(f"{gguf.path}: metadata "
+                            f"{self.meta_desc(rope__scaling__yarn_log_multiplier=self.scaling.log_multiplier)} asks "
+                            f"for DeepSeek's YaRN magnitude, which moestream does not compute for gpt-oss")
+        self.check_shapes()
+        if opts.metadata_only:
+            return
+        self.rope_full = self.make_rope(self.rope_base)
+        self.rope_swa = self.rope_full if self.rope_base_swa == self.rope_base else self.make_rope(self.rope_base_swa)
+        self.embd = self.lookup_table("token_embd.weight")
+        self.n_vocab = self.embd.shape[0]
+        self.out_norm = self.norm("output_norm.weight")
+        self.output = self.weight("output.weight")
+        act = ClampedSwiGLU(SWIGLU_ALPHA, SWIGLU_LIMIT)
+        self.blocks = []
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            b = {
+                "attn_norm": self.norm(p + "attn_norm.weight"),
+                "q": self.weight(p + "attn_q.weight"), "k": self.weight(p + "attn_k.weight"),
+                "v": self.weight(p + "attn_v.weight"), "o": self.weight(p + "attn_output.weight"),
+                "o_bias": self.norm(p + "attn_output.bias"), "sinks": self.norm(p + "attn_sinks.weight"),
+                "ffn_norm": self.norm(p + "post_attention_norm.weight"),
+                "router": self.weight(p + "ffn_gate_inp.weight"), "router_bias": self.norm(p + "ffn_gate_inp.bias"),
+                "swa": self.is_swa[i],
+            }
+            for name in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
+                b[name] = self.norm(p + name) if self.has(p + name) else None
+            bias = {m: self.expert_bias(p + f"ffn_{m}_exps.bias") for m in ("gate", "up", "down")}
+            b["moe"] = MoE(i, self.layout, lambda: self.store, act=act, blocks=self.use_blocks, gpu=self.use_triton,
+                           bias=bias)
+            self.blocks.append(b)
+
+    # --- metadata ---------------------------------------------------------------------------------------------
+    def swa_pattern(self) -> list[bool]:
+        """Which layers slide (see the module docstring): ``attention.sliding_window_pattern`` as llama.cpp's
+        ``load_swa_pattern(ml, 2)`` reads it."""
+        key, path = self._key("attention.sliding_window_pattern"), self.gguf.path
+        v = self.gguf.arch_get("attention.sliding_window_pattern", 2)
+        if isinstance(v, (list, tuple)):
+            if len(v) != self.n_layers or not all(isinstance(x, (bool, int)) for x in v):
+                raise GGUFError(f"{path}: metadata key {key} must list one bool per layer ({self.n_layers}), "
+                                f"got {list(v)!r}")
+            return [bool(x) for x in v]
+        n = self._as_int("attention.sliding_window_pattern", v, 0)
+        return [n == 0 or i % n < n - 1 for i in range(self.n_layers)]
+
+    def make_rope(self, base: float) -> Rope:
+        """NEOX RoPE of ``base`` over the whole head, YaRN-scaled when the file says so."""
+        s = self.scaling
+        if s is None:
+            return Rope(rope_inv_freq(base, self.n_rot, self.device))
+        inv = yarn_inv_freq(base, self.n_rot, s.factor, s.orig_ctx, s.beta_fast, s.beta_slow, self.device)
+        return Rope(inv, scale=yarn_attention_factor(s.factor) * s.attn_factor)
+
+    def check_shapes(self) -> None:
+        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is
+        read: every tensor the forward pass reads."""
+        d, path = self.meta_desc, self.gguf.path
+        n_embd, n_head, n_kv, hd, n_exp = self.n_embd, self.n_head, self.n_kv, self.head_dim, self.n_experts
+        if self.n_rot != hd:
+            raise GGUFError(f"{path}: metadata {d(rope__dimension_count=self.n_rot, attention__key_length=hd)} "
+                            f"differ: partial rotary, which moestream does not compute for gpt-oss")
+        if hd % 2:
+            raise GGUFError(f"{path}: metadata {d(attention__key_length=hd)} must be even (NEOX RoPE)")
+        if n_head % n_kv:
+            raise GGUFError(f"{path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
+                            f"{d(attention__head_count_kv=n_kv)}")
+        emb = d(embedding_length=n_embd)
+        self.check_common_shapes(n_embd, emb)
+        if not self.has("output.weight"):
+            raise GGUFError(f"{path}: tensor output.weight is missing (gpt-oss has an untied output matrix; "
+                            f"llama.cpp requires it too)")
+        q_desc = d(attention__head_count=n_head, attention__key_length=hd, embedding_length=n_embd)
+        kv_desc = d(attention__head_count_kv=n_kv, attention__key_length=hd, embedding_length=n_embd)
+        exp_desc = d(expert_count=n_exp, expert_feed_forward_length=self.n_ff_exp)
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            if i not in self.layout:
+                raise GGUFError(f"{path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps); every gpt-oss layer "
+                                f"is an MoE layer")
+            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
+            self.expect_shape(p + "attn_q.weight", (n_head * hd, n_embd), q_desc)
+            self.expect_shape(p + "attn_k.weight", (n_kv * hd, n_embd), kv_desc)
+            self.expect_shape(p + "attn_v.weight", (n_kv * hd, n_embd), kv_desc)
+            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hd), q_desc)
+            self.expect_shape(p + "attn_output.bias", (n_embd,), emb)
+            for name, n in (("attn_q.bias", n_head * hd), ("attn_k.bias", n_kv * hd), ("attn_v.bias", n_kv * hd)):
+                if self.has(p + name):
+                    self.expect_shape(p + name, (n,), q_desc if name == "attn_q.bias" else kv_desc)
+            self.expect_shape(p + "attn_sinks.weight", (n_head,), d(attention__head_count=n_head) + " (one sink per "
+                              "head)")
+            self.expect_shape(p + "post_attention_norm.weight", (n_embd,), emb)
+            self.expect_shape(p + "ffn_gate_inp.weight", (n_exp, n_embd),
+                              d(expert_count=n_exp, embedding_length=n_embd))
+            self.expect_shape(p + "ffn_gate_inp.bias", (n_exp,), d(expert_count=n_exp))
+            mats = self.layout[i]
+            if set(mats) != {"gate", "up", "down"}:
+                raise GGUFError(f"{path}: layer {i} has expert matrices {sorted(mats)}; gpt-oss needs separate "
+                                f"ffn_gate_exps, ffn_up_exps and ffn_down_exps (as llama.cpp)")
+            for name, m in mats.items():
+                rows = m.cols if name == "down" else m.rows
+                if rows != self.n_ff_exp:
+                    raise GGUFError(f"{path}: tensor blk.{i}.ffn_{name}_exps.weight has experts of width {rows} but "
+                                    f"the metadata ({exp_desc}) implies {self.n_ff_exp}")
+            for name, n in (("gate", self.n_ff_exp), ("up", self.n_ff_exp), ("down", n_embd)):
+                self.expect_shape(p + f"ffn_{name}_exps.bias", (n_exp, n), exp_desc + ", " + emb)
+
+    def expert_bias(self, name: str) -> torch.Tensor:
+        """A per-expert bias, float32 [n_experts, rows] on the device (resident, indexed by real expert id)."""
+        info = self.gguf.tensor_info(name)
+        return self.norm(name).view(*info.shape)
+
+    # --- compute ----------------------------------------------------------------------------------------------
+    def new_cache(self, n_ctx: int) -> KVCache:
+        return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim, self.device)
+
+    def cache_bytes(self, n_ctx: int) -> int:
+        return 4 * self.n_layers * n_ctx * self.n_kv * 2 * self.head_dim
+
+    def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, hidden] the FFN-normed input of block ``b`` -> (ids [T, top_k] int64 real expert ids, weights
+        [T, top_k] float32): the top-k of the biased router logits, softmaxed among themselves."""
+        logits = b["router"].linear(h) + b["router_bias"]  # [T, n_experts]
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1)
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks[layer]
+        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
+        """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
+        n_tok = tokens.shape[0]
+        if start + n_tok > cache.n_ctx:
+            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
+        end = start + n_tok
+        x = self.embd.rows_of(tokens)  # [T, hidden]
+        scale = 1.0 / math.sqrt(self.head_dim)
+        for i, b in enumerate(self.blocks):
+            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
+            h = rms_norm(x, b["attn_norm"], self.eps)
+            q, k, v = b["q"].linear(h), b["k"].linear(h), b["v"].linear(h)
+            if b["attn_q.bias"] is not None:
+                q = q + b["attn_q.bias"]
+            if b["attn_k.bias"] is not None:
+                k = k + b["attn_k.bias"]
+            if b["attn_v.bias"] is not None:
+                v = v + b["attn_v.bias"]
+            rope = self.rope_swa if b["swa"] else self.rope_full
+            q = rope(q.view(n_tok, self.n_head, self.head_dim), start)
+            rope(k.view(n_tok, self.n_kv, self.head_dim), start, out=cache.k[i][start:end])
+            cache.v[i][start:end] = v.view(n_tok, self.n_kv, self.head_dim)
+            a = attention(q, cache.k[i][:end], cache.v[i][:end], start, scale,
+                          window=self.window if b["swa"] else None, sinks=b["sinks"])
+            x = x + (b["o"].linear(a) + b["o_bias"])
+            h = rms_norm(x, b["ffn_norm"], self.eps)
+            ids, w = self.gate(b, h)
+            routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
+            x = x + routed
+        if not logits_all:
+            x = x[-1:]
+        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
