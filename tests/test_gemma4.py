@@ -236,8 +236,8 @@ def test_expert_scale_taken_by_slot_id_would_differ(resident: tuple, monkeypatch
     scales = {i: b["expert_scale"] for i, b in enumerate(model.blocks)}
     real = moe_mod.MoE._expert
 
-    def slot_scaled(self: moe_mod.MoE, store: Any, slot: int, xs: torch.Tensor) -> torch.Tensor:
-        y = real(self, store, slot, xs)
+    def slot_scaled(self: moe_mod.MoE, store: Any, slot: int, xs: torch.Tensor, real_id: int) -> torch.Tensor:
+        y = real(self, store, slot, xs, real_id)
         expert = store.slots[self.layer].expert_of[slot].item() if isinstance(store, StreamingStore) else slot
         s = scales[self.layer]
         return y * (s[slot] / s[expert])  # the caller multiplies by s[expert]: net s[slot]

@@ -100,9 +100,10 @@ def test_decode_computes_hits_first_and_each_miss_after_its_own_join(qwen3moe_ti
         events.append(("wait", through))
         return real_wait(self, ticket, through)
 
-    def expert(self, st, slot, xs):
-        events.append(("expert", int(st.slots[self.layer].expert_of[slot])))
-        return real_expert(self, st, slot, xs)
+    def expert(self, st, slot, xs, real_id):
+        assert int(st.slots[self.layer].expert_of[slot]) == real_id  # the slot holds the expert it is computed as
+        events.append(("expert", real_id))
+        return real_expert(self, st, slot, xs, real_id)
 
     try:
         engine = Engine(model)
