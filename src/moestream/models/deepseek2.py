@@ -382,8 +382,7 @@ class DeepSeek2(MoEModel):
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
         """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
         n_tok = tokens.shape[0]
-        if start + n_tok > cache.n_ctx:
-            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
+        self.check_room(cache, start, n_tok)
         x = self.embd.rows_of(tokens)  # [T, hidden]
         for i, b in enumerate(self.blocks):
             self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
@@ -401,6 +400,4 @@ class DeepSeek2(MoEModel):
 
             routed, sh = b["moe"](h, ids, w, shared=shared, overlap=self.opts.overlap)
             x = x + routed if sh is None else x + routed + sh
-        if not logits_all:
-            x = x[-1:]
-        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
+        return self.head(x, logits_all)

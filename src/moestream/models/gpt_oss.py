@@ -200,8 +200,7 @@ class GptOss(MoEModel):
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
         """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
         n_tok = tokens.shape[0]
-        if start + n_tok > cache.n_ctx:
-            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
+        self.check_room(cache, start, n_tok)
         end = start + n_tok
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
@@ -226,6 +225,4 @@ class GptOss(MoEModel):
             ids, w = self.gate(b, h)
             routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
             x = x + routed
-        if not logits_all:
-            x = x[-1:]
-        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
+        return self.head(x, logits_all)
