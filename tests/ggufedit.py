@@ -9,6 +9,14 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
+from moestream.gguf import open_reader
+
+
+def read(path: str | Path) -> GGUFReader:
+    """The `gguf` package's reader over ``path`` with moestream's faster header parsing (``moestream.gguf.open_reader``:
+    a 152k-token vocabulary takes ~2 s instead of ~12 s); the fields and tensors are the package's own objects."""
+    return open_reader(path)
+
 
 def rewrite(src: str | Path, dst: str | Path, arch: str | None = None, split_max_tensors: int = 0,
             convert: dict[str, Callable[[np.ndarray], np.ndarray]] | None = None,
@@ -22,7 +30,7 @@ def rewrite(src: str | Path, dst: str | Path, arch: str | None = None, split_max
     ``add_kv[key] = (value, type)``, or leaving out the metadata keys ``drop_kv`` or the tensors ``drop_tensors``,
     or appending tensors ``add_tensors[name]`` (float32 arrays in torch order, written F32).
     Returns the written paths."""
-    r = GGUFReader(str(src))
+    r = read(src)
     old_arch = r.fields["general.architecture"].contents()
     w = GGUFWriter(str(dst), arch or old_arch, split_max_tensors=split_max_tensors)
     for key, f in r.fields.items():

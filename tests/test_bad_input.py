@@ -268,7 +268,9 @@ def nan_models(default_gguf, tmp_path_factory) -> dict[str, Path]:
     rewrite(default_gguf, norm, convert={"blk.0.attn_norm.weight": _nan_first})
     scale = d / "nan-q8-scale.gguf"
     shutil.copy(default_gguf, scale)
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
+
+    from ggufedit import read as GGUFReader
     t = next(t for t in GGUFReader(str(default_gguf)).tensors if t.name == "blk.0.attn_q.weight")
     assert t.tensor_type == GGMLQuantizationType.Q8_0
     with open(scale, "r+b") as f:  # a Q8_0 block starts with its float16 scale
@@ -506,7 +508,7 @@ def test_vs_llamacpp_missing_points_at_the_installer(default_gguf):
 def _set_type_id(src: Path, dst: Path, tensor: str, type_id: int) -> None:
     """Copy ``src`` to ``dst`` with the ggml type id of ``tensor`` in the tensor table overwritten (bad input
     only: nothing else changes, so the data no longer matches the type)."""
-    from gguf import GGUFReader
+    from ggufedit import read as GGUFReader
 
     t = next(t for t in GGUFReader(str(src)).tensors if t.name == tensor)
     name_len, name, n_dims, dims = t.field.parts[:4]

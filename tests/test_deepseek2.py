@@ -24,9 +24,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 
 from family import Family, standard_tests
+from ggufedit import read as GGUFReader
 from ggufedit import rewrite
 from helpers import assert_bitwise, llama_model, logits_of
 from moestream.errors import GGUFError

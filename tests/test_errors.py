@@ -62,7 +62,8 @@ def test_unsupported_architecture(tmp_path, model_path):
     path = tmp_path / "other.gguf"
     rewrite(model_path, path, arch="bert")
     p = moestream("run", "-m", str(path), "-n", "2")
-    assert_one_line_error(p, str(path), "architecture 'bert' is not supported", "supported: gemma4, ", "qwen3moe")
+    assert_one_line_error(p, str(path), "architecture 'bert' is not supported", "supported: ",
+                         "deepseek2", "gemma4", "gpt-oss", "qwen3moe")
 
 
 def test_unsupported_ggml_type(tmp_path, model_path):

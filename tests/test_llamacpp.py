@@ -293,8 +293,10 @@ def test_twin_is_exact_dequantization(qwen3moe_tiny_quants: dict, tmp_path: Path
     Checked on a small GGUF holding layer 0 of the Q4_K_M file and one Q6_K layer tensor (raw blocks copied;
     reading the real file's 152k-token vocabulary twice would take most of this test's time); and
     moestream's own dequantization agrees bitwise on those tensors."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize
+
+    from ggufedit import read as GGUFReader
 
     src = tmp_path / "layer0.gguf"
     w = GGUFWriter(str(src), "qwen3moe")

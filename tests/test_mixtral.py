@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from family import IDENTITY_PROMPT, Family, standard_tests
+from ggufedit import read as GGUFReader
 from helpers import moestream
 from moestream.errors import GGUFError
 from moestream.models.base import LoadOptions, load_model

@@ -56,7 +56,7 @@ def test_converter_writes_no_norm_key_and_default_is_unnormalized(fam_files):
     """The file lacks the key, the checkpoint says norm_topk_prob false, moestream does not renormalize."""
     import json
 
-    from gguf import GGUFReader
+    from ggufedit import read as GGUFReader
 
     assert KEY not in GGUFReader(str(fam_files["f32"])).fields
     assert json.loads((fam_files["ckpt"] / "config.json").read_text())["norm_topk_prob"] is False

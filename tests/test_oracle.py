@@ -68,10 +68,11 @@ def hf_twin(ckpt: str, gguf_path: str, out_dir) -> object:
     import shutil
 
     import numpy as np
-    from gguf import GGUFReader
     from gguf.quants import dequantize
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
+
+    from ggufedit import read as GGUFReader
 
     state = {}
     for t in GGUFReader(gguf_path).tensors:

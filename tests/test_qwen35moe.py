@@ -354,8 +354,7 @@ def test_cli_bench(q35, tmp_path):
 def test_one_dim_shared_expert_gate(q35, prompt_ids, tmp_path):
     """llama-quantize writes ``ffn_gate_inp_shexp`` ([1, n_embd] from the converter) as a 1-D tensor (ggml_n_dims
     drops the trailing 1): such files load and give the same bits as the converter's own."""
-    from gguf import GGUFReader
-
+    from ggufedit import read as GGUFReader
     from ggufedit import rewrite
 
     names = [t.name for t in GGUFReader(str(q35["q8_0"])).tensors if t.name.endswith("ffn_gate_inp_shexp.weight")]
@@ -374,8 +373,9 @@ def test_mtp_blocks_counted_by_block_count_are_not_run(q35, tmp_path) -> None:
     without ``--no-nextn``) loads: block_count still covers it (no "more layers" refusal), the trunk is the
     other blocks, and that block's experts get no slot pool. Its logits equal the first three blocks' alone:
     the same file with block_count 3 and the last block's tensors dropped."""
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
 
+    from ggufedit import read as GGUFReader
     from ggufedit import rewrite
     from moestream.models.base import LoadOptions, load_model
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 
+from ggufedit import read as GGUFReader
 from ggufedit import rewrite
 from helpers import cli, hf_logits
 from moestream.errors import GGUFError

@@ -150,7 +150,14 @@ def _stat_model(path: str) -> os.stat_result:
         raise GGUFError(f"{path}: {_os_problem(e)}") from None
 
 
-def _open_reader(path: str) -> GGUFReader:
+def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
+    """The `gguf` package's GGUFReader over ``path`` (opened read-only), parsing the header several times faster
+    than ``gguf.GGUFReader`` on tokenizer-sized metadata (``_CheckedReader``) and refusing to read past the end.
+
+    Raises GGUFError naming the file and the problem: missing, a directory or other non-regular file, empty,
+    not GGUF (magic), truncated, a corrupt header, an unknown ggml type id, an unsupported GGUF version.
+    """
+    path = os.fspath(path)
     st = _stat_model(path)
     if stat.S_ISDIR(st.st_mode):
         raise GGUFError(f"{path}: is a directory, not a GGUF file")
@@ -217,7 +224,7 @@ class GGUFModel:
         self._identity: list[tuple[int, int, int, int]] = []
         self._maps: dict[int, mmap.mmap] = {}
         for part, p in enumerate(self.paths):
-            reader = _open_reader(p)
+            reader = open_reader(p)
             if part == 0:
                 for key, field in reader.fields.items():
                     if not key.startswith("GGUF."):
