@@ -9,7 +9,8 @@ module defines its fixtures and these tests there (pytest collects them from the
 - ``verify``: streaming vs resident bitwise, at the smallest pool (top-k slots), a pool smaller than the
   prompt's distinct experts (tiled prefill), every expert resident, and a quantized file; and a check that
   slot ids really differ from expert ids;
-- ``inspect``, ``run`` (streaming equals resident), ``verify`` and ``bench`` through the CLI.
+- ``inspect``, ``run`` (streaming equals resident), ``verify`` and ``bench`` through the CLI (``moestream.cli.main`` in
+  this process; bench runs its rows in subprocesses of its own).
 
 A family's own module adds what is particular to it (its routing keys' defaults, its layer pattern, ...).
 """
@@ -26,13 +27,13 @@ import pytest
 import torch
 
 from helpers import (
+    cli,
     distinct_experts_per_layer,
     expert_slots,
     hf_greedy,
     hf_logits,
     llama_greedy,
     load,
-    moestream,
     ours_forced,
     ours_greedy,
     verify_identical,
@@ -55,8 +56,9 @@ class Family:
     fixture: the fixture name (``tools/fixtures_<family>.py``'s FIXTURES key). arch: the GGUF
     ``general.architecture``. hf_class: the transformers class the checkpoint must load as. hf_tol: the bound on
     |logit difference| against transformers. llama_tol: against llama.cpp (say why in the family's module).
-    quant: the quantized outtype of the fixture used by the identity and CLI tests. top_k, n_experts: the
-    fixture's routing. moe_layers, n_layers: for the ``inspect`` check.
+    quant: the quantized file used by the identity and CLI tests: a converter outtype of the fixture, or one of
+    its ``<fixture>-llamacpp`` quantizations by llama.cpp's quantizer (tools/fixtures.py ``QUANTIZED``). top_k,
+    n_experts: the fixture's routing. moe_layers, n_layers: for the ``inspect`` check.
     """
 
     fixture: str
@@ -80,8 +82,13 @@ def standard_tests(ns: dict[str, Any], fam: Family) -> None:
     tag = fam.arch
 
     @pytest.fixture(scope="module")
-    def fam_files(fixtures_tool) -> dict[str, Any]:
-        return fixtures_tool.build_fixture(fam.fixture)
+    def fam_files(fixtures_tool, request) -> dict[str, Any]:
+        files = fixtures_tool.build_fixture(fam.fixture)
+        if fam.quant not in files:  # made by llama.cpp's quantizer (fixture "<name>-llamacpp"), with llama_cpp
+            request.getfixturevalue("llama_cpp")
+            quants = fixtures_tool.build_quantized(f"{fam.fixture}-llamacpp", base=files)
+            files = {**files, fam.quant: quants[fam.quant]}
+        return files
 
     @pytest.fixture(scope="module")
     def fam_prompt(fam_files) -> list[int]:
@@ -179,7 +186,7 @@ def standard_tests(ns: dict[str, Any], fam: Family) -> None:
             store.close()
 
     def test_std_cli_inspect(fam_files):
-        p = moestream("inspect", "-m", str(fam_files[fam.quant]), "--slots", str(fam.top_k))
+        p = cli("inspect", "-m", str(fam_files[fam.quant]), "--slots", str(fam.top_k))
         assert p.returncode == 0, p.stderr
         for field in (f"architecture    {fam.arch}",
                       f"experts         {fam.n_experts} per layer, {fam.top_k} used per token",
@@ -189,8 +196,8 @@ def standard_tests(ns: dict[str, Any], fam: Family) -> None:
     @pytest.mark.slow
     def test_std_cli_run_streaming_equals_resident(fam_files):
         args = ("run", "-m", str(fam_files[fam.quant]), "-n", "8", "--temp", "0", "-p", "The printing press")
-        a = moestream(*args, "--moe-stream", "off")
-        b = moestream(*args, "--slots", str(fam.top_k), "--io-threads", "2")
+        a = cli(*args, "--moe-stream", "off")
+        b = cli(*args, "--slots", str(fam.top_k), "--io-threads", "2")
         assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
         assert a.stdout == b.stdout and len(a.stdout) > len("The printing press")
         assert fam.arch in b.stderr.splitlines()[0] and "streaming:" in b.stderr.splitlines()[0]
@@ -198,7 +205,7 @@ def standard_tests(ns: dict[str, Any], fam: Family) -> None:
 
     @pytest.mark.slow
     def test_std_cli_verify(fam_files):
-        p = moestream("verify", "-m", str(fam_files[fam.quant]), "--steps", "8", "--slots", str(fam.top_k),
+        p = cli("verify", "-m", str(fam_files[fam.quant]), "--steps", "8", "--slots", str(fam.top_k),
                       "--io-threads", "4", "-p", IDENTITY_PROMPT)
         assert p.returncode == 0, p.stderr
         assert p.stdout.startswith("identical: 9 steps"), p.stdout
@@ -206,7 +213,7 @@ def standard_tests(ns: dict[str, Any], fam: Family) -> None:
     @pytest.mark.slow
     def test_std_cli_bench(fam_files, tmp_path):
         out = tmp_path / "b.json"
-        p = moestream("bench", "-m", str(fam_files[fam.quant]), "-p", "8", "-n", "4", "-r", "1", "--slots",
+        p = cli("bench", "-m", str(fam_files[fam.quant]), "-p", "8", "-n", "4", "-r", "1", "--slots",
                       str(fam.top_k), "--json", str(out))
         assert p.returncode == 0, p.stderr
         rows = json.loads(out.read_text())["rows"]

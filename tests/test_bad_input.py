@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from ggufedit import rewrite
+from helpers import cli as run_cli
 from moestream import bench, cli
 from moestream.engine import Engine, check_cache_fits
 from moestream.errors import ConfigError, ForwardError, GGUFError, OutputError
@@ -30,10 +31,29 @@ from moestream.models.base import LoadOptions, load_model
 
 # ------------------------------------------------------------------------------------------------ helpers
 def moestream(*args: str, prefix: tuple[str, ...] = (), **kw) -> subprocess.CompletedProcess:
-    """``python -m moestream ARGS`` in a subprocess (optionally behind ``prefix``, e.g. setpriv)."""
+    """``moestream ARGS``: in this process (``helpers.cli``, imported as ``run_cli``) when only the output is
+    wanted; in a subprocess, ``python -m moestream ARGS``, behind ``prefix`` (e.g. setpriv) or with
+    ``stdout``/``stderr`` given (a real process's file descriptors). ``test_a_real_process_prints_one_line``
+    checks that the two agree."""
+    if not prefix and not kw:
+        return run_cli(*(str(a) for a in args))
     if "stdout" not in kw and "stderr" not in kw:
         kw["capture_output"] = True
     return subprocess.run([*prefix, sys.executable, "-m", "moestream", *args], text=True, timeout=300, **kw)
+
+
+@pytest.mark.parametrize("args", [
+    ("run", "-n", "2", "--slots", "1"),  # below top-k: a config error
+    ("inspect", "-m", "/dev/zero"),  # not a GGUF file
+    ("bench", "-p", "4", "-n", "2", "--mem-cap", "1k"),  # a bench option
+])
+def test_a_real_process_prints_one_line(args):
+    """The same bad input gives the same one line and exit status in a real process as in this one (the rest of
+    this file runs the command line in this process)."""
+    real = subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True, timeout=300)
+    here = run_cli(*args)
+    assert_one_line_error(real)
+    assert (real.returncode, real.stdout, real.stderr) == (here.returncode, here.stdout, here.stderr)
 
 
 def python(code: str) -> subprocess.CompletedProcess:

@@ -5,19 +5,21 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from ggufedit import rewrite
+from helpers import cli
 from moestream.engine import Engine, Sampler, SamplingParams
 from moestream.errors import ExpertReadError, ModelFileChanged
 from moestream.models.base import LoadOptions, load_model
 
 
 def moestream(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True, timeout=300)
+    """The command line in this process (``helpers.cli``; tests/test_bad_input.py checks that a real process prints
+    the same one line)."""
+    return cli(*(str(a) for a in args))
 
 
 def assert_one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:

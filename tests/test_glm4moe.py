@@ -5,7 +5,8 @@ published GLM-4.5-Air config with the sizes cut: 4 trunk layers (the first dense
 heads of 128 with q/k/v biases (noised), partial rotary 0.5, 16 experts top-4 of width 256, sigmoid routing with
 a noised score-correction bias, top-k weights renormalized, scale 1.0, one shared expert; and, unlike the
 published 1 / 1, 4 expert groups of which 2 are eligible. Converted by the llama.cpp converter vendored in the
-pinned sdist to F32 and Q8_0. ``glm4moe-qknorm-tiny`` is shaped after GLM-4.5 (355B): q/k norm, routed scale 2.5,
+pinned sdist to F32 and Q8_0, and Q4_K_M by llama.cpp's quantizer (the standard tests' quantized file).
+``glm4moe-qknorm-tiny`` is shaped after GLM-4.5 (355B): q/k norm, routed scale 2.5,
 three dense layers, no group limit (F32).
 
 Tolerances: the project's 1e-4 against transformers and against llama.cpp (float32 programs that order their sums
@@ -31,8 +32,9 @@ from moestream.experts.pool import StreamingStore
 from moestream.models.base import LoadOptions, load_model
 from moestream.models.routing import sigmoid_group_topk
 
+# n_layers: the trunk, as run: 4 layers (the first dense) + 1 MTP block, not run
 FAM = Family(fixture="glm4moe-tiny", arch="glm4moe", hf_class="Glm4MoeForCausalLM", top_k=4, n_experts=16,
-             n_layers=4, moe_layers=3)  # the trunk, as run: 4 layers (the first dense) + 1 MTP block, not run
+             n_layers=4, moe_layers=3, quant="q4_k_m")
 standard_tests(globals(), FAM)
 
 IDS = [785, 18484, 3493, 572, 5798, 304, 220, 16, 19, 20, 15, 13, 100, 2000, 30000, 151000]  # in-vocabulary
@@ -171,7 +173,7 @@ def test_inspect_reports_the_trunk_and_the_mtp_block(fam_files):
 def test_mtp_block_not_run_nor_streamed(fam_files):
     """The file has 5 blocks, the last one the MTP block (``nextn_predict_layers`` 1, with routed experts and
     ``nextn.*`` tensors): moestream runs 4, reads none of block 4's tensors and makes no slot pool for it."""
-    path = fam_files[FAM.quant]
+    path = fam_files["q8_0"]
     model = load_model(str(path), LoadOptions(slots=FAM.top_k, io_threads=2))
     try:
         assert model.gguf.arch_get("block_count") == 5 and model.gguf.arch_get("nextn_predict_layers") == 1
@@ -293,7 +295,7 @@ def test_bad_file_one_line_error(fam_files, tmp_path, edit, match):
 def test_streaming_equals_resident_quick(fam_files, prefetch):
     """Q8_0, C kernels: a pool of top-k slots streaming gives the resident logits bit for bit, with and without
     the router lookahead (``predict``; the dense layer 0 has none)."""
-    path = str(fam_files[FAM.quant])
+    path = str(fam_files["q8_0"])
     a = logits_of(load_model(path, LoadOptions(moe_stream=False)), IDS, 4, 5)
     model = load_model(path, LoadOptions(slots=FAM.top_k, io_threads=2, prefetch=prefetch))
     try:

@@ -1,5 +1,6 @@
 """Mixtral (GGUF ``llama`` with routed experts, models/llama.py) on the ``mixtral-tiny`` fixture
-(tools/fixtures_mixtral.py): a random-weight transformers ``MixtralForCausalLM`` converted by llama.cpp's converter.
+(tools/fixtures_mixtral.py): a random-weight transformers ``MixtralForCausalLM`` converted by llama.cpp's converter
+(F32, Q8_0), and Q4_K_M by llama.cpp's quantizer (the standard tests' quantized file).
 
 * the standard bars (tests/family.py): transformers < 1e-4 on F32 with 32 greedy tokens, llama.cpp < 1e-4 on the
   same F32 file (measured 3.6e-5 here over 33 prompt positions + 31 decode steps, FIELD-NOTES 6.6e-6 on another
@@ -28,7 +29,7 @@ from moestream.models.base import LoadOptions, load_model
 from moestream.tokenizer import GGUFTokenizer
 
 FAM = Family(fixture="mixtral-tiny", arch="llama", hf_class="MixtralForCausalLM", top_k=2, n_experts=8,
-             n_layers=2, moe_layers=2)
+             n_layers=2, moe_layers=2, quant="q4_k_m")
 standard_tests(globals(), FAM)
 
 

@@ -3,7 +3,7 @@
 The fixture ``olmoe-tiny`` (tools/fixtures_olmoe.py) is a random-weight ``OlmoeForCausalLM`` shaped like
 allenai/OLMoE-1B-7B-0924 with sizes cut: 2 layers, 4 query and 4 key/value heads of 64, q/k RMSNorm over the
 whole projections, 16 experts top-4, softmax router with ``norm_topk_prob`` false, converted by llama.cpp's
-converter to F32 and Q8_0.
+converter to F32 and Q8_0, and Q4_K_M by llama.cpp's quantizer (the standard tests' quantized file).
 
 Routing weights. transformers renormalizes the top-k probabilities only when ``norm_topk_prob`` (published:
 false). llama.cpp's olmoe graph (src/models/olmoe.cpp) calls build_moe_ffn with ``norm_w = false`` fixed and
@@ -31,7 +31,7 @@ from moestream.errors import GGUFError
 from moestream.models.base import LoadOptions, load_model
 
 FAM = Family(fixture="olmoe-tiny", arch="olmoe", hf_class="OlmoeForCausalLM", top_k=4, n_experts=16,
-             n_layers=2, moe_layers=2)
+             n_layers=2, moe_layers=2, quant="q4_k_m")
 standard_tests(globals(), FAM)
 TOL = 1e-4
 KEY = "olmoe.expert_weights_norm"

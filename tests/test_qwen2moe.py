@@ -3,7 +3,8 @@
 The fixture ``qwen2moe-tiny`` (tools/fixtures_qwen2moe.py) is a random-weight ``Qwen2MoeForCausalLM`` shaped like
 the published config with the sizes cut: 4 layers, 4 query / 2 KV heads of 64, q/k/v biases (noised, not
 transformers' zeros), 16 experts top-4 of width 256, top-k weights not renormalized, a sigmoid-gated shared expert
-of width 512; converted by llama.cpp's converter to F32 and Q8_0.
+of width 512; converted by llama.cpp's converter to F32 and Q8_0, and Q4_K_M by llama.cpp's quantizer (the
+standard tests' quantized file).
 
 Tolerances: the project's 1e-4 against transformers and against llama.cpp (both float32 programs that order
 their sums differently; FIELD-NOTES measured llama.cpp vs transformers 5.5e-6 on a tiny qwen2moe). Measured here
@@ -24,33 +25,42 @@ from moestream.errors import GGUFError
 from moestream.models.base import LoadOptions, load_model
 
 FAM = Family(fixture="qwen2moe-tiny", arch="qwen2moe", hf_class="Qwen2MoeForCausalLM", top_k=4, n_experts=16,
-             n_layers=4, moe_layers=4)
+             n_layers=4, moe_layers=4, quant="q4_k_m")
 standard_tests(globals(), FAM)
 
 IDS = [785, 18484, 3493, 572, 5798, 304, 220, 16, 19, 20, 15, 13]  # any in-vocabulary ids
 
 
-def test_shared_expert_runs_during_the_reads(fam_files, monkeypatch):
+def test_shared_expert_runs_during_the_reads(fam_files, monkeypatch, tmp_path):
     """The shared expert goes to the MoE layer as ``shared=`` (so it overlaps the expert reads) on every layer,
-    and its output is part of the layer's result (zeroing its gate tensor changes the logits)."""
+    and its output is part of the layer's result: the same file with every shared expert's down matrix zeroed
+    gives other logits."""
     from moestream.experts import moe as moe_mod
 
     calls = []
     real = moe_mod.MoE.__call__
 
-    def spy(self, x, ids, w, shared=None, overlap=True, **k):
-        calls.append((shared is not None, overlap))
+    def spy(self, x, ids, w, shared=None, overlap=None, **k):
+        calls.append((shared is not None, self.overlap_of() if overlap is None else overlap))
         out = real(self, x, ids, w, shared=shared, overlap=overlap, **k)
         assert out[1] is not None and out[1].shape == x.shape
         return out
 
+    def last_logits(path) -> torch.Tensor:
+        model = load_model(str(path), LoadOptions(slots=FAM.top_k, io_threads=2))
+        try:
+            return Engine(model).prefill(IDS, model.new_cache(len(IDS)))
+        finally:
+            model.store.close()
+
     monkeypatch.setattr(moe_mod.MoE, "__call__", spy)
-    model = load_model(str(fam_files[FAM.quant]), LoadOptions(slots=FAM.top_k, io_threads=2))
-    try:
-        Engine(model).prefill([1, 2, 3], model.new_cache(3))
-    finally:
-        model.store.close()
+    with_shared = last_logits(fam_files[FAM.quant])
     assert calls == [(True, True)] * FAM.n_layers
+    no_shared = tmp_path / "no-shared.gguf"
+    rewrite(fam_files[FAM.quant], no_shared,
+            convert={f"blk.{i}.ffn_down_shexp.weight": lambda a: a * 0 for i in range(FAM.n_layers)})
+    without = last_logits(no_shared)
+    assert (with_shared - without).abs().max().item() > 1e-2
 
 
 def test_router_matches_transformers(fam_files, fam_hf):

@@ -298,8 +298,8 @@ def test_shared_expert_runs_during_the_reads(q35, monkeypatch):
     calls = []
     real = moe_mod.MoE.__call__
 
-    def spy(self, x, ids, w, shared=None, overlap=True, **k):
-        calls.append((shared is not None, overlap))
+    def spy(self, x, ids, w, shared=None, overlap=None, **k):
+        calls.append((shared is not None, self.overlap_of() if overlap is None else overlap))
         return real(self, x, ids, w, shared=shared, overlap=overlap, **k)
 
     monkeypatch.setattr(moe_mod.MoE, "__call__", spy)

@@ -1,10 +1,13 @@
 """512 experts, 10 per token (the routing of the published Qwen3.5-397B-A17B) on a tiny Qwen 3.5 MoE
 (``qwen35moe-512`` in tools/fixtures_qwen35moe.py: transformers checkpoint -> llama.cpp's converter): the
 standard bars (tests/family.py) against transformers and llama.cpp, streaming equal to resident at 10 slots (a
-pool of 2% of the experts, so the prefill is tiled), and with every expert resident; plus: with a slot for
-every expert, each expert the prompt selects is read once and the others never."""
+pool of 2% of the experts, so the prefill is tiled), and with every expert resident; plus: every expert index of
+every layer selected and computed (against transformers' router and experts), and with a slot for every expert,
+each expert the prompt selects is read once and the others never."""
 
 from __future__ import annotations
+
+import torch
 
 from family import IDENTITY_PROMPT, Family, standard_tests
 from helpers import load, ours_greedy
@@ -15,17 +18,54 @@ FAM = Family(fixture="qwen35moe-512", arch="qwen35moe", hf_class="Qwen3_5MoeForC
 standard_tests(globals(), FAM)
 
 
-def test_a_pool_of_every_expert_reads_each_selected_one_once(fam_files) -> None:  # noqa: ANN001
-    """With a slot for every expert, each expert a short run selects is read exactly once and the others never:
-    misses per layer = distinct experts selected there < 512."""
-    from helpers import distinct_experts_per_layer
+def test_a_pool_of_every_expert_reads_each_selected_one_once(fam_files, monkeypatch) -> None:  # noqa: ANN001
+    """With a slot for every expert, each expert a short run selects is read exactly once and the others never: in
+    every layer, misses = the distinct experts the router selected there, fewer than 512."""
+    from moestream.experts import moe as moe_mod
 
     path = fam_files["q8_0"]
     ids = GGUFTokenizer.from_gguf(str(path)).encode(IDENTITY_PROMPT)
+    selected: dict[int, set[int]] = {}
+    real = moe_mod.MoE.__call__
+
+    def spy(self, x, eids, w, *a, **k):  # noqa: ANN001, ANN202
+        selected.setdefault(self.layer, set()).update(eids.reshape(-1).tolist())
+        return real(self, x, eids, w, *a, **k)
+
+    monkeypatch.setattr(moe_mod.MoE, "__call__", spy)
     model = load(path, stream=True, slots=FAM.n_experts)
-    ours_greedy(model, ids, 0)
-    store = model.store
-    selected = load(path, stream=True, slots=FAM.n_experts)
-    distinct = distinct_experts_per_layer(selected, ids)  # the fewest over the layers
-    misses = [store.layer_counts[la][1] for la in model.layout.moe_layers]
-    assert min(misses) == distinct and max(misses) < FAM.n_experts, (misses, distinct)
+    try:
+        ours_greedy(model, ids, 4)
+        misses = {la: model.store.layer_counts[la][1] for la in model.layout.moe_layers}
+    finally:
+        model.store.close()
+    assert misses == {la: len(selected[la]) for la in model.layout.moe_layers}
+    assert all(len(s) < FAM.n_experts for s in selected.values()), {la: len(s) for la, s in selected.items()}
+
+
+def test_every_expert_index_is_reachable(fam_files, fam_hf) -> None:  # noqa: ANN001
+    """Every one of the 512 expert ids of every MoE layer can be selected and is computed from its own bytes: 512
+    inputs per layer, input e along router row e, make our router and transformers' ``Qwen3_5MoeTopKRouter`` choose
+    the same ids (weights within 1e-6) and together every id 0..511; routed through a pool of 10 slots (ids far
+    above the slot count, every expert read into some slot), the layer's output equals transformers'
+    ``Qwen3_5MoeExperts`` on those ids and weights within 1e-5 of its largest value."""
+    model = load(fam_files["f32"], stream=True, slots=FAM.top_k)
+    try:
+        for layer in model.layout.moe_layers:
+            b, hf_moe = model.blocks[layer], fam_hf.model.layers[layer].mlp
+            rows = hf_moe.gate.weight.detach()  # [512, hidden]
+            x = 2.0 * rows / rows.norm(dim=1, keepdim=True)  # [512, hidden]: input e along router row e
+            ids, w = model.gate(b, x)
+            with torch.inference_mode():
+                _, hf_w, hf_ids = hf_moe.gate(x)
+                want = hf_moe.experts(x, hf_ids, hf_w)
+            assert torch.equal(ids, hf_ids), f"layer {layer}: router ids differ from transformers'"
+            assert float((w - hf_w).abs().max()) < 1e-6
+            assert set(ids.reshape(-1).tolist()) == set(range(FAM.n_experts)), f"layer {layer}: ids unreached"
+            misses_before = model.store.layer_counts[layer][1]
+            got, _ = b["moe"](x, ids, w)
+            assert model.store.layer_counts[layer][1] - misses_before >= FAM.n_experts  # each read into a slot
+            err = float((got - want).abs().max())
+            assert err <= 1e-5 * float(want.abs().max()), f"layer {layer}: {err:.3g}"
+    finally:
+        model.store.close()

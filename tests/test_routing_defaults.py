@@ -1,14 +1,15 @@
 """The routing keys a file may lack, across the softmax-routed families, against transformers.
 
-llama.cpp's converter writes none of ``expert_gating_func`` / ``expert_weights_norm`` / ``expert_weights_scale``
-for Qwen3-MoE, Qwen2-MoE, Qwen 3.5, Gemma 4 or Mixtral, and llama.cpp's graphs fix their routing (softmax; top-k
-renormalized for all but Qwen2-MoE and OLMoE; no scale). moestream gives absent keys that routing (each family's
-oracle tests check it against transformers on files that lack them; the first test here checks that they do
-lack them) and, where the transformers class has the switch (``norm_topk_prob``: Qwen3-MoE, Qwen2-MoE), follows
-a file that sets ``expert_weights_norm``, checked here against transformers with the switch flipped. What a
-family cannot compute is refused in one line: another gating function, a weight scale, or (where transformers
-has no switch) a renormalization setting that contradicts the architecture. OLMoE's key is tested in
-tests/test_olmoe.py; GLM-4.5's sigmoid routing keys in tests/test_glm4moe.py.
+llama.cpp's converter writes none of ``expert_gating_func`` / ``expert_weights_norm`` / ``expert_weights_scale`` for
+Qwen3-MoE, Qwen2-MoE, Qwen 3.5, Gemma 4, Mixtral, OLMoE or GPT-OSS, and llama.cpp's graphs fix their routing
+(softmax; top-k renormalized for all but Qwen2-MoE and OLMoE; GPT-OSS softmaxes the top-k logits; no scale).
+moestream gives absent keys that routing (each family's oracle tests check it against transformers on files that
+lack them; the first test here checks that they do lack them) and, where the transformers class has the switch
+(``norm_topk_prob``: Qwen3-MoE, Qwen2-MoE, OLMoE), follows a file that sets ``expert_weights_norm``, checked here
+against transformers with the switch flipped (OLMoE's in tests/test_olmoe.py). What a family cannot compute is
+refused in one line: another gating function, a weight scale, or (where transformers has no switch) a
+renormalization setting that contradicts the architecture. GLM-4.5's sigmoid routing keys are tested in
+tests/test_glm4moe.py, DeepSeek's in tests/test_deepseek2.py.
 """
 
 from __future__ import annotations
@@ -30,14 +31,18 @@ from moestream.tokenizer import GGUFTokenizer
 
 PROMPT = "Routing keys a file may lack: the gating function, the renormalization and the scale of the weights."
 KEYS = ("expert_gating_func", "expert_weights_norm", "expert_weights_scale")
-# fixture -> (GGUF arch, renormalized by default, transformers has norm_topk_prob)
+# fixture -> (GGUF arch, renormalized by default, transformers has norm_topk_prob, llama.cpp's gating function)
 FAMILIES = {
-    "qwen3moe-tiny": ("qwen3moe", True, True),
-    "qwen2moe-tiny": ("qwen2moe", False, True),
-    "qwen35moe-tiny": ("qwen35moe", True, False),
-    "gemma4-tiny": ("gemma4", True, False),
-    "mixtral-tiny": ("llama", True, False),
+    "qwen3moe-tiny": ("qwen3moe", True, True, 1),
+    "qwen2moe-tiny": ("qwen2moe", False, True, 1),
+    "qwen35moe-tiny": ("qwen35moe", True, False, 1),
+    "gemma4-tiny": ("gemma4", True, False, 1),
+    "mixtral-tiny": ("llama", True, False, 1),
+    "olmoe-tiny": ("olmoe", False, True, 1),
+    "gpt-oss-tiny": ("gpt-oss", True, False, 3),  # softmax among the top-k logits: the weights sum to 1
 }
+#: OLMoE's expert_weights_norm against transformers' norm_topk_prob: tests/test_olmoe.py
+FLIP_TESTED_ELSEWHERE = {"olmoe-tiny"}
 
 
 def _files(fixtures_tool: Any, name: str) -> dict[str, Any]:
@@ -57,7 +62,7 @@ def _logits(path: Path, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_converter_writes_no_routing_keys_and_absent_is_the_architectures_routing(fixtures_tool, name, tmp_path):
-    arch, norm, switchable = FAMILIES[name]
+    arch, norm, switchable, gating = FAMILIES[name]
     files = _files(fixtures_tool, name)
     fields = GGUFReader(str(files["f32"])).fields
     assert not [k for k in KEYS if f"{arch}.{k}" in fields]
@@ -66,7 +71,7 @@ def test_converter_writes_no_routing_keys_and_absent_is_the_architectures_routin
         assert m.norm_topk is norm
         assert json.loads((files["ckpt"] / "config.json").read_text())["norm_topk_prob"] is norm
     # the keys set to what absent means: accepted, the same bits
-    same = _variant(files["f32"], tmp_path / "explicit.gguf", arch, expert_gating_func=(1, GGUFValueType.UINT32),
+    same = _variant(files["f32"], tmp_path / "explicit.gguf", arch, expert_gating_func=(gating, GGUFValueType.UINT32),
                     expert_weights_norm=(norm, GGUFValueType.BOOL), expert_weights_scale=(1.0, GGUFValueType.FLOAT32))
     ids = GGUFTokenizer.from_gguf(str(files["f32"])).encode(PROMPT)[:12]
     assert torch.equal(_logits(same, ids), _logits(files["f32"], ids))
@@ -74,7 +79,7 @@ def test_converter_writes_no_routing_keys_and_absent_is_the_architectures_routin
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_what_the_family_cannot_compute_is_refused(fixtures_tool, name, tmp_path):
-    arch, norm, switchable = FAMILIES[name]
+    arch, norm, switchable, _ = FAMILIES[name]
     f32 = _files(fixtures_tool, name)["f32"]
     bad = {"sigmoid": dict(expert_gating_func=(2, GGUFValueType.UINT32)),
            "scale": dict(expert_weights_scale=(2.5, GGUFValueType.FLOAT32))}
@@ -92,13 +97,13 @@ def test_what_the_family_cannot_compute_is_refused(fixtures_tool, name, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n, f in sorted(FAMILIES.items()) if f[2]])
+@pytest.mark.parametrize("name", [n for n, f in sorted(FAMILIES.items()) if f[2] and n not in FLIP_TESTED_ELSEWHERE])
 def test_norm_key_flipped_against_transformers(fixtures_tool, name, tmp_path):
     """A file that sets ``expert_weights_norm`` against the published value computes what transformers computes
     with ``norm_topk_prob`` flipped; the two settings differ far beyond the tolerance."""
     from transformers import AutoModelForCausalLM
 
-    arch, norm, _ = FAMILIES[name]
+    arch, norm, _, _ = FAMILIES[name]
     files = _files(fixtures_tool, name)
     flipped = _variant(files["f32"], tmp_path / "flipped.gguf", arch,
                        expert_weights_norm=(not norm, GGUFValueType.BOOL))

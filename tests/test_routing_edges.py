@@ -60,9 +60,9 @@ def load_model_slots(path: Path, slots: int) -> None:
 
 
 def test_experts_never_selected_are_never_read(qwen3moe_tiny: dict[str, Any]) -> None:
-    """A short run selects only some of each layer's 16 experts: the streaming store reads those and no other
-    (bytes read = misses x bytes per expert, every slot holds a selected expert), and the logits equal the
-    resident run's."""
+    """A short run selects only some of each layer's 16 experts, the same ones transformers' router selects on the
+    same tokens: the streaming store reads those and no other (bytes read = misses x bytes per expert, every slot
+    holds a selected expert), and the logits equal the resident run's."""
     model = load(qwen3moe_tiny["f32"], stream=True, slots=qwen3moe_tiny["config"]["num_experts_per_tok"])
     picked: dict[int, set[int]] = {}
     real_call = type(model.blocks[0]["moe"]).__call__
@@ -74,8 +74,19 @@ def test_experts_never_selected_are_never_read(qwen3moe_tiny: dict[str, Any]) ->
     spy_class = type("SpyMoE", (type(model.blocks[0]["moe"]),), {"__call__": spy})
     for b in model.blocks:
         b["moe"].__class__ = spy_class
-    ours_greedy(model, [11], 2)
+    _, toks = ours_greedy(model, [11], 2)
     store, layout = model.store, model.layout
+    # transformers' routers on the tokens the run fed ([11], then its first greedy token)
+    hf = _hf(qwen3moe_tiny["ckpt"])
+    hf_picked: dict[int, set[int]] = {}
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda _m, _in, out, i=i: hf_picked.setdefault(i, set()).update(out[2].reshape(-1).tolist()))
+        for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "gate")]
+    with torch.inference_mode():
+        hf(torch.tensor([[11, toks[0]]]))
+    for h in hooks:
+        h.remove()
+    assert picked == hf_picked
     n_exp = layout.n_experts(layout.moe_layers[0])
     assert any(len(p) < n_exp for p in picked.values()), "every expert was selected: the run is too long"
     for layer, slots in store.slots.items():

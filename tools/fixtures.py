@@ -287,6 +287,11 @@ QUANTIZED: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen3moe-tiny-iquants": ("qwen3moe-tiny", tuple(TOOL_QUANTS)),
     # added to the deepseek2-tiny fixture's own dict by tools/fixtures_deepseek2.py
     "deepseek2-tiny-llamacpp": ("deepseek2-tiny", ("q4_k_m",)),
+    # the quantized file of each family's standard tests (tests/family.py: Family.quant)
+    "qwen2moe-tiny-llamacpp": ("qwen2moe-tiny", ("q4_k_m",)),
+    "mixtral-tiny-llamacpp": ("mixtral-tiny", ("q4_k_m",)),
+    "olmoe-tiny-llamacpp": ("olmoe-tiny", ("q4_k_m",)),
+    "glm4moe-tiny-llamacpp": ("glm4moe-tiny", ("q4_k_m",)),
 }
 
 

@@ -60,13 +60,16 @@ class MoE:
     bias: optional per-expert output biases that stay resident, ``{matrix: float32 [n_experts, rows]}`` for some of
     ``gate``, ``up``, ``down`` (``gate_up`` for a merged matrix), added to that matrix's output and indexed by the
     REAL expert id (the matmul itself addresses the pool by slot id). A layer with biases computes per expert (the
-    fused C call and the CUDA grouped launches take none).
+    fused C call and the CUDA grouped launches take none). overlap_of: callable returning whether a call without
+    ``overlap=`` hides the reads behind compute (a model's ``opts.overlap``, read at each call); absent: on.
+    Architecture files make it with ``MoEModel.moe(layer, ...)``, which passes the store, kernels and overlap.
     """
 
     def __init__(self, layer: int, layout: ExpertLayout, store_of: Callable[[], ExpertStore],
                  act: Activation = swiglu, blocks: bool = False, gpu: bool = False,
-                 bias: dict[str, torch.Tensor] | None = None):
+                 bias: dict[str, torch.Tensor] | None = None, overlap_of: Callable[[], bool] | None = None):
         self.layer = layer
+        self.overlap_of = overlap_of
         self.mats = layout[layer]
         self.store_of = store_of
         self.act = act
@@ -100,12 +103,13 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 overlap: bool = True, expert_scale: torch.Tensor | None = None,
+                 overlap: bool | None = None, expert_scale: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [tokens, hidden] float32; ids: [tokens, top_k] int64 real expert ids; weights: [tokens, top_k]
         float32 routing weights. shared: the shared expert / dense FFN, run while the misses are read when
-        ``overlap`` (else before the reads start). expert_scale: optional [n_experts] per-expert output
-        scale, indexed by real expert id. Returns (routed output [tokens, hidden], shared output or None).
+        ``overlap`` (else before the reads start); ``overlap`` None: ``overlap_of()`` (on without one).
+        expert_scale: optional [n_experts] per-expert output scale, indexed by real expert id. Returns (routed
+        output [tokens, hidden], shared output or None).
 
         With ``overlap`` (the default) the reads hide behind every computation that does not need them:
         after the router's top-k the misses go to the IO threads, the shared/dense FFN runs, then the hits'
@@ -120,6 +124,8 @@ class MoE:
         summed in top-k order at the end and every expert sees the same tokens either way, so neither tiling
         nor overlap changes a bit of the result.
         """
+        if overlap is None:
+            overlap = self.overlap_of() if self.overlap_of is not None else True
         if self.routing is not None:  # synthetic routing: other expert ids, the router's weights
             ids = self.routing(self.layer, ids)
         store = self.store_of()

@@ -13,6 +13,7 @@ import torch
 from ..errors import ConfigError, GGUFError
 from ..experts.layout import _EXPS_RE as EXPERT_TENSOR
 from ..experts.layout import ExpertLayout
+from ..experts.moe import MoE
 from ..experts.pool import ExpertStore, ResidentStore, StreamingStore
 from ..gguf import GGUFModel
 from .layers import Weight, check_computable, rms_norm
@@ -281,14 +282,16 @@ class MoEModel:
             log_multiplier=self.meta_float("rope.scaling.yarn_log_multiplier", 0.0, allow_zero=True),
             attn_factor=self.meta_float("rope.scaling.attn_factor", 1.0))
 
-    def softmax_routing(self, norm: bool, switchable: bool) -> bool:
+    def softmax_routing(self, norm: bool, switchable: bool, gating: int = 1) -> bool:
         """The routing keys of a softmax-routed family, checked; returns whether the top-k weights are renormalized.
+        ``gating``: the family's gating function in llama.cpp's numbering (``llama_expert_gating_func_type``): 1 softmax
+        over all experts, then top-k; 3 (GPT-OSS) the top-k router logits softmaxed among themselves.
 
         The converter writes none of them for these families, and llama.cpp's graphs fix the routing per
         architecture (softmax gating, renormalization on or off, no scale), reading no key. Absent keys give that
         fixed routing. A file that sets them:
 
-        - ``expert_gating_func``: 1 (softmax) or 0 (none: llama.cpp's "unset") is accepted; another function is
+        - ``expert_gating_func``: ``gating`` or 0 (none: llama.cpp's "unset") is accepted; another function is
           refused (these families' checkpoints have no such option).
         - ``expert_weights_norm``: with ``switchable`` (the transformers class has ``norm_topk_prob``: Qwen3-MoE,
           Qwen2-MoE, OLMoE) the file's value is used, as transformers would with that ``norm_topk_prob``;
@@ -297,10 +300,11 @@ class MoEModel:
 
         GGUFError naming the key and value for what is refused or mistyped."""
         g, path, d = self.gguf.arch_get, self.gguf.path, self.meta_desc
-        gating = g("expert_gating_func", 0)
-        if isinstance(gating, bool) or gating not in (0, 1):
-            raise GGUFError(f"{path}: metadata {d(expert_gating_func=gating)} is not softmax (1); {self.gguf.arch} "
-                            f"routes with softmax only")
+        name = {1: "softmax", 3: "softmax over the top-k"}[gating]
+        given_gating = g("expert_gating_func", 0)
+        if isinstance(given_gating, bool) or given_gating not in (0, gating):
+            raise GGUFError(f"{path}: metadata {d(expert_gating_func=given_gating)} is not {name} ({gating}); "
+                            f"{self.gguf.arch} routes with {name} only")
         given = g("expert_weights_norm")
         if given is not None:
             if not isinstance(given, bool):
@@ -543,15 +547,23 @@ class MoEModel:
         for b in getattr(self, "blocks", ()):
             if isinstance(b, dict) and "moe" in b:
                 b["moe"].routing = routing
-    def lookahead(self, layer: int, x: torch.Tensor) -> None:
-        """Router-lookahead prefetch for ``layer``: x [T, hidden] float32 is the residual stream entering it (the
-        previous layer's output, or the embeddings). When ``opts.prefetch`` is on, the store streams and ``layer``
-        is an MoE layer, its router predicts the experts (:meth:`predict`: the arch's own routing code, one
-        [T, hidden] x [hidden, n_experts] matmul) and ``store.prefetch`` starts reading those not in a slot while
-        the layer's attention runs. Reads are issued for a decode step (T = 1) and for a prefill chunk whose
-        predicted distinct experts fit in half the layer's pool (more would evict each other, or the tiles'
-        experts, before use); otherwise only the prediction is recorded (for the recall statistic). Never changes
-        a value the forward pass computes."""
+    def moe(self, layer: int, **kw: Any) -> MoE:
+        """The shared MoE layer for routed-expert ``layer`` of this model: experts addressed through the model's
+        current store (resident or streaming, swapped by :meth:`set_store`), computed by the kernels the options
+        chose, reads overlapped with compute as ``opts.overlap`` says. ``kw``: what the architecture adds
+        (``act``, ``bias``; see :class:`MoE`)."""
+        return MoE(layer, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton,
+                   overlap_of=lambda: self.opts.overlap, **kw)
+
+    def begin_layer(self, layer: int, x: torch.Tensor) -> None:
+        """A model file calls this at the start of every layer with x [T, hidden] float32, the residual stream
+        entering it (the previous layer's output, or the embeddings). It runs the router lookahead: when
+        ``opts.prefetch`` is on, the store streams and ``layer`` is an MoE layer, its router predicts the experts
+        (:meth:`predict`: the arch's own routing code, one [T, hidden] x [hidden, n_experts] matmul) and
+        ``store.prefetch`` starts reading those not in a slot while the layer's attention runs. Reads are issued for
+        a decode step (T = 1) and for a prefill chunk whose predicted distinct experts fit in half the layer's pool
+        (more would evict each other, or the tiles' experts, before use); otherwise only the prediction is recorded
+        (for the recall statistic). Never changes a value the forward pass computes."""
         store = self.store
         if not (self.opts.prefetch and store.streaming and layer in self.layout):
             return

@@ -90,7 +90,6 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import GGUFError
-from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
 from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
 from .routing import group_topk
@@ -152,7 +151,7 @@ class DeepSeek2(MoEModel):
                 bias = p + "exp_probs_b.bias"
                 b.update(router=self.weight(p + "ffn_gate_inp.weight"),
                          score_bias=self.norm(bias) if self.has(bias) else None,
-                         moe=MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton))
+                         moe=self.moe(i))
                 if self.n_shared:
                     b.update(sh_gate=self.weight(p + "ffn_gate_shexp.weight"),
                              sh_up=self.weight(p + "ffn_up_shexp.weight"),
@@ -385,7 +384,7 @@ class DeepSeek2(MoEModel):
         self.check_room(cache, start, n_tok)
         x = self.embd.rows_of(tokens)  # [T, hidden]
         for i, b in enumerate(self.blocks):
-            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
+            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the attention
             x = x + self._attention(i, b, rms_norm(x, b["attn_norm"], self.eps), start, cache)
             h = rms_norm(x, b["ffn_norm"], self.eps)
             if "moe" not in b:  # a leading dense layer
@@ -398,6 +397,6 @@ class DeepSeek2(MoEModel):
                     """The shared experts of block b on hs [T, hidden] -> [T, hidden] (no gate)."""
                     return self._swiglu(b["sh_gate"], b["sh_up"], b["sh_down"], hs)
 
-            routed, sh = b["moe"](h, ids, w, shared=shared, overlap=self.opts.overlap)
+            routed, sh = b["moe"](h, ids, w, shared=shared)
             x = x + routed if sh is None else x + routed + sh
         return self.head(x, logits_all)

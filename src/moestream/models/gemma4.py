@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..errors import GGUFError
-from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
 from .layers import LayerKVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
 
@@ -130,8 +129,7 @@ class Gemma4(MoEModel):
                 b["pre_norm_2"] = self.norm(p + "pre_ffw_norm_2.weight")
                 b["post_norm_1"] = self.norm(p + "post_ffw_norm_1.weight")
                 b["post_norm_2"] = self.norm(p + "post_ffw_norm_2.weight")
-                b["moe"] = MoE(i, self.layout, lambda: self.store, act=geglu, blocks=self.use_blocks,
-                               gpu=self.use_triton)
+                b["moe"] = self.moe(i, act=geglu)
             if self.ple_dim:
                 b["ple_gate"] = self.weight(p + "inp_gate.weight")  # [ple_dim, hidden]
                 b["ple_proj"] = self.weight(p + "proj.weight")  # [hidden, ple_dim]
@@ -253,7 +251,7 @@ class Gemma4(MoEModel):
         x = self.embd.rows_of(tokens) * torch.tensor(self.n_embd ** 0.5)  # [T, hidden]
         ple = self.per_layer_inputs(tokens, x) if self.ple_dim else None  # [T, n_layers, ple_dim]
         for i, b in enumerate(self.blocks):
-            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
+            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the attention
             a = self._attention(i, b, rms_norm(x, b["attn_norm"], self.eps), start, cache)
             x = x + rms_norm(a, b["attn_post_norm"], self.eps)
             residual = x
@@ -266,7 +264,7 @@ class Gemma4(MoEModel):
                 ids, w = self.route(b, residual)
                 shared: Callable[[torch.Tensor], torch.Tensor] = dense
                 routed, mlp = b["moe"](rms_norm(residual, b["pre_norm_2"], self.eps), ids, w, shared=shared,
-                                       overlap=self.opts.overlap, expert_scale=b["expert_scale"])
+                                       expert_scale=b["expert_scale"])
                 f = rms_norm(mlp, b["post_norm_1"], self.eps) + rms_norm(routed, b["post_norm_2"], self.eps)
             else:
                 f = dense(residual)

@@ -56,7 +56,6 @@ import math
 import torch
 
 from ..errors import GGUFError
-from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
 from .layers import KVCache, Rope, cached_attention, rms_norm, rope_inv_freq, swiglu_ffn
 from .routing import sigmoid_group_topk
@@ -102,7 +101,7 @@ class Glm4MoE(MoEModel):
                          down=self.weight(p + "ffn_down.weight"))
             else:
                 b.update(router=self.weight(p + "ffn_gate_inp.weight"), score_bias=self.norm(p + "exp_probs_b.bias"),
-                         moe=MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton))
+                         moe=self.moe(i))
                 if self.n_shared:
                     b.update(sh_gate=self.weight(p + "ffn_gate_shexp.weight"),
                              sh_up=self.weight(p + "ffn_up_shexp.weight"),
@@ -247,7 +246,7 @@ class Glm4MoE(MoEModel):
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
-            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
+            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the attention
             h = rms_norm(x, b["attn_norm"], self.eps)
             q, k, v = b["q"].linear(h), b["k"].linear(h), b["v"].linear(h)
             if b["attn_q.bias"] is not None:
@@ -276,6 +275,6 @@ class Glm4MoE(MoEModel):
                     """The shared expert of block b on hs [T, hidden] -> [T, hidden] (no gate)."""
                     return swiglu_ffn(b["sh_gate"], b["sh_up"], b["sh_down"], hs)
 
-            routed, sh = b["moe"](h, ids, w, shared=shared, overlap=self.opts.overlap)
+            routed, sh = b["moe"](h, ids, w, shared=shared)
             x = x + routed if sh is None else x + routed + sh
         return self.head(x, logits_all)

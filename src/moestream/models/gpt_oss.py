@@ -26,8 +26,11 @@ Keys, when the file lacks them (llama.cpp's ``llama_model_openai_moe::load_arch_
 - ``rope.scaling.*``: the shared reader (``MoEModel.rope_scaling``): type none or yarn (any other type is refused);
   ``yarn_log_multiplier`` must be 0 (DeepSeek's mscale form; no GPT-OSS uses it).
 - The SwiGLU's alpha 1.702 and limit 7.0 are constants in llama.cpp (no GGUF key) and here.
-- ``expert_weights_scale`` and ``expert_gating_func`` are not read (llama.cpp does not read them for this
-  architecture either: its graph always uses SOFTMAX_WEIGHT and no scale).
+- ``expert_gating_func``, ``expert_weights_norm``, ``expert_weights_scale``: llama.cpp does not read them for this
+  architecture (its graph always uses SOFTMAX_WEIGHT, 3, and no scale) and the converter writes none; absent is
+  that routing. A file that sets them is checked by ``MoEModel.softmax_routing``: 0 or 3, true (the top-k
+  weights sum to 1), 0 or 1 are accepted; another gating function, ``expert_weights_norm`` false or another
+  scale is refused in one line instead of being ignored.
 
 The truncated YaRN range is the only one a GGUF can give (FIELD-NOTES: gpt-oss-20b's published config says
 ``truncate: false``, which transformers computes and llama.cpp cannot); moestream computes llama.cpp's.
@@ -42,7 +45,7 @@ import math
 import torch
 
 from ..errors import GGUFError
-from ..experts.moe import ClampedSwiGLU, MoE
+from ..experts.moe import ClampedSwiGLU
 from .base import LoadOptions, MoEModel, register
 from .layers import KVCache, Rope, attention, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
 
@@ -65,6 +68,7 @@ class GptOss(MoEModel):
         self.is_swa = self.swa_pattern()
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.rope_base_swa = self.meta_float("rope.freq_base_swa", self.rope_base)
+        self.softmax_routing(norm=True, switchable=False, gating=3)
         self.scaling = self.rope_scaling(("yarn",))
         if self.scaling is not None and self.scaling.log_multiplier:
             raise GGUFError(f"{gguf.path}: metadata "
@@ -95,8 +99,7 @@ class GptOss(MoEModel):
             for name in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
                 b[name] = self.norm(p + name) if self.has(p + name) else None
             bias = {m: self.expert_bias(p + f"ffn_{m}_exps.bias") for m in ("gate", "up", "down")}
-            b["moe"] = MoE(i, self.layout, lambda: self.store, act=act, blocks=self.use_blocks, gpu=self.use_triton,
-                           bias=bias)
+            b["moe"] = self.moe(i, act=act, bias=bias)
             self.blocks.append(b)
 
     # --- metadata ---------------------------------------------------------------------------------------------
@@ -205,7 +208,7 @@ class GptOss(MoEModel):
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
-            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
+            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the attention
             h = rms_norm(x, b["attn_norm"], self.eps)
             q, k, v = b["q"].linear(h), b["k"].linear(h), b["v"].linear(h)
             if b["attn_q.bias"] is not None:
@@ -223,6 +226,6 @@ class GptOss(MoEModel):
             x = x + (b["o"].linear(a) + b["o_bias"])
             h = rms_norm(x, b["ffn_norm"], self.eps)
             ids, w = self.gate(b, h)
-            routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
+            routed, _ = b["moe"](h, ids, w)
             x = x + routed
         return self.head(x, logits_all)

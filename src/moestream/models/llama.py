@@ -20,7 +20,6 @@ import math
 import torch
 
 from ..errors import GGUFError
-from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
 from .layers import KVCache, Rope, cached_attention, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
 
@@ -64,7 +63,7 @@ class Mixtral(MoEModel):
             }
             if i in self.layout:
                 b["router"] = self.weight(p + "ffn_gate_inp.weight")
-                b["moe"] = MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton)
+                b["moe"] = self.moe(i)
             else:
                 b["gate"], b["up"] = self.weight(p + "ffn_gate.weight"), self.weight(p + "ffn_up.weight")
                 b["down"] = self.weight(p + "ffn_down.weight")
@@ -145,7 +144,7 @@ class Mixtral(MoEModel):
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
-            self.lookahead(i, x)
+            self.begin_layer(i, x)
             h = rms_norm(x, b["attn_norm"], self.eps)
             q = deinterleave(b["q"].linear(h).view(n_tok, self.n_head, self.head_dim))
             k = deinterleave(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim))
@@ -155,7 +154,7 @@ class Mixtral(MoEModel):
             h = rms_norm(x, b["ffn_norm"], self.eps)
             if "moe" in b:
                 ids, w = self.gate(b, h)
-                routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
+                routed, _ = b["moe"](h, ids, w)
                 x = x + routed
             else:
                 x = x + swiglu_ffn(b["gate"], b["up"], b["down"], h)

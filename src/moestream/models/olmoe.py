@@ -21,7 +21,6 @@ import math
 import torch
 
 from ..errors import GGUFError
-from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
 from .layers import KVCache, Rope, cached_attention, rms_norm, rope_inv_freq, softmax_topk
 
@@ -56,7 +55,7 @@ class Olmoe(MoEModel):
                 "q_norm": self.norm(p + "attn_q_norm.weight"), "k_norm": self.norm(p + "attn_k_norm.weight"),
                 "ffn_norm": self.norm(p + "ffn_norm.weight"),
                 "router": self.weight(p + "ffn_gate_inp.weight"),
-                "moe": MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton),
+                "moe": self.moe(i),
             })
 
     def check_shapes(self) -> None:
@@ -116,7 +115,7 @@ class Olmoe(MoEModel):
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
-            self.lookahead(i, x)
+            self.begin_layer(i, x)
             h = rms_norm(x, b["attn_norm"], self.eps)
             # q/k RMSNorm over the whole projection [T, n_head * head_dim] (OlmoeAttention), then split into heads
             q = rms_norm(b["q"].linear(h), b["q_norm"], self.eps).view(n_tok, self.n_head, self.head_dim)
@@ -126,6 +125,6 @@ class Olmoe(MoEModel):
             x = x + b["o"].linear(a)
             h = rms_norm(x, b["ffn_norm"], self.eps)
             ids, w = self.route(b["router"].linear(h))
-            routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
+            routed, _ = b["moe"](h, ids, w)
             x = x + routed
         return self.head(x, logits_all)

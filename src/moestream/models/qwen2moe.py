@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import GGUFError
-from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
 from .layers import KVCache, Rope, cached_attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
 
@@ -69,7 +68,7 @@ class Qwen2MoE(MoEModel):
                 "bv": self.norm(p + "attn_v.bias"),
                 "ffn_norm": self.norm(p + "ffn_norm.weight"),
                 "router": self.weight(p + "ffn_gate_inp.weight"),
-                "moe": MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton),
+                "moe": self.moe(i),
                 "sh_gate_inp": self.weight(p + "ffn_gate_inp_shexp.weight"),
                 "sh_gate": self.weight(p + "ffn_gate_shexp.weight"), "sh_up": self.weight(p + "ffn_up_shexp.weight"),
                 "sh_down": self.weight(p + "ffn_down_shexp.weight"),
@@ -172,7 +171,7 @@ class Qwen2MoE(MoEModel):
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
-            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
+            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the attention
             h = rms_norm(x, b["attn_norm"], self.eps)
             q = (b["q"].linear(h) + b["bq"]).view(n_tok, self.n_head, self.head_dim)
             k = (b["k"].linear(h) + b["bk"]).view(n_tok, self.n_kv, self.head_dim)
@@ -187,6 +186,6 @@ class Qwen2MoE(MoEModel):
                 up = elementwise(F.silu, b["sh_gate"].linear(hs)) * b["sh_up"].linear(hs)
                 return torch.sigmoid(b["sh_gate_inp"].linear(hs)) * b["sh_down"].linear(up)
 
-            routed, sh = b["moe"](h, ids, w, shared=shared, overlap=self.opts.overlap)
+            routed, sh = b["moe"](h, ids, w, shared=shared)
             x = x + routed + sh
         return self.head(x, logits_all)

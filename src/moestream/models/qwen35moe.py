@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import GGUFError
-from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
 from .layers import Rope, attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
 
@@ -187,8 +186,7 @@ class Qwen35MoE(MoEModel):
             b = {"attn_norm": self.norm(p + "attn_norm.weight"),
                  "ffn_norm": self.norm(p + "post_attention_norm.weight"),
                  "router": self.weight(p + "ffn_gate_inp.weight"),
-                 "moe": MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks,
-                            gpu=self.use_triton),
+                 "moe": self.moe(i),
                  "sh_gate_inp": self.weight(p + "ffn_gate_inp_shexp.weight"),
                  "sh_gate": self.weight(p + "ffn_gate_shexp.weight"), "sh_up": self.weight(p + "ffn_up_shexp.weight"),
                  "sh_down": self.weight(p + "ffn_down_shexp.weight")}
@@ -319,7 +317,7 @@ class Qwen35MoE(MoEModel):
                              f"{start} (qwen35moe caches cannot be rewound: use a new cache)")
         x = self.embd.rows_of(tokens)  # [T, hidden]
         for i, b in enumerate(self.blocks):
-            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the mixer
+            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the mixer
             h = rms_norm(x, b["attn_norm"], self.eps)
             x = x + (self.delta_net(b, h, i, cache) if "qkv" in b else self.attn(b, h, i, cache, start))
             h = rms_norm(x, b["ffn_norm"], self.eps)
@@ -329,7 +327,7 @@ class Qwen35MoE(MoEModel):
                 up = elementwise(F.silu, b["sh_gate"].linear(hs)) * b["sh_up"].linear(hs)
                 return torch.sigmoid(b["sh_gate_inp"].linear(hs)) * b["sh_down"].linear(up)
 
-            routed, sh = b["moe"](h, ids, w, shared=shared, overlap=self.opts.overlap)
+            routed, sh = b["moe"](h, ids, w, shared=shared)
             x = x + routed + sh
         cache.pos = start + n_tok
         if not logits_all:

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import GGUFError
-from ..experts.moe import MoE
 from .base import LoadOptions, MoEModel, register
 from .graphs import DecodeGraphs
 from .layers import (
@@ -69,7 +68,7 @@ class Qwen3MoE(MoEModel):
             }
             if i in self.layout:
                 b["router"] = self.weight(p + "ffn_gate_inp.weight")
-                b["moe"] = MoE(i, self.layout, lambda: self.store, blocks=self.use_blocks, gpu=self.use_triton)
+                b["moe"] = self.moe(i)
             else:
                 b["gate"], b["up"] = self.weight(p + "ffn_gate.weight"), self.weight(p + "ffn_up.weight")
                 b["down"] = self.weight(p + "ffn_down.weight")
@@ -144,7 +143,7 @@ class Qwen3MoE(MoEModel):
         x = self.embd.rows_of(tokens)  # [T, hidden]
         scale = 1.0 / math.sqrt(self.head_dim)
         for i, b in enumerate(self.blocks):
-            self.lookahead(i, x)  # x: the input of layer i; its reads run behind the attention
+            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the attention
             h = rms_norm(x, b["attn_norm"], self.eps)
             q = rms_norm(b["q"].linear(h).view(n_tok, self.n_head, self.head_dim), b["q_norm"], self.eps)
             k = rms_norm(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim), b["k_norm"], self.eps)
@@ -156,7 +155,7 @@ class Qwen3MoE(MoEModel):
             h = rms_norm(x, b["ffn_norm"], self.eps)
             if "moe" in b:
                 ids, w = self.gate(b, h)
-                routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
+                routed, _ = b["moe"](h, ids, w)
                 x = x + routed
             else:
                 x = x + b["down"].linear(elementwise(F.silu, b["gate"].linear(h)) * b["up"].linear(h))
@@ -224,7 +223,7 @@ class Qwen3MoE(MoEModel):
         for i in layers:
             b = self.blocks[i]
             if look:
-                self.lookahead(i, x)
+                self.begin_layer(i, x)
             x = self._attention_at(i, b, x, pos, n_keys, kpos, cache)
             h = rms_norm(x, b["ffn_norm"], self.eps)
             if "moe" in b:
@@ -262,7 +261,7 @@ class Qwen3MoE(MoEModel):
             if j == len(segs) - 1:
                 return out[0].clone()
             x, h, ids, w = out
-            routed, _ = self.blocks[layers[-1]]["moe"](h, ids, w, overlap=self.opts.overlap)
+            routed, _ = self.blocks[layers[-1]]["moe"](h, ids, w)
         raise AssertionError("unreachable: the last segment returns the logits")
 
     def _decode_body(self, tokens: torch.Tensor, pos: torch.Tensor, n_keys: int, cache: KVCache,
@@ -281,7 +280,7 @@ class Qwen3MoE(MoEModel):
             x, h, ids, w = out
             b = self.blocks[layers[-1]]
             if eager:
-                routed, _ = b["moe"](h, ids, w, overlap=self.opts.overlap)
+                routed, _ = b["moe"](h, ids, w)
             else:
                 routed = b["moe"].resident_step(self.store, h, ids, w)
         raise AssertionError("unreachable: the last segment returns the logits")
