@@ -42,6 +42,8 @@ def test_f32_matches_transformers(qwen3moe_tiny, hf, prompt_ids, stream):
     ref = hf_logits(hf, prompt_ids)
     got, toks = ours(qwen3moe_tiny["f32"], prompt_ids, stream)
     diff = (got - ref).abs().max().item()
+    print(f"qwen3moe f32 ({'stream' if stream else 'resident'}) vs transformers: max |logit diff| {diff:.3g} over "
+          f"{len(prompt_ids)} positions")
     assert diff < 1e-4, f"max |logit diff| {diff:.3g} over {len(prompt_ids)} positions"
     assert toks == hf_greedy(hf, prompt_ids, N_GREEDY)
 
