@@ -27,7 +27,7 @@ import shrink_vocab  # noqa: E402
 
 #: one tiny fixture per family (tools/fixtures_<family>.py and fixtures.py's own)
 FAMILIES = ("qwen3moe-tiny", "gemma4-tiny", "qwen35moe-tiny", "qwen2moe-tiny", "olmoe-tiny", "mixtral-tiny",
-            "glm4moe-tiny")
+            "glm4moe-tiny", "deepseek2-tiny", "gpt-oss-tiny")
 
 
 def make(out: Path, ftype: str, names: list[str], vocab: int = 512) -> list[Path]:
