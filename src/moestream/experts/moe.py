@@ -329,6 +329,8 @@ class MoE:
             m = self.mats[name]
             lead = int(store.lead(self.layer, name)[slot])
             raw = store.matrix(self.layer, name)[slot, lead:lead + m.bytes_per_expert].view(m.rows, -1)
+            if raw.device != v.device:  # a host pool (--pool host) on CUDA: copy the expert's blocks over
+                raw = raw.to(v.device)
             if self.blocks and v.device.type == "cpu" and kernels.computes(m.ggml_type, m.cols):
                 y = kernels.linear(v, raw, m.ggml_type, m.cols)
             else:
