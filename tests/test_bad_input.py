@@ -539,6 +539,30 @@ def _set_type_id(src: Path, dst: Path, tensor: str, type_id: int) -> None:
     dst.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize(("tensor", "shift"), [("blk.0.attn_norm.weight", 4), ("blk.1.ffn_down_exps.weight", 32),
+                                               ("blk.1.ffn_down_exps.weight", -32)])
+def test_a_moved_tensor_offset_is_refused(tmp_path, default_gguf, tensor, shift):
+    """A tensor whose data offset is not where llama.cpp's loader expects it (right after the previous tensor's
+    data, padded to the alignment) is refused at load by name, as llama.cpp refuses it; it used to run and print
+    other text (a norm moved by 4 bytes) or fail later as NaN logits (an expert matrix moved by 32)."""
+    from ggufedit import read as GGUFReader
+
+    reader = GGUFReader(str(default_gguf))
+    t = next(t for t in reader.tensors if t.name == tensor)
+    off_field = t.field.parts[-1]  # the tensor table entry's uint64 offset, relative to the data section
+    pos = t.field.offset + sum(p.nbytes for p in t.field.parts[:-1])
+    rel = int(t.data_offset) - int(reader.data_offset)
+    data = bytearray(default_gguf.read_bytes())
+    assert off_field.nbytes == 8 and int.from_bytes(data[pos:pos + 8], "little") == rel
+    data[pos:pos + 8] = (rel + shift).to_bytes(8, "little")
+    path = tmp_path / "moved.gguf"
+    path.write_bytes(bytes(data))
+    lines = {assert_one_line_error(moestream(cmd, "-m", str(path), *args))
+             for cmd, args in (("inspect", ()), ("run", ("-n", "2")))}
+    assert lines == {f"moestream: error: {path}: tensor {tensor} has data offset {rel + shift}, expected {rel} "
+                     f"(tensors follow each other in table order, each padded to 32 bytes)"}
+
+
 @pytest.mark.parametrize("tensor", ["blk.1.ffn_down_exps.weight", "blk.0.attn_q.weight"])
 def test_unknown_type_id_names_the_file_and_tensor(tmp_path, default_gguf, tensor):
     path = tmp_path / "type99.gguf"
@@ -640,3 +664,50 @@ def test_layers_past_block_count_are_refused(tmp_path, default_gguf):
     for cmd in (("inspect",), ("run", "-n", "2")):
         assert_one_line_error(moestream(cmd[0], "-m", str(path), *cmd[1:]), str(path),
                               "metadata key qwen3moe.block_count=3 but the file has tensors of 1 more layer(s)")
+
+
+@pytest.mark.parametrize("width", [64, 256])
+def test_expert_width_key_contradicting_the_tensors_is_refused(tmp_path, default_gguf, width):
+    """expert_feed_forward_length disagreeing with the expert matrices (128 wide here): refused as llama.cpp refuses
+    it by the tensors' shapes (it used to run, the key unused)."""
+    path = tmp_path / "bad.gguf"
+    rewrite(default_gguf, path, set_kv={"qwen3moe.expert_feed_forward_length": width})
+    for cmd in (("inspect",), ("run", "-n", "2"), ("verify", "--steps", "2")):
+        assert_one_line_error(moestream(cmd[0], "-m", str(path), *cmd[1:]), str(path),
+                              f"metadata qwen3moe.expert_feed_forward_length={width} but "
+                              "blk.0.ffn_down_exps.weight is 128 wide (its experts' width)")
+
+
+def test_an_unknown_metadata_value_type_is_one_plain_line(tmp_path, default_gguf):
+    """A metadata value type id the GGUF spec does not define: one line naming the file and the number (it printed
+    numpy's repr, np.uint32(77))."""
+    from ggufedit import read as GGUFReader
+
+    field = GGUFReader(str(default_gguf)).fields["general.architecture"]
+    pos = field.offset + field.parts[0].nbytes + field.parts[1].nbytes  # after the key's length and bytes
+    data = bytearray(default_gguf.read_bytes())
+    assert int.from_bytes(data[pos:pos + 4], "little") == 8  # GGUF_TYPE_STRING
+    data[pos:pos + 4] = (77).to_bytes(4, "little")
+    path = tmp_path / "type77.gguf"
+    path.write_bytes(bytes(data))
+    line = assert_one_line_error(moestream("inspect", "-m", str(path)), str(path))
+    assert line == f"moestream: error: {path}: invalid GGUF: 77 is not a valid GGUFValueType"
+
+
+# ------------------------------------------------------------------------------------------------ two outputs, one file
+@pytest.mark.parametrize("cmd", ["run", "bench"])
+def test_two_outputs_naming_one_file_are_refused(tmp_path, default_gguf, cmd):
+    """Two output options naming the same file (directly or through a symlink) are refused before the model runs:
+    one output would be written over the other (it used to report both as written, one of them lost)."""
+    out = tmp_path / "out.jsonl"
+    link = tmp_path / "link.jsonl"
+    out.write_text("keep\n")
+    link.symlink_to(out)
+    first, second = ("--routing-trace", "--trace") if cmd == "run" else ("--json", "--trace")
+    extra = ("-n", "2") if cmd == "run" else ("-p", "4", "-n", "2", "-r", "1")
+    for other in (out, link):
+        line = assert_one_line_error(moestream(cmd, "-m", str(default_gguf), *extra, first, str(out), second,
+                                               str(other)))
+        assert line == (f"moestream: error: {second} {other}: {first} {out} names the same file; give each output "
+                        "its own path")
+    assert out.read_text() == "keep\n"

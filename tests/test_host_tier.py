@@ -67,3 +67,11 @@ def test_inspect_prices_it() -> None:
     assert "host tier" not in bare.stdout
     lone = cli("inspect", "--host-cache", "100MiB")
     assert lone.returncode != 0 and "--mem" in lone.stderr
+
+
+def test_verify_uses_it_and_does_not_call_it_ignored() -> None:
+    """verify's resident pass loads the model with streaming off; the tier serves its streaming pass, so no note may
+    say it is ignored (one did, above the line saying what the tier served)."""
+    r = cli("verify", "--steps", "4", "--slots", "4", "--host-cache", "64MiB")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ignored" not in r.stderr and "host tier " in r.stdout, r.stdout + r.stderr

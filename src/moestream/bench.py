@@ -146,6 +146,25 @@ def check_json_path(path: str, inputs: list[str] = (), option: str = "--json", w
     os.unlink(probe)
 
 
+def check_distinct_outputs(outputs: list[tuple[str, str | None]]) -> None:
+    """ConfigError when two output options (``(option, path)`` pairs; None = not given) name the same file: each
+    would be written over the other and one output silently lost."""
+    seen: list[tuple[str, str, str]] = []
+    for option, path in outputs:
+        if not path:
+            continue
+        real = os.path.realpath(path)
+        for other, other_path, other_real in seen:
+            same = real == other_real
+            if not same:
+                with contextlib.suppress(OSError):
+                    same = os.path.samefile(real, other_real)
+            if same:
+                raise ConfigError(f"{option} {path}: {other} {other_path} names the same file; give each output its "
+                                  "own path")
+        seen.append((option, path, real))
+
+
 def write_json(path: str, obj: object) -> None:
     """Write ``obj`` as JSON to ``path`` (``--json``), as :func:`write_output` writes."""
     write_output(path, json.dumps(obj, indent=2) + "\n")
@@ -782,6 +801,7 @@ def run_bench(args: argparse.Namespace) -> int:
     trace_path = getattr(args, "trace", None)
     if trace_path is not None:
         check_json_path(trace_path, g.paths, option="--trace", what="the trace")
+    check_distinct_outputs([("--json", args.json), ("--trace", trace_path)])
     if args.policy not in ("lfu", "lru"):
         raise ConfigError(f"--policy: unknown cache policy {args.policy!r}; choose one of lfu, lru")
     if args.repetitions < 1:

@@ -154,7 +154,9 @@ def set_compute_threads(threads: int, matmul: str) -> None:
     torch.set_num_threads(1 if matmul == "blocks" else threads)
 
 
-def _load(args: argparse.Namespace, moe_stream: bool):
+def _load(args: argparse.Namespace, moe_stream: bool, streams_later: bool = False):
+    """The model and its LoadOptions; ``streams_later``: verify, whose resident model is run streaming too (the
+    streaming options are used, so no note says they are ignored)."""
     from .models.base import LoadOptions, load_model
     _check_common(args)
     threads = args.threads if args.threads is not None else default_threads()
@@ -168,7 +170,7 @@ def _load(args: argparse.Namespace, moe_stream: bool):
                        mem=mem, mem_source=mem_source, direct_io=getattr(args, "direct_io", None),
                        device=getattr(args, "device", "cpu"), pool=getattr(args, "pool", "device"),
                        gpu_mem=gpu_mem, gpu_mem_source=gpu_mem_source, host_cache=_host_cache_option(args))
-    for ignored in _ignored_options(args, opts, moe_stream):
+    for ignored in _ignored_options(args, opts, moe_stream or streams_later):
         print(f"moestream: note: {ignored}", file=sys.stderr, flush=True)
     # with a budget the pools are sized once the context is known (_context, verify): defer the store
     return load_model(model_path(args), opts, defer_store=True), opts
@@ -306,6 +308,10 @@ def _check_common(args: argparse.Namespace) -> None:
     mm = getattr(args, "matmul", "blocks")
     if mm not in MATMUL_MODES:
         raise ConfigError(f"--matmul: unknown mode {mm!r}; choose one of {', '.join(MATMUL_MODES)}")
+    from .experts.policy import POLICIES
+    policy = getattr(args, "policy", None)
+    if policy is not None and policy not in POLICIES:  # before the model loads (the store checks it again)
+        raise ConfigError(f"--policy: unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
     ub = getattr(args, "ubatch", 1)
     if ub < 1:
         raise ConfigError(f"-ub must be at least 1, got {ub}")
@@ -532,6 +538,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.trace is not None:
         from .runtrace import check_trace_path as check_run_trace_path
         check_run_trace_path(args.trace, [model_path(args)])
+    from .bench import check_distinct_outputs
+    check_distinct_outputs([("--routing-trace", args.routing_trace), ("--trace", args.trace)])
     params = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     model, _ = _load(args, args.moe_stream)
     trace = None
@@ -801,7 +809,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")
     if args.steps > MAX_TOKENS:
         raise ConfigError(f"--steps must be at most 2^31, got {args.steps}")
-    model, opts = _load(args, moe_stream=False)
+    model, opts = _load(args, moe_stream=False, streams_later=True)
     tok = _tokenizer(model)
     ids = tok.encode(args.prompt, add_special=True)
     if not ids:

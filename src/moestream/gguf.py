@@ -191,6 +191,7 @@ def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
         m = re.search(r"version (\d+) which we cannot handle", msg)
         if m:
             raise GGUFError(f"{path}: GGUF version {m.group(1)} is not supported (versions 2 and 3 are)") from None
+        msg = re.sub(r"np\.\w+\((-?\d+)\)", r"\1", msg)  # numpy's scalar repr, e.g. np.uint32(77) -> 77
         raise GGUFError(f"{path}: invalid GGUF: {msg}") from None
     except Exception as e:  # noqa: BLE001 - gguf raises assorted errors on corrupt headers
         raise GGUFError(f"{path}: invalid GGUF: {type(e).__name__}: {e}") from None
@@ -230,7 +231,14 @@ class GGUFModel:
                     if not key.startswith("GGUF."):
                         self.fields[key] = _field_value(field)
             size = os.path.getsize(p)
+            align, expect = int(reader.alignment), 0
             for t in reader.tensors:
+                # llama.cpp's gguf loader: each tensor's data follows the previous one's, padded to the alignment
+                rel = int(t.data_offset) - int(reader.data_offset)
+                if rel != expect:
+                    raise GGUFError(f"{p}: tensor {t.name} has data offset {rel}, expected {expect} (tensors follow "
+                                    f"each other in table order, each padded to {align} bytes)")
+                expect += -(-int(t.n_bytes) // align) * align
                 info = TensorInfo(
                     name=t.name,
                     ggml_type=int(t.tensor_type),

@@ -199,12 +199,31 @@ class MoEModel:
         self.store: ExpertStore = None  # type: ignore[assignment]
         #: None, or a callable ``(layer, ids) -> ids`` that replaces every MoE layer's router ids (set_routing)
         self.routing: Callable | None = None
+        self.check_expert_width()
         if opts.metadata_only:
             self.check_expert_types()
         elif not opts.budgeted:  # a budget needs the dense weights loaded first: fit_store() after __init__
             self.store = self.make_store(opts)
 
     # --- checked metadata -----------------------------------------------------------------------
+    #: the metadata key giving the routed experts' width (llama.cpp's n_ff_exp; llama and olmoe use the dense
+    #: ``feed_forward_length``): checked against the expert matrices where a file sets it (> 0)
+    expert_width_key: str | None = "expert_feed_forward_length"
+
+    def check_expert_width(self) -> None:
+        """GGUFError naming the file when :attr:`expert_width_key` (one value, or one per layer) disagrees with a
+        layer's expert matrices (the columns of ``ffn_down_exps``); llama.cpp refuses such a file by the tensor's
+        shape. A family that checks the width itself (deriving it when the key is 0 or absent) sets the key None."""
+        if self.expert_width_key is None:
+            return
+        width = self.gguf.arch_get(self.expert_width_key)
+        for layer, mats in self.layout.layers.items():
+            w = (width[layer] if layer < len(width) else None) if isinstance(width, list) else width
+            down = mats.get("down")
+            if isinstance(w, int) and w > 0 and down is not None and down.cols != w:
+                raise GGUFError(f"{self.gguf.path}: metadata {self._key(self.expert_width_key)}={w} but "
+                                f"blk.{layer}.ffn_down_exps.weight is {down.cols} wide (its experts' width)")
+
     def _key(self, suffix: str) -> str:
         return f"{self.gguf.arch}.{suffix}"
 

@@ -100,6 +100,8 @@ GATING_NONE, GATING_SOFTMAX, GATING_SIGMOID = 0, 1, 2
 
 @register("deepseek2")
 class DeepSeek2(MoEModel):
+    expert_width_key = None  # the width is checked (or derived, as llama.cpp does) in this file
+
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)  # n_blocks, n_mtp, n_layers (the trunk); MTP blocks get no slot pool
         self.n_embd = self.meta_int("embedding_length", required=True)

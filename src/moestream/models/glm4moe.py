@@ -66,6 +66,8 @@ GATING_SIGMOID = 2
 
 @register("glm4moe")
 class Glm4MoE(MoEModel):
+    expert_width_key = None  # the width is checked (or derived, as llama.cpp does) in this file
+
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)  # n_blocks, n_mtp, n_layers (the trunk); the MTP blocks get no slot pool
         self.n_embd = self.meta_int("embedding_length", required=True)

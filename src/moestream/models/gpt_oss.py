@@ -55,6 +55,8 @@ SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 @register("gpt-oss")
 class GptOss(MoEModel):
+    expert_width_key = None  # the width is checked (or derived, as llama.cpp does) in this file
+
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         self.n_embd = self.meta_int("embedding_length", required=True)

@@ -33,6 +33,8 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 @register("llama")
 class Mixtral(MoEModel):
+    expert_width_key = "feed_forward_length"  # llama.cpp: the experts are n_ff wide
+
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         self.n_layers = self.meta_int("block_count", required=True)

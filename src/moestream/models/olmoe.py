@@ -27,6 +27,8 @@ from .layers import KVCache, Rope, cached_attention, rms_norm, rope_inv_freq, so
 
 @register("olmoe")
 class Olmoe(MoEModel):
+    expert_width_key = "feed_forward_length"  # llama.cpp: the experts are n_ff wide
+
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         self.n_layers = self.meta_int("block_count", required=True)

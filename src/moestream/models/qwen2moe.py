@@ -37,6 +37,8 @@ from .layers import KVCache, Rope, cached_attention, elementwise, rms_norm, rope
 
 @register("qwen2moe")
 class Qwen2MoE(MoEModel):
+    expert_width_key = None  # the width is checked (or derived, as llama.cpp does) in this file
+
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         self.n_layers = self.meta_int("block_count", required=True)
