@@ -60,9 +60,10 @@ def test_triton_on(gpu_model) -> None:  # noqa: ANN001
     from moestream.gpu import tkernels
 
     assert moes
-    for m in moes:  # Triton's types must take the grouped path; others (MXFP4) are dequantized on the GPU
-        types = {mm.ggml_type for mm in m.mats.values()}
-        assert m.gpu == (types <= tkernels.TYPES), f"layer {m.layer}: types {sorted(types)}, grouped path {m.gpu}"
+    for m in moes:  # Triton's types take the grouped path; other types (MXFP4) and experts with biases (gpt-oss)
+        types = {mm.ggml_type for mm in m.mats.values()}  # are dequantized on the GPU, one expert at a time
+        grouped = types <= tkernels.TYPES and m.bias is None
+        assert m.gpu == grouped, f"layer {m.layer}: types {sorted(types)}, biases {m.bias is not None}, grouped {m.gpu}"
 
 
 @pytest.mark.parametrize("pool", ["device", "host"])
