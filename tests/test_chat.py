@@ -287,8 +287,11 @@ class Proc:
     """A moestream subprocess whose stdout / stderr are read as they come."""
 
     def __init__(self, *args: str):
+        # SIGINT at its default, as under a terminal: a test run started in the background by a shell inherits it
+        # ignored, and Python then installs no KeyboardInterrupt handler (Ctrl-C at the prompt would do nothing)
         self.p = subprocess.Popen([sys.executable, "-m", "moestream", *args], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.out, self.err = bytearray(), bytearray()
         for stream, buf in ((self.p.stdout, self.out), (self.p.stderr, self.err)):
             threading.Thread(target=self._pump, args=(stream, buf), daemon=True).start()
