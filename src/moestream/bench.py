@@ -31,6 +31,7 @@ import tempfile
 import time
 
 from .errors import ConfigError, OutputError
+from .experts.policy import check_policy
 
 GiB = 2**30
 
@@ -802,8 +803,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if trace_path is not None:
         check_json_path(trace_path, g.paths, option="--trace", what="the trace")
     check_distinct_outputs([("--json", args.json), ("--trace", trace_path)])
-    if args.policy not in ("lfu", "lru"):
-        raise ConfigError(f"--policy: unknown cache policy {args.policy!r}; choose one of lfu, lru")
+    check_policy(args.policy)
     if args.repetitions < 1:
         raise ConfigError(f"-r must be at least 1, got {args.repetitions}")
     routing = str(getattr(args, "routing", "model")).strip().lower()

@@ -177,15 +177,15 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
     if minimum > budget:
         # the process part is measured, and moves by 10-20 MiB from one start to the next: the size suggested
         # leaves room for that, so that running with it works
-        room = max(PROCESS_JITTER, minimum // 50) if process else 0
-        need = _size_text(minimum + room)
+        margin = max(PROCESS_JITTER, minimum // 50) if process else 0
+        need = _size_text(minimum + margin)
         raise ConfigError(
             f"{what}: {source} is too small: process {process / GiB:.2f} + dense weights {dense / GiB:.2f} + KV cache "
             f"{kv / GiB:.2f} ({n_ctx} tokens) + scratch {scratch / GiB:.2f} + "
             + (f"host tier {tier / GiB:.2f} + " if tier else "") + f"{top_k} slots per layer "
             f"{(minimum - fixed) / GiB:.2f} GiB = {minimum / GiB:.2f} GiB; {option} {need} works"
-            + (f" (that sum and {room // MiB} MiB of room for the process's size, which moves between starts)"
-               if room else "")
+            + (f" (that sum and {margin // MiB} MiB of room for the process's size, which moves between starts)"
+               if margin else "")
             + (" (or a smaller context)" if kv > 64 * MiB else ""))
     room = budget - fixed
     # the largest uniform count that fits (clamped per layer to its experts), then one more slot each for the

@@ -308,10 +308,9 @@ def _check_common(args: argparse.Namespace) -> None:
     mm = getattr(args, "matmul", "blocks")
     if mm not in MATMUL_MODES:
         raise ConfigError(f"--matmul: unknown mode {mm!r}; choose one of {', '.join(MATMUL_MODES)}")
-    from .experts.policy import POLICIES
-    policy = getattr(args, "policy", None)
-    if policy is not None and policy not in POLICIES:  # before the model loads (the store checks it again)
-        raise ConfigError(f"--policy: unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if getattr(args, "policy", None) is not None:  # before the model loads
+        from .experts.policy import check_policy
+        check_policy(args.policy)
     ub = getattr(args, "ubatch", 1)
     if ub < 1:
         raise ConfigError(f"-ub must be at least 1, got {ub}")

@@ -120,3 +120,10 @@ class LRUPolicy(CachePolicy):
 
 
 POLICIES: dict[str, type[CachePolicy]] = {"lfu": LFUPolicy, "lru": LRUPolicy}
+
+
+def check_policy(name: str) -> None:
+    """ConfigError (``--policy``) unless ``name`` is in :data:`POLICIES`."""
+    if name not in POLICIES:
+        from ..errors import ConfigError
+        raise ConfigError(f"--policy: unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -25,7 +25,7 @@ import torch
 from ..errors import ConfigError, ExpertReadError
 from ..gguf import GGUFModel
 from .layout import ExpertLayout, ExpertMatrix
-from .policy import POLICIES, CachePolicy, SlotMap
+from .policy import POLICIES, CachePolicy, SlotMap, check_policy
 from .reader import ExpertReader, ReadJob, Ticket, dio_alignment, stderr_note
 
 
@@ -281,8 +281,7 @@ class StreamingStore(ExpertStore):
             raise ConfigError(f"--slots {low} is below the experts used per token ({min_slots}); "
                               f"a step needs at least {min_slots} slots per layer")
         n_slots = max(per_layer.values())
-        if policy not in POLICIES:
-            raise ConfigError(f"--policy: unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        check_policy(policy)
         if align is not None and (align < 1 or align & (align - 1)):
             raise ConfigError(f"direct IO alignment must be a power of two, got {align}")
         self.reader = ExpertReader(io_threads, identity=model.identity, note=note)
