@@ -64,20 +64,21 @@ def test_grouped_path_identity_and_oracle() -> None:
 
 def _decode_on_device_path(model, ids: list[int], steps: int, eager: bool) -> list[torch.Tensor]:  # noqa: ANN001
     """Prefill ``ids`` through the usual forward, then ``steps`` greedy steps through the CUDA decode body
-    (qwen3moe ``_decode_body``: device position, attention over a fixed row count, and either the store's MoE
+    (the step runner's ``body``: device position, attention over a fixed row count, and either the store's MoE
     path (``eager``) or ``MoE.resident_step``, what a CUDA graph captures)."""
     from moestream.models.layers import decode_keys
 
     eng = Engine(model, 8)
     cache = model.new_cache(len(ids) + steps)
-    model.rope.reserve(cache.n_ctx)
-    model._kpos = torch.arange(cache.n_ctx, dtype=torch.int64)
+    for rope in model.runner.ropes():
+        rope.reserve(cache.n_ctx)
+    model.runner._kpos = torch.arange(cache.n_ctx, dtype=torch.int64)
     out = [eng.prefill(ids, cache)]
     tok = int(out[0][-1].argmax())
     for i in range(steps):
         pos = len(ids) + i
         with torch.inference_mode():
-            logits = model._decode_body(torch.tensor([tok]), torch.tensor([pos]), decode_keys(pos, cache.n_ctx),
+            logits = model.runner.body(torch.tensor([tok]), torch.tensor([pos]), decode_keys(pos, cache.n_ctx),
                                         cache, eager=eager)
         out.append(logits)
         tok = int(logits[0].argmax())

@@ -336,7 +336,7 @@ def run_row(cfg: dict) -> dict:
                                  "dense": plan.dense, "kv": plan.kv, "n_ctx": plan.n_ctx, "scratch": plan.scratch,
                                  "pools": plan.pools, "left": plan.left, "all_fit": plan.all_fit}
     result["direct_io_used"] = getattr(store, "direct_io", False)  # O_DIRECT to the end of the row
-    g = getattr(model, "graphs", None)
+    g = model.runner.graphs if hasattr(model, "runner") else None
     if g is not None and getattr(model, "device", None) is not None and model.device.type == "cuda":
         result["cuda_graphs"] = {"captures": g.captures, "replays": g.replays,  # warm-up included
                                  "segment_replays": g.segment_replays, "off": g.off_reason}

@@ -67,8 +67,11 @@ class MoE:
 
     def __init__(self, layer: int, layout: ExpertLayout, store_of: Callable[[], ExpertStore],
                  act: Activation = swiglu, blocks: bool = False, gpu: bool = False,
-                 bias: dict[str, torch.Tensor] | None = None, overlap_of: Callable[[], bool] | None = None):
+                 bias: dict[str, torch.Tensor] | None = None, overlap_of: Callable[[], bool] | None = None,
+                 expert_scale: torch.Tensor | None = None):
         self.layer = layer
+        #: optional float32 [n_experts] per-expert output scale, indexed by real expert id (Gemma 4)
+        self.expert_scale = expert_scale
         self.overlap_of = overlap_of
         self.mats = layout[layer]
         self.store_of = store_of
@@ -108,7 +111,8 @@ class MoE:
         """x: [tokens, hidden] float32; ids: [tokens, top_k] int64 real expert ids; weights: [tokens, top_k]
         float32 routing weights. shared: the shared expert / dense FFN, run while the misses are read when
         ``overlap`` (else before the reads start); ``overlap`` None: ``overlap_of()`` (on without one).
-        expert_scale: optional [n_experts] per-expert output scale, indexed by real expert id. Returns (routed
+        expert_scale: optional [n_experts] per-expert output scale, indexed by real expert id (default: the
+        layer's own, ``self.expert_scale``). Returns (routed
         output [tokens, hidden], shared output or None).
 
         With ``overlap`` (the default) the reads hide behind every computation that does not need them:
@@ -139,6 +143,8 @@ class MoE:
         cap = store.capacity(self.layer)
         size = cap // 2 if overlap and len(experts) > cap and cap >= 2 else cap
         tiles = [experts[i:i + size] for i in range(0, len(experts), size)]
+        if expert_scale is None:
+            expert_scale = self.expert_scale
         if expert_scale is not None:
             weights = weights * expert_scale[ids]  # real ids, never slot ids
         groups = None
@@ -305,6 +311,8 @@ class MoE:
             const = self._dev_const = (key, lead, tiles, torch.zeros(top_k, dtype=torch.int32, device=dev),
                                        torch.arange(top_k, dtype=torch.int32, device=dev))
         _, lead, tiles, zeros, rows = const
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[ids]  # real ids (= slot ids here), as in __call__
         flat = ids.reshape(-1)
         x = x.contiguous()
 

@@ -6,7 +6,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -16,7 +16,8 @@ from ..experts.layout import ExpertLayout
 from ..experts.moe import MoE
 from ..experts.pool import ExpertStore, ResidentStore, StreamingStore
 from ..gguf import GGUFModel
-from .layers import Weight, check_computable, rms_norm
+from ..runtime.runner import Runner
+from .layers import KVArena, Weight, check_computable, rms_norm, swiglu_ffn
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 
@@ -154,6 +155,15 @@ class RopeScaling:
     attn_factor: float = 1.0
 
 
+class Route(NamedTuple):
+    """What an MoE layer's router hands the routed experts (:meth:`MoEModel.route_layer`): h float32 [T, hidden],
+    the experts' input; ids int64 [T, top_k], real expert ids; w float32 [T, top_k], their weights."""
+
+    h: torch.Tensor
+    ids: torch.Tensor
+    w: torch.Tensor
+
+
 def default_slots(n_experts: int, top_k: int) -> int:
     """Default pool size: a quarter of the experts, at least top-k."""
     return max(top_k, n_experts // 4)
@@ -200,6 +210,8 @@ class MoEModel:
         #: None, or a callable ``(layer, ids) -> ids`` that replaces every MoE layer's router ids (set_routing)
         self.routing: Callable | None = None
         self.check_expert_width()
+        #: runs the forward steps (runtime/runner.py): eager, CUDA graphs, batches of sequences
+        self.runner = Runner(self)
         if opts.metadata_only:
             self.check_expert_types()
         elif not opts.budgeted:  # a budget needs the dense weights loaded first: fit_store() after __init__
@@ -438,12 +450,6 @@ class MoEModel:
         self.out_norm = self.norm("output_norm.weight")
         self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
 
-    def head(self, x: torch.Tensor, logits_all: bool) -> torch.Tensor:
-        """x float32 [T, hidden], the last layer's output -> logits float32 [T, vocab] (``logits_all``) or
-        [1, vocab] of the last position: RMSNorm with ``out_norm`` (epsilon ``self.eps``), then ``output``."""
-        if not logits_all:
-            x = x[-1:]
-        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
 
     @staticmethod
     def check_room(cache: Any, start: int, n_tok: int) -> int:
@@ -592,17 +598,28 @@ class MoEModel:
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """The top-k expert ids [T, top_k] int64 that MoE ``layer``'s router picks for x [T, hidden] float32 taken
-        as that layer's input residual stream (the real routing's code on x)."""
-        raise NotImplementedError
+        as that layer's input residual stream (the real routing's code on x: :meth:`route_layer`)."""
+        return self.route_layer(layer, x).ids
 
     def set_store(self, store: ExpertStore) -> None:
         """Swap the expert store (e.g. resident -> streaming for the identity check)."""
         self.store = store
 
-    # --- interface ------------------------------------------------------------------------------
+    # --- what a family provides to the step runner (runtime/runner.py) ---------------------------
     n_vocab: int
 
     def new_cache(self, n_ctx: int) -> object:
+        """A cache for ``n_ctx`` positions (:meth:`make_cache`); on CUDA at the last cache's addresses where that one
+        is no longer used (layers.KVArena), so the decode graphs captured on it serve the new one."""
+        if self.device.type != "cuda":
+            return self.make_cache(n_ctx)
+        if getattr(self, "_kv_arena", None) is None:
+            self._kv_arena = KVArena()
+        return self._kv_arena.get(n_ctx, self.make_cache)
+
+    def make_cache(self, n_ctx: int) -> object:
+        """The family's cache for ``n_ctx`` positions: an object with ``n_ctx`` and per-layer tensors (``k``, ``v``
+        [n_ctx, ...] rows; any recurrent state), read and written through the runner's Step."""
         raise NotImplementedError
 
     def cache_bytes(self, n_ctx: int) -> int:
@@ -611,8 +628,67 @@ class MoEModel:
 
     def forward(self, tokens: torch.Tensor, start: int, cache: object, logits_all: bool = False) -> torch.Tensor:
         """tokens: [T] int64 at positions start..start+T-1. Returns float32 logits [T, n_vocab] when
-        ``logits_all`` else [1, n_vocab] for the last token."""
+        ``logits_all`` else [1, n_vocab] for the last token (the step runner: ``self.runner.forward``)."""
+        return self.runner.forward(tokens, start, cache, logits_all)
+
+    def embed(self, step: Any) -> torch.Tensor:
+        """The step's tokens (``step.tokens`` int64 [T]) -> the residual stream entering layer 0, float32
+        [T, hidden]. Default: rows of ``embd``."""
+        return self.embd.rows_of(step.tokens)
+
+    def mix(self, i: int, x: torch.Tensor, step: Any) -> torch.Tensor:
+        """Layer i's attention (or recurrent mixer) on x float32 [T, hidden], its residual added -> [T, hidden].
+        Positions and caches only through ``step`` (runtime/step.py)."""
         raise NotImplementedError
+
+    def route_layer(self, i: int, x: torch.Tensor) -> Route:
+        """MoE layer i's router on x float32 [T, hidden] (the mixer's output) -> :class:`Route`. Default: h =
+        RMSNorm of x with the block's ``ffn_norm``, ids and weights from ``self.gate(block, h)``."""
+        b = self.blocks[i]
+        h = rms_norm(x, b["ffn_norm"], self.eps)
+        ids, w = self.gate(b, h)
+        return Route(h, ids, w)
+
+    def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``b``'s router on its FFN input h float32 [T, hidden] -> (ids int64 [T, top_k] real expert ids,
+        weights float32 [T, top_k])."""
+        raise NotImplementedError
+
+    def has_shared(self, i: int) -> bool:
+        """Whether MoE layer i has a shared expert (or dense FFN) beside its routed ones (:meth:`shared`)."""
+        return False
+
+    def shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        """MoE layer i's shared expert: x the layer's residual stream, h its routed experts' input (float32
+        [T, hidden]) -> float32 [T, hidden]; run while the routed experts' reads are in flight."""
+        return None
+
+    def combine(self, i: int, x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None,
+                step: Any) -> torch.Tensor:
+        """MoE layer i's output from its residual stream x, the routed experts' sum and the shared expert's output
+        (None without one), float32 [T, hidden]. Default: x + routed (+ shared)."""
+        return x + routed if shared is None else x + routed + shared
+
+    def dense(self, i: int, x: torch.Tensor, step: Any) -> torch.Tensor:
+        """Layer i without routed experts: its FFN on x float32 [T, hidden], residual added. Default: SwiGLU of
+        the block's ``gate``/``up``/``down`` on the ``ffn_norm``-normed x."""
+        b = self.blocks[i]
+        return x + swiglu_ffn(b["gate"], b["up"], b["down"], rms_norm(x, b["ffn_norm"], self.eps))
+
+    def head(self, x: torch.Tensor, step: Any) -> torch.Tensor:
+        """x float32 [R, hidden], the rows whose logits are wanted -> logits float32 [R, vocab]: RMSNorm with
+        ``out_norm`` (epsilon ``self.eps``), then ``output``."""
+        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
+
+    def experts(self, i: int) -> MoE:
+        """MoE layer i's routed-expert block (experts/moe.py)."""
+        return self.blocks[i]["moe"]
+
+    def begin_step(self, step: Any) -> None:
+        """Called before a step's layers run (a family whose cache has host-side state checks it here)."""
+
+    def end_step(self, step: Any) -> None:
+        """Called after a step's layers ran."""
 
 
 def _triton_available() -> bool:
@@ -654,7 +730,7 @@ def architecture_of(gguf: GGUFModel) -> type[MoEModel]:
 
 
 #: modules of moestream.models that hold no architecture
-_NOT_ARCHITECTURES = frozenset({"base", "layers", "graphs", "routing"})
+_NOT_ARCHITECTURES = frozenset({"base", "layers", "routing"})
 
 
 def _import_architectures() -> None:

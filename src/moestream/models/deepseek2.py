@@ -85,14 +85,26 @@ pool). Refused: DeepSeek-OCR's deepseek2ocr (another architecture name), attenti
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
+from .layers import (
+    KVCache,
+    Rope,
+    elementwise,
+    rms_norm,
+    rope_inv_freq,
+    swiglu_ffn,
+    yarn_attention_factor,
+    yarn_inv_freq,
+)
 from .routing import group_topk
+
+if TYPE_CHECKING:
+    from ..runtime.step import Step
 
 #: llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values
 GATING_NONE, GATING_SOFTMAX, GATING_SIGMOID = 0, 1, 2
@@ -332,7 +344,7 @@ class DeepSeek2(MoEModel):
         return kv_b[:, :self.n_nope].contiguous(), kv_b[:, self.n_nope:].contiguous()
 
     # --- compute ----------------------------------------------------------------------------------------------
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def make_cache(self, n_ctx: int) -> KVCache:
         """Per layer ``k``: [n_ctx, 1, r + rope] = [c | rope(k_pe)] (the values are its first r dims)."""
         return KVCache(self.n_layers, n_ctx, 1, self.kv_rank + self.n_rot, 0, self.device)
 
@@ -352,53 +364,30 @@ class DeepSeek2(MoEModel):
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route(b, b["router"].linear(h))
 
-    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        b = self.blocks[layer]
-        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
-
-    @staticmethod
-    def _swiglu(gate, up, down, h: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - Weight
-        return down.linear(elementwise(F.silu, gate.linear(h)) * up.linear(h))
-
-    def _attention(self, i: int, b: dict, h: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
-        """MLA, absorbed (module docstring): h [T, hidden] normed -> [T, hidden]; fills layer i's cache rows."""
-        n_tok, r, nope = h.shape[0], self.kv_rank, self.n_nope
-        end = start + n_tok
+    def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """MLA, absorbed (module docstring), residual added: x [T, hidden] -> same. The cache row of a token is
+        [RMSNorm(c_kv) | RoPE(k_rope)] (kv_lora_rank + rope dims, one KV head); the values are its first
+        kv_lora_rank dims (K = V)."""
+        b, n_tok, r, nope = self.blocks[i], x.shape[0], self.kv_rank, self.n_nope
+        h = rms_norm(x, b["attn_norm"], self.eps)
         if self.q_rank:
             q = b["q_b"].linear(rms_norm(b["q_a"].linear(h), b["q_a_norm"], self.eps))
         else:
             q = b["q"].linear(h)
         q = q.view(n_tok, self.n_head, self.head_k)
         kv = b["kv_a"].linear(h)  # [T, r + rope]
-        rows = cache.k[i][start:end]  # [T, 1, r + rope]
-        rows[:, 0, :r] = rms_norm(kv[:, :r], b["kv_a_norm"], self.eps)
-        self.rope(kv[:, None, r:], start, out=rows[:, :, r:])
+        step.store("k", i, torch.cat((rms_norm(kv[:, :r], b["kv_a_norm"], self.eps)[:, None],
+                                      step.rope(self.rope, kv[:, None, r:])), dim=-1))  # [T, 1, r + rope]
         q_abs = torch.matmul(q[..., :nope].transpose(0, 1), b["w_kb"])  # [H, T, r]: W_kb[h]^T q_nope
-        qq = torch.cat((q_abs.transpose(0, 1), self.rope(q[..., nope:], start)), dim=-1)  # [T, H, r + rope]
-        keys = cache.k[i][:end]
-        a = attention(qq, keys, keys[..., :r], start, self.kq_scale)  # [T, H * r]
+        qq = torch.cat((q_abs.transpose(0, 1), step.rope(self.rope, q[..., nope:])), dim=-1)  # [T, H, r + rope]
+        a = step.attend(qq, i, self.kq_scale, v_dim=r)  # [T, H * r]
         out = torch.matmul(a.view(n_tok, self.n_head, r).transpose(0, 1), b["w_vb"].transpose(1, 2))  # [H, T, dv]
-        return b["o"].linear(out.transpose(0, 1).reshape(n_tok, self.n_head * self.head_v))
+        return x + b["o"].linear(out.transpose(0, 1).reshape(n_tok, self.n_head * self.head_v))
 
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
-        """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
-        n_tok = tokens.shape[0]
-        self.check_room(cache, start, n_tok)
-        x = self.embd.rows_of(tokens)  # [T, hidden]
-        for i, b in enumerate(self.blocks):
-            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the attention
-            x = x + self._attention(i, b, rms_norm(x, b["attn_norm"], self.eps), start, cache)
-            h = rms_norm(x, b["ffn_norm"], self.eps)
-            if "moe" not in b:  # a leading dense layer
-                x = x + self._swiglu(b["gate"], b["up"], b["down"], h)
-                continue
-            ids, w = self.gate(b, h)
-            shared = None
-            if self.n_shared:
-                def shared(hs: torch.Tensor, b: dict = b) -> torch.Tensor:
-                    """The shared experts of block b on hs [T, hidden] -> [T, hidden] (no gate)."""
-                    return self._swiglu(b["sh_gate"], b["sh_up"], b["sh_down"], hs)
+    def has_shared(self, i: int) -> bool:
+        return bool(self.n_shared)
 
-            routed, sh = b["moe"](h, ids, w, shared=shared)
-            x = x + routed if sh is None else x + routed + sh
-        return self.head(x, logits_all)
+    def shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The shared experts of layer i on h [T, hidden] -> [T, hidden] (no gate)."""
+        b = self.blocks[i]
+        return swiglu_ffn(b["sh_gate"], b["sh_up"], b["sh_down"], h)

@@ -17,15 +17,18 @@ logits are soft-capped: cap * tanh(logits / cap) (cap 30 when the file has no ke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .. import kernels
 from ..errors import GGUFError
-from .base import LoadOptions, MoEModel, register
-from .layers import LayerKVCache, Rope, attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
+from .base import LoadOptions, MoEModel, Route, register
+from .layers import LayerKVCache, Rope, elementwise, rms_norm, rope_inv_freq, softmax_topk
+
+if TYPE_CHECKING:
+    from ..runtime.step import Step
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +132,7 @@ class Gemma4(MoEModel):
                 b["pre_norm_2"] = self.norm(p + "pre_ffw_norm_2.weight")
                 b["post_norm_1"] = self.norm(p + "post_ffw_norm_1.weight")
                 b["post_norm_2"] = self.norm(p + "post_ffw_norm_2.weight")
-                b["moe"] = self.moe(i, act=geglu)
+                b["moe"] = self.moe(i, act=geglu, expert_scale=b["expert_scale"])
             if self.ple_dim:
                 b["ple_gate"] = self.weight(p + "inp_gate.weight")  # [ple_dim, hidden]
                 b["ple_proj"] = self.weight(p + "proj.weight")  # [hidden, ple_dim]
@@ -196,7 +199,7 @@ class Gemma4(MoEModel):
         return super().mapped_tables() + (["per_layer_token_embd.weight"] if self.has("per_layer_token_embd.weight")
                                           else [])
 
-    def new_cache(self, n_ctx: int) -> LayerKVCache:
+    def make_cache(self, n_ctx: int) -> LayerKVCache:
         """KV cache for ``n_ctx`` positions: float32 [n_ctx, n_kv, head_dim] per layer that owns K/V (each layer
         with its own head dim and KV heads), none for the shared-KV layers."""
         shapes = [(b["n_kv"], b["head_dim"], b["head_dim"]) if b["kv_layer"] == i else None
@@ -206,15 +209,12 @@ class Gemma4(MoEModel):
     def cache_bytes(self, n_ctx: int) -> int:
         return sum(4 * n_ctx * n_kv * 2 * hd for n_kv, hd in self.kv_owners)
 
-    def route(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] residual stream (before any FFN norm) -> (ids [T, top_k] int64 real expert ids, weights
         [T, top_k] float32 summing to 1). Router input: RMSNorm without weight * router scale / sqrt(hidden)
         (transformers' Gemma4TextRouter); the per-expert scale is applied later, by the MoE layer."""
         x = rms_norm(h, b["router_scale"], self.eps) * self.n_embd ** -0.5
         return softmax_topk(b["router"].linear(x), self.top_k, norm=True)
-
-    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        return self.route(self.blocks[layer], x)[0]  # the router reads the residual stream itself
 
     def per_layer_inputs(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """PLE inputs [T, n_layers, ple_dim] float32 from tokens [T] and the scaled embeddings x [T, hidden]:
@@ -226,58 +226,69 @@ class Gemma4(MoEModel):
         proj = rms_norm(proj.view(n_tok, self.n_layers, self.ple_dim), self.ple_proj_norm, self.eps)
         return (proj + tok.view(n_tok, self.n_layers, self.ple_dim)) * 2.0 ** -0.5
 
-    def _attention(self, i: int, b: dict, h: torch.Tensor, start: int, cache: LayerKVCache) -> torch.Tensor:
-        """h: [T, hidden] normed input at positions start.. -> attention output [T, hidden] (before the
-        post-attention norm); a layer that owns K/V writes its rows of the cache first."""
-        n_tok, hd = h.shape[0], b["head_dim"]
-        end = start + n_tok
+    def embed(self, step: Step) -> torch.Tensor:
+        """Scaled embeddings [T, hidden]; the per-layer inputs [T, n_layers, ple_dim] go to ``step.data["ple"]``."""
+        x = self.embd.rows_of(step.tokens) * torch.tensor(self.n_embd ** 0.5)  # [T, hidden]
+        if self.ple_dim:
+            step.data["ple"] = self.per_layer_inputs(step.tokens, x)
+        return x
+
+    def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """Attention (q/k RMSNorm, V RMSNorm without weight, sliding or global RoPE, scale 1; a shared-KV layer
+        reads an earlier layer's cache), its post-norm, residual added: x [T, hidden] -> same."""
+        b, n_tok, hd = self.blocks[i], x.shape[0], self.blocks[i]["head_dim"]
+        h = rms_norm(x, b["attn_norm"], self.eps)
         rope = self.rope_swa if b["swa"] else self.rope_full
-        q = rope(rms_norm(b["q"].linear(h).view(n_tok, b["n_head"], hd), b["q_norm"], self.eps), start)
+        q = step.rope(rope, rms_norm(b["q"].linear(h).view(n_tok, b["n_head"], hd), b["q_norm"], self.eps))
         src = b["kv_layer"]
-        if src == i:
+        if src == i:  # this layer owns K/V: its rows first
             kraw = b["k"].linear(h).view(n_tok, b["n_kv"], hd)
             vraw = b["v"].linear(h).view(n_tok, b["n_kv"], hd) if b["v"] is not None else kraw
-            rope(rms_norm(kraw, b["k_norm"], self.eps), start, out=cache.k[i][start:end])
-            cache.v[i][start:end] = rms_norm(vraw, 1.0, self.eps)
-        a = attention(q, cache.k[src][:end], cache.v[src][:end], start, 1.0, self.window if b["swa"] else None)
-        return b["o"].linear(a)
+            step.rope_into(rope, rms_norm(kraw, b["k_norm"], self.eps), "k", i)
+            step.store("v", i, rms_norm(vraw, 1.0, self.eps))
+        a = step.attend(q, src, 1.0, self.window if b["swa"] else None)
+        return x + rms_norm(b["o"].linear(a), b["attn_post_norm"], self.eps)
 
-    def forward(self, tokens: torch.Tensor, start: int, cache: LayerKVCache, logits_all: bool = False) -> torch.Tensor:
-        """tokens: [T] int64 at positions start..start+T-1 -> float32 logits [T, n_vocab] if ``logits_all`` else
-        [1, n_vocab], soft-capped. Semantics: transformers' Gemma4ForCausalLM (text), llama.cpp's gemma4 graph."""
-        n_tok = tokens.shape[0]
-        if start + n_tok > cache.n_ctx:
-            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
-        x = self.embd.rows_of(tokens) * torch.tensor(self.n_embd ** 0.5)  # [T, hidden]
-        ple = self.per_layer_inputs(tokens, x) if self.ple_dim else None  # [T, n_layers, ple_dim]
-        for i, b in enumerate(self.blocks):
-            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the attention
-            a = self._attention(i, b, rms_norm(x, b["attn_norm"], self.eps), start, cache)
-            x = x + rms_norm(a, b["attn_post_norm"], self.eps)
-            residual = x
+    def route_layer(self, i: int, x: torch.Tensor) -> Route:
+        """The router reads the residual stream x itself (:meth:`gate`); the experts read it normed by
+        ``pre_norm_2``."""
+        b = self.blocks[i]
+        ids, w = self.gate(b, x)
+        return Route(rms_norm(x, b["pre_norm_2"], self.eps), ids, w)
 
-            def dense(_: torch.Tensor, b: dict = b, residual: torch.Tensor = residual) -> torch.Tensor:
-                h = rms_norm(residual, b["ffn_norm"], self.eps)
-                return b["down"].linear(geglu(b["gate"].linear(h), b["up"].linear(h)))
+    def has_shared(self, i: int) -> bool:
+        return True
 
-            if "moe" in b:
-                ids, w = self.route(b, residual)
-                shared: Callable[[torch.Tensor], torch.Tensor] = dense
-                routed, mlp = b["moe"](rms_norm(residual, b["pre_norm_2"], self.eps), ids, w, shared=shared,
-                                       expert_scale=b["expert_scale"])
-                f = rms_norm(mlp, b["post_norm_1"], self.eps) + rms_norm(routed, b["post_norm_2"], self.eps)
-            else:
-                f = dense(residual)
-            x = residual + rms_norm(f, b["ffn_post_norm"], self.eps)
-            if ple is not None:
-                g = gelu_tanh(b["ple_gate"].linear(x)) * ple[:, i]
-                x = x + rms_norm(b["ple_proj"].linear(g), b["ple_post_norm"], self.eps)
-            if b["out_scale"] is not None:
-                x = x * b["out_scale"]
-        if not logits_all:
-            x = x[-1:]
+    def shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The dense GeGLU FFN beside the experts, on the residual stream x [T, hidden] -> [T, hidden]."""
+        b = self.blocks[i]
+        hf = rms_norm(x, b["ffn_norm"], self.eps)
+        return b["down"].linear(geglu(b["gate"].linear(hf), b["up"].linear(hf)))
+
+    def combine(self, i: int, x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None,
+                step: Step) -> torch.Tensor:
+        f = rms_norm(shared, self.blocks[i]["post_norm_1"], self.eps) + rms_norm(routed, self.blocks[i]["post_norm_2"],
+                                                                              self.eps)
+        return self.layer_out(i, x, f, step)
+
+    def dense(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
+        return self.layer_out(i, x, self.shared(i, x, x), step)
+
+    def layer_out(self, i: int, x: torch.Tensor, f: torch.Tensor, step: Step) -> torch.Tensor:
+        """Layer i's output from its residual stream x and FFN output f [T, hidden]: post-FFN norm, residual,
+        the per-layer input's gated projection (PLE), the layer's output scale."""
+        b = self.blocks[i]
+        x = x + rms_norm(f, b["ffn_post_norm"], self.eps)
+        if self.ple_dim:
+            g = gelu_tanh(b["ple_gate"].linear(x)) * step.data["ple"][:, i]
+            x = x + rms_norm(b["ple_proj"].linear(g), b["ple_post_norm"], self.eps)
+        if b["out_scale"] is not None:
+            x = x * b["out_scale"]
+        return x
+
+    def head(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """Final RMSNorm and output, soft-capped: x [R, hidden] -> logits [R, vocab]."""
         logits = self.output.linear(rms_norm(x, self.out_norm, self.eps))
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
-

@@ -52,13 +52,17 @@ llama.cpp's ``src/models/glm4-moe.cpp``; the routing function lives in ``models/
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, cached_attention, rms_norm, rope_inv_freq, swiglu_ffn
+from .layers import KVCache, Rope, rms_norm, rope_inv_freq, swiglu_ffn
 from .routing import sigmoid_group_topk
+
+if TYPE_CHECKING:
+    from ..runtime.step import Step
 
 #: llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values: 0 none (glm4moe reads it as sigmoid), 1 softmax, 2 sigmoid
 GATING_SIGMOID = 2
@@ -221,7 +225,7 @@ class Glm4MoE(MoEModel):
                             f"{d(attention__head_count_kv=n_kv)}")
 
     # --- compute ----------------------------------------------------------------------------------------------
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def make_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim, self.device)
 
     def cache_bytes(self, n_ctx: int) -> int:
@@ -237,46 +241,32 @@ class Glm4MoE(MoEModel):
         """h: [T, hidden] the FFN-normed input of MoE block ``b`` -> :meth:`route` of its router logits."""
         return self.route(b, b["router"].linear(h))
 
-    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        b = self.blocks[layer]
-        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
+    def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """GQA attention with optional q/k/v biases and per-head q/k RMSNorm (before RoPE), RoPE on the first
+        n_rot dims of each head (the rest copied); residual added: x [T, hidden] -> same."""
+        b, n_tok = self.blocks[i], x.shape[0]
+        h = rms_norm(x, b["attn_norm"], self.eps)
+        q, k, v = b["q"].linear(h), b["k"].linear(h), b["v"].linear(h)
+        if b["attn_q.bias"] is not None:
+            q = q + b["attn_q.bias"]
+        if b["attn_k.bias"] is not None:
+            k = k + b["attn_k.bias"]
+        if b["attn_v.bias"] is not None:
+            v = v + b["attn_v.bias"]
+        q = q.view(n_tok, self.n_head, self.head_dim)
+        k = k.view(n_tok, self.n_kv, self.head_dim)
+        if b["attn_q_norm.weight"] is not None:  # per head, before RoPE
+            q = rms_norm(q, b["attn_q_norm.weight"], self.eps)
+        if b["attn_k_norm.weight"] is not None:
+            k = rms_norm(k, b["attn_k_norm.weight"], self.eps)
+        a = step.cached_attention(q, k, v.view(n_tok, self.n_kv, self.head_dim), self.rope, i,
+                                  1.0 / math.sqrt(self.head_dim))
+        return x + b["o"].linear(a)
 
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
-        """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
-        n_tok = tokens.shape[0]
-        self.check_room(cache, start, n_tok)
-        x = self.embd.rows_of(tokens)  # [T, hidden]
-        scale = 1.0 / math.sqrt(self.head_dim)
-        for i, b in enumerate(self.blocks):
-            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the attention
-            h = rms_norm(x, b["attn_norm"], self.eps)
-            q, k, v = b["q"].linear(h), b["k"].linear(h), b["v"].linear(h)
-            if b["attn_q.bias"] is not None:
-                q = q + b["attn_q.bias"]
-            if b["attn_k.bias"] is not None:
-                k = k + b["attn_k.bias"]
-            if b["attn_v.bias"] is not None:
-                v = v + b["attn_v.bias"]
-            q = q.view(n_tok, self.n_head, self.head_dim)
-            k = k.view(n_tok, self.n_kv, self.head_dim)
-            if b["attn_q_norm.weight"] is not None:  # per head, before RoPE
-                q = rms_norm(q, b["attn_q_norm.weight"], self.eps)
-            if b["attn_k_norm.weight"] is not None:
-                k = rms_norm(k, b["attn_k_norm.weight"], self.eps)
-            # RoPE on the first n_rot dims of each head; the rest copied
-            a = cached_attention(q, k, v.view(n_tok, self.n_kv, self.head_dim), self.rope, cache, i, start, scale)
-            x = x + b["o"].linear(a)
-            h = rms_norm(x, b["ffn_norm"], self.eps)
-            if "moe" not in b:  # a leading dense layer
-                x = x + swiglu_ffn(b["gate"], b["up"], b["down"], h)
-                continue
-            ids, w = self.gate(b, h)
-            shared = None
-            if self.n_shared:
-                def shared(hs: torch.Tensor, b: dict = b) -> torch.Tensor:
-                    """The shared expert of block b on hs [T, hidden] -> [T, hidden] (no gate)."""
-                    return swiglu_ffn(b["sh_gate"], b["sh_up"], b["sh_down"], hs)
+    def has_shared(self, i: int) -> bool:
+        return bool(self.n_shared)
 
-            routed, sh = b["moe"](h, ids, w, shared=shared)
-            x = x + routed if sh is None else x + routed + sh
-        return self.head(x, logits_all)
+    def shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The shared expert of layer i on h [T, hidden] -> [T, hidden] (no gate)."""
+        b = self.blocks[i]
+        return swiglu_ffn(b["sh_gate"], b["sh_up"], b["sh_down"], h)

@@ -41,13 +41,17 @@ it): partial rotary is refused. No CUDA-graph decode for this family.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import GGUFError
 from ..experts.moe import ClampedSwiGLU
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, attention, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
+from .layers import KVCache, Rope, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
+
+if TYPE_CHECKING:
+    from ..runtime.step import Step
 
 #: transformers' ``swiglu_alpha`` / ``swiglu_limit`` of the published configs; llama.cpp's constants
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
@@ -185,7 +189,7 @@ class GptOss(MoEModel):
         return self.norm(name).view(*info.shape)
 
     # --- compute ----------------------------------------------------------------------------------------------
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def make_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim, self.device)
 
     def cache_bytes(self, n_ctx: int) -> int:
@@ -198,36 +202,20 @@ class GptOss(MoEModel):
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         return ids, torch.softmax(top, dim=-1)
 
-    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        b = self.blocks[layer]
-        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
-
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
-        """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
-        n_tok = tokens.shape[0]
-        self.check_room(cache, start, n_tok)
-        end = start + n_tok
-        x = self.embd.rows_of(tokens)  # [T, hidden]
-        scale = 1.0 / math.sqrt(self.head_dim)
-        for i, b in enumerate(self.blocks):
-            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the attention
-            h = rms_norm(x, b["attn_norm"], self.eps)
-            q, k, v = b["q"].linear(h), b["k"].linear(h), b["v"].linear(h)
-            if b["attn_q.bias"] is not None:
-                q = q + b["attn_q.bias"]
-            if b["attn_k.bias"] is not None:
-                k = k + b["attn_k.bias"]
-            if b["attn_v.bias"] is not None:
-                v = v + b["attn_v.bias"]
-            rope = self.rope_swa if b["swa"] else self.rope_full
-            q = rope(q.view(n_tok, self.n_head, self.head_dim), start)
-            rope(k.view(n_tok, self.n_kv, self.head_dim), start, out=cache.k[i][start:end])
-            cache.v[i][start:end] = v.view(n_tok, self.n_kv, self.head_dim)
-            a = attention(q, cache.k[i][:end], cache.v[i][:end], start, scale,
-                          window=self.window if b["swa"] else None, sinks=b["sinks"])
-            x = x + (b["o"].linear(a) + b["o_bias"])
-            h = rms_norm(x, b["ffn_norm"], self.eps)
-            ids, w = self.gate(b, h)
-            routed, _ = b["moe"](h, ids, w)
-            x = x + routed
-        return self.head(x, logits_all)
+    def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """GQA attention with q/k/v/o biases, YaRN RoPE, a sliding window on every other layer and one sink logit
+        per head; residual added: x [T, hidden] -> same."""
+        b, n_tok = self.blocks[i], x.shape[0]
+        h = rms_norm(x, b["attn_norm"], self.eps)
+        q, k, v = b["q"].linear(h), b["k"].linear(h), b["v"].linear(h)
+        if b["attn_q.bias"] is not None:
+            q = q + b["attn_q.bias"]
+        if b["attn_k.bias"] is not None:
+            k = k + b["attn_k.bias"]
+        if b["attn_v.bias"] is not None:
+            v = v + b["attn_v.bias"]
+        rope = self.rope_swa if b["swa"] else self.rope_full
+        a = step.cached_attention(q.view(n_tok, self.n_head, self.head_dim), k.view(n_tok, self.n_kv, self.head_dim),
+                                  v.view(n_tok, self.n_kv, self.head_dim), rope, i, 1.0 / math.sqrt(self.head_dim),
+                                  window=self.window if b["swa"] else None, sinks=b["sinks"])
+        return x + (b["o"].linear(a) + b["o_bias"])

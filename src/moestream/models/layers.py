@@ -253,19 +253,6 @@ def swiglu_ffn(gate: Weight, up: Weight, down: Weight, h: torch.Tensor) -> torch
     return down.linear(elementwise(torch.nn.functional.silu, gate.linear(h)) * up.linear(h))
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, cache: KVCache | LayerKVCache,
-                     layer: int, start: int, scale: float, window: int | None = None) -> torch.Tensor:
-    """One layer's attention over its KV cache: q float32 [T, n_head, d], k [T, n_kv, d], v [T, n_kv, d_v] of the
-    new tokens at positions start..start+T-1 (projected, normed as the family does, not yet rotated). Rotates
-    q and k with ``rope`` (k straight into the cache rows), writes v into the cache, and returns
-    :func:`attention` of q over the cache up to the last new token: float32 [T, n_head * d_v]."""
-    end = start + q.shape[0]
-    q = rope(q, start)
-    rope(k, start, out=cache.k[layer][start:end])
-    cache.v[layer][start:end] = v
-    return attention(q, cache.k[layer][:end], cache.v[layer][:end], start, scale, window)
-
-
 def _pair_swap(x: torch.Tensor) -> torch.Tensor:
     """(x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...) over the last dim (even length): the partners of
     interleaved RoPE."""
@@ -290,7 +277,8 @@ class KVArena:
     """One model's KV memory on CUDA, reused by its successive caches, so that a cache made for the next request
     lies at the addresses the last one's decode graphs were captured on (models/graphs.py keys them by address).
 
-    ``get(n_ctx, make)``: a cache of ``n_ctx`` rows, zeroed: rows ``[:n_ctx]`` of the arena's cache when the last
+    ``get(n_ctx, make)``: a cache of ``n_ctx`` rows, zeroed: rows ``[:n_ctx]`` of the arena's cache (its ``k`` and
+    ``v`` tensors; any other state it holds, such as recurrent state, whole) when the last
     one handed out is no longer referenced (the arena grows to the largest ``n_ctx`` asked for, once, and keeps
     it), else a new ``make(n_ctx)`` (two caches in use at once never share memory)."""
 
@@ -306,8 +294,18 @@ class KVArena:
             self._base = make(n_ctx)
         cache = copy.copy(self._base)
         cache.n_ctx = n_ctx
-        cache.k = [None if t is None else t[:n_ctx].zero_() for t in self._base.k]
-        cache.v = [None if t is None else t[:n_ctx].zero_() for t in self._base.v]
+        for name, v in vars(self._base).items():  # k/v rows [:n_ctx]; other state (recurrent) whole; zeroed
+
+            def fresh(t: object, rows: bool = name in ("k", "v")) -> object:
+                return t[:n_ctx].zero_() if rows and isinstance(t, torch.Tensor) else (
+                    t.zero_() if isinstance(t, torch.Tensor) else t)
+
+            if isinstance(v, list):
+                setattr(cache, name, [fresh(t) for t in v])
+            elif isinstance(v, dict):
+                setattr(cache, name, {i: fresh(t) for i, t in v.items()})
+            elif isinstance(v, torch.Tensor):
+                setattr(cache, name, fresh(v))
         self._last = weakref.ref(cache)
         return cache
 
@@ -408,7 +406,7 @@ def rope_at(rope: Rope, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kpos: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query at a position held on the device, over a fixed number of cache rows (CUDA decode).
 
     q: float32 [1, n_head, d]; k: [S, n_kv, d], v: [S, n_kv, d_v] (the first S cache rows, S from
@@ -416,6 +414,8 @@ def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.T
     softmax weight is exactly 0). Returns float32 [1, n_head * d_v]. Same semantics as :func:`attention` for
     one token (values within float rounding: the reductions run over S keys, not pos + 1); the shapes depend on
     S only, so the step can be captured once in a CUDA graph and replayed at every position below S.
+    ``window``: keys at pos - window or before are masked too (sliding window); ``sinks``: one logit per
+    query head in the softmax's denominator (as in :func:`attention`).
     """
     n_head, d = q.shape[1], q.shape[2]
     n_kv = k.shape[1]
@@ -423,8 +423,16 @@ def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.T
     scores = torch.matmul(qq, k.permute(1, 2, 0))  # [n_kv, group, S]
     if scale != 1.0:
         scores.mul_(scale)
-    scores.masked_fill_(kpos > pos, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [n_kv, group, d_v]
+    masked = kpos > pos
+    if window is not None:
+        masked = masked | (pos - kpos >= window)
+    scores.masked_fill_(masked, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # one more logit per query head, dropped after the softmax
+        sink = sinks.view(n_kv, n_head // n_kv, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :k.shape[0]]
+    out = torch.matmul(probs, v.transpose(0, 1))  # [n_kv, group, d_v]
     return out.view(1, -1)
 
 

@@ -16,12 +16,16 @@ product unchanged. A dense llama file (no ``ffn_*_exps`` tensors) is refused by 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, cached_attention, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
+from .layers import KVCache, Rope, rms_norm, rope_inv_freq, softmax_topk
+
+if TYPE_CHECKING:
+    from ..runtime.step import Step
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +122,7 @@ class Mixtral(MoEModel):
         """Whether the file holds the metadata key ``<arch>.<suffix>``."""
         return self.gguf.arch_get(suffix) is not None
 
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def make_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, self.device)
 
     def cache_bytes(self, n_ctx: int) -> int:
@@ -134,30 +138,12 @@ class Mixtral(MoEModel):
         """h: float32 [T, hidden], the FFN-normed input of MoE block ``b`` -> :meth:`route` of its router logits."""
         return self.route(b["router"].linear(h))
 
-    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        b = self.blocks[layer]
-        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
-
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
-        """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``.
-        The cache holds the keys de-interleaved and rotated (see the module docstring)."""
-        n_tok = tokens.shape[0]
-        self.check_room(cache, start, n_tok)
-        x = self.embd.rows_of(tokens)  # [T, hidden]
-        scale = 1.0 / math.sqrt(self.head_dim)
-        for i, b in enumerate(self.blocks):
-            self.begin_layer(i, x)
-            h = rms_norm(x, b["attn_norm"], self.eps)
-            q = deinterleave(b["q"].linear(h).view(n_tok, self.n_head, self.head_dim))
-            k = deinterleave(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim))
-            v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
-            a = cached_attention(q, k, v, self.rope, cache, i, start, scale)
-            x = x + b["o"].linear(a)
-            h = rms_norm(x, b["ffn_norm"], self.eps)
-            if "moe" in b:
-                ids, w = self.gate(b, h)
-                routed, _ = b["moe"](h, ids, w)
-                x = x + routed
-            else:
-                x = x + swiglu_ffn(b["gate"], b["up"], b["down"], h)
-        return self.head(x, logits_all)
+    def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """GQA attention with RoPE, residual added: x [T, hidden] -> same. The cache holds the keys de-interleaved
+        and rotated (see the module docstring)."""
+        b, n_tok = self.blocks[i], x.shape[0]
+        h = rms_norm(x, b["attn_norm"], self.eps)
+        q = deinterleave(b["q"].linear(h).view(n_tok, self.n_head, self.head_dim))
+        k = deinterleave(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim))
+        v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
+        return x + b["o"].linear(step.cached_attention(q, k, v, self.rope, i, 1.0 / math.sqrt(self.head_dim)))

@@ -17,12 +17,16 @@ with. ``clip_qkv`` (null in the published config) has no GGUF key and is not app
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, cached_attention, rms_norm, rope_inv_freq, softmax_topk
+from .layers import KVCache, Rope, rms_norm, rope_inv_freq, softmax_topk
+
+if TYPE_CHECKING:
+    from ..runtime.step import Step
 
 
 @register("olmoe")
@@ -93,7 +97,7 @@ class Olmoe(MoEModel):
             raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
                             f"{d(attention__head_count_kv=n_kv)}")
 
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def make_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, self.device)
 
     def cache_bytes(self, n_ctx: int) -> int:
@@ -106,27 +110,16 @@ class Olmoe(MoEModel):
         sum when the file sets ``expert_weights_norm``."""
         return softmax_topk(router_logits, self.top_k, norm=self.norm_topk)
 
-    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        b = self.blocks[layer]
-        return self.route(b["router"].linear(rms_norm(x, b["ffn_norm"], self.eps)))[0]
+    def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, hidden] the FFN-normed input of block ``b`` -> :meth:`route` of its router logits."""
+        return self.route(b["router"].linear(h))
 
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
-        """tokens int64 [T] at positions start..start+T-1 -> logits float32 [T or 1, vocab]; fills ``cache``."""
-        n_tok = tokens.shape[0]
-        self.check_room(cache, start, n_tok)
-        x = self.embd.rows_of(tokens)  # [T, hidden]
-        scale = 1.0 / math.sqrt(self.head_dim)
-        for i, b in enumerate(self.blocks):
-            self.begin_layer(i, x)
-            h = rms_norm(x, b["attn_norm"], self.eps)
-            # q/k RMSNorm over the whole projection [T, n_head * head_dim] (OlmoeAttention), then split into heads
-            q = rms_norm(b["q"].linear(h), b["q_norm"], self.eps).view(n_tok, self.n_head, self.head_dim)
-            k = rms_norm(b["k"].linear(h), b["k_norm"], self.eps).view(n_tok, self.n_kv, self.head_dim)
-            v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
-            a = cached_attention(q, k, v, self.rope, cache, i, start, scale)
-            x = x + b["o"].linear(a)
-            h = rms_norm(x, b["ffn_norm"], self.eps)
-            ids, w = self.route(b["router"].linear(h))
-            routed, _ = b["moe"](h, ids, w)
-            x = x + routed
-        return self.head(x, logits_all)
+    def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """Attention with q/k RMSNorm over the whole projection (OlmoeAttention), then split into heads and
+        NEOX RoPE; residual added: x [T, hidden] -> same."""
+        b, n_tok = self.blocks[i], x.shape[0]
+        h = rms_norm(x, b["attn_norm"], self.eps)
+        q = rms_norm(b["q"].linear(h), b["q_norm"], self.eps).view(n_tok, self.n_head, self.head_dim)
+        k = rms_norm(b["k"].linear(h), b["k_norm"], self.eps).view(n_tok, self.n_kv, self.head_dim)
+        v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
+        return x + b["o"].linear(step.cached_attention(q, k, v, self.rope, i, 1.0 / math.sqrt(self.head_dim)))

@@ -26,13 +26,17 @@ Semantics follow transformers' ``modeling_qwen2_moe.py`` and llama.cpp's ``src/m
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, cached_attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
+from .layers import KVCache, Rope, elementwise, rms_norm, rope_inv_freq, softmax_topk
+
+if TYPE_CHECKING:
+    from ..runtime.step import Step
 
 
 @register("qwen2moe")
@@ -147,7 +151,7 @@ class Qwen2MoE(MoEModel):
             raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
                             f"{d(attention__head_count_kv=n_kv)}")
 
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def make_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim, self.device)
 
     def cache_bytes(self, n_ctx: int) -> int:
@@ -163,31 +167,20 @@ class Qwen2MoE(MoEModel):
         """h: [T, hidden] the FFN-normed input of block ``b`` -> :meth:`route` of its router logits."""
         return self.route(b["router"].linear(h))
 
-    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        b = self.blocks[layer]
-        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
+    def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """GQA attention with q/k/v biases and NEOX RoPE, residual added: x [T, hidden] -> same."""
+        b, n_tok = self.blocks[i], x.shape[0]
+        h = rms_norm(x, b["attn_norm"], self.eps)
+        q = (b["q"].linear(h) + b["bq"]).view(n_tok, self.n_head, self.head_dim)
+        k = (b["k"].linear(h) + b["bk"]).view(n_tok, self.n_kv, self.head_dim)
+        v = (b["v"].linear(h) + b["bv"]).view(n_tok, self.n_kv, self.head_dim)
+        return x + b["o"].linear(step.cached_attention(q, k, v, self.rope, i, 1.0 / math.sqrt(self.head_dim)))
 
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits_all: bool = False) -> torch.Tensor:
-        n_tok = tokens.shape[0]
-        self.check_room(cache, start, n_tok)
-        x = self.embd.rows_of(tokens)  # [T, hidden]
-        scale = 1.0 / math.sqrt(self.head_dim)
-        for i, b in enumerate(self.blocks):
-            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the attention
-            h = rms_norm(x, b["attn_norm"], self.eps)
-            q = (b["q"].linear(h) + b["bq"]).view(n_tok, self.n_head, self.head_dim)
-            k = (b["k"].linear(h) + b["bk"]).view(n_tok, self.n_kv, self.head_dim)
-            v = (b["v"].linear(h) + b["bv"]).view(n_tok, self.n_kv, self.head_dim)
-            a = cached_attention(q, k, v, self.rope, cache, i, start, scale)
-            x = x + b["o"].linear(a)
-            h = rms_norm(x, b["ffn_norm"], self.eps)
-            ids, w = self.gate(b, h)
+    def has_shared(self, i: int) -> bool:
+        return True
 
-            def shared(hs: torch.Tensor, b: dict = b) -> torch.Tensor:
-                """The shared expert of block b on hs [T, hidden] -> [T, hidden], scaled by its sigmoid gate."""
-                up = elementwise(F.silu, b["sh_gate"].linear(hs)) * b["sh_up"].linear(hs)
-                return torch.sigmoid(b["sh_gate_inp"].linear(hs)) * b["sh_down"].linear(up)
-
-            routed, sh = b["moe"](h, ids, w, shared=shared)
-            x = x + routed + sh
-        return self.head(x, logits_all)
+    def shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The shared expert of layer i on h [T, hidden] -> [T, hidden], scaled by its sigmoid gate."""
+        b = self.blocks[i]
+        up = elementwise(F.silu, b["sh_gate"].linear(h)) * b["sh_up"].linear(h)
+        return torch.sigmoid(b["sh_gate_inp"].linear(h)) * b["sh_down"].linear(up)

@@ -24,13 +24,17 @@ indexed by value head, so q and k are repeated by tiling, not interleaving.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import Rope, attention, elementwise, rms_norm, rope_inv_freq, softmax_topk
+from .layers import Rope, elementwise, rms_norm, rope_inv_freq, softmax_topk
+
+if TYPE_CHECKING:
+    from ..runtime.step import Step
 
 
 class HybridCache:
@@ -252,7 +256,7 @@ class Qwen35MoE(MoEModel):
             raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=nh)} is not a multiple of "
                             f"{d(attention__head_count_kv=nkv)}")
 
-    def new_cache(self, n_ctx: int) -> HybridCache:
+    def make_cache(self, n_ctx: int) -> HybridCache:
         return HybridCache(self, n_ctx)
 
     def cache_bytes(self, n_ctx: int) -> int:
@@ -268,11 +272,7 @@ class Qwen35MoE(MoEModel):
         """h: [T, hidden] the FFN-normed input of block ``b`` -> :meth:`route` of its router logits."""
         return self.route(b["router"].linear(h))
 
-    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        b = self.blocks[layer]
-        return self.gate(b, rms_norm(x, b["ffn_norm"], self.eps))[0]
-
-    def delta_net(self, b: dict, h: torch.Tensor, i: int, cache: HybridCache) -> torch.Tensor:
+    def delta_net(self, cache: HybridCache, h: torch.Tensor, b: dict, i: int) -> torch.Tensor:
         """Gated DeltaNet mixer of layer i. h: [T, hidden] (normed) -> [T, hidden]; advances cache.conv/ssm[i]."""
         n_tok = h.shape[0]
         qkv = causal_conv1d(b["qkv"].linear(h), cache.conv[i], b["conv"])  # [T, conv_dim]
@@ -294,42 +294,43 @@ class Qwen35MoE(MoEModel):
         o = rms_norm(o, b["ssm_norm"], self.eps) * elementwise(F.silu, z)
         return b["out"].linear(o.reshape(n_tok, -1))
 
-    def attn(self, b: dict, h: torch.Tensor, i: int, cache: HybridCache, start: int) -> torch.Tensor:
-        """Gated full attention of layer i. h: [T, hidden] (normed) at positions start.. -> [T, hidden];
-        writes cache.k/v[i]."""
+    def attn(self, b: dict, h: torch.Tensor, i: int, step: Step) -> torch.Tensor:
+        """Gated full attention of layer i. h: [T, hidden] (normed) -> [T, hidden]; writes layer i's cache
+        rows."""
         n_tok = h.shape[0]
-        end = start + n_tok
         qg = b["q"].linear(h).view(n_tok, self.n_head, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
-        q = self.rope(rms_norm(q, b["q_norm"], self.eps), start)
+        q = rms_norm(q, b["q_norm"], self.eps)
         k = rms_norm(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim), b["k_norm"], self.eps)
-        self.rope(k, start, out=cache.k[i][start:end])  # rotated keys straight into the cache
-        cache.v[i][start:end] = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim)
-        a = attention(q, cache.k[i][:end], cache.v[i][:end], start, 1.0 / math.sqrt(self.head_dim))
+        v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim)
+        a = step.cached_attention(q, k, v, self.rope, i, 1.0 / math.sqrt(self.head_dim))
         return b["o"].linear(a * elementwise(torch.sigmoid, gate.reshape(n_tok, -1)))
 
-    def forward(self, tokens: torch.Tensor, start: int, cache: HybridCache, logits_all: bool = False) -> torch.Tensor:
-        n_tok = tokens.shape[0]
-        if start + n_tok > cache.n_ctx:
-            raise ValueError(f"context full: {start + n_tok} tokens > n_ctx {cache.n_ctx}")
-        if start != cache.pos:
-            raise ValueError(f"the cache's recurrent state is at position {cache.pos}, cannot run from position "
-                             f"{start} (qwen35moe caches cannot be rewound: use a new cache)")
-        x = self.embd.rows_of(tokens)  # [T, hidden]
-        for i, b in enumerate(self.blocks):
-            self.begin_layer(i, x)  # x: the input of layer i; its reads run behind the mixer
-            h = rms_norm(x, b["attn_norm"], self.eps)
-            x = x + (self.delta_net(b, h, i, cache) if "qkv" in b else self.attn(b, h, i, cache, start))
-            h = rms_norm(x, b["ffn_norm"], self.eps)
-            ids, w = self.gate(b, h)
+    def begin_step(self, step: Step) -> None:
+        """ValueError unless each sequence starts where its cache's recurrent state is (it cannot be rewound)."""
+        for s in step.seqs:
+            if s.start != s.cache.pos:
+                raise ValueError(f"the cache's recurrent state is at position {s.cache.pos}, cannot run from "
+                                 f"position {s.start} (qwen35moe caches cannot be rewound: use a new cache)")
 
-            def shared(hs: torch.Tensor, b: dict = b) -> torch.Tensor:
-                up = elementwise(F.silu, b["sh_gate"].linear(hs)) * b["sh_up"].linear(hs)
-                return torch.sigmoid(b["sh_gate_inp"].linear(hs)) * b["sh_down"].linear(up)
+    def end_step(self, step: Step) -> None:
+        for s in step.seqs:
+            s.cache.pos = s.end
 
-            routed, sh = b["moe"](h, ids, w, shared=shared)
-            x = x + routed + sh
-        cache.pos = start + n_tok
-        if not logits_all:
-            x = x[-1:]
-        return self.output.linear(rms_norm(x, self.out_norm, self.eps))
+    def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """Gated DeltaNet (recurrent layers, per sequence) or gated attention, residual added: x [T, hidden] ->
+        same."""
+        b = self.blocks[i]
+        h = rms_norm(x, b["attn_norm"], self.eps)
+        if "qkv" in b:
+            return x + step.per_seq(lambda cache, hs: self.delta_net(cache, hs, b, i), h)
+        return x + self.attn(b, h, i, step)
+
+    def has_shared(self, i: int) -> bool:
+        return True
+
+    def shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The shared expert of layer i on h [T, hidden] -> [T, hidden], scaled by its sigmoid gate."""
+        b = self.blocks[i]
+        up = elementwise(F.silu, b["sh_gate"].linear(h)) * b["sh_up"].linear(h)
+        return torch.sigmoid(b["sh_gate_inp"].linear(h)) * b["sh_down"].linear(up)

@@ -15,7 +15,8 @@ router of each layer (with the dense layers before it) is one graph replay, and 
 through the store between two replays. The segments are the same code as the whole-step graph, so streaming on
 and off stay bitwise identical on the GPU.
 
-On by default (``MOESTREAM_CUDA_GRAPHS=0`` at load turns it off; qwen3moe). Checked on an H200
+On by default (``MOESTREAM_CUDA_GRAPHS=0`` at load turns it off), for every family (runtime/runner.py).
+Checked on an H200
 (tests/test_cuda.py: graphed steps bitwise equal to the same steps run eagerly, streaming segments equal to the
 resident graph) and on the CPU (tests/test_gpu_path.py: the captured step's code gives the streaming step's bits
 under Triton's interpreter). A capture that fails (an op that cannot be captured) turns graphs off for the model
@@ -39,10 +40,19 @@ def enabled() -> bool:
     return os.environ.get("MOESTREAM_CUDA_GRAPHS", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def cache_tensors(cache: object) -> list[torch.Tensor]:
+    """Every tensor a cache object holds (its attributes: tensors, and lists or dicts of them), in a fixed order."""
+    out: list[torch.Tensor] = []
+    for _, v in sorted(vars(cache).items()):
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
+        out.extend(t for t in items if isinstance(t, torch.Tensor))
+    return out
+
+
 def _addresses(cache: object) -> tuple[int, ...]:
-    """Where a KV cache's tensors are: a graph captured on one cache serves any cache at the same addresses (a
+    """Where a cache's tensors are: a graph captured on one cache serves any cache at the same addresses (a
     cache made again in the same memory, ``layers.KVArena``), since it reads only the rows below its key count."""
-    return tuple(t.data_ptr() for t in (*cache.k, *cache.v) if t is not None)
+    return tuple(t.data_ptr() for t in cache_tensors(cache))
 
 
 class DecodeGraphs:
@@ -115,7 +125,7 @@ class DecodeGraphs:
             self._cache, self._store, self._key = at, None, addresses
         g = self._segments.get(key)
         if g is None:
-            dev = next(t.device for t in cache.k if t is not None)
+            dev = cache_tensors(cache)[0].device
             static = tuple(None if t is None else t.to(dev, copy=True) for t in inputs)
             try:
                 g = self._segments[key] = (*self._capture_fn(fn, static), static)
