@@ -12,6 +12,8 @@
 #                                      # gpu_profile.py (graphs on, then off)
 #   bash benchmarks/gpu_run.sh bench   # the README's GPU table (the same machine, right after: /tmp kept)
 #   bash benchmarks/gpu_run.sh ab      # streaming and resident rows with CUDA graphs on and off, side by side
+#   bash benchmarks/gpu_run.sh runner  # every expert in VRAM, graphs on and off, beside llama.cpp all-GPU and
+#                                      # -ncmoe: the Qwen3-30B-A3B 32-layer and Gemma-4-26B-A4B 6-layer shapes
 # PYTEST_ARGS / TEST_TIMEOUT pass to the test run. BUNDLE=DIR uses another folder than build/gpu (its *.whl are installed; tests read DIR/fix; a missing
 # llama.cpp tarball skips that build).
 set -uo pipefail
@@ -37,7 +39,7 @@ case "${1:-}" in
 tests)
   nvidia-smi -L; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   # llama.cpp with CUDA, behind everything else (its own session: it outlives this call, for the bench part)
-  if [ -f "$BUNDLE"/llama.cpp-cuda-slim.tar.xz ]; then
+  if [ -f "$BUNDLE"/llama.cpp-cuda-slim.tar.xz ] && [ ! -e /tmp/llb.log ]; then  # once per machine
     setsid nohup python3 tools/llamacpp_cuda.py build "$BUNDLE"/llama.cpp-cuda-slim.tar.xz /tmp/llb -j10 \
       > /tmp/llb.log 2>&1 < /dev/null &
   fi
@@ -65,6 +67,24 @@ bench)
     --json "$OUT/b_cap8.json" > "$OUT/b_cap8.md" 2>"$OUT/b_cap8.err"; cat "$OUT/b_cap8.md"
   tail -5 "$OUT"/*.err
   ;;
+runner)
+  bench_model
+  G=/tmp/g6.gguf
+  [ -f $G ] || ( time python3 tools/make_bench_model.py --arch gemma4 --type Q4_0 --layers 6 -o $G \
+    --tokenizer-from /tmp/tok.gguf ) > "$OUT/make_g6.log" 2>&1
+  for i in $(seq 1 60); do [ -x $LLB ] && break; sleep 5; done
+  tail -2 /tmp/llb.log
+  for m in $M $G; do
+    n=$(basename $m .gguf)
+    for g in 1 0; do
+      vs=""; [ $g = 1 ] && vs="--vs llama.cpp --llama-bench $LLB"
+      MOESTREAM_CUDA_GRAPHS=$g timeout 200 python3 -m moestream bench -m $m -p 64 -n 32 -r 1 -t 16 --device cuda \
+        --moe-stream off $vs --json "$OUT/runner_${n}_graphs$g.json" > "$OUT/runner_${n}_graphs$g.md" \
+        2>"$OUT/runner_${n}_graphs$g.err"
+      echo "== $n MOESTREAM_CUDA_GRAPHS=$g"; grep "tg32\|pp64" "$OUT/runner_${n}_graphs$g.md"; tail -2 "$OUT/runner_${n}_graphs$g.err"
+    done
+  done
+  ;;
 ab)
   bench_model
   for g in 1 0; do
@@ -75,6 +95,6 @@ ab)
   done
   ;;
 *)
-  echo "usage: benchmarks/gpu_run.sh tests|bench|ab" >&2; exit 2
+  echo "usage: benchmarks/gpu_run.sh tests|bench|ab|runner" >&2; exit 2
   ;;
 esac

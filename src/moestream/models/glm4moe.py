@@ -58,7 +58,7 @@ import torch
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, rms_norm, rope_inv_freq, swiglu_ffn
+from .layers import KVCache, Rope, linear_bias, rms_norm, rope_inv_freq, swiglu_ffn
 from .routing import sigmoid_group_topk
 
 if TYPE_CHECKING:
@@ -246,13 +246,7 @@ class Glm4MoE(MoEModel):
         n_rot dims of each head (the rest copied); residual added: x [T, hidden] -> same."""
         b, n_tok = self.blocks[i], x.shape[0]
         h = rms_norm(x, b["attn_norm"], self.eps)
-        q, k, v = b["q"].linear(h), b["k"].linear(h), b["v"].linear(h)
-        if b["attn_q.bias"] is not None:
-            q = q + b["attn_q.bias"]
-        if b["attn_k.bias"] is not None:
-            k = k + b["attn_k.bias"]
-        if b["attn_v.bias"] is not None:
-            v = v + b["attn_v.bias"]
+        q, k, v = (linear_bias(b[n], h, b[f"attn_{n}.bias"]) for n in "qkv")
         q = q.view(n_tok, self.n_head, self.head_dim)
         k = k.view(n_tok, self.n_kv, self.head_dim)
         if b["attn_q_norm.weight"] is not None:  # per head, before RoPE

@@ -48,7 +48,7 @@ import torch
 from ..errors import GGUFError
 from ..experts.moe import ClampedSwiGLU
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
+from .layers import KVCache, Rope, linear_bias, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
 
 if TYPE_CHECKING:
     from ..runtime.step import Step
@@ -207,13 +207,7 @@ class GptOss(MoEModel):
         per head; residual added: x [T, hidden] -> same."""
         b, n_tok = self.blocks[i], x.shape[0]
         h = rms_norm(x, b["attn_norm"], self.eps)
-        q, k, v = b["q"].linear(h), b["k"].linear(h), b["v"].linear(h)
-        if b["attn_q.bias"] is not None:
-            q = q + b["attn_q.bias"]
-        if b["attn_k.bias"] is not None:
-            k = k + b["attn_k.bias"]
-        if b["attn_v.bias"] is not None:
-            v = v + b["attn_v.bias"]
+        q, k, v = (linear_bias(b[n], h, b[f"attn_{n}.bias"]) for n in "qkv")
         rope = self.rope_swa if b["swa"] else self.rope_full
         a = step.cached_attention(q.view(n_tok, self.n_head, self.head_dim), k.view(n_tok, self.n_kv, self.head_dim),
                                   v.view(n_tok, self.n_kv, self.head_dim), rope, i, 1.0 / math.sqrt(self.head_dim),

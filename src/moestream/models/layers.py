@@ -247,6 +247,12 @@ class Rope:
         return out
 
 
+def linear_bias(w: Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``w.linear(x)`` plus ``bias`` (float32 [rows]) when there is one: x float32 [T, cols] -> [T, rows]."""
+    y = w.linear(x)
+    return y if bias is None else y + bias
+
+
 def swiglu_ffn(gate: Weight, up: Weight, down: Weight, h: torch.Tensor) -> torch.Tensor:
     """A dense SwiGLU FFN (dense layers, shared experts): h float32 [T, hidden] -> ``W_down(silu(W_gate h) *
     W_up h)`` float32 [T, hidden]."""

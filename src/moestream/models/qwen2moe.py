@@ -29,11 +29,10 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, elementwise, rms_norm, rope_inv_freq, softmax_topk
+from .layers import KVCache, Rope, linear_bias, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
 
 if TYPE_CHECKING:
     from ..runtime.step import Step
@@ -171,9 +170,9 @@ class Qwen2MoE(MoEModel):
         """GQA attention with q/k/v biases and NEOX RoPE, residual added: x [T, hidden] -> same."""
         b, n_tok = self.blocks[i], x.shape[0]
         h = rms_norm(x, b["attn_norm"], self.eps)
-        q = (b["q"].linear(h) + b["bq"]).view(n_tok, self.n_head, self.head_dim)
-        k = (b["k"].linear(h) + b["bk"]).view(n_tok, self.n_kv, self.head_dim)
-        v = (b["v"].linear(h) + b["bv"]).view(n_tok, self.n_kv, self.head_dim)
+        q = linear_bias(b["q"], h, b["bq"]).view(n_tok, self.n_head, self.head_dim)
+        k = linear_bias(b["k"], h, b["bk"]).view(n_tok, self.n_kv, self.head_dim)
+        v = linear_bias(b["v"], h, b["bv"]).view(n_tok, self.n_kv, self.head_dim)
         return x + b["o"].linear(step.cached_attention(q, k, v, self.rope, i, 1.0 / math.sqrt(self.head_dim)))
 
     def has_shared(self, i: int) -> bool:
@@ -182,5 +181,4 @@ class Qwen2MoE(MoEModel):
     def shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The shared expert of layer i on h [T, hidden] -> [T, hidden], scaled by its sigmoid gate."""
         b = self.blocks[i]
-        up = elementwise(F.silu, b["sh_gate"].linear(h)) * b["sh_up"].linear(h)
-        return torch.sigmoid(b["sh_gate_inp"].linear(h)) * b["sh_down"].linear(up)
+        return torch.sigmoid(b["sh_gate_inp"].linear(h)) * swiglu_ffn(b["sh_gate"], b["sh_up"], b["sh_down"], h)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import Rope, elementwise, rms_norm, rope_inv_freq, softmax_topk
+from .layers import Rope, elementwise, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
 
 if TYPE_CHECKING:
     from ..runtime.step import Step
@@ -332,5 +332,4 @@ class Qwen35MoE(MoEModel):
     def shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The shared expert of layer i on h [T, hidden] -> [T, hidden], scaled by its sigmoid gate."""
         b = self.blocks[i]
-        up = elementwise(F.silu, b["sh_gate"].linear(h)) * b["sh_up"].linear(h)
-        return torch.sigmoid(b["sh_gate_inp"].linear(h)) * b["sh_down"].linear(up)
+        return torch.sigmoid(b["sh_gate_inp"].linear(h)) * swiglu_ffn(b["sh_gate"], b["sh_up"], b["sh_down"], h)
