@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import re
-import stat
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import time
 
 from .errors import ConfigError, OutputError
 from .experts.policy import check_policy
+from .output import check_distinct_outputs, check_json_path, write_json, write_output, write_stdout
 
 GiB = 2**30
 
@@ -107,108 +107,6 @@ def disk_read_bandwidth(path: str, chunk_bytes: int, n_reads: int = 48, threads:
         os.close(fd)
 
 
-def check_json_path(path: str, inputs: list[str] = (), option: str = "--json", what: str = "the results",
-                    input_kind: str = "the model file") -> None:
-    """ConfigError, before any row runs, when ``--json PATH`` (``option``) cannot be written (see ``write_json``)
-    or names one of ``inputs`` (the model's files: a typo must not replace the model with ``what``)."""
-    if path == "":
-        raise ConfigError(f"{option}: the path is empty")
-    real = os.path.realpath(path)
-    cannot = f"{option} {path}: cannot write a file there"
-    try:
-        st = os.stat(real)
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        raise ConfigError(f"{cannot} ({e.strerror})") from None
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{cannot} (it is a directory)")
-    if path.endswith(os.sep):
-        raise ConfigError(f"{cannot} (the path ends with '{os.sep}': a folder, not a file name)")
-    for inp in inputs:
-        with contextlib.suppress(OSError):
-            if st is not None and os.path.samefile(real, inp):
-                raise ConfigError(f"{option} {path}: that is {input_kind} {inp}; choose another path for "
-                                  f"{what}")
-    if st is not None and not stat.S_ISREG(st.st_mode):  # a FIFO, /dev/null, a terminal: written into as it is
-        if not os.access(real, os.W_OK):
-            raise ConfigError(f"{cannot} (not writable)")
-        return
-    if st is not None and not os.access(real, os.W_OK):  # read-only: not silently replaced by the rename
-        raise ConfigError(f"{cannot} (the file is not writable)")
-    d = os.path.dirname(real)
-    if not os.path.isdir(d) or not os.access(d, os.W_OK | os.X_OK):
-        raise ConfigError(f"{cannot} (its folder {d} is missing or not writable)")
-    try:  # what write_json will do: a temporary file beside the target (some folders refuse, e.g. /proc)
-        fd, probe = tempfile.mkstemp(dir=d, prefix=".moestream-probe-")
-    except OSError as e:
-        raise ConfigError(f"{cannot} (its folder {d} refuses new files: {e.strerror or e})") from None
-    os.close(fd)
-    os.unlink(probe)
-
-
-def check_distinct_outputs(outputs: list[tuple[str, str | None]]) -> None:
-    """ConfigError when two output options (``(option, path)`` pairs; None = not given) name the same file: each
-    would be written over the other and one output silently lost."""
-    seen: list[tuple[str, str, str]] = []
-    for option, path in outputs:
-        if not path:
-            continue
-        real = os.path.realpath(path)
-        for other, other_path, other_real in seen:
-            same = real == other_real
-            if not same:
-                with contextlib.suppress(OSError):
-                    same = os.path.samefile(real, other_real)
-            if same:
-                raise ConfigError(f"{option} {path}: {other} {other_path} names the same file; give each output its "
-                                  "own path")
-        seen.append((option, path, real))
-
-
-def write_json(path: str, obj: object) -> None:
-    """Write ``obj`` as JSON to ``path`` (``--json``), as :func:`write_output` writes."""
-    write_output(path, json.dumps(obj, indent=2) + "\n")
-
-
-def write_output(path: str, text: str, option: str = "--json", what: str = "the results") -> None:
-    """Write ``text`` to ``path`` the way a user expects an output path to be treated.
-
-    A symlink is followed: its target gets the text and the link stays a link. An existing file that is not a
-    regular file (a FIFO, /dev/null, a terminal) is opened and written into, never replaced. A regular file, new or
-    existing, is written to a temporary file in the same folder that is then renamed over it, so a failed write
-    never leaves it half-written (an existing file keeps its permissions). OutputError naming ``option`` on failure.
-    """
-    real = os.path.realpath(path)
-    try:
-        try:
-            st = os.stat(real)
-        except FileNotFoundError:
-            st = None
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            with open(real, "w") as f:
-                f.write(text)
-            return
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(real) + ".", suffix=".tmp", dir=os.path.dirname(real))
-        try:
-            if st is not None:
-                mode = stat.S_IMODE(st.st_mode)
-            else:
-                umask = os.umask(0)
-                os.umask(umask)
-                mode = 0o666 & ~umask
-            os.fchmod(fd, mode)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, real)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except OSError as e:
-        raise OutputError(f"{option} {path}: cannot write {what} ({e.strerror or e})") from None
-
-
 def run_row(cfg: dict) -> dict:
     """Run one configuration in this process; returns the row as a dict."""
     import random
@@ -217,7 +115,7 @@ def run_row(cfg: dict) -> dict:
     from .models.base import LoadOptions, load_model
 
     if cfg.get("threads"):
-        from .cli import set_compute_threads
+        from .options import set_compute_threads
         set_compute_threads(cfg["threads"], cfg.get("matmul", "blocks"))
     n_ctx = max(cfg["n_prompt"], cfg["n_gen"] + 1)
     mem = cfg.get("mem")
@@ -769,10 +667,10 @@ def _limit(test: dict, bandwidth: float | None) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Entry point of ``moestream bench`` (see cli.py for the flags)."""
-    from .cli import MAX_IO_THREADS, model_path
     from .engine import MAX_TOKENS
     from .gguf import GGUFModel
     from .models.base import architecture_of
+    from .options import MAX_IO_THREADS, default_threads, model_path
 
     device = str(getattr(args, "device", "cpu") or "cpu").strip().lower()
     if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):
@@ -864,7 +762,6 @@ def run_bench(args: argparse.Namespace) -> int:
             raise ConfigError(f"--io-threads must be at least 1, got {t}")
         if t > MAX_IO_THREADS:
             raise ConfigError(f"--io-threads must be at most {MAX_IO_THREADS}, got {t}")
-    from .cli import default_threads
     threads = args.threads if args.threads is not None else default_threads()  # one count for every row
     base = {"model": model, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
             "threads": threads, "ubatch": args.ubatch, "expand_dense": args.expand_dense,
@@ -994,7 +891,6 @@ def _run_rows(args: argparse.Namespace, cfgs: list[dict], g, cap) -> list[dict]:
 
 def _report(args: argparse.Namespace, rows: list[dict], bandwidth, routing, calibration, g, model) -> int:  # noqa: ANN001
     """The table on stdout, --json, and the exit status of run_bench."""
-    from .cli import write_stdout
 
     table = format_table(rows, bandwidth)
     write_stdout(table + "\n\n" + routing_note(routing, calibration, args.vs is not None) + "\n")

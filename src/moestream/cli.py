@@ -12,13 +12,12 @@ import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator
-from importlib import resources
+
+from .options import MAX_IO_THREADS, default_threads, max_threads, model_path, set_compute_threads
+from .output import write_stdout
 
 GiB = 2**30
 DEFAULT_PROMPT = "The history of the printing press"
-#: Upper bounds of thread options: more IO threads than this only adds contention; more compute threads than
-#: 4 per CPU only oversubscribes the cores.
-MAX_IO_THREADS = 256
 #: Largest -f prompt read: 256 MiB of text is millions of tokens past any trained context; it also bounds what
 #: a device such as /dev/zero makes us read.
 MAX_PROMPT_FILE_BYTES = 256 << 20
@@ -34,11 +33,6 @@ DIRECT_IO_HELP = ("read experts with O_DIRECT, bypassing the page cache, so that
                   "the page cache, with a note when on was asked for); off: buffered reads")
 
 
-def max_threads() -> int:
-    """Upper bound of -t: 4 x the CPUs."""
-    return 4 * (os.cpu_count() or 1)
-
-
 def version() -> str:
     """The installed package's version (``pyproject.toml``)."""
     from importlib.metadata import PackageNotFoundError
@@ -48,37 +42,6 @@ def version() -> str:
         return dist_version("moestream")
     except PackageNotFoundError:
         return "unknown (not installed)"
-
-
-def default_model_path() -> str:
-    """The small Qwen3-MoE GGUF embedded in the package (src/moestream/data/default.gguf)."""
-    return str(resources.files("moestream") / "data" / "default.gguf")
-
-
-def model_path(args: argparse.Namespace) -> str:
-    """``-m`` or, when it is not given, the embedded model; ConfigError for an empty ``-m ''`` (which must not
-    silently mean the embedded model)."""
-    from .errors import ConfigError
-
-    if args.model == "":
-        raise ConfigError("-m: the model path is empty (leave -m out to use the embedded model)")
-    return args.model if args.model is not None else default_model_path()
-
-
-def write_stdout(text: str) -> None:
-    """Write ``text`` to stdout and flush. OutputError when stdout cannot be written (a full disk, /dev/full);
-    BrokenPipeError (the reader went away, e.g. ``| head``) passes through: main() exits 0 on it."""
-    from .errors import OutputError
-
-    if sys.stdout is None:  # started with stdout closed (>&-)
-        raise OutputError("cannot write to stdout (it is closed)")
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as e:
-        raise OutputError(f"cannot write to stdout ({e.strerror or e})") from None
 
 
 def _on_off(v: str) -> bool:
@@ -140,18 +103,6 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
                    "to 8 bits as llama.cpp does (compiled at first use); dequant: dequantize each weight to "
                    "float32 and multiply with torch (slow; the float32 model of the dequantized weights)")
     p.add_argument("-ub", "--ubatch", type=int, default=128, help="prefill chunk size in tokens (default 128)")
-
-
-def set_compute_threads(threads: int, matmul: str) -> None:
-    """``-t``: with ``--matmul blocks`` the C kernels get ``threads`` and torch one (what is left to torch --
-    norms, RoPE, attention, sampling -- is small per token, and torch's thread pool collapses when another job
-    competes for the CPUs; one thread also keeps those ops' bits independent of -t); with ``dequant`` torch
-    gets them all."""
-    import torch
-
-    from . import kernels
-    kernels.set_threads(threads)
-    torch.set_num_threads(1 if matmul == "blocks" else threads)
 
 
 def _load(args: argparse.Namespace, moe_stream: bool, streams_later: bool = False):
@@ -330,44 +281,6 @@ def _check_common(args: argparse.Namespace) -> None:
         raise ConfigError(f"--io-threads must be at most {MAX_IO_THREADS}, got {io}")
 
 
-def choose_threads(cpus: int, torch_threads: int, running: list[int], load1: float) -> int:
-    """The default -t from what :func:`default_threads` reads: ``cpus`` usable, at most ``torch_threads`` (torch's
-    own default, the physical cores), less the busy ones -- the larger of the median of ``running`` (other
-    runnable tasks, sampled) and the 1-minute load average ``load1`` rounded down -- at least 1."""
-    busy = max(sorted(running)[len(running) // 2] if running else 0, int(load1))
-    return max(1, min(cpus, torch_threads) - busy)
-
-
-def default_threads() -> int:
-    """Compute threads when -t is not given (:func:`choose_threads`): the CPUs this process may use
-    (``os.sched_getaffinity``), at most torch's default, less the CPUs other jobs keep busy: the runnable tasks
-    other than this one (``/proc/loadavg``'s running count, 5 reads over 20 ms) or the 1-minute load average.
-
-    More compute threads than free CPUs collapses torch's thread pool (each of the thousands of small parallel
-    ops per token waits for a thread the scheduler gave to the other job: 3.9 vs 43 tok/s measured), while one
-    thread too few costs little; so a busy machine gets fewer threads."""
-    import time
-
-    import torch
-
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    running, load = [], 0.0
-    try:
-        for i in range(5):
-            if i:
-                time.sleep(0.005)
-            with open("/proc/loadavg") as f:
-                fields = f.read().split()
-            running.append(int(fields[3].split("/")[0]) - 1)  # this process is running while it reads
-            load = float(fields[0])
-    except (OSError, ValueError, IndexError):
-        running, load = [], 0.0
-    return choose_threads(cpus, torch.get_num_threads(), running, load)
-
-
 def read_prompt_file(path: str) -> str:
     """The text of ``-f PATH`` (``-`` reads stdin) without one trailing newline, as llama.cpp's ``-f``. ConfigError
     naming the file when it cannot be read or is not UTF-8."""
@@ -537,7 +450,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.trace is not None:
         from .runtrace import check_trace_path as check_run_trace_path
         check_run_trace_path(args.trace, [model_path(args)])
-    from .bench import check_distinct_outputs
+    from .output import check_distinct_outputs
     check_distinct_outputs([("--routing-trace", args.routing_trace), ("--trace", args.trace)])
     params = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     model, _ = _load(args, args.moe_stream)
@@ -885,7 +798,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ConfigError(f"--speed must be above 0 and at most 1000, got {args.speed}")
     at = (args.at or len(tl)) - 1
     if args.html is not None:
-        from .bench import check_json_path
+        from .output import check_json_path
         check_json_path(args.html, [args.file], option="--html", what="the page", input_kind="the trace")
         write_page(tl, args.html)
         print(f"moestream: page of {len(tl)} tokens written to {args.html}", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from .budget import available_memory
 from .errors import ConfigError, ForwardError, NumericError
 from .experts.pool import StoreStats
 from .models.base import MoEModel
@@ -19,56 +20,6 @@ from .models.base import MoEModel
 GiB = 2**30
 #: Largest token count (-n, -c, --steps, bench -p/-n) accepted; far beyond any context a cache could hold.
 MAX_TOKENS = 2**31
-
-
-def _cgroup_available() -> int | None:
-    """Bytes this process's memory cgroups still allow (limit - usage + reclaimable file pages), the tightest
-    over the cgroup and its ancestors, for cgroup v2 (``memory.max``) and v1 (``memory.limit_in_bytes``); None
-    when no limit applies or none can be read."""
-    try:
-        lines = open("/proc/self/cgroup").read().splitlines()
-    except OSError:
-        return None
-    best: int | None = None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        ctrl, path = parts[1], parts[2].strip("/")
-        if ctrl == "":  # v2: the unified hierarchy, at /sys/fs/cgroup or (hybrid set-ups) /sys/fs/cgroup/unified
-            root = "/sys/fs/cgroup" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "/sys/fs/cgroup/unified"
-            names = ("memory.max", "memory.current", "inactive_file")
-        elif "memory" in ctrl.split(","):
-            root, names = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                                    "total_inactive_file")
-        else:
-            continue
-        segs = path.split("/") if path else []
-        for k in range(len(segs), -1, -1):
-            d = os.path.join(root, *segs[:k])
-            try:
-                limit_text = open(os.path.join(d, names[0])).read().strip()
-                if limit_text == "max" or int(limit_text) >= 2**60:
-                    continue
-                usage = int(open(os.path.join(d, names[1])).read())
-                inactive = 0
-                for stat in open(os.path.join(d, "memory.stat")).read().splitlines():
-                    key, _, value = stat.partition(" ")
-                    if key == names[2]:
-                        inactive = int(value)
-            except (OSError, ValueError):
-                continue
-            left = max(int(limit_text) - usage + inactive, 0)
-            best = left if best is None else min(best, left)
-    return best
-
-
-def available_memory() -> int:
-    """Bytes of memory available now: the system's (``MemAvailable``) or, when tighter, what the process's
-    memory cgroup still allows (a container's or ``--mem-cap``'s limit)."""
-    avail = psutil.virtual_memory().available
-    cg = _cgroup_available()
-    return avail if cg is None else min(avail, cg)
 
 
 def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c", hint: str = "-n or -c") -> None:

@@ -9,9 +9,10 @@ from collections import Counter
 from gguf import GGMLQuantizationType
 
 from .errors import ConfigError, GGUFError
+from .experts.policy import default_slots
 from .gguf import GGUFModel
 from .models.base import BLOCK_TENSOR as _BLOCK
-from .models.base import LoadOptions, architecture_of, default_slots
+from .models.base import LoadOptions, architecture_of
 
 GiB = 2**30
 MiB = 2**20

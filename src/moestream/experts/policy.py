@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def default_slots(n_experts: int, top_k: int) -> int:
+    """Default pool size (slots per layer) where nothing else sizes it (``inspect``, ``trace``): a quarter of
+    the experts, at least top-k."""
+    return max(top_k, n_experts // 4)
+
+
 @dataclass
 class Plan:
     """slot_ids[i] is the slot of experts[i]; loads: [(expert, slot)] to read before compute (misses)."""

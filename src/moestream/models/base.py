@@ -154,11 +154,6 @@ class RopeScaling:
     attn_factor: float = 1.0
 
 
-def default_slots(n_experts: int, top_k: int) -> int:
-    """Default pool size: a quarter of the experts, at least top-k."""
-    return max(top_k, n_experts // 4)
-
-
 class MoEModel:
     """Base of the architectures. Subclasses read their hyper-parameters and weights in ``__init__`` via
     ``self.weight``/``self.norm`` and implement ``forward``.
