@@ -394,7 +394,7 @@ def test_cache_bytes_matches_the_cache(model):
     (("run", "-n", "99999999999999999999"), ("-n must be at most 2^31, got 99999999999999999999",)),
     (("verify", "--steps", "100000000", "--override-ctx"), ("--steps 100000000: a context of", "GiB of KV cache",
                                                             "use a smaller --steps or prompt")),
-    (("bench", "-p", "99999999999", "-n", "1"), ("-p and -n must be at most 2^31",)),
+    (("bench", "-p", "99999999999", "-n", "1"), ("-p must be at most 2^31, got 99999999999",)),
     # refused before the table's header is printed (one line, empty stdout), not as a failed row per config
     (("bench", "-p", "100000000", "-n", "1", "--override-ctx"), ("-p/-n: a context of 100000000 tokens needs",
                                                                  "use a smaller -p or -n")),

@@ -25,7 +25,7 @@ RANKS: dict[str, int] = {
     # 0 parsing/format: the file, the numerics, output files, memory arithmetic -- imports nothing above it
     "moestream": 0, "moestream.errors": 0, "moestream.gguf": 0, "moestream.quant": 0, "moestream.kernels": 0,
     "moestream.ops": 0, "moestream.gpu": 0, "moestream.memcap": 0, "moestream.telemetry": 0,
-    "moestream.tokenizer": 0, "moestream.output": 0, "moestream.budget": 0,
+    "moestream.tokenizer": 0, "moestream.output": 0, "moestream.budget": 0, "moestream.limits": 0,
     # 1 experts: layout, slot pools, policies, reader, the grouped MoE call, routing traces
     "moestream.experts": 1,
     # 2 models: the families and their shared parts

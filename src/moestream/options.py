@@ -1,17 +1,16 @@
 """What the commands (cli.py, bench.py) share between parsed arguments and the library: the model path, the compute
-threads and their bounds."""
+threads, the one LoadOptions and SamplingParams made from the arguments, and the flags of the options' fields (a
+library error names a field; the CLI says the flag)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from collections.abc import Iterator
 from importlib import resources
 
-from .errors import ConfigError
-
-#: Upper bounds of thread options: more IO threads than this only adds contention; more compute threads than
-#: 4 per CPU only oversubscribes the cores.
-MAX_IO_THREADS = 256
+from .errors import ConfigError, OptionError
 
 
 def max_threads() -> int:
@@ -80,3 +79,82 @@ def default_threads() -> int:
     except (OSError, ValueError, IndexError):
         running, load = [], 0.0
     return choose_threads(cpus, torch.get_num_threads(), running, load)
+
+
+#: The command-line flag of each option field (LoadOptions, SamplingParams, token counts): what the CLI says where
+#: the library names the field (errors.OptionError.render). The text given for a field is read from the parsed
+#: arguments under the field's name, or under :data:`DESTS`' where argparse keeps it elsewhere.
+FLAGS = {
+    "moe_stream": "--moe-stream", "slots": "--slots", "io_threads": "--io-threads", "policy": "--policy",
+    "expand_dense": "--expand-dense", "overlap": "--overlap", "device": "--device", "matmul": "--matmul",
+    "mem": "--mem", "n_ctx": "-c", "prefetch": "--prefetch", "direct_io": "--direct-io", "pool": "--pool",
+    "gpu_mem": "--gpu-mem", "host_cache": "--host-cache",
+    "temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed",
+    "n_predict": "-n", "steps": "--steps", "n_prompt": "-p", "n_gen": "-n",
+}
+DESTS = {"n_ctx": "ctx_size"}
+
+
+def given_texts(args: argparse.Namespace) -> dict[str, object]:
+    """field -> the value given on the command line (as typed where argparse keeps the text: ``--mem 1GiB``)."""
+    return {f: getattr(args, DESTS.get(f, f)) for f in FLAGS if getattr(args, DESTS.get(f, f), None) is not None}
+
+
+def flag_message(e: OptionError, args: argparse.Namespace | None) -> str:
+    """The message of a library OptionError with its fields named by their flags and the values as given."""
+    return e.render(FLAGS, given_texts(args) if args is not None else None)
+
+
+@contextlib.contextmanager
+def flag_errors(args: argparse.Namespace) -> Iterator[None]:
+    """Inside: an OptionError (a library check naming an option's field) becomes a ConfigError naming the flag and
+    the value as given (``io_threads must be at most 256, got 1000`` -> ``--io-threads must be at most 256, got
+    1000``)."""
+    try:
+        yield
+    except OptionError as e:
+        raise ConfigError(flag_message(e, args)) from None
+
+
+def load_options(args: argparse.Namespace, moe_stream: bool | None = None, **fields: object):  # noqa: ANN201
+    """The one place a LoadOptions is made from parsed arguments (run, chat, serve, verify, inspect; bench's rows
+    are ``dataclasses.replace`` of its base): the sizes parsed (``--mem``, ``--gpu-mem``, ``--host-cache``), every
+    option a command does not have at its default, ``fields`` (e.g. ``metadata_only``) over the arguments, and every
+    value checked by ``LoadOptions.__post_init__`` (OptionError naming the field: see :func:`flag_errors`).
+    ``moe_stream`` None: ``args.moe_stream`` (default on). Prints the --mem warning when it is more than the memory
+    available now. ConfigError naming the flag for a size that cannot be read."""
+    import sys
+
+    from .budget import parse_mem, warn_over_available
+    from .models.base import LoadOptions
+
+    def size(name: str, flag: str) -> int | None:
+        text = getattr(args, name, None)
+        return None if text is None else parse_mem(text, flag)
+
+    def source(name: str, flag: str) -> str | None:
+        text = getattr(args, name, None)
+        return None if text is None else f"{flag} {str(text).strip()}"
+
+    stream = getattr(args, "moe_stream", True) if moe_stream is None else moe_stream
+    mem, gpu_mem, host_cache = size("mem", "--mem"), size("gpu_mem", "--gpu-mem"), size("host_cache", "--host-cache")
+    defaults = LoadOptions.__dataclass_fields__
+    values = {name: getattr(args, name) for name in ("slots", "io_threads", "policy", "expand_dense", "overlap",
+                                                      "device", "matmul", "prefetch", "direct_io", "pool")
+              if getattr(args, name, None) is not None or name == "direct_io" and hasattr(args, name)}
+    opts = LoadOptions(**{**values, "moe_stream": stream, "mem": mem, "mem_source": source("mem", "--mem"),
+                          "gpu_mem": gpu_mem, "gpu_mem_source": source("gpu_mem", "--gpu-mem"),
+                          "host_cache": host_cache or defaults["host_cache"].default, **fields})
+    if mem is not None:
+        warning = warn_over_available(mem)
+        if warning:
+            print(f"moestream: {warning}", file=sys.stderr, flush=True)
+    return opts
+
+
+def sampling_params(args: argparse.Namespace):  # noqa: ANN201
+    """SamplingParams of ``--temp``, ``--top-k``, ``--top-p``, ``--min-p``, ``--seed`` (checked by
+    ``SamplingParams.__post_init__``, the server's check too)."""
+    from .engine import SamplingParams
+
+    return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)

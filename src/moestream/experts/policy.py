@@ -129,7 +129,8 @@ POLICIES: dict[str, type[CachePolicy]] = {"lfu": LFUPolicy, "lru": LRUPolicy}
 
 
 def check_policy(name: str) -> None:
-    """ConfigError (``--policy``) unless ``name`` is in :data:`POLICIES`."""
+    """OptionError (field ``policy``) unless ``name`` is in :data:`POLICIES`."""
     if name not in POLICIES:
-        from ..errors import ConfigError
-        raise ConfigError(f"--policy: unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}")
+        from ..errors import OptionError
+        raise OptionError(f"{{policy}}: unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}",
+                          policy=name)
