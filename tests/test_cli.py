@@ -220,7 +220,7 @@ def test_n_below_minus_one_is_refused():
 
 def test_default_threads_leave_busy_cpus_alone():
     """The default -t: the usable CPUs (at most torch's count) less the busy ones, at least 1."""
-    from moestream.cli import choose_threads, default_threads
+    from moestream.options import choose_threads, default_threads
 
     assert choose_threads(64, 2, [0, 0, 0], 0.0) == 2  # idle: torch's count
     assert choose_threads(4, 4, [1, 1, 0, 1, 1], 0.1) == 3  # a job that just started: the run queue
@@ -235,12 +235,12 @@ def test_default_context_is_capped_by_memory(monkeypatch):
     available; then the largest context that fits, said on stderr, and generation stops when it is full."""
     import types
 
-    from moestream import engine
+    from moestream import budget
     from moestream.models.base import LoadOptions, load_model
 
     shape = load_model(str(DEFAULT_GGUF), LoadOptions(metadata_only=True))
     avail = 2 * shape.cache_bytes(40) + 1  # half of it holds 40 positions, not 41
-    monkeypatch.setattr(engine.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=avail))
+    monkeypatch.setattr(budget.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=avail))
     p = cli("run", "-n", "-1", "--temp", "0", "-t", "1")
     assert p.returncode == 0, p.stderr
     assert "context 40 tokens: the file's 4096 would need more than half of the memory" in p.stderr.splitlines()[0]

@@ -390,7 +390,7 @@ def test_bad_direct_io_values():
     assert p.returncode == 2 and "--direct-io: expected on or off, got 'maybe'" in p.stderr
     p = cli("bench", "-p", "4", "-n", "2", "-r", "1", "--direct-io", "on,sometimes")
     assert p.returncode == 1 and "--direct-io: expected on, off or on,off" in p.stderr
-    with pytest.raises(ConfigError, match="--direct-io: expected on or off"):
+    with pytest.raises(ConfigError, match="direct_io: expected on or off"):
         LoadOptions(direct_io="on")  # type: ignore[arg-type]
 
 

@@ -46,7 +46,7 @@ def test_without_the_tier_the_file_is_read_again() -> None:  # the control of th
 def test_too_small_and_refused_combinations() -> None:
     with pytest.raises(ConfigError, match="fewer than twice"):
         load_model(str(DEFAULT_GGUF), LoadOptions(slots=32, host_cache=1 << 20))
-    with pytest.raises(ConfigError, match="--prefetch"):
+    with pytest.raises(ConfigError, match="host_cache and prefetch on cannot be combined"):
         LoadOptions(host_cache=64 << 20, prefetch=True)
 
 

@@ -194,7 +194,7 @@ def test_bench_vs_llamacpp_under_a_cap(tmp_path):
 def test_available_memory_sees_the_cgroup_limit():
     """The KV-cache checks (-c, -n -1, -cnv) size against the memory cgroup's limit when it is tighter than the
     machine's available memory (a container), not against the host's MemAvailable."""
-    code = "from moestream.engine import available_memory; print(available_memory())"
+    code = "from moestream.budget import available_memory; print(available_memory())"
     r = MemCap(parse_size("512MiB")).run([sys.executable, "-c", code], timeout=120)
     assert r.returncode == 0, r.stderr
     assert 0 < int(r.stdout) <= 512 * 2**20

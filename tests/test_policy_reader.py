@@ -166,5 +166,5 @@ def test_reader_short_read_is_an_error(tmp_path):
 
 
 def test_reader_rejects_zero_threads():
-    with pytest.raises(ConfigError, match="--io-threads must be at least 1, got 0"):
+    with pytest.raises(ConfigError, match="io_threads must be at least 1, got 0"):
         ExpertReader(0)

@@ -17,10 +17,10 @@ import pytest
 
 from helpers import cli
 from moestream import runtrace, telemetry
-from moestream.cli import default_model_path
 from moestream.engine import Engine, Sampler, SamplingParams
 from moestream.experts.trace import RoutingTrace, simulate
 from moestream.models.base import LoadOptions, load_model
+from moestream.options import default_model_path
 from moestream.runtrace import GpuWindow, RunTraceError, TraceWriter, read_trace
 from moestream.telemetry import GpuSample
 from moestream.tokenizer import GGUFTokenizer

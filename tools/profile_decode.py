@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--by-caller", action="store_true", help="rank ops by (op, outermost op that called it)")
     a = ap.parse_args()
 
-    from moestream.cli import set_compute_threads
+    from moestream.options import set_compute_threads
     set_compute_threads(a.threads, a.matmul)  # as run does: the kernels get -t, torch 1 (blocks)
     model = load_model(a.model, LoadOptions(moe_stream=a.stream, matmul=a.matmul))
     engine = Engine(model)

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import re
-import stat
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import tempfile
 import time
 
 from .errors import ConfigError, OutputError
-from .experts.policy import check_policy
+from .output import check_distinct_outputs, check_json_path, write_json, write_output, write_stdout
 
 GiB = 2**30
 
@@ -107,106 +106,31 @@ def disk_read_bandwidth(path: str, chunk_bytes: int, n_reads: int = 48, threads:
         os.close(fd)
 
 
-def check_json_path(path: str, inputs: list[str] = (), option: str = "--json", what: str = "the results",
-                    input_kind: str = "the model file") -> None:
-    """ConfigError, before any row runs, when ``--json PATH`` (``option``) cannot be written (see ``write_json``)
-    or names one of ``inputs`` (the model's files: a typo must not replace the model with ``what``)."""
-    if path == "":
-        raise ConfigError(f"{option}: the path is empty")
-    real = os.path.realpath(path)
-    cannot = f"{option} {path}: cannot write a file there"
-    try:
-        st = os.stat(real)
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        raise ConfigError(f"{cannot} ({e.strerror})") from None
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{cannot} (it is a directory)")
-    if path.endswith(os.sep):
-        raise ConfigError(f"{cannot} (the path ends with '{os.sep}': a folder, not a file name)")
-    for inp in inputs:
-        with contextlib.suppress(OSError):
-            if st is not None and os.path.samefile(real, inp):
-                raise ConfigError(f"{option} {path}: that is {input_kind} {inp}; choose another path for "
-                                  f"{what}")
-    if st is not None and not stat.S_ISREG(st.st_mode):  # a FIFO, /dev/null, a terminal: written into as it is
-        if not os.access(real, os.W_OK):
-            raise ConfigError(f"{cannot} (not writable)")
-        return
-    if st is not None and not os.access(real, os.W_OK):  # read-only: not silently replaced by the rename
-        raise ConfigError(f"{cannot} (the file is not writable)")
-    d = os.path.dirname(real)
-    if not os.path.isdir(d) or not os.access(d, os.W_OK | os.X_OK):
-        raise ConfigError(f"{cannot} (its folder {d} is missing or not writable)")
-    try:  # what write_json will do: a temporary file beside the target (some folders refuse, e.g. /proc)
-        fd, probe = tempfile.mkstemp(dir=d, prefix=".moestream-probe-")
-    except OSError as e:
-        raise ConfigError(f"{cannot} (its folder {d} refuses new files: {e.strerror or e})") from None
-    os.close(fd)
-    os.unlink(probe)
+#: a row's LoadOptions fields that bench's lists vary (the rest are bench's base options, shared by every row)
+ROW_FIELDS = ("moe_stream", "slots", "io_threads", "overlap", "prefetch", "direct_io", "pool", "mem", "gpu_mem",
+              "host_cache")
 
 
-def check_distinct_outputs(outputs: list[tuple[str, str | None]]) -> None:
-    """ConfigError when two output options (``(option, path)`` pairs; None = not given) name the same file: each
-    would be written over the other and one output silently lost."""
-    seen: list[tuple[str, str, str]] = []
-    for option, path in outputs:
-        if not path:
-            continue
-        real = os.path.realpath(path)
-        for other, other_path, other_real in seen:
-            same = real == other_real
-            if not same:
-                with contextlib.suppress(OSError):
-                    same = os.path.samefile(real, other_real)
-            if same:
-                raise ConfigError(f"{option} {path}: {other} {other_path} names the same file; give each output its "
-                                  "own path")
-        seen.append((option, path, real))
+def row_options(cfg: dict, base=None):  # noqa: ANN001, ANN201 - LoadOptions
+    """The LoadOptions of one row: ``dataclasses.replace`` of ``base`` (the options every row shares: bench's
+    arguments through options.load_options in the parent; in the row's own process, those the row's ``cfg``
+    carries) by the row's own values. Checked by ``LoadOptions.__post_init__``: the parent makes every row's
+    before any runs, so a bad combination is one line naming the flags (cli.main), not one failed row each."""
+    from dataclasses import replace
 
+    from .models.base import LoadOptions
 
-def write_json(path: str, obj: object) -> None:
-    """Write ``obj`` as JSON to ``path`` (``--json``), as :func:`write_output` writes."""
-    write_output(path, json.dumps(obj, indent=2) + "\n")
-
-
-def write_output(path: str, text: str, option: str = "--json", what: str = "the results") -> None:
-    """Write ``text`` to ``path`` the way a user expects an output path to be treated.
-
-    A symlink is followed: its target gets the text and the link stays a link. An existing file that is not a
-    regular file (a FIFO, /dev/null, a terminal) is opened and written into, never replaced. A regular file, new or
-    existing, is written to a temporary file in the same folder that is then renamed over it, so a failed write
-    never leaves it half-written (an existing file keeps its permissions). OutputError naming ``option`` on failure.
-    """
-    real = os.path.realpath(path)
-    try:
-        try:
-            st = os.stat(real)
-        except FileNotFoundError:
-            st = None
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            with open(real, "w") as f:
-                f.write(text)
-            return
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(real) + ".", suffix=".tmp", dir=os.path.dirname(real))
-        try:
-            if st is not None:
-                mode = stat.S_IMODE(st.st_mode)
-            else:
-                umask = os.umask(0)
-                os.umask(umask)
-                mode = 0o666 & ~umask
-            os.fchmod(fd, mode)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, real)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except OSError as e:
-        raise OutputError(f"{option} {path}: cannot write {what} ({e.strerror or e})") from None
+    if base is None:
+        base = LoadOptions(expand_dense=cfg.get("expand_dense", False), matmul=cfg.get("matmul", "blocks"),
+                           policy=cfg.get("policy", "lfu"), device=cfg.get("device", "cpu"))
+    size = {k: cfg.get(k) for k in ("mem", "gpu_mem", "host_cache")}
+    row = {k: cfg[k] for k in ROW_FIELDS if k in cfg and k not in size}
+    return replace(base, **row, n_ctx=max(cfg["n_prompt"], cfg["n_gen"] + 1),
+                   mem=None if size["mem"] is None else size["mem"]["bytes"],
+                   mem_source=None if size["mem"] is None else size["mem"]["source"],
+                   gpu_mem=None if size["gpu_mem"] is None else size["gpu_mem"]["bytes"],
+                   gpu_mem_source=None if size["gpu_mem"] is None else size["gpu_mem"]["source"],
+                   host_cache=0 if size["host_cache"] is None else size["host_cache"]["bytes"])
 
 
 def run_row(cfg: dict) -> dict:
@@ -214,23 +138,12 @@ def run_row(cfg: dict) -> dict:
     import random
 
     from .engine import Engine, check_cache_fits, disk_read_bytes, peak_rss_bytes
-    from .models.base import LoadOptions, load_model
+    from .models.base import load_model
 
     if cfg.get("threads"):
-        from .cli import set_compute_threads
+        from .options import set_compute_threads
         set_compute_threads(cfg["threads"], cfg.get("matmul", "blocks"))
-    n_ctx = max(cfg["n_prompt"], cfg["n_gen"] + 1)
-    mem = cfg.get("mem")
-    opts = LoadOptions(moe_stream=cfg["moe_stream"], slots=cfg.get("slots"), io_threads=cfg.get("io_threads", 8),
-                       overlap=cfg.get("overlap", True), expand_dense=cfg.get("expand_dense", False),
-                       matmul=cfg.get("matmul", "blocks"), prefetch=cfg.get("prefetch", False),
-                       policy=cfg.get("policy", "lfu"), n_ctx=n_ctx, direct_io=cfg.get("direct_io"),
-                       device=cfg.get("device", "cpu"),
-                       mem=None if mem is None else mem["bytes"], mem_source=None if mem is None else mem["source"],
-                       gpu_mem=None if cfg.get("gpu_mem") is None else cfg["gpu_mem"]["bytes"],
-                       gpu_mem_source=None if cfg.get("gpu_mem") is None else cfg["gpu_mem"]["source"],
-                       host_cache=0 if cfg.get("host_cache") is None else cfg["host_cache"]["bytes"],
-                       pool=cfg.get("pool", "device"))
+    opts = row_options(cfg)
     t_load = time.perf_counter()
     model = load_model(cfg["model"], opts)
     load_seconds = time.perf_counter() - t_load
@@ -694,11 +607,6 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
     return "\n".join(out)
 
 
-#: ``bench --device``: where the moestream rows compute (LoadOptions.device); cuda or auto-with-a-GPU also picks
-#: the GPU rows of ``--llama-bench``.
-DEVICES = ("cpu", "cuda", "auto")
-
-
 def _cuda_available() -> bool:
     try:
         import torch
@@ -769,17 +677,19 @@ def _limit(test: dict, bandwidth: float | None) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Entry point of ``moestream bench`` (see cli.py for the flags)."""
-    from .cli import MAX_IO_THREADS, model_path
-    from .engine import MAX_TOKENS
+    from .experts.pool import check_pool
     from .gguf import GGUFModel
+    from .limits import check_tokens
     from .models.base import architecture_of
+    from .options import default_threads, load_options, model_path
 
     device = str(getattr(args, "device", "cpu") or "cpu").strip().lower()
-    if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):
-        raise ConfigError(f"--device: expected cpu, cuda (or cuda:N) or auto, got {getattr(args, 'device', None)!r}")
-    if device != "auto":  # refused here in one line (a CPU build of torch), not once per row
-        from .models.base import resolve_device
-        device = resolve_device(device)
+    # the options every row shares, checked once here (a CPU build of torch asked for CUDA: one line, not one per
+    # row); the lists (--slots, --mem, --io-threads, ...) vary per row: see row_options
+    shared = argparse.Namespace(**{**vars(args), **dict.fromkeys(ROW_FIELDS)})
+    base_opts = load_options(shared, moe_stream=True)
+    if device != "auto":
+        device = base_opts.device
     llama_bench = getattr(args, "llama_bench", None)
     if llama_bench is not None:
         if args.vs is None:
@@ -803,16 +713,15 @@ def run_bench(args: argparse.Namespace) -> int:
     if trace_path is not None:
         check_json_path(trace_path, g.paths, option="--trace", what="the trace")
     check_distinct_outputs([("--json", args.json), ("--trace", trace_path)])
-    check_policy(args.policy)
     if args.repetitions < 1:
         raise ConfigError(f"-r must be at least 1, got {args.repetitions}")
     routing = str(getattr(args, "routing", "model")).strip().lower()
     if routing not in ROUTING_MODES:
         raise ConfigError(f"--routing: expected model or calibrated, got {getattr(args, 'routing', None)!r}")
-    if args.n_prompt < 0 or args.n_gen < 0 or (args.n_prompt == 0 and args.n_gen == 0):
-        raise ConfigError("-p and -n must be >= 0 and not both 0")
-    if args.n_prompt > MAX_TOKENS or args.n_gen > MAX_TOKENS:
-        raise ConfigError(f"-p and -n must be at most 2^31, got -p {args.n_prompt} -n {args.n_gen}")
+    check_tokens(args.n_prompt, "n_prompt", minimum=0)
+    check_tokens(args.n_gen, "n_gen", minimum=0)
+    if args.n_prompt == 0 and args.n_gen == 0:
+        raise ConfigError("-p and -n must not both be 0")
     from .engine import check_cache_fits, check_trained_context
     from .models.base import LoadOptions, load_model
     shape = load_model(model, LoadOptions(metadata_only=True))  # hyperparameters only, no weights read
@@ -827,16 +736,12 @@ def run_bench(args: argparse.Namespace) -> int:
     from .budget import parse_mem
     mems = None
     if args.mem is not None:
-        if args.slots is not None:
-            raise ConfigError(f"--mem {args.mem} and --slots {args.slots} both size the slot pools: give one of them")
         mems = [{"text": t, "bytes": parse_mem(t), "source": f"--mem {t}"}
                 for t in _dedupe([x.strip() for x in args.mem.split(",")])]
     elif args.mem_cap is not None and args.slots is None:  # capped rows: the budget is the cap
         mems = [{"text": args.mem_cap.strip(), "bytes": None, "source": f"--mem {args.mem_cap.strip()} (the cap)"}]
     gpu_mems: list = [None]
     if getattr(args, "gpu_mem", None) is not None:  # CUDA rows: VRAM budgets of the pools
-        if args.slots is not None and device.startswith("cuda"):
-            raise ConfigError(f"--gpu-mem {args.gpu_mem} and --slots {args.slots} both size the slot pools: give one")
         gpu_mems = [{"text": t, "bytes": parse_mem(t, "--gpu-mem"), "source": f"--gpu-mem {t}"}
                     for t in _dedupe([x.strip() for x in args.gpu_mem.split(",")])]
     host_caches: list = [None]
@@ -844,14 +749,10 @@ def run_bench(args: argparse.Namespace) -> int:
         host_caches = [None if t.lower() in ("off", "0") else {"text": t, "bytes": parse_mem(t, "--host-cache")}
                        for t in _dedupe([x.strip() for x in args.host_cache.split(",")])]
     pools = _dedupe([x.strip().lower() for x in str(getattr(args, "pool", None) or "device").split(",")])
-    for pl in pools:
-        if pl not in ("device", "host"):
-            raise ConfigError(f"--pool: expected device, host or device,host, got {pl!r}")
+    for pl in pools:  # before the CPU drops the list: a misspelt place is refused on any device
+        check_pool(pl)
     slots = _list(args.slots, int, "--slots") if args.slots is not None else [None]
     prefetches = _on_off_list(args.prefetch, "--prefetch")
-    if any(host_caches) and any(prefetches):
-        raise ConfigError("--host-cache and --prefetch on cannot be combined yet (a prefetch's reads could take "
-                          "host-tier rows still in use); give one of them")
     if device == "cpu":  # CUDA-only lists would give identical rows on the CPU
         gpu_mems, pools = [None], ["device"]
     ios = _list(args.io_threads, int, "--io-threads")
@@ -859,12 +760,6 @@ def run_bench(args: argparse.Namespace) -> int:
         if s is not None and s < top_k:
             raise ConfigError(f"--slots {s} is below the experts used per token ({top_k})")
     slots = _dedupe([s if s is None else min(s, n_exp) for s in slots])  # above the count: clamped, as run does
-    for t in ios:
-        if t < 1:
-            raise ConfigError(f"--io-threads must be at least 1, got {t}")
-        if t > MAX_IO_THREADS:
-            raise ConfigError(f"--io-threads must be at most {MAX_IO_THREADS}, got {t}")
-    from .cli import default_threads
     threads = args.threads if args.threads is not None else default_threads()  # one count for every row
     base = {"model": model, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
             "threads": threads, "ubatch": args.ubatch, "expand_dense": args.expand_dense,
@@ -889,6 +784,8 @@ def run_bench(args: argparse.Namespace) -> int:
         for c in cfgs:
             if c.get("mem") and c["mem"]["bytes"] is None:
                 c["mem"] = {**c["mem"], "bytes": cap.limit_bytes}
+    for c in cfgs:  # every row's options checked before any row runs (one line naming the flags: cli.main)
+        row_options(c, base_opts)
     if args.vs is not None and args.vs != "llama.cpp":
         raise ConfigError(f"--vs: only llama.cpp is known, got {args.vs!r}")
     if args.vs is not None and llama_bench is None:
@@ -994,7 +891,6 @@ def _run_rows(args: argparse.Namespace, cfgs: list[dict], g, cap) -> list[dict]:
 
 def _report(args: argparse.Namespace, rows: list[dict], bandwidth, routing, calibration, g, model) -> int:  # noqa: ANN001
     """The table on stdout, --json, and the exit status of run_bench."""
-    from .cli import write_stdout
 
     table = format_table(rows, bandwidth)
     write_stdout(table + "\n\n" + routing_note(routing, calibration, args.vs is not None) + "\n")

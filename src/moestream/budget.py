@@ -77,10 +77,58 @@ def process_rss(exclude: tuple[str, ...] | list[str] = ()) -> int:
         return psutil.Process().memory_info().rss
 
 
+def _cgroup_available() -> int | None:
+    """Bytes this process's memory cgroups still allow (limit - usage + reclaimable file pages), the tightest
+    over the cgroup and its ancestors, for cgroup v2 (``memory.max``) and v1 (``memory.limit_in_bytes``); None
+    when no limit applies or none can be read."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return None
+    best: int | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        ctrl, path = parts[1], parts[2].strip("/")
+        if ctrl == "":  # v2: the unified hierarchy, at /sys/fs/cgroup or (hybrid set-ups) /sys/fs/cgroup/unified
+            root = "/sys/fs/cgroup" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "/sys/fs/cgroup/unified"
+            names = ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in ctrl.split(","):
+            root, names = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                    "total_inactive_file")
+        else:
+            continue
+        segs = path.split("/") if path else []
+        for k in range(len(segs), -1, -1):
+            d = os.path.join(root, *segs[:k])
+            try:
+                limit_text = open(os.path.join(d, names[0])).read().strip()
+                if limit_text == "max" or int(limit_text) >= 2**60:
+                    continue
+                usage = int(open(os.path.join(d, names[1])).read())
+                inactive = 0
+                for stat in open(os.path.join(d, "memory.stat")).read().splitlines():
+                    key, _, value = stat.partition(" ")
+                    if key == names[2]:
+                        inactive = int(value)
+            except (OSError, ValueError):
+                continue
+            left = max(int(limit_text) - usage + inactive, 0)
+            best = left if best is None else min(best, left)
+    return best
+
+
+def available_memory() -> int:
+    """Bytes of memory available now: the system's (``MemAvailable``) or, when tighter, what the process's
+    memory cgroup still allows (a container's or ``--mem-cap``'s limit)."""
+    avail = psutil.virtual_memory().available
+    cg = _cgroup_available()
+    return avail if cg is None else min(avail, cg)
+
+
 def auto_budget() -> tuple[int, str]:
     """(bytes, description) of the budget when neither --mem nor --slots is given (see the module docstring)."""
-    from .engine import available_memory
-
     have = available_memory() + process_rss()
     margin = max(int(AUTO_MARGIN_SHARE * have), AUTO_MARGIN_MIN)
     return max(have - margin, 0), (f"{have / GiB:.2f} GiB available at start less a {margin / GiB:.2f} GiB margin "
@@ -259,8 +307,6 @@ def gpu_budget(mem: int | None, source: str | None, device: object) -> tuple[int
 
 def warn_over_available(mem: int, option: str = "--mem") -> str | None:
     """A warning when ``mem`` is more than this machine (or cgroup) has now, else None."""
-    from .engine import available_memory
-
     have = available_memory() + process_rss()
     if mem > have:
         return (f"warning: {option}: {mem / GiB:.2f} GiB is more than the {have / GiB:.2f} GiB available now; "

@@ -12,13 +12,13 @@ import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator
-from importlib import resources
+
+from .limits import MAX_IO_THREADS, MAX_TOKENS, check_tokens
+from .options import default_threads, max_threads, model_path, set_compute_threads
+from .output import write_stdout
 
 GiB = 2**30
 DEFAULT_PROMPT = "The history of the printing press"
-#: Upper bounds of thread options: more IO threads than this only adds contention; more compute threads than
-#: 4 per CPU only oversubscribes the cores.
-MAX_IO_THREADS = 256
 #: Largest -f prompt read: 256 MiB of text is millions of tokens past any trained context; it also bounds what
 #: a device such as /dev/zero makes us read.
 MAX_PROMPT_FILE_BYTES = 256 << 20
@@ -34,11 +34,6 @@ DIRECT_IO_HELP = ("read experts with O_DIRECT, bypassing the page cache, so that
                   "the page cache, with a note when on was asked for); off: buffered reads")
 
 
-def max_threads() -> int:
-    """Upper bound of -t: 4 x the CPUs."""
-    return 4 * (os.cpu_count() or 1)
-
-
 def version() -> str:
     """The installed package's version (``pyproject.toml``)."""
     from importlib.metadata import PackageNotFoundError
@@ -48,37 +43,6 @@ def version() -> str:
         return dist_version("moestream")
     except PackageNotFoundError:
         return "unknown (not installed)"
-
-
-def default_model_path() -> str:
-    """The small Qwen3-MoE GGUF embedded in the package (src/moestream/data/default.gguf)."""
-    return str(resources.files("moestream") / "data" / "default.gguf")
-
-
-def model_path(args: argparse.Namespace) -> str:
-    """``-m`` or, when it is not given, the embedded model; ConfigError for an empty ``-m ''`` (which must not
-    silently mean the embedded model)."""
-    from .errors import ConfigError
-
-    if args.model == "":
-        raise ConfigError("-m: the model path is empty (leave -m out to use the embedded model)")
-    return args.model if args.model is not None else default_model_path()
-
-
-def write_stdout(text: str) -> None:
-    """Write ``text`` to stdout and flush. OutputError when stdout cannot be written (a full disk, /dev/full);
-    BrokenPipeError (the reader went away, e.g. ``| head``) passes through: main() exits 0 on it."""
-    from .errors import OutputError
-
-    if sys.stdout is None:  # started with stdout closed (>&-)
-        raise OutputError("cannot write to stdout (it is closed)")
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as e:
-        raise OutputError(f"cannot write to stdout ({e.strerror or e})") from None
 
 
 def _on_off(v: str) -> bool:
@@ -142,34 +106,15 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
     p.add_argument("-ub", "--ubatch", type=int, default=128, help="prefill chunk size in tokens (default 128)")
 
 
-def set_compute_threads(threads: int, matmul: str) -> None:
-    """``-t``: with ``--matmul blocks`` the C kernels get ``threads`` and torch one (what is left to torch --
-    norms, RoPE, attention, sampling -- is small per token, and torch's thread pool collapses when another job
-    competes for the CPUs; one thread also keeps those ops' bits independent of -t); with ``dequant`` torch
-    gets them all."""
-    import torch
-
-    from . import kernels
-    kernels.set_threads(threads)
-    torch.set_num_threads(1 if matmul == "blocks" else threads)
-
-
 def _load(args: argparse.Namespace, moe_stream: bool, streams_later: bool = False):
-    """The model and its LoadOptions; ``streams_later``: verify, whose resident model is run streaming too (the
-    streaming options are used, so no note says they are ignored)."""
-    from .models.base import LoadOptions, load_model
+    """The model and its LoadOptions (options.load_options); ``streams_later``: verify, whose resident model is run
+    streaming too (the streaming options are used, so no note says they are ignored)."""
+    from .models.base import load_model
+    from .options import load_options
     _check_common(args)
     threads = args.threads if args.threads is not None else default_threads()
     set_compute_threads(threads, getattr(args, "matmul", "blocks"))
-    mem, mem_source = _mem_option(args)
-    gpu_mem, gpu_mem_source = _gpu_mem_option(args)
-    opts = LoadOptions(moe_stream=moe_stream, slots=getattr(args, "slots", None),
-                       io_threads=getattr(args, "io_threads", 8), policy=getattr(args, "policy", "lfu"),
-                       overlap=getattr(args, "overlap", True), expand_dense=args.expand_dense,
-                       matmul=getattr(args, "matmul", "blocks"), prefetch=getattr(args, "prefetch", False),
-                       mem=mem, mem_source=mem_source, direct_io=getattr(args, "direct_io", None),
-                       device=getattr(args, "device", "cpu"), pool=getattr(args, "pool", "device"),
-                       gpu_mem=gpu_mem, gpu_mem_source=gpu_mem_source, host_cache=_host_cache_option(args))
+    opts = load_options(args, moe_stream)
     for ignored in _ignored_options(args, opts, moe_stream or streams_later):
         print(f"moestream: note: {ignored}", file=sys.stderr, flush=True)
     # with a budget the pools are sized once the context is known (_context, verify): defer the store
@@ -198,44 +143,6 @@ def _tier_line(store) -> str | None:  # noqa: ANN001
     return (f"moestream: host tier: {tier.hits} of {n} pool misses copied from it "
             f"({100 * tier.hits / max(n, 1):.1f}%), {tier.misses} read from the disk into it, "
             f"{tier.bytes_copied / GiB:.3f} GiB copied to the slots")
-
-
-def _mem_option(args: argparse.Namespace) -> tuple[int | None, str | None]:
-    """(bytes, "--mem TEXT") of --mem, or (None, None); ConfigError for a bad value or --mem with --slots.
-    Prints a warning when --mem is more than the memory available now."""
-    from .budget import parse_mem, warn_over_available
-    from .errors import ConfigError
-
-    text = getattr(args, "mem", None)
-    if text is None:
-        return None, None
-    mem = parse_mem(text)
-    text = text.strip()
-    if getattr(args, "slots", None) is not None:
-        raise ConfigError(f"--mem {text} and --slots {args.slots} both size the slot pools: give one of them")
-    warning = warn_over_available(mem)
-    if warning:
-        print(f"moestream: {warning}", file=sys.stderr, flush=True)
-    return mem, f"--mem {text}"
-
-
-def _gpu_mem_option(args: argparse.Namespace) -> tuple[int | None, str | None]:
-    """(bytes, "--gpu-mem TEXT") of --gpu-mem, or (None, None); ConfigError for a bad value or with --slots."""
-    from .budget import parse_mem
-
-    text = getattr(args, "gpu_mem", None)
-    if text is None:
-        return None, None
-    mem = parse_mem(text, "--gpu-mem")
-    return mem, f"--gpu-mem {text.strip()}"
-
-
-def _host_cache_option(args: argparse.Namespace) -> int:
-    """--host-cache in bytes (0: off)."""
-    from .budget import parse_mem
-
-    text = getattr(args, "host_cache", None)
-    return 0 if text is None else parse_mem(text, "--host-cache")
 
 
 def _device_desc(model) -> str:  # noqa: ANN001
@@ -300,17 +207,11 @@ def _check_prompt(prompt: str, option: str = "-p") -> str:
 
 
 def _check_common(args: argparse.Namespace) -> None:
-    from .engine import MAX_TOKENS
+    """The options a command checks before the model loads that are not LoadOptions fields (LoadOptions checks its
+    own: options.load_options): -m, -ub, -t."""
     from .errors import ConfigError
 
     model_path(args)
-    from .models.base import MATMUL_MODES
-    mm = getattr(args, "matmul", "blocks")
-    if mm not in MATMUL_MODES:
-        raise ConfigError(f"--matmul: unknown mode {mm!r}; choose one of {', '.join(MATMUL_MODES)}")
-    if getattr(args, "policy", None) is not None:  # before the model loads
-        from .experts.policy import check_policy
-        check_policy(args.policy)
     ub = getattr(args, "ubatch", 1)
     if ub < 1:
         raise ConfigError(f"-ub must be at least 1, got {ub}")
@@ -321,51 +222,6 @@ def _check_common(args: argparse.Namespace) -> None:
         raise ConfigError(f"-t must be at least 1, got {t}")
     if t is not None and t > max_threads():
         raise ConfigError(f"-t must be at most {max_threads()} (4 x the {os.cpu_count()} CPUs), got {t}")
-    if getattr(args, "slots", None) is not None and isinstance(args.slots, int) and args.slots < 1:
-        raise ConfigError(f"--slots must be a positive number, got {args.slots}")
-    io = getattr(args, "io_threads", 1)
-    if isinstance(io, int) and io < 1:
-        raise ConfigError(f"--io-threads must be at least 1, got {io}")
-    if isinstance(io, int) and io > MAX_IO_THREADS:
-        raise ConfigError(f"--io-threads must be at most {MAX_IO_THREADS}, got {io}")
-
-
-def choose_threads(cpus: int, torch_threads: int, running: list[int], load1: float) -> int:
-    """The default -t from what :func:`default_threads` reads: ``cpus`` usable, at most ``torch_threads`` (torch's
-    own default, the physical cores), less the busy ones -- the larger of the median of ``running`` (other
-    runnable tasks, sampled) and the 1-minute load average ``load1`` rounded down -- at least 1."""
-    busy = max(sorted(running)[len(running) // 2] if running else 0, int(load1))
-    return max(1, min(cpus, torch_threads) - busy)
-
-
-def default_threads() -> int:
-    """Compute threads when -t is not given (:func:`choose_threads`): the CPUs this process may use
-    (``os.sched_getaffinity``), at most torch's default, less the CPUs other jobs keep busy: the runnable tasks
-    other than this one (``/proc/loadavg``'s running count, 5 reads over 20 ms) or the 1-minute load average.
-
-    More compute threads than free CPUs collapses torch's thread pool (each of the thousands of small parallel
-    ops per token waits for a thread the scheduler gave to the other job: 3.9 vs 43 tok/s measured), while one
-    thread too few costs little; so a busy machine gets fewer threads."""
-    import time
-
-    import torch
-
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    running, load = [], 0.0
-    try:
-        for i in range(5):
-            if i:
-                time.sleep(0.005)
-            with open("/proc/loadavg") as f:
-                fields = f.read().split()
-            running.append(int(fields[3].split("/")[0]) - 1)  # this process is running while it reads
-            load = float(fields[0])
-    except (OSError, ValueError, IndexError):
-        running, load = [], 0.0
-    return choose_threads(cpus, torch.get_num_threads(), running, load)
 
 
 def read_prompt_file(path: str) -> str:
@@ -433,7 +289,6 @@ def interruptible() -> Iterator[Callable[[], bool]]:
 
 def _run_options(args: argparse.Namespace) -> tuple[str | None, int]:
     """The prompt (None: interactive mode waits for the first line) and -n, checked before the model loads."""
-    from .engine import MAX_TOKENS
     from .errors import ConfigError
 
     if args.prompt is not None and args.file is not None:
@@ -450,11 +305,7 @@ def _run_options(args: argparse.Namespace) -> tuple[str | None, int]:
         prompt = DEFAULT_PROMPT
     if prompt is not None:
         _check_prompt(prompt)
-    n = args.n_predict if args.n_predict is not None else (-1 if args.interactive else 128)
-    if n < -1:
-        raise ConfigError(f"-n must be -1 (until end of generation or a full context) or 0 or more, got {n}")
-    if n > MAX_TOKENS:
-        raise ConfigError(f"-n must be at most 2^31, got {n}")
+    n = check_tokens(args.n_predict if args.n_predict is not None else (-1 if args.interactive else 128))
     if args.ctx_size is not None and args.ctx_size < 0:
         raise ConfigError(f"-c must be 0 (prompt + -n) or more, got {args.ctx_size}")
     if args.ctx_size is not None and args.ctx_size > MAX_TOKENS:
@@ -462,26 +313,35 @@ def _run_options(args: argparse.Namespace) -> tuple[str | None, int]:
     return prompt, n
 
 
-def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int) -> int:  # noqa: ANN001
-    """The context size of a run (see the -c help) after the trained-context and memory checks; prints the
-    --override-ctx warning and the memory-cap note on stderr."""
-    from .engine import check_cache_fits, check_trained_context, default_context
+def _plan_context(args: argparse.Namespace, model, n_prompt: int, n_predict: int,  # noqa: ANN001
+                  opts=None) -> tuple[int, str, str | None]:  # noqa: ANN001
+    """The context of a run (engine.run_context: run's and inspect's alike) after the trained-context check:
+    ``(n_ctx, option, warning)`` (``option`` names what set it, for messages; ``warning``: --override-ctx's, to
+    print). Prints the memory-cap note on stderr. ``opts``: the LoadOptions whose budget caps a default context
+    (default: the model's)."""
+    from .engine import check_trained_context, run_context
 
+    interactive = getattr(args, "interactive", False)
+    unbounded = n_predict < 0 or interactive
+    n_ctx, capped_from = run_context(model, n_prompt, -1 if unbounded else n_predict, args.ctx_size, opts)
     if args.ctx_size:
-        n_ctx, option = args.ctx_size, f"-c {args.ctx_size}"
-    elif n_predict < 0 or args.interactive:
-        memory = None
-        if model.opts.mem is not None and model.opts.budgeted:  # the KV share comes out of --mem
-            from .budget import process_rss
-            memory = max(model.opts.mem - process_rss(), 0)
-        n_ctx, capped_from = default_context(model, memory=memory)
-        option = "-n -1" if not args.interactive else "-cnv"
+        option = f"-c {args.ctx_size}"
+    elif unbounded:
+        option = "-n -1" if not interactive else "-cnv"
         if capped_from is not None:
             print(f"moestream: context {n_ctx} tokens: the file's {capped_from} would need more than half of the "
                   f"memory available for its KV cache (-c sets the context)", file=sys.stderr, flush=True)
     else:
-        n_ctx, option = n_prompt + n_predict, f"the {n_prompt}-token prompt + -n {n_predict}"
-    warning = check_trained_context(model, n_ctx, option, args.override_ctx)
+        option = f"the {n_prompt}-token prompt + -n {n_predict}"
+    return n_ctx, option, check_trained_context(model, n_ctx, option, args.override_ctx)
+
+
+def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int) -> int:  # noqa: ANN001
+    """The context size of a run (see the -c help) after the trained-context and memory checks (:func:`_plan_context`);
+    sizes the pools of a budget for it; prints the --override-ctx warning on stderr."""
+    from .engine import check_cache_fits
+
+    n_ctx, option, warning = _plan_context(args, model, n_prompt, n_predict)
     # before anything is printed: an absurd -n or -c is refused here, not by torch's allocator
     check_cache_fits(model, n_ctx, option)
     if model.store is None:  # pools sized by the budget for this context
@@ -522,8 +382,9 @@ def _open_run_trace(args: argparse.Namespace, model):  # noqa: ANN001, ANN202
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .chat import encode_chat
-    from .engine import Engine, Sampler, SamplingParams
+    from .engine import Engine, Sampler
     from .errors import ConfigError
+    from .options import sampling_params
     from .textgen import StopStrings, TextEvents
 
     prompt, n_predict = _run_options(args)
@@ -537,9 +398,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.trace is not None:
         from .runtrace import check_trace_path as check_run_trace_path
         check_run_trace_path(args.trace, [model_path(args)])
-    from .bench import check_distinct_outputs
+    from .output import check_distinct_outputs
     check_distinct_outputs([("--routing-trace", args.routing_trace), ("--trace", args.trace)])
-    params = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    params = sampling_params(args)
     model, _ = _load(args, args.moe_stream)
     trace = None
     run_trace = None  # --trace: moestream/runtrace.py's writer, opened once the store exists
@@ -726,25 +587,34 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
     held: list = []
 
     def load() -> Loaded:
-        from .engine import Engine
+        from .options import flag_errors
 
-        _check_common(args)
-        threads = args.threads if args.threads is not None else default_threads()
-        args.threads = threads
-        model, _ = _load(args, args.moe_stream)
-        held.append(model)
-        tok = _tokenizer(model)
-        n_ctx = _context(args, model, 0, -1)
-        print(_describe(model), file=sys.stderr, flush=True)
-        print(f"moestream: serving {names[0]}: context {n_ctx} tokens per request (prompt and reply), one "
-              f"generation at a time", file=sys.stderr, flush=True)
-        trace = _open_run_trace(args, model)
-        if trace is not None:
-            held.append(trace)
-        return Loaded(model, tok, Engine(model, args.ubatch), n_ctx,
-                      lambda: set_compute_threads(threads, args.matmul), trace)
+        with flag_errors(args):  # the loader thread: a library error names the flag here too
+            return _serve_load(args, names, held)
 
     return names, load, held
+
+
+def _serve_load(args: argparse.Namespace, names: list[str], held: list):  # noqa: ANN202 - server.Loaded
+    """serve_loader's load(): check the options, load the model, size the context (the server's loader thread)."""
+    from .engine import Engine
+    from .server import Loaded
+
+    _check_common(args)
+    threads = args.threads if args.threads is not None else default_threads()
+    args.threads = threads
+    model, _ = _load(args, args.moe_stream)
+    held.append(model)
+    tok = _tokenizer(model)
+    n_ctx = _context(args, model, 0, -1)
+    print(_describe(model), file=sys.stderr, flush=True)
+    print(f"moestream: serving {names[0]}: context {n_ctx} tokens per request (prompt and reply), one "
+          f"generation at a time", file=sys.stderr, flush=True)
+    trace = _open_run_trace(args, model)
+    if trace is not None:
+        held.append(trace)
+    return Loaded(model, tok, Engine(model, args.ubatch), n_ctx,
+                  lambda: set_compute_threads(threads, args.matmul), trace)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -768,46 +638,53 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .engine import MAX_TOKENS
+    """``moestream inspect``: the layout and, with --mem / --gpu-mem / --device cuda, the memory plan run would make
+    for the same options and the same context (the prompt + -n, -c, or -n -1's default: :func:`_plan_context`)."""
+    from dataclasses import replace
+
     from .errors import ConfigError
+    from .options import load_options
     from .report import inspect_model
-    mem, source = _mem_option(args)
-    gpu_mem, gpu_source = _gpu_mem_option(args)
-    from .models.base import resolve_device
-    if resolve_device(args.device).startswith("cuda") and gpu_mem is None:  # the plan of the GPU's free memory
+
+    opts = load_options(args)
+    if opts.cuda and opts.gpu_mem is None:  # the plan of the GPU's free memory
         from .budget import gpu_budget
-        gpu_mem, gpu_source = gpu_budget(None, None, resolve_device(args.device))
-    if args.ctx_size is not None:
-        if mem is None and gpu_mem is None:
-            raise ConfigError("-c: inspect prices a context only with --mem or --gpu-mem (the memory plan's KV "
+        gpu_mem, gpu_source = gpu_budget(None, None, opts.device)
+        opts = replace(opts, gpu_mem=gpu_mem, gpu_mem_source=gpu_source, slots=None)
+    priced = opts.mem is not None or opts.gpu_mem is not None
+    for flag, value in (("-c", args.ctx_size), ("-n", args.n_predict), ("-p", args.prompt), ("-f", args.file)):
+        if value is not None and not priced:
+            raise ConfigError(f"{flag}: inspect prices a context only with --mem or --gpu-mem (the memory plan's KV "
                               "cache)")
-        if not 1 <= args.ctx_size <= MAX_TOKENS:
-            raise ConfigError(f"-c must be from 1 to 2^31, got {args.ctx_size}")
-        from .engine import check_trained_context
-        from .models.base import LoadOptions, load_model
-        shape = load_model(model_path(args), LoadOptions(metadata_only=True))
-        warning = check_trained_context(shape, args.ctx_size, f"-c {args.ctx_size}", args.override_ctx)
-        if warning:
-            print(f"moestream: {warning}", file=sys.stderr, flush=True)
-    host_cache = _host_cache_option(args)
-    if host_cache and mem is None:
+    if args.ctx_size is not None and not 1 <= args.ctx_size <= MAX_TOKENS:
+        raise ConfigError(f"-c must be from 1 to 2^31, got {args.ctx_size}")
+    if opts.host_cache and opts.mem is None:
         raise ConfigError("--host-cache: inspect prices the host tier in --mem's plan: give --mem too")
-    write_stdout(inspect_model(model_path(args), args.slots, mem, source, args.ctx_size, args.expand_dense,
-                               gpu_mem, gpu_source, host_cache) + "\n")
+    context = None
+    if priced:  # the context run would have: its prompt's tokens + -n (default 128), -c, or -n -1's default
+        if args.prompt is not None and args.file is not None:
+            raise ConfigError("-p and -f both give the prompt: use one of them")
+        prompt = _check_prompt(read_prompt_file(args.file) if args.file is not None else args.prompt or DEFAULT_PROMPT)
+        n_predict = check_tokens(args.n_predict if args.n_predict is not None else 128)
+
+        def context(shape, tok) -> int:  # noqa: ANN001
+            n_prompt = len(tok.encode(prompt, add_special=True)) if not args.ctx_size and n_predict >= 0 else 0
+            n_ctx, _, warning = _plan_context(args, shape, n_prompt, n_predict, opts)
+            if warning:
+                print(f"moestream: {warning}", file=sys.stderr, flush=True)
+            return n_ctx
+    write_stdout(inspect_model(model_path(args), opts, context) + "\n")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .engine import MAX_TOKENS, check_cache_fits, check_trained_context
+    from .engine import check_cache_fits, check_trained_context
     from .errors import ConfigError
     from .verify import verify
 
     _check_prompt(args.prompt)
     _check_common(args)
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be at least 1, got {args.steps}")
-    if args.steps > MAX_TOKENS:
-        raise ConfigError(f"--steps must be at most 2^31, got {args.steps}")
+    check_tokens(args.steps, "steps", minimum=1)
     model, opts = _load(args, moe_stream=False, streams_later=True)
     tok = _tokenizer(model)
     ids = tok.encode(args.prompt, add_special=True)
@@ -885,7 +762,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ConfigError(f"--speed must be above 0 and at most 1000, got {args.speed}")
     at = (args.at or len(tl)) - 1
     if args.html is not None:
-        from .bench import check_json_path
+        from .output import check_json_path
         check_json_path(args.html, [args.file], option="--html", what="the page", input_kind="the trace")
         write_page(tl, args.html)
         print(f"moestream: page of {len(tl)} tokens written to {args.html}", file=sys.stderr, flush=True)
@@ -960,7 +837,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--gpu-mem", default=None, metavar="SIZE", help="print the GPU memory plan run --device cuda "
                    "--gpu-mem SIZE makes (dense weights, KV cache, scratch and slot pools in VRAM)")
     i.add_argument("-c", "--ctx-size", type=int, default=None, help="with --mem: the context whose KV cache the "
-                   "plan holds (default: the trained context, at most 4096)")
+                   "plan holds (default: as run's: the prompt's tokens + -n)")
+    i.add_argument("-n", "--n-predict", type=int, default=None, help="with --mem: price the context of run -n N "
+                   "(default 128, as run; -1: the trained context, capped by memory as run -n -1 caps it)")
+    i.add_argument("-p", "--prompt", default=None, help=f"with --mem: the prompt whose tokens the context holds, as "
+                   f"run -p (default {DEFAULT_PROMPT!r})")
+    i.add_argument("-f", "--file", default=None, metavar="FILE", help="with --mem: read that prompt from FILE, as "
+                   "run -f")
     i.add_argument("--expand-dense", action="store_true", help="with --mem: price --expand-dense")
     i.add_argument("--override-ctx", action="store_true", help="with -c: allow a context past the file's trained "
                    "context_length (warns)")
@@ -1096,8 +979,10 @@ def main(argv: list[str] | None = None) -> int:
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "verify_moe_stream", None) is not None:
         sub.error("--moe-stream does not apply to verify: it always runs streaming off, then on, and compares them")
+    from .options import flag_errors
     try:
-        return args.func(args)
+        with flag_errors(args):  # a library error names an option's field: say the flag
+            return args.func(args)
     except MoestreamError as e:
         if isinstance(e, OutputError):
             _silence_stdout()

@@ -12,63 +12,13 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from .errors import ConfigError, ForwardError, NumericError
+from .budget import available_memory
+from .errors import ConfigError, ForwardError, NumericError, OptionError, shown
 from .experts.pool import StoreStats
+from .limits import MAX_TOKENS
 from .models.base import MoEModel
 
 GiB = 2**30
-#: Largest token count (-n, -c, --steps, bench -p/-n) accepted; far beyond any context a cache could hold.
-MAX_TOKENS = 2**31
-
-
-def _cgroup_available() -> int | None:
-    """Bytes this process's memory cgroups still allow (limit - usage + reclaimable file pages), the tightest
-    over the cgroup and its ancestors, for cgroup v2 (``memory.max``) and v1 (``memory.limit_in_bytes``); None
-    when no limit applies or none can be read."""
-    try:
-        lines = open("/proc/self/cgroup").read().splitlines()
-    except OSError:
-        return None
-    best: int | None = None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        ctrl, path = parts[1], parts[2].strip("/")
-        if ctrl == "":  # v2: the unified hierarchy, at /sys/fs/cgroup or (hybrid set-ups) /sys/fs/cgroup/unified
-            root = "/sys/fs/cgroup" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "/sys/fs/cgroup/unified"
-            names = ("memory.max", "memory.current", "inactive_file")
-        elif "memory" in ctrl.split(","):
-            root, names = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                                    "total_inactive_file")
-        else:
-            continue
-        segs = path.split("/") if path else []
-        for k in range(len(segs), -1, -1):
-            d = os.path.join(root, *segs[:k])
-            try:
-                limit_text = open(os.path.join(d, names[0])).read().strip()
-                if limit_text == "max" or int(limit_text) >= 2**60:
-                    continue
-                usage = int(open(os.path.join(d, names[1])).read())
-                inactive = 0
-                for stat in open(os.path.join(d, "memory.stat")).read().splitlines():
-                    key, _, value = stat.partition(" ")
-                    if key == names[2]:
-                        inactive = int(value)
-            except (OSError, ValueError):
-                continue
-            left = max(int(limit_text) - usage + inactive, 0)
-            best = left if best is None else min(best, left)
-    return best
-
-
-def available_memory() -> int:
-    """Bytes of memory available now: the system's (``MemAvailable``) or, when tighter, what the process's
-    memory cgroup still allows (a container's or ``--mem-cap``'s limit)."""
-    avail = psutil.virtual_memory().available
-    cg = _cgroup_available()
-    return avail if cg is None else min(avail, cg)
 
 
 def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c", hint: str = "-n or -c") -> None:
@@ -138,13 +88,42 @@ def default_context(model: MoEModel, share: float = DEFAULT_CTX_MEMORY_SHARE,
     return lo, train
 
 
+def run_context(model: MoEModel, n_prompt: int, n_predict: int, ctx_size: int | None = None,
+                opts: object = None) -> tuple[int, int | None]:
+    """The context (tokens) of a run, ``run``'s and ``inspect --mem``'s alike: ``ctx_size`` when given (> 0); with
+    no length to generate (``n_predict`` < 0: -n -1, interactive chat, the server) the trained context capped by
+    memory (:func:`default_context`; under a ``mem`` budget, of what it leaves besides this process); else the
+    prompt's ``n_prompt`` tokens + ``n_predict``. ``opts``: the LoadOptions the budget comes from (default: the
+    model's). Returns ``(n_ctx, capped_from)`` as :func:`default_context`."""
+    if ctx_size:
+        return ctx_size, None
+    if n_predict >= 0:
+        return n_prompt + n_predict, None
+    opts = opts or model.opts
+    memory = None
+    if opts.mem is not None and opts.budgeted:  # the KV share comes out of --mem
+        from .budget import process_rss
+        memory = max(opts.mem - process_rss(), 0)
+    return default_context(model, memory=memory)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class SamplingParams:
-    """llama.cpp-style sampling. temp <= 0 is greedy. top_k <= 0, top_p >= 1, min_p <= 0 disable a filter;
+    """llama.cpp-style sampling. temp <= 0 is greedy. top_k 0 or -1, top_p 1, min_p 0 disable a filter;
     the most likely token always survives the filters. seed None or -1: a random seed.
 
     Order (as llama.cpp's default chain): top-k, top-p, min-p, then temperature, then a draw.
-    Raises ConfigError for a non-finite temperature, top-p/min-p outside [0, 1], or a seed outside [-1, 2^63).
+    The one check of these values for every command and the server (:meth:`__post_init__`): OptionError naming
+    the field and the value for a temperature that is not a finite number, a top-k that is not an integer >= -1,
+    top-p/min-p not a number in [0, 1], or a seed not an integer in [-1, 2^63). Numbers are stored as float/int.
     """
 
     temp: float = 0.8
@@ -154,14 +133,20 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temp):
-            raise ConfigError(f"--temp must be a finite number, got {self.temp}")
-        if self.seed is not None and not -1 <= self.seed < 2**63:
-            raise ConfigError(f"--seed must be -1 (random) or in [0, 2^63), got {self.seed}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise ConfigError(f"--top-p must be in [0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ConfigError(f"--min-p must be in [0, 1], got {self.min_p}")
+        if not (_is_number(self.temp) and math.isfinite(self.temp)):
+            raise OptionError(f"{{temp}} must be a finite number (<= 0: greedy), got {shown(self.temp)}",
+                              temp=self.temp)
+        if not (_is_int(self.top_k) and self.top_k >= -1):
+            raise OptionError(f"{{top_k}} must be an integer >= -1 (0 or -1: off), got {shown(self.top_k)}",
+                              top_k=self.top_k)
+        for name in ("top_p", "min_p"):
+            v = getattr(self, name)
+            if not (_is_number(v) and 0.0 <= v <= 1.0):
+                raise OptionError(f"{{{name}}} must be a number in [0, 1], got {shown(v)}", **{name: v})
+        if self.seed is not None and not (_is_int(self.seed) and -1 <= self.seed < 2**63):
+            raise OptionError(f"{{seed}} must be -1 (random) or in [0, 2^63), got {shown(self.seed)}",
+                              seed=self.seed)
+        self.temp, self.top_p, self.min_p = float(self.temp), float(self.top_p), float(self.min_p)
 
 
 def best_first(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

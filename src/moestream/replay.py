@@ -429,6 +429,6 @@ def page(tl: Timeline) -> str:
 
 
 def write_page(tl: Timeline, path: str) -> None:
-    """Write :func:`page` to ``path`` (atomically, as bench's outputs: bench.write_output); OutputError."""
-    from .bench import write_output
+    """Write :func:`page` to ``path`` (atomically, as bench's outputs: output.write_output); OutputError."""
+    from .output import write_output
     write_output(path, page(tl), "--html", "the page")

@@ -5,13 +5,19 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gguf import GGMLQuantizationType
 
 from .errors import ConfigError, GGUFError
+from .experts.policy import default_slots
 from .gguf import GGUFModel
 from .models.base import BLOCK_TENSOR as _BLOCK
-from .models.base import LoadOptions, architecture_of, default_slots
+from .models.base import LoadOptions, MoEModel, architecture_of
+
+if TYPE_CHECKING:
+    from .tokenizer import GGUFTokenizer
 
 GiB = 2**30
 MiB = 2**20
@@ -42,35 +48,42 @@ def _fmt(n: float) -> str:
     return f"{n / GiB:.3f} GiB" if n >= GiB / 4 else f"{n / MiB:.2f} MiB"
 
 
-def inspect_model(path: str, slots: int | None = None, mem: int | None = None, mem_source: str | None = None,
-                  n_ctx: int | None = None, expand_dense: bool = False, gpu_mem: int | None = None,
-                  gpu_mem_source: str | None = None, host_cache: int = 0) -> str:
-    """A human-readable report. Raises GGUFError for a bad file, ConfigError for --slots below top-k.
+def inspect_model(path: str, opts: LoadOptions | None = None,
+                  context: int | Callable[[MoEModel, GGUFTokenizer], int] | None = None) -> str:
+    """A human-readable report. Raises GGUFError for a bad file, ConfigError for ``opts.slots`` below top-k.
 
-    mem (bytes; ``mem_source`` e.g. ``"--mem 4GiB"``): add the memory plan ``run --mem`` would make for a context
-    of ``n_ctx`` tokens (None: the trained context, at most 4096): the dense weights from the tensor table, this
-    process's own memory (torch, the kernels, the tokenizer) measured as run measures its own (run's is
-    typically a few tens of MiB more: the model's objects); ConfigError naming the smallest size that works when
-    top-k slots per layer do not fit."""
+    ``opts`` (cli.py: options.load_options, the LoadOptions run makes of the same flags): ``slots`` prices pools of
+    that many slots per layer (default: a quarter of the experts, at least top-k); ``mem`` adds the memory plan
+    ``run --mem`` would make for a context of ``context`` tokens (or ``context(model, tokenizer)``'s, from the
+    file's hyperparameters and tokenizer: the CLI's gives the context run would have, engine.run_context; None:
+    the trained context, at most 4096): the dense weights from the tensor table, this
+    process's own memory (torch, the kernels, the tokenizer) measured as run measures its own (run's is typically a
+    few tens of MiB more: the model's objects); ConfigError naming the smallest size that works when top-k slots
+    per layer do not fit. ``gpu_mem``: also the plan of ``run --device cuda --gpu-mem`` (pools in VRAM)."""
+    opts = opts or LoadOptions()
     g = GGUFModel(path)
     # the same one-line refusals as run: an architecture moestream cannot compute, metadata that disagrees with
     # the tensors (hyperparameters, shapes, ggml types) -- checked from the tensor table, no weight is read
-    shape = architecture_of(g)(g, LoadOptions(moe_stream=False, metadata_only=True, expand_dense=expand_dense))
+    shape = architecture_of(g)(g, LoadOptions(moe_stream=False, metadata_only=True, expand_dense=opts.expand_dense))
     shape.check_dense_types()
     plan = None
-    if mem is not None:  # this process holds what run's holds besides the model: torch, the kernels, the tokenizer
+    n_ctx = context
+    if opts.mem is not None or opts.gpu_mem is not None:
+        # this process holds what run's holds besides the model: torch, the kernels, the tokenizer
         from . import kernels
         from .tokenizer import GGUFTokenizer
         with contextlib.suppress(kernels.KernelBuildError):
             kernels.load()
         tok = GGUFTokenizer.from_fields(g.fields, g.path)
-        plan = shape.plan_memory(LoadOptions(mem=mem, mem_source=mem_source, expand_dense=expand_dense,
-                                             host_cache=host_cache), n_ctx, loaded=False)
+        if callable(context):
+            n_ctx = context(shape, tok)
+        if opts.mem is not None:
+            plan = shape.plan_memory(opts, n_ctx, loaded=False, gpu=False)
         del tok
     gpu_plan = None
-    if gpu_mem is not None:  # the plan run --device cuda --gpu-mem SIZE makes (pools in VRAM)
-        gpu_plan = shape.plan_memory(LoadOptions(gpu_mem=gpu_mem, gpu_mem_source=gpu_mem_source,
-                                                 expand_dense=expand_dense), n_ctx, loaded=False, gpu=True)
+    if opts.gpu_mem is not None:  # the plan run --device cuda --gpu-mem SIZE makes (pools in VRAM)
+        gpu_plan = shape.plan_memory(opts, n_ctx, loaded=False, gpu=True)
+    slots = opts.slots
     layout = shape.layout  # the trunk's: MTP blocks (nextn_predict_layers) are not run and get no pool
     if not layout.moe_layers:
         raise GGUFError(f"{path}: no routed-expert tensors (blk.N.ffn_*_exps) found")

@@ -500,7 +500,7 @@ def _umask() -> int:
 
 def check_trace_path(path: str, inputs: list[str] = (), option: str = "--trace") -> None:
     """ConfigError, before the model runs, when ``--trace PATH`` cannot be written or names a model file."""
-    from .bench import check_json_path
+    from .output import check_json_path
     check_json_path(path, list(inputs), option=option, what="the trace")
 
 

@@ -36,14 +36,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import ConfigError, MoestreamError
+from .errors import ConfigError, MoestreamError, OptionError
+from .limits import MAX_TOKENS, check_tokens
 from .textgen import DoneEvent, StopStrings, TextEvents, TokenEvent
 
 if TYPE_CHECKING:  # torch comes with the engine: the server listens before it is imported (see serve)
     from .engine import Engine, SamplingParams
 
-#: Largest token count accepted (as moestream.engine.MAX_TOKENS, without importing torch here).
-MAX_TOKENS = 2**31
 
 #: Seconds uvicorn waits for open connections at shutdown before it cancels them (the generations themselves are
 #: cancelled at once).
@@ -339,17 +338,30 @@ def _opt(body: dict, key: str, check: Callable[[object], bool], what: str, defau
     return v
 
 
+#: the request key of each option field the server takes (errors.OptionError names the field; the server says the key)
+REQUEST_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed"}
+
+
+def option_error(e: OptionError, keys: dict[str, str]) -> APIError:
+    """A library OptionError as the 400 the request gets: the field named by its request key (``keys``), quoted."""
+    key = keys.get(e.field or "", e.field or "")
+    value = e.values.get(e.field or "")
+    code = "invalid_type" if not isinstance(value, (int, float)) or isinstance(value, bool) else "invalid_value"
+    return APIError(400, e.render({f: f"'{k}'" for f, k in keys.items()}), param=key, code=code)
+
+
 def sampling_params(body: dict) -> SamplingParams:
     """SamplingParams of a request's ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed`` (defaults as
-    ``moestream run`` and llama-server: 0.8, 0.95, 40, 0.05, random). APIError 400 for a wrong type or range."""
+    ``moestream run`` and llama-server: 0.8, 0.95, 40, 0.05, random), checked by ``SamplingParams.__post_init__``,
+    the CLI's check too: APIError 400 naming the key for a wrong type or range."""
     from .engine import SamplingParams
 
-    temp = _opt(body, "temperature", lambda v: _is_num(v) and v >= 0, "a number >= 0", 0.8)
-    top_p = _opt(body, "top_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", 0.95)
-    top_k = _opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (0 or -1: off)", 40)
-    min_p = _opt(body, "min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", 0.05)
-    seed = _opt(body, "seed", lambda v: _is_int(v) and -1 <= v < 2**63, "an integer in [-1, 2^63) (-1: random)", -1)
-    return SamplingParams(temp=float(temp), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p), seed=int(seed))
+    defaults = {"temp": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": -1}
+    values = {f: body.get(k) if body.get(k) is not None else defaults[f] for f, k in REQUEST_KEYS.items()}
+    try:
+        return SamplingParams(**values)
+    except OptionError as e:
+        raise option_error(e, REQUEST_KEYS) from None
 
 
 def stop_strings(body: dict) -> list[str]:
@@ -565,7 +577,12 @@ def create_app(state: ServerState):  # noqa: ANN201
         """Tokens to generate: ``max_tokens`` (or ``max_completion_tokens``), at most what the context leaves
         after the prompt (llama-server's rule); without one, until end of generation or a full context."""
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        mt = _opt(body, key, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        mt = body.get(key)
+        if mt is not None:
+            try:
+                check_tokens(mt, minimum=1)
+            except OptionError as e:
+                raise option_error(e, {"n_predict": key}) from None
         if mt is not None and mt > min(ld.n_ctx, MAX_TOKENS):
             raise APIError(400, f"'{key}' is {mt}, more than the context of {ld.n_ctx} tokens can hold",
                            param=key, code="invalid_value")

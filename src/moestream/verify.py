@@ -80,7 +80,7 @@ def verify(model: MoEModel, prompt: list[int], steps: int, opts: LoadOptions, ub
     resident = ResidentStore(model.gguf, model.layout, device=model.device, pool=opts.pool)
     model.set_store(resident)
     ref, _, ref_tokens = _run(engine, prompt, steps, None)
-    stream_opts = LoadOptions(**{**opts.__dict__, "moe_stream": True})
+    stream_opts = replace(opts, moe_stream=True)
     n = len(prompt) + steps  # the budget (no --slots) holds the KV cache and every kept logit row of this run
     store = model.make_store(stream_opts, n_ctx=n, logits_rows=n, ubatch=ubatch)
     model.set_store(store)

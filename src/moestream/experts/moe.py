@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels, quant
+from ..ops import elementwise
 from .layout import ExpertLayout
 from .pool import ExpertStore, ResidentStore
 
@@ -32,15 +33,13 @@ swiglu.kernel_act = kernels.ACT_SILU  # type: ignore[attr-defined]  # the C kern
 class ClampedSwiGLU:
     """GPT-OSS's expert activation (transformers' ``GptOssExperts._apply_gate``, ggml's ``swiglu_oai``):
     ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)``.
-    float32 [n, n_ff] x2 -> [n, n_ff]; the sigmoid in fixed slices (layers.elementwise: the same bits whatever the
+    float32 [n, n_ff] x2 -> [n, n_ff]; the sigmoid in fixed slices (ops.elementwise: the same bits whatever the
     thread count). No C-kernel code (no ``kernel_act``): a layer with it computes per expert."""
 
     def __init__(self, alpha: float, limit: float):
         self.alpha, self.limit = float(alpha), float(limit)
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        from ..models.layers import elementwise
-
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * elementwise(torch.sigmoid, gate * self.alpha))

@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def default_slots(n_experts: int, top_k: int) -> int:
+    """Default pool size (slots per layer) where nothing else sizes it (``inspect``, ``trace``): a quarter of
+    the experts, at least top-k."""
+    return max(top_k, n_experts // 4)
+
+
 @dataclass
 class Plan:
     """slot_ids[i] is the slot of experts[i]; loads: [(expert, slot)] to read before compute (misses)."""
@@ -123,7 +129,8 @@ POLICIES: dict[str, type[CachePolicy]] = {"lfu": LFUPolicy, "lru": LRUPolicy}
 
 
 def check_policy(name: str) -> None:
-    """ConfigError (``--policy``) unless ``name`` is in :data:`POLICIES`."""
+    """OptionError (field ``policy``) unless ``name`` is in :data:`POLICIES`."""
     if name not in POLICIES:
-        from ..errors import ConfigError
-        raise ConfigError(f"--policy: unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}")
+        from ..errors import OptionError
+        raise OptionError(f"{{policy}}: unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}",
+                          policy=name)

@@ -22,11 +22,20 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
-from ..errors import ConfigError, ExpertReadError
+from ..errors import ConfigError, ExpertReadError, OptionError
 from ..gguf import GGUFModel
 from .layout import ExpertLayout, ExpertMatrix
 from .policy import POLICIES, CachePolicy, SlotMap, check_policy
 from .reader import ExpertReader, ReadJob, Ticket, dio_alignment, stderr_note
+
+#: where a GPU's slot pools live (LoadOptions.pool)
+POOL_PLACES = ("device", "host")
+
+
+def check_pool(pool: object) -> None:
+    """OptionError (field ``pool``) unless ``pool`` is one of :data:`POOL_PLACES`."""
+    if pool not in POOL_PLACES:
+        raise OptionError(f"{{pool}}: unknown place {pool!r}; choose one of {', '.join(POOL_PLACES)}", pool=pool)
 
 
 @dataclass
@@ -210,8 +219,7 @@ class ResidentStore(ExpertStore):
                  pool: str = "device"):
         super().__init__(model, layout)
         self.device = torch.device(device)
-        if pool not in POOL_PLACES:
-            raise ConfigError(f"--pool: unknown place {pool!r}; choose one of {', '.join(POOL_PLACES)}")
+        check_pool(pool)
         self.place = pool if self.device.type == "cuda" else "host"
         self._mats: dict[int, dict[str, torch.Tensor]] = {}
         for layer, mats in layout.layers.items():
@@ -268,8 +276,7 @@ class StreamingStore(ExpertStore):
                  pool: str = "device", host_cache: int = 0):
         super().__init__(model, layout)
         self.device = torch.device(device)
-        if pool not in POOL_PLACES:
-            raise ConfigError(f"--pool: unknown place {pool!r}; choose one of {', '.join(POOL_PLACES)}")
+        check_pool(pool)
         #: the pools' place: "device" (GPU memory, filled through pinned staging) or "host" (pinned host memory
         #: the GPU kernels address directly: the unified-memory mode); on a CPU device, host memory
         self.place = pool if self.device.type == "cuda" else "host"
@@ -684,8 +691,6 @@ class StreamingStore(ExpertStore):
             self._sinks.stream.synchronize()
 
 
-#: --pool: where a GPU's slot pools live
-POOL_PLACES = ("device", "host")
 
 
 class HostTier:

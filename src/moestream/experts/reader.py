@@ -21,8 +21,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from ..errors import ConfigError, ExpertReadError, GGUFError, ModelFileChanged
+from ..errors import ExpertReadError, GGUFError, ModelFileChanged, OptionError, shown
 from ..gguf import describe_change
+from ..limits import MAX_IO_THREADS
 
 #: Alignment assumed where the kernel does not report one (statx without STATX_DIOALIGN): the page size and
 #: the block size of common file systems (ext4, XFS, btrfs), which satisfies every smaller requirement.
@@ -156,6 +157,16 @@ class _Refused(Exception):
         self.cause = cause
 
 
+def check_io_threads(n: object) -> None:
+    """OptionError (field ``io_threads``) unless ``n`` is an integer from 1 to :data:`MAX_IO_THREADS`."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise OptionError(f"{{io_threads}} must be an integer, got {shown(n)}", io_threads=n)
+    if n < 1:
+        raise OptionError(f"{{io_threads}} must be at least 1, got {n}", io_threads=n)
+    if n > MAX_IO_THREADS:
+        raise OptionError(f"{{io_threads}} must be at most {MAX_IO_THREADS}, got {n}", io_threads=n)
+
+
 class ExpertReader:
     """A pool of ``io_threads`` threads reading expert bytes into slot memory.
 
@@ -183,8 +194,7 @@ class ExpertReader:
 
     def __init__(self, io_threads: int = 8, identity: dict[str, tuple[int, int, int, int]] | None = None,
                  note: Callable[[str], None] = stderr_note):
-        if io_threads < 1:
-            raise ConfigError(f"--io-threads must be at least 1, got {io_threads}")
+        check_io_threads(io_threads)
         self.io_threads = io_threads
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="moestream-io")
         self._fds: dict[tuple[str, bool], int] = {}

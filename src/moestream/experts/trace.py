@@ -252,8 +252,8 @@ class RoutingTrace:
         return "\n".join(lines) + "\n"
 
     def write(self, path: str, option: str = "--routing-trace") -> None:
-        """Write the file atomically (``bench.write_output``); OutputError naming ``option`` on failure."""
-        from ..bench import write_output
+        """Write the file atomically (``output.write_output``); OutputError naming ``option`` on failure."""
+        from ..output import write_output
         write_output(path, self.text(), option, "the routing trace")
 
     @classmethod
@@ -323,7 +323,7 @@ class RoutingTrace:
 
 def check_trace_path(path: str, inputs: Sequence[str] = ()) -> None:
     """ConfigError, before the model runs, when ``--routing-trace PATH`` cannot be written or names a model file."""
-    from ..bench import check_json_path
+    from ..output import check_json_path
     check_json_path(path, inputs, option="--routing-trace", what="the trace")
 
 
@@ -336,7 +336,7 @@ def trace_table(trace: RoutingTrace, slot_counts: Sequence[int] | None = None, n
     the recorded one; a resident trace: a quarter of the experts, at least top-k): the recorded policy's own hit
     rate (at the recorded count only) and the LRU, LFU and Belady hit rates, over the decode steps' requests
     (warmed by every earlier request) and over all requests."""
-    from ..models.base import default_slots
+    from .policy import default_slots
 
     n_exp = trace.n_experts
     top_k = int(trace.meta["top_k"])

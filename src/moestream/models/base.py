@@ -10,11 +10,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import ConfigError, GGUFError
+from ..errors import GGUFError, OptionError, shown
 from ..experts.layout import _EXPS_RE as EXPERT_TENSOR
 from ..experts.layout import ExpertLayout
 from ..experts.moe import MoE
-from ..experts.pool import ExpertStore, ResidentStore, StreamingStore
+from ..experts.policy import check_policy
+from ..experts.pool import ExpertStore, ResidentStore, StreamingStore, check_pool
+from ..experts.reader import check_io_threads
 from ..gguf import GGUFModel
 from ..runtime.runner import Runner
 from .layers import KVArena, Weight, check_computable, rms_norm, swiglu_ffn
@@ -84,26 +86,38 @@ class LoadOptions:
     host_cache: int = 0
 
     def __post_init__(self) -> None:
+        """Every field checked, once, here: OptionError naming the field and its value (a command renders it in its
+        own terms: cli.py with its flags). ``device`` is resolved (``auto`` -> ``cpu`` or ``cuda``)."""
+        for name in ("moe_stream", "expand_dense", "overlap", "metadata_only", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionError(f"{{{name}}}: expected on or off (a bool), got {shown(getattr(self, name))}",
+                                  **{name: getattr(self, name)})
         self.device = resolve_device(self.device)
-        if self.pool not in ("device", "host"):
-            raise ConfigError(f"--pool: unknown place {self.pool!r}; choose one of device, host")
+        check_pool(self.pool)
         if self.direct_io is not None and not isinstance(self.direct_io, bool):
-            raise ConfigError(f"--direct-io: expected on or off, got {self.direct_io!r}")
+            raise OptionError(f"{{direct_io}}: expected on or off, got {self.direct_io!r}", direct_io=self.direct_io)
         if self.matmul not in MATMUL_MODES:
-            raise ConfigError(f"--matmul: unknown mode {self.matmul!r}; choose one of {', '.join(MATMUL_MODES)}")
-        if self.slots is not None and self.slots < 1:
-            raise ConfigError(f"--slots must be a positive number, got {self.slots}")
-        if self.io_threads < 1:
-            raise ConfigError(f"--io-threads must be at least 1, got {self.io_threads}")
+            raise OptionError(f"{{matmul}}: unknown mode {self.matmul!r}; choose one of {', '.join(MATMUL_MODES)}",
+                              matmul=self.matmul)
+        check_policy(self.policy)
+        check_io_threads(self.io_threads)
+        for name, least in (("slots", 1), ("n_ctx", 1), ("mem", 1), ("gpu_mem", 1)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
+                raise OptionError(f"{{{name}}} must be a positive number, got {shown(v)}", **{name: v})
+        if isinstance(self.host_cache, bool) or not isinstance(self.host_cache, int) or self.host_cache < 0:
+            raise OptionError(f"{{host_cache}} must be 0 (off) or a size in bytes, got {shown(self.host_cache)}",
+                              host_cache=self.host_cache)
         if self.host_cache and self.prefetch:
-            raise ConfigError("--host-cache and --prefetch on cannot be combined yet (a prefetch's reads could take "
-                              "host-tier rows still in use); give one of them")
+            raise OptionError("{host_cache} and {prefetch} on cannot be combined yet (a prefetch's reads could take "
+                              "host-tier rows still in use); give one of them", host_cache=self.host_cache,
+                              prefetch=self.prefetch)
         if self.gpu_mem is not None and self.slots is not None and self.cuda:
-            raise ConfigError(f"{self.gpu_mem_source or '--gpu-mem'} and --slots {self.slots} both size the slot "
-                              f"pools: give one of them")
+            raise OptionError("{gpu_mem=} and {slots=} both size the slot pools: give one of them",
+                              gpu_mem=self.gpu_mem, slots=self.slots)
         if self.mem is not None and self.slots is not None:
-            raise ConfigError(f"{self.mem_source or '--mem'} and --slots {self.slots} both size the slot pools: "
-                              f"give one of them")
+            raise OptionError("{mem=} and {slots=} both size the slot pools: give one of them", mem=self.mem,
+                              slots=self.slots)
 
     @property
     def cuda(self) -> bool:
@@ -120,9 +134,9 @@ DEVICES = ("cpu", "cuda", "auto")
 
 
 def resolve_device(name: str) -> str:
-    """``--device``: "cpu", "cuda" (or "cuda:N"), or "auto" (CUDA when torch sees a GPU, else the CPU) -> the torch
-    device string. ConfigError for another name, or CUDA asked for where torch sees no GPU (a CPU build of torch,
-    no driver, or no device)."""
+    """A device name: "cpu", "cuda" (or "cuda:N"), or "auto" (CUDA when torch sees a GPU, else the CPU) -> the
+    torch device string. OptionError (field ``device``) for another name, or CUDA asked for where torch sees no GPU
+    (a CPU build of torch, no driver, or no device)."""
     name = str(name).strip().lower()
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -131,12 +145,13 @@ def resolve_device(name: str) -> str:
     if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
         if not torch.cuda.is_available():
             why = "this torch is a CPU build" if torch.version.cuda is None else "torch sees no CUDA device"
-            raise ConfigError(f"--device {name}: {why} (torch {torch.__version__}); use --device cpu")
+            raise OptionError(f"{{device=}}: {why} (torch {torch.__version__}); use {{device}} cpu", device=name)
         idx = int(name[5:]) if ":" in name else 0
         if idx >= torch.cuda.device_count():
-            raise ConfigError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+            raise OptionError(f"{{device=}}: torch sees {torch.cuda.device_count()} CUDA device(s)", device=name)
         return name
-    raise ConfigError(f"--device: unknown device {name!r}; choose one of {', '.join(DEVICES)} (or cuda:N)")
+    raise OptionError(f"{{device}}: unknown device {name!r}; choose one of {', '.join(DEVICES)} (or cuda:N)",
+                      device=name)
 
 
 @dataclass(frozen=True)
@@ -162,11 +177,6 @@ class Route(NamedTuple):
     h: torch.Tensor
     ids: torch.Tensor
     w: torch.Tensor
-
-
-def default_slots(n_experts: int, top_k: int) -> int:
-    """Default pool size: a quarter of the experts, at least top-k."""
-    return max(top_k, n_experts // 4)
 
 
 class MoEModel:

@@ -1,0 +1,160 @@
+"""What the commands (cli.py, bench.py) share between parsed arguments and the library: the model path, the compute
+threads, the one LoadOptions and SamplingParams made from the arguments, and the flags of the options' fields (a
+library error names a field; the CLI says the flag)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Iterator
+from importlib import resources
+
+from .errors import ConfigError, OptionError
+
+
+def max_threads() -> int:
+    """Upper bound of -t: 4 x the CPUs."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def default_model_path() -> str:
+    """The small Qwen3-MoE GGUF embedded in the package (src/moestream/data/default.gguf)."""
+    return str(resources.files("moestream") / "data" / "default.gguf")
+
+
+def model_path(args: argparse.Namespace) -> str:
+    """``-m`` or, when it is not given, the embedded model; ConfigError for an empty ``-m ''`` (which must not
+    silently mean the embedded model)."""
+    if args.model == "":
+        raise ConfigError("-m: the model path is empty (leave -m out to use the embedded model)")
+    return args.model if args.model is not None else default_model_path()
+
+
+def set_compute_threads(threads: int, matmul: str) -> None:
+    """``-t``: with ``--matmul blocks`` the C kernels get ``threads`` and torch one (what is left to torch --
+    norms, RoPE, attention, sampling -- is small per token, and torch's thread pool collapses when another job
+    competes for the CPUs; one thread also keeps those ops' bits independent of -t); with ``dequant`` torch
+    gets them all."""
+    import torch
+
+    from . import kernels
+    kernels.set_threads(threads)
+    torch.set_num_threads(1 if matmul == "blocks" else threads)
+
+
+def choose_threads(cpus: int, torch_threads: int, running: list[int], load1: float) -> int:
+    """The default -t from what :func:`default_threads` reads: ``cpus`` usable, at most ``torch_threads`` (torch's
+    own default, the physical cores), less the busy ones -- the larger of the median of ``running`` (other
+    runnable tasks, sampled) and the 1-minute load average ``load1`` rounded down -- at least 1."""
+    busy = max(sorted(running)[len(running) // 2] if running else 0, int(load1))
+    return max(1, min(cpus, torch_threads) - busy)
+
+
+def default_threads() -> int:
+    """Compute threads when -t is not given (:func:`choose_threads`): the CPUs this process may use
+    (``os.sched_getaffinity``), at most torch's default, less the CPUs other jobs keep busy: the runnable tasks
+    other than this one (``/proc/loadavg``'s running count, 5 reads over 20 ms) or the 1-minute load average.
+
+    More compute threads than free CPUs collapses torch's thread pool (each of the thousands of small parallel
+    ops per token waits for a thread the scheduler gave to the other job: 3.9 vs 43 tok/s measured), while one
+    thread too few costs little; so a busy machine gets fewer threads."""
+    import time
+
+    import torch
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    running, load = [], 0.0
+    try:
+        for i in range(5):
+            if i:
+                time.sleep(0.005)
+            with open("/proc/loadavg") as f:
+                fields = f.read().split()
+            running.append(int(fields[3].split("/")[0]) - 1)  # this process is running while it reads
+            load = float(fields[0])
+    except (OSError, ValueError, IndexError):
+        running, load = [], 0.0
+    return choose_threads(cpus, torch.get_num_threads(), running, load)
+
+
+#: The command-line flag of each option field (LoadOptions, SamplingParams, token counts): what the CLI says where
+#: the library names the field (errors.OptionError.render). The text given for a field is read from the parsed
+#: arguments under the field's name, or under :data:`DESTS`' where argparse keeps it elsewhere.
+FLAGS = {
+    "moe_stream": "--moe-stream", "slots": "--slots", "io_threads": "--io-threads", "policy": "--policy",
+    "expand_dense": "--expand-dense", "overlap": "--overlap", "device": "--device", "matmul": "--matmul",
+    "mem": "--mem", "n_ctx": "-c", "prefetch": "--prefetch", "direct_io": "--direct-io", "pool": "--pool",
+    "gpu_mem": "--gpu-mem", "host_cache": "--host-cache",
+    "temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed",
+    "n_predict": "-n", "steps": "--steps", "n_prompt": "-p", "n_gen": "-n",
+}
+DESTS = {"n_ctx": "ctx_size"}
+
+
+def given_texts(args: argparse.Namespace) -> dict[str, object]:
+    """field -> the value given on the command line (as typed where argparse keeps the text: ``--mem 1GiB``)."""
+    return {f: getattr(args, DESTS.get(f, f)) for f in FLAGS if getattr(args, DESTS.get(f, f), None) is not None}
+
+
+def flag_message(e: OptionError, args: argparse.Namespace | None) -> str:
+    """The message of a library OptionError with its fields named by their flags and the values as given."""
+    return e.render(FLAGS, given_texts(args) if args is not None else None)
+
+
+@contextlib.contextmanager
+def flag_errors(args: argparse.Namespace) -> Iterator[None]:
+    """Inside: an OptionError (a library check naming an option's field) becomes a ConfigError naming the flag and
+    the value as given (``io_threads must be at most 256, got 1000`` -> ``--io-threads must be at most 256, got
+    1000``)."""
+    try:
+        yield
+    except OptionError as e:
+        raise ConfigError(flag_message(e, args)) from None
+
+
+def load_options(args: argparse.Namespace, moe_stream: bool | None = None, **fields: object):  # noqa: ANN201
+    """The one place a LoadOptions is made from parsed arguments (run, chat, serve, verify, inspect; bench's rows
+    are ``dataclasses.replace`` of its base): the sizes parsed (``--mem``, ``--gpu-mem``, ``--host-cache``), every
+    option a command does not have at its default, ``fields`` (e.g. ``metadata_only``) over the arguments, and every
+    value checked by ``LoadOptions.__post_init__`` (OptionError naming the field: see :func:`flag_errors`).
+    ``moe_stream`` None: ``args.moe_stream`` (default on). Prints the --mem warning when it is more than the memory
+    available now. ConfigError naming the flag for a size that cannot be read."""
+    import sys
+
+    from .budget import parse_mem, warn_over_available
+    from .models.base import LoadOptions
+
+    def size(name: str, flag: str) -> int | None:
+        text = getattr(args, name, None)
+        return None if text is None else parse_mem(text, flag)
+
+    def source(name: str, flag: str) -> str | None:
+        text = getattr(args, name, None)
+        return None if text is None else f"{flag} {str(text).strip()}"
+
+    stream = getattr(args, "moe_stream", True) if moe_stream is None else moe_stream
+    mem, gpu_mem, host_cache = size("mem", "--mem"), size("gpu_mem", "--gpu-mem"), size("host_cache", "--host-cache")
+    defaults = LoadOptions.__dataclass_fields__
+    values = {name: getattr(args, name) for name in ("slots", "io_threads", "policy", "expand_dense", "overlap",
+                                                      "device", "matmul", "prefetch", "direct_io", "pool")
+              if getattr(args, name, None) is not None or name == "direct_io" and hasattr(args, name)}
+    opts = LoadOptions(**{**values, "moe_stream": stream, "mem": mem, "mem_source": source("mem", "--mem"),
+                          "gpu_mem": gpu_mem, "gpu_mem_source": source("gpu_mem", "--gpu-mem"),
+                          "host_cache": host_cache or defaults["host_cache"].default, **fields})
+    if mem is not None:
+        warning = warn_over_available(mem)
+        if warning:
+            print(f"moestream: {warning}", file=sys.stderr, flush=True)
+    return opts
+
+
+def sampling_params(args: argparse.Namespace):  # noqa: ANN201
+    """SamplingParams of ``--temp``, ``--top-k``, ``--top-p``, ``--min-p``, ``--seed`` (checked by
+    ``SamplingParams.__post_init__``, the server's check too)."""
+    from .engine import SamplingParams
+
+    return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
