@@ -179,9 +179,33 @@ class Route(NamedTuple):
     w: torch.Tensor
 
 
+class Declared:
+    """A tensor declared with :meth:`MoEModel.tensor`: its shape checked against the metadata, its data not read
+    yet. :meth:`load` reads it once (later calls return the same value: a tensor declared in two places, such as
+    tied embeddings, is one object)."""
+
+    __slots__ = ("name", "_read", "_value")
+
+    def __init__(self, name: str, read: Callable[[], Any]):
+        self.name, self._read, self._value = name, read, None
+
+    def load(self) -> Any:
+        if self._read is not None:
+            self._value, self._read = self._read(), None
+        return self._value
+
+    def then(self, fn: Callable[[Any], Any]) -> Declared:
+        """The declaration of ``fn(value)`` (e.g. a reshape or a slice): reading it reads this one (once)."""
+        return Declared(self.name, lambda: fn(self.load()))
+
+    def __repr__(self) -> str:
+        return f"Declared({self.name!r})"
+
+
 class MoEModel:
-    """Base of the architectures. Subclasses read their hyper-parameters and weights in ``__init__`` via
-    ``self.weight``/``self.norm`` and implement ``forward``.
+    """Base of the architectures. Subclasses read their hyper-parameters in ``__init__``, declare each tensor their
+    forward pass reads once (:meth:`tensor`: checked at once, read by :meth:`load_declared` unless
+    ``opts.metadata_only``) and implement ``forward``.
 
     Attributes: gguf, opts, device, layout (ExpertLayout), store (the current ExpertStore), n_vocab,
     n_experts, top_k, n_ctx_train.
@@ -213,6 +237,8 @@ class MoEModel:
         self.top_k = int(gguf.arch_get("expert_used_count", required=True))
         self.layout.check_counts(gguf.path, self.n_experts, self.top_k)
         self.n_ctx_train = self.meta_int("context_length", 4096)
+        #: the hidden size (llama.cpp's n_embd): every declared shape (:meth:`tensor`) is checked against it
+        self.n_embd = self.meta_int("embedding_length", required=True)
         self.dense_bytes = 0
         #: the memory plan that sized the pools (None: --slots, or resident)
         self.memory_plan = None
@@ -378,9 +404,52 @@ class MoEModel:
             raise GGUFError(f"{self.gguf.path}: tensor {name} has shape {list(shape)} but the metadata "
                             f"({because}) implies {list(expected)}")
 
-    def check_common_shapes(self, n_embd: int, emb: str) -> int:
-        """Experts, token embedding, output norm and (untied) output matrix against ``embedding_length``
-        (``emb``: its description for messages). GGUFError naming the tensor. Returns the vocabulary size."""
+    # --- declared tensors -------------------------------------------------------------------------
+    # A family declares each tensor its forward pass reads once, with the shape its metadata implies (llama.cpp's
+    # ``create_tensor(name, dims)``): :meth:`tensor` checks the shape at once and defers the read, so every check
+    # of a file is made before any weight is read, and ``opts.metadata_only`` (inspect) refuses what a load would;
+    # :meth:`load_declared` then reads them all.
+    def tensor(self, name: str, shape: Sequence[int], keys: str, kind: str = "weight",
+               optional: bool = False) -> Declared | None:
+        """Declare tensor ``name``: GGUFError now unless it has ``shape`` (torch order, last dim = row length), the
+        shape the metadata ``keys`` imply (for the message, e.g. ``self.meta_desc(attention__head_count=4)``); its
+        data is read by :meth:`load_declared` (never with ``opts.metadata_only``).
+
+        kind: what the data becomes: ``"weight"`` a :class:`Weight` (matmuls), ``"norm"`` float32 [n] (a vector:
+        norms, biases, scales), ``"float"`` float32 [shape], ``"table"`` a row-lookup table (:meth:`lookup_table`).
+        optional: an absent tensor gives None (a present one is checked); otherwise GGUFError names it missing.
+        Returns a :class:`Declared` (:meth:`Declared.then` transforms its value once read)."""
+        if optional and not self.has(name):
+            return None
+        self.expect_shape(name, shape, keys)
+        read = {"weight": self.weight, "norm": self.norm, "table": self.lookup_table, "float": self.dense_float}[kind]
+        return Declared(name, lambda: read(name))
+
+    def load_declared(self, ends: dict[str, Any], blocks: list[dict[str, Any]]) -> None:
+        """Read what was declared: each value of ``ends`` becomes the model's attribute of its key (e.g. ``embd``),
+        ``blocks`` becomes :attr:`blocks` (one dict per layer, the same keys), every :class:`Declared` in them (at
+        any depth of dicts, lists and tuples) replaced by its value; other values are kept as they are."""
+        for key, value in ends.items():
+            setattr(self, key, self.loaded(value))
+        self.blocks = self.loaded(blocks)
+
+    @classmethod
+    def loaded(cls, obj: Any) -> Any:
+        """``obj`` with every :class:`Declared` in it read (dicts, lists and tuples are rebuilt)."""
+        if isinstance(obj, Declared):
+            return obj.load()
+        if isinstance(obj, dict):
+            return {k: cls.loaded(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(cls.loaded(v) for v in obj)
+        return obj
+
+    def declare_ends(self) -> dict[str, Declared | None]:
+        """What every family checks first and the two ends every family shares, declared: the routed experts against
+        ``embedding_length`` and each other (:meth:`check_expert_shapes`), no block past ``block_count``, then
+        ``embd`` (token_embd, a row-lookup table), ``out_norm`` (output_norm) and ``output`` (output; the embedding
+        where the file ties them). Sets ``n_vocab`` (token_embd's rows). For :meth:`load_declared`'s ``ends``."""
+        n_embd = self.n_embd
         self.check_expert_shapes(n_embd)
         # layers past block_count would be silently left out (llama.cpp refuses them)
         past = sorted({int(m.group(1)) for name in self.gguf.tensors
@@ -389,12 +458,85 @@ class MoEModel:
             first = next(n for n in sorted(self.gguf.tensors) if n.startswith(f"blk.{past[0]}."))
             raise GGUFError(f"{self.gguf.path}: metadata key {self._key('block_count')}={self.n_blocks} but the file "
                             f"has tensors of {len(past)} more layer(s) (e.g. {first})")
-        vocab = self.gguf.tensor_info("token_embd.weight").shape[0]
-        self.expect_shape("token_embd.weight", (vocab, n_embd), emb)
-        self.expect_shape("output_norm.weight", (n_embd,), emb)
-        if self.has("output.weight"):
-            self.expect_shape("output.weight", (vocab, n_embd), emb + " and token_embd's vocabulary")
-        return vocab
+        emb = self.meta_desc(embedding_length=n_embd)
+        self.n_vocab = vocab = self.gguf.tensor_info("token_embd.weight").shape[0]
+        embd = self.tensor("token_embd.weight", (vocab, n_embd), emb, kind="table")
+        out_norm = self.tensor("output_norm.weight", (n_embd,), emb, kind="norm")
+        output = self.tensor("output.weight", (vocab, n_embd), emb + " and token_embd's vocabulary", optional=True)
+        return {"embd": embd, "out_norm": out_norm, "output": output or embd}
+
+    def attention_tensors(self, p: str, n_head: int, n_kv: int, head_dim: int,
+                          head_dim_v: int | None = None) -> dict[str, Declared | None]:
+        """GQA attention's projections in block ``p`` (e.g. ``"blk.3."``), declared: ``q`` [n_head x head_dim,
+        hidden], ``k`` [n_kv x head_dim, hidden], ``v`` [n_kv x head_dim_v, hidden], ``o`` [hidden, n_head x
+        head_dim_v]. head_dim_v None: the family has no ``attention.value_length`` key (values are head_dim wide)."""
+        d, n_embd = self.meta_desc, self.n_embd
+        hdv = head_dim if head_dim_v is None else head_dim_v
+        v_key = {"attention__key_length": hdv} if head_dim_v is None else {"attention__value_length": hdv}
+        return {
+            "q": self.tensor(p + "attn_q.weight", (n_head * head_dim, n_embd),
+                             d(attention__head_count=n_head, attention__key_length=head_dim, embedding_length=n_embd)),
+            "k": self.tensor(p + "attn_k.weight", (n_kv * head_dim, n_embd),
+                             d(attention__head_count_kv=n_kv, attention__key_length=head_dim, embedding_length=n_embd)),
+            "v": self.tensor(p + "attn_v.weight", (n_kv * hdv, n_embd),
+                             d(attention__head_count_kv=n_kv, **v_key, embedding_length=n_embd)),
+            "o": self.tensor(p + "attn_output.weight", (n_embd, n_head * hdv),
+                             d(attention__head_count=n_head, **v_key, embedding_length=n_embd)),
+        }
+
+    def qkv_biases(self, p: str, n_head: int, n_kv: int, head_dim: int,
+                   optional: bool = False) -> dict[str, Declared | None]:
+        """The q/k/v projections' biases in block ``p``, declared as float32 vectors, keyed by tensor name
+        (``attn_q.bias`` [n_head x head_dim], ``attn_k.bias`` and ``attn_v.bias`` [n_kv x head_dim])."""
+        d, n_embd = self.meta_desc, self.n_embd
+        q = d(attention__head_count=n_head, attention__key_length=head_dim, embedding_length=n_embd)
+        kv = d(attention__head_count_kv=n_kv, attention__key_length=head_dim, embedding_length=n_embd)
+        return {name: self.tensor(p + name, (n,), keys, kind="norm", optional=optional)
+                for name, n, keys in (("attn_q.bias", n_head * head_dim, q), ("attn_k.bias", n_kv * head_dim, kv),
+                                      ("attn_v.bias", n_kv * head_dim, kv))}
+
+    def ffn_tensors(self, p: str, suffix: str = "", n_ff: int | None = None, keys: str | None = None,
+                    names: Sequence[str] = ("gate", "up", "down")) -> dict[str, Declared | None]:
+        """A gated FFN's matrices in block ``p`` (``ffn_gate{suffix}``, ``ffn_up{suffix}`` [n_ff, hidden],
+        ``ffn_down{suffix}`` [hidden, n_ff]), declared under ``names``. n_ff: the width ``keys`` imply; None: the
+        gate's rows (the width no key gives)."""
+        n_embd, gate = self.n_embd, f"{p}ffn_gate{suffix}.weight"
+        emb = self.meta_desc(embedding_length=n_embd)
+        if n_ff is None:
+            n_ff = self.gguf.tensor_info(gate).shape[0]
+            gate_keys, keys = emb, emb + f" and ffn_gate{suffix}'s {n_ff} rows"
+        else:
+            gate_keys = keys = keys or emb
+        return {names[0]: self.tensor(gate, (n_ff, n_embd), gate_keys),
+                names[1]: self.tensor(f"{p}ffn_up{suffix}.weight", (n_ff, n_embd), keys),
+                names[2]: self.tensor(f"{p}ffn_down{suffix}.weight", (n_embd, n_ff), keys)}
+
+    def router_tensor(self, p: str) -> Declared | None:
+        """The router of MoE block ``p`` (``ffn_gate_inp``, [n_experts, hidden]), declared."""
+        return self.tensor(p + "ffn_gate_inp.weight", (self.n_experts, self.n_embd),
+                           self.meta_desc(expert_count=self.n_experts, embedding_length=self.n_embd))
+
+    def shared_gate_tensor(self, p: str) -> Declared | None:
+        """The shared expert's scalar gate of block ``p`` (``ffn_gate_inp_shexp``), declared: [1, hidden] as the
+        converter writes it, or [hidden] as llama-quantize does (ggml_n_dims drops the 1)."""
+        name, n_embd = p + "ffn_gate_inp_shexp.weight", self.n_embd
+        flat = self.has(name) and tuple(self.gguf.tensor_info(name).shape) == (n_embd,)
+        return self.tensor(name, (n_embd,) if flat else (1, n_embd), self.meta_desc(embedding_length=n_embd))
+
+    def check_expert_widths(self, layer: int, n_ff: int, keys: str) -> None:
+        """GGUFError naming the tensor unless every routed-expert matrix of ``layer`` is ``n_ff`` wide (gate/up rows,
+        down columns), the width the metadata ``keys`` imply."""
+        for name, m in self.layout[layer].items():
+            rows = m.cols if name == "down" else (m.rows // 2 if name == "gate_up" else m.rows)
+            if rows != n_ff:
+                raise GGUFError(f"{self.gguf.path}: tensor blk.{layer}.ffn_{name}_exps.weight has experts of width "
+                                f"{rows} but the metadata ({keys}) implies {n_ff}")
+
+    def require_moe(self, layer: int) -> None:
+        """GGUFError unless ``layer`` has routed experts (families whose every layer is an MoE layer)."""
+        if layer not in self.layout:
+            raise GGUFError(f"{self.gguf.path}: layer {layer} has no routed experts (blk.{layer}.ffn_*_exps); every "
+                            f"{self.gguf.arch} layer is an MoE layer")
 
     def check_expert_shapes(self, n_embd: int) -> None:
         """Each layer's routed-expert matrices against ``embedding_length`` and each other."""
@@ -472,6 +614,13 @@ class MoEModel:
     def norm(self, name: str) -> torch.Tensor:
         """A norm vector as float32 [n] on the device."""
         return self.weight(name).float().reshape(-1)
+
+    def dense_float(self, name: str) -> torch.Tensor:
+        """A whole tensor as float32 [shape] on the device, counted in ``dense_bytes`` at 4 bytes a value."""
+        w = self.weight(name)
+        t = w.float()
+        self.dense_bytes += t.numel() * 4 - w.nbytes
+        return t
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
