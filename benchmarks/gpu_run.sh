@@ -10,7 +10,7 @@
 # then, on the GPU machine (logs and JSON under $OUT):
 #   bash benchmarks/gpu_run.sh tests   # llama.cpp's CUDA build started behind; bench model; tests/test_cuda.py;
 #                                      # gpu_profile.py (graphs on, then off)
-#   bash benchmarks/gpu_run.sh bench   # the README's GPU table (the same machine, right after: /tmp kept)
+#   bash benchmarks/gpu_run.sh bench   # the GPU table of docs/benchmarks.md (the same machine, right after: /tmp kept)
 #   bash benchmarks/gpu_run.sh ab      # streaming and resident rows with CUDA graphs on and off, side by side
 # PYTEST_ARGS / TEST_TIMEOUT pass to the test run. BUNDLE=DIR uses another folder than build/gpu (its *.whl are installed; tests read DIR/fix; a missing
 # llama.cpp tarball skips that build).
