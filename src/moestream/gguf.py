@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from .errors import GGUFError, ModelFileChanged
 
@@ -75,6 +75,26 @@ class _CheckedReader(GGUFReader):
         if end > len(plain):
             raise _Truncated(offset, end, len(plain))
         return plain[offset:end].view(dt)
+
+    def _get_field_parts(self, orig_offs, raw_type):  # noqa: ANN001, ANN202 - mirrors the base class
+        # The base class walks an array item by item, a numpy view per item. A corrupt count (4 billion token
+        # types, say) then reads for minutes and holds millions of views before it meets the end of the file. So an
+        # array's count must fit in the bytes left (each item takes at least its scalar size, a string 8 bytes, an
+        # array 12), and an array of scalars is read as one view (contents() gives the same list).
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype = GGUFValueType(int(raw_itype[0]))  # ValueError "N is not a valid GGUFValueType", as the base class
+        nptype = self.gguf_scalar_to_np.get(itype)
+        least = np.dtype(nptype).itemsize if nptype is not None else 8 if itype == GGUFValueType.STRING else 12
+        start = orig_offs + 12
+        if start + int(alen[0]) * least > len(self.data):
+            raise _Truncated(start, start + int(alen[0]) * least, len(self.data))
+        if nptype is None:
+            return super()._get_field_parts(orig_offs, raw_type)
+        items = self._get(start, nptype, int(alen[0]))
+        return 12 + int(items.nbytes), [raw_itype, alen, items], [2], [GGUFValueType.ARRAY, itype]
 
     def _build_tensors(self, start_offs, fields):  # noqa: ANN001 - mirrors the base class
         # name the tensor whose type id the gguf package does not know (it raises a bare ValueError)
