@@ -97,9 +97,12 @@ class _CheckedReader(GGUFReader):
         return 12 + int(items.nbytes), [raw_itype, alen, items], [2], [GGUFValueType.ARRAY, itype]
 
     def _build_tensors(self, start_offs, fields):  # noqa: ANN001 - mirrors the base class
-        # name the tensor whose type id the gguf package does not know (it raises a bare ValueError)
+        # name the tensor whose type id the gguf package does not know (it raises a bare ValueError), or whose data
+        # offset is past the end of the file (the base class adds it to the data start in uint64, which wraps)
         for field in fields:
-            _len, name_data, _n_dims, _dims, raw_dtype, _offset = field.parts
+            _len, name_data, _n_dims, _dims, raw_dtype, offset = field.parts
+            if int(start_offs) + int(offset[0]) > len(self.data):
+                raise _OffsetPastEnd(bytes(name_data).decode("utf-8", errors="replace"), int(offset[0]))
             type_id = int(raw_dtype[0])
             try:
                 known = GGMLQuantizationType(type_id) in GGML_QUANT_SIZES
@@ -113,6 +116,11 @@ class _CheckedReader(GGUFReader):
 class _UnknownType(Exception):
     def __init__(self, tensor: str, type_id: int):
         self.tensor, self.type_id = tensor, type_id
+
+
+class _OffsetPastEnd(Exception):
+    def __init__(self, tensor: str, offset: int):
+        self.tensor, self.offset = tensor, offset
 
 
 class _Truncated(Exception):
@@ -199,6 +207,9 @@ def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
     except _UnknownType as e:
         raise GGUFError(f"{path}: tensor {e.tensor} has ggml type {e.type_id}, which is not a known ggml type "
                         "(a newer llama.cpp, or a corrupt tensor table)") from None
+    except _OffsetPastEnd as e:
+        raise GGUFError(f"{path}: tensor {e.tensor} has data offset {e.offset}, past the end of the file ({size} "
+                        "bytes): a corrupt tensor table") from None
     except _Truncated as e:
         if e.need > 2 * size + (1 << 20):  # a length field far past the end: garbage, not a cut file
             raise GGUFError(f"{path}: corrupt GGUF header (a length field points {e.need} bytes in, "
