@@ -10,7 +10,7 @@
 # then, on the GPU machine (logs and JSON under $OUT):
 #   bash benchmarks/gpu_run.sh tests   # llama.cpp's CUDA build started behind; bench model; tests/test_cuda.py;
 #                                      # gpu_profile.py (graphs on, then off)
-#   bash benchmarks/gpu_run.sh bench   # the README's GPU table (the same machine, right after: /tmp kept)
+#   bash benchmarks/gpu_run.sh bench   # the GPU table of docs/benchmarks.md (the same machine, right after: /tmp kept)
 #   bash benchmarks/gpu_run.sh ab      # streaming and resident rows with CUDA graphs on and off, side by side
 #   bash benchmarks/gpu_run.sh runner  # every expert in VRAM, graphs on and off, beside llama.cpp all-GPU and
 #                                      # -ncmoe: the Qwen3-30B-A3B 32-layer and Gemma-4-26B-A4B 6-layer shapes

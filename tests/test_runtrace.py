@@ -300,8 +300,8 @@ def test_reader_refuses_bad_files(tmp_path, traced_run):
 
 
 def test_writer_around_text_events(tmp_path):
-    """The serve recipe (README): begin, on_prefill, token per TokenEvent, end after the DoneEvent; a stop string
-    ends the generation, and the records' texts are what the events released."""
+    """The serve recipe (docs/traces.md): begin, on_prefill, token per TokenEvent, end after the DoneEvent; a stop
+    string ends the generation, and the records' texts are what the events released."""
     from moestream.textgen import DoneEvent, TokenEvent, text_events
 
     model = load_model(default_model_path(), LoadOptions(moe_stream=True, slots=8))

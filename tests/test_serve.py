@@ -546,12 +546,12 @@ def test_disconnect_cancels_its_own_request_during_prefill_and_no_other(srv: Any
 
 
 # ------------------------------------------------------------------------------------------------ llama-swap
-def readme_llama_swap() -> dict:
-    """The llama-swap config of the README (its ```yaml block with ``models:``)."""
-    text = (ROOT / "README.md").read_text()
+def llama_swap_config() -> dict:
+    """The llama-swap config of docs/serving.md (its ```yaml block with ``models:``)."""
+    text = (ROOT / "docs" / "serving.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
     configs = [yaml.safe_load(b) for b in blocks if "models:" in b]
-    assert len(configs) == 1, "the README must hold one llama-swap config block"
+    assert len(configs) == 1, "docs/serving.md must hold one llama-swap config block"
     return configs[0]
 
 
@@ -649,8 +649,8 @@ class LlamaSwap:
         return time.monotonic() - t0
 
 
-def test_llama_swap_config_from_the_readme(capsys: pytest.CaptureFixture) -> None:
-    config = readme_llama_swap()
+def test_llama_swap_config_from_the_docs(capsys: pytest.CaptureFixture) -> None:
+    config = llama_swap_config()
     entry = config["models"]["moestream-tiny"]
     assert entry["checkEndpoint"] == "/health" and entry["ttl"] > 0 and "${PORT}" in entry["cmd"]
     prompt = "Name three uses of movable type."

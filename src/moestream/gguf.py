@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from .errors import GGUFError, ModelFileChanged
 
@@ -76,10 +76,33 @@ class _CheckedReader(GGUFReader):
             raise _Truncated(offset, end, len(plain))
         return plain[offset:end].view(dt)
 
+    def _get_field_parts(self, orig_offs, raw_type):  # noqa: ANN001, ANN202 - mirrors the base class
+        # The base class walks an array item by item, a numpy view per item. A corrupt count (4 billion token
+        # types, say) then reads for minutes and holds millions of views before it meets the end of the file. So an
+        # array's count must fit in the bytes left (each item takes at least its scalar size, a string 8 bytes, an
+        # array 12), and an array of scalars is read as one view (contents() gives the same list).
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype = GGUFValueType(int(raw_itype[0]))  # ValueError "N is not a valid GGUFValueType", as the base class
+        nptype = self.gguf_scalar_to_np.get(itype)
+        least = np.dtype(nptype).itemsize if nptype is not None else 8 if itype == GGUFValueType.STRING else 12
+        start = orig_offs + 12
+        if start + int(alen[0]) * least > len(self.data):
+            raise _Truncated(start, start + int(alen[0]) * least, len(self.data))
+        if nptype is None:
+            return super()._get_field_parts(orig_offs, raw_type)
+        items = self._get(start, nptype, int(alen[0]))
+        return 12 + int(items.nbytes), [raw_itype, alen, items], [2], [GGUFValueType.ARRAY, itype]
+
     def _build_tensors(self, start_offs, fields):  # noqa: ANN001 - mirrors the base class
-        # name the tensor whose type id the gguf package does not know (it raises a bare ValueError)
+        # name the tensor whose type id the gguf package does not know (it raises a bare ValueError), or whose data
+        # offset is past the end of the file (the base class adds it to the data start in uint64, which wraps)
         for field in fields:
-            _len, name_data, _n_dims, _dims, raw_dtype, _offset = field.parts
+            _len, name_data, _n_dims, _dims, raw_dtype, offset = field.parts
+            if int(start_offs) + int(offset[0]) > len(self.data):
+                raise _OffsetPastEnd(bytes(name_data).decode("utf-8", errors="replace"), int(offset[0]))
             type_id = int(raw_dtype[0])
             try:
                 known = GGMLQuantizationType(type_id) in GGML_QUANT_SIZES
@@ -93,6 +116,11 @@ class _CheckedReader(GGUFReader):
 class _UnknownType(Exception):
     def __init__(self, tensor: str, type_id: int):
         self.tensor, self.type_id = tensor, type_id
+
+
+class _OffsetPastEnd(Exception):
+    def __init__(self, tensor: str, offset: int):
+        self.tensor, self.offset = tensor, offset
 
 
 class _Truncated(Exception):
@@ -179,6 +207,9 @@ def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
     except _UnknownType as e:
         raise GGUFError(f"{path}: tensor {e.tensor} has ggml type {e.type_id}, which is not a known ggml type "
                         "(a newer llama.cpp, or a corrupt tensor table)") from None
+    except _OffsetPastEnd as e:
+        raise GGUFError(f"{path}: tensor {e.tensor} has data offset {e.offset}, past the end of the file ({size} "
+                        "bytes): a corrupt tensor table") from None
     except _Truncated as e:
         if e.need > 2 * size + (1 << 20):  # a length field far past the end: garbage, not a cut file
             raise GGUFError(f"{path}: corrupt GGUF header (a length field points {e.need} bytes in, "
