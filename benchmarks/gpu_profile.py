@@ -48,7 +48,7 @@ def main() -> None:
         engine = Engine(model)
         tps = decode(engine, a.n, a.n + 8)
         st = model.store.stats
-        g = getattr(model, "graphs", None)
+        g = model.runner.graphs
         graphs = "" if g is None else (f", graphs: {g.captures} captures, {g.replays} replays"
                                        f" ({g.segment_replays} segments), off: {g.off_reason}")
         print(f"== {label}: load {load:.1f} s, decode {tps:.2f} tok/s, hit rate {st.hit_rate:.1%}, "

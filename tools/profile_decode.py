@@ -81,7 +81,8 @@ PARTS = {
                for f in ("rope_neox", "rope_neox_inv_freq")],
     "rms_norm": [(f"moestream.models.{m}", None, "rms_norm") for m in ("qwen3moe", "gemma4", "qwen35moe")],
     "model forward, other": [(f"moestream.models.{m}", c, "forward") for m, c in
-                             (("qwen3moe", "Qwen3MoE"), ("gemma4", "Gemma4"), ("qwen35moe", "Qwen35MoE"))],
+                             (("qwen3moe", "Qwen3MoE"), ("gemma4", "Gemma4"), ("qwen35moe", "Qwen35MoE"))]
+                            + [("moestream.runtime.runner", "Runner", "run")],
     "engine (finiteness check, step setup)": [("moestream.engine", "Engine", "decode_step")],
 }
 
@@ -93,7 +94,10 @@ def scope_parts() -> None:
 
     for part, targets in PARTS.items():
         for mod_name, cls, attr in targets:
-            owner = importlib.import_module(mod_name)
+            try:
+                owner = importlib.import_module(mod_name)
+            except ImportError:  # an older version without that module
+                continue
             if cls is not None:
                 owner = getattr(owner, cls, None)
             fn = getattr(owner, attr, None)
