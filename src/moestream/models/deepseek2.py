@@ -182,15 +182,9 @@ class DeepSeek2(MoEModel):
                 b["w_vb"] = kv_b.then(lambda t: t[:, nope:].contiguous())
             b.update(o=self.tensor(p + "attn_output.weight", (n_embd, n_head * hv), f"{v_desc}, {emb}"),
                      ffn_norm=self.tensor(p + "ffn_norm.weight", (n_embd,), emb, kind="norm"))
-            if i < self.n_dense:
-                if i in self.layout:
-                    raise GGUFError(f"{path}: layer {i} has routed experts but the metadata "
-                                    f"({d(leading_dense_block_count=self.n_dense)}) makes it a dense layer")
+            if self.is_dense_layer(i, self.n_dense):
                 b.update(self.ffn_tensors(p))
             else:
-                if i not in self.layout:
-                    raise GGUFError(f"{path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps) but the metadata "
-                                    f"({d(leading_dense_block_count=self.n_dense)}) makes it an MoE layer")
                 b.update(router=self.router_tensor(p),
                          score_bias=self.tensor(p + "exp_probs_b.bias", (self.n_experts,),
                                                 d(expert_count=self.n_experts), kind="norm", optional=True),

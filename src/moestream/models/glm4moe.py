@@ -71,9 +71,7 @@ class Glm4MoE(MoEModel):
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)  # n_blocks, n_mtp, n_layers (the trunk); the MTP blocks get no slot pool
         d, path, n_embd = self.meta_desc, self.gguf.path, self.n_embd
-        self.n_head = n_head = self.meta_int("attention.head_count", required=True)
-        self.n_kv = n_kv = self.meta_int("attention.head_count_kv", self.n_head)
-        self.head_dim = hd = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        n_head, n_kv, hd = self.read_heads()
         self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", required=True)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
@@ -112,15 +110,9 @@ class Glm4MoE(MoEModel):
                                       kind="norm", optional=True)
                     for name in ("attn_q_norm.weight", "attn_k_norm.weight")},
                  "ffn_norm": self.tensor(p + "post_attention_norm.weight", (n_embd,), emb, kind="norm")}
-            if i < self.n_dense:
-                if i in self.layout:
-                    raise GGUFError(f"{path}: layer {i} has routed experts but the metadata "
-                                    f"({d(leading_dense_block_count=self.n_dense)}) makes it a dense layer")
+            if self.is_dense_layer(i, self.n_dense):
                 b.update(self.ffn_tensors(p))
             else:
-                if i not in self.layout:
-                    raise GGUFError(f"{path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps) but the metadata "
-                                    f"({d(leading_dense_block_count=self.n_dense)}) makes it an MoE layer")
                 b.update(router=self.router_tensor(p),
                          score_bias=self.tensor(p + "exp_probs_b.bias", (self.n_experts,),
                                                 d(expert_count=self.n_experts), kind="norm"),
@@ -130,9 +122,7 @@ class Glm4MoE(MoEModel):
                     b.update(self.ffn_tensors(p, "_shexp", self.n_ff_exp * self.n_shared, sh_desc,
                                               names=("sh_gate", "sh_up", "sh_down")))
             blocks.append(b)
-        if n_head % n_kv:
-            raise GGUFError(f"{path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
-                            f"{d(attention__head_count_kv=n_kv)}")
+        self.check_heads_grouped(n_head, n_kv)  # after the shapes: reported with the tensor it contradicts
         if opts.metadata_only:
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.n_rot, self.device))

@@ -59,9 +59,7 @@ class GptOss(MoEModel):
 
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
-        self.n_head = self.meta_int("attention.head_count", required=True)
-        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
-        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        n_head, n_kv, hd = self.read_heads()
         self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", required=True)
         self.n_ff_exp = self.meta_int("expert_feed_forward_length", required=True)
@@ -75,16 +73,13 @@ class GptOss(MoEModel):
             raise GGUFError(f"{gguf.path}: metadata "
                             f"{self.meta_desc(rope__scaling__yarn_log_multiplier=self.scaling.log_multiplier)} asks "
                             f"for DeepSeek's YaRN magnitude, which moestream does not compute for gpt-oss")
-        d, path, n_embd, n_head, n_kv, hd, n_exp = (self.meta_desc, self.gguf.path, self.n_embd, self.n_head, self.n_kv,
-                                                    self.head_dim, self.n_experts)
+        d, path, n_embd, n_exp = self.meta_desc, self.gguf.path, self.n_embd, self.n_experts
         if self.n_rot != hd:
             raise GGUFError(f"{path}: metadata {d(rope__dimension_count=self.n_rot, attention__key_length=hd)} "
                             f"differ: partial rotary, which moestream does not compute for gpt-oss")
         if hd % 2:
             raise GGUFError(f"{path}: metadata {d(attention__key_length=hd)} must be even (NEOX RoPE)")
-        if n_head % n_kv:
-            raise GGUFError(f"{path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
-                            f"{d(attention__head_count_kv=n_kv)}")
+        self.check_heads_grouped(n_head, n_kv)
         # every tensor the forward pass reads
         ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
         if not self.has("output.weight"):

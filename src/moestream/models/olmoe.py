@@ -32,18 +32,13 @@ class Olmoe(MoEModel):
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         d, n_embd = self.meta_desc, self.n_embd
-        self.n_head = n_head = self.meta_int("attention.head_count", required=True)
-        self.n_kv = n_kv = self.meta_int("attention.head_count_kv", self.n_head)
-        self.head_dim = hd = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
-        self.head_dim_v = self.meta_int("attention.value_length", self.head_dim)
+        n_head, n_kv, hd = self.read_heads(value_length=True)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-5)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         #: whether the top-k router probabilities are renormalized to sum 1 (transformers' norm_topk_prob)
         self.norm_topk = self.softmax_routing(norm=False, switchable=True)
-        if hd % 2:
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__key_length=hd)} must be even (RoPE rotates "
-                            f"pairs of dimensions)")
+        self.check_rope_pairs(hd)
         ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
         q_desc = d(attention__head_count=n_head, attention__key_length=hd)
         k_desc = d(attention__head_count_kv=n_kv, attention__key_length=hd)
@@ -63,9 +58,7 @@ class Olmoe(MoEModel):
                 "router": self.router_tensor(p),
                 "moe": self.moe(i),
             })
-        if n_head % n_kv:
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
-                            f"{d(attention__head_count_kv=n_kv)}")
+        self.check_heads_grouped(n_head, n_kv)  # after the shapes: reported with the tensor it contradicts
         if opts.metadata_only:
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))

@@ -42,18 +42,14 @@ class Qwen2MoE(MoEModel):
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         d, g, n_embd = self.meta_desc, self.gguf.arch_get, self.n_embd
-        self.n_head = n_head = self.meta_int("attention.head_count", required=True)
-        self.n_kv = n_kv = self.meta_int("attention.head_count_kv", self.n_head)
-        self.head_dim = hd = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        n_head, n_kv, hd = self.read_heads()
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         #: top-k weights renormalized (transformers' norm_topk_prob; published false, llama.cpp never)
         self.norm_topk = self.softmax_routing(norm=False, switchable=True)
         self.n_ff_exp = self.expert_widths()
-        if hd % 2:
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__key_length=hd)} must be even (RoPE rotates "
-                            f"pairs of dimensions)")
+        self.check_rope_pairs(hd)
         ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
         ff_key = self._key("expert_feed_forward_length")
         if g("expert_feed_forward_length") is not None and g("expert_feed_forward_length") != 0:
@@ -78,9 +74,7 @@ class Qwen2MoE(MoEModel):
             else:
                 b.update(self.ffn_tensors(p, "_shexp", names=("sh_gate", "sh_up", "sh_down")))
             blocks.append(b)
-        if n_head % n_kv:  # after the shapes: a wrong head count is best reported with the tensor it contradicts
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
-                            f"{d(attention__head_count_kv=n_kv)}")
+        self.check_heads_grouped(n_head, n_kv)  # after the shapes: reported with the tensor it contradicts
         #: the shared expert's width (rows of ffn_gate_shexp, equal to the key where the file has it)
         self.n_ff_shexp = self.gguf.tensor_info("blk.0.ffn_gate_shexp.weight").shape[0]
         if opts.metadata_only:

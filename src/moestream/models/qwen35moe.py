@@ -205,9 +205,7 @@ class Qwen35MoE(MoEModel):
                          q_norm=self.tensor(p + "attn_q_norm.weight", (hd,), d(attention__key_length=hd), kind="norm"),
                          k_norm=self.tensor(p + "attn_k_norm.weight", (hd,), d(attention__key_length=hd), kind="norm"))
             blocks.append(b)
-        if nh % nkv:  # after the shapes: a wrong head count is best reported with the tensor it contradicts
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=nh)} is not a multiple of "
-                            f"{d(attention__head_count_kv=nkv)}")
+        self.check_heads_grouped(nh, nkv)  # after the shapes: reported with the tensor it contradicts
         if opts.metadata_only:
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.n_rot, self.device))
