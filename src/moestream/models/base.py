@@ -532,6 +532,42 @@ class MoEModel:
                 raise GGUFError(f"{self.gguf.path}: tensor blk.{layer}.ffn_{name}_exps.weight has experts of width "
                                 f"{rows} but the metadata ({keys}) implies {n_ff}")
 
+    def read_heads(self, value_length: bool = False) -> tuple[int, int, int]:
+        """GQA attention's hyperparameters, set on the model and returned as (n_head, n_kv, head_dim): ``n_head``
+        (``attention.head_count``, required), ``n_kv`` (``head_count_kv``; absent = n_head), ``head_dim``
+        (``key_length``; absent = hidden / n_head) and, with ``value_length``, ``head_dim_v`` (``value_length``;
+        absent = head_dim). GGUFError naming a key that is not a positive integer."""
+        self.n_head = self.meta_int("attention.head_count", required=True)
+        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
+        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        if value_length:
+            self.head_dim_v = self.meta_int("attention.value_length", self.head_dim)
+        return self.n_head, self.n_kv, self.head_dim
+
+    def check_rope_pairs(self, head_dim: int) -> None:
+        """GGUFError unless ``attention.key_length`` (``head_dim``) is even: RoPE rotates pairs of dimensions."""
+        if head_dim % 2:
+            raise GGUFError(f"{self.gguf.path}: metadata {self.meta_desc(attention__key_length=head_dim)} must be even "
+                            f"(RoPE rotates pairs of dimensions)")
+
+    def check_heads_grouped(self, n_head: int, n_kv: int) -> None:
+        """GGUFError unless ``n_head`` query heads share ``n_kv`` key/value heads evenly. Families call it after
+        declaring their tensors: a wrong head count is best reported with the tensor it contradicts."""
+        if n_head % n_kv:
+            raise GGUFError(f"{self.gguf.path}: metadata {self.meta_desc(attention__head_count=n_head)} is not a "
+                            f"multiple of {self.meta_desc(attention__head_count_kv=n_kv)}")
+
+    def is_dense_layer(self, layer: int, n_dense: int) -> bool:
+        """Whether ``layer`` is one of the first ``n_dense`` (``leading_dense_block_count``) layers, which have a dense
+        FFN; GGUFError where the layer's routed experts (or their absence) contradict it."""
+        dense, has = layer < n_dense, layer in self.layout
+        if dense == has:
+            raise GGUFError(f"{self.gguf.path}: layer {layer} "
+                            + ("has routed experts" if has else f"has no routed experts (blk.{layer}.ffn_*_exps)")
+                            + f" but the metadata ({self.meta_desc(leading_dense_block_count=n_dense)}) makes it "
+                            + ("a dense layer" if dense else "an MoE layer"))
+        return dense
+
     def require_moe(self, layer: int) -> None:
         """GGUFError unless ``layer`` has routed experts (families whose every layer is an MoE layer)."""
         if layer not in self.layout:

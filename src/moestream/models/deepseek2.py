@@ -116,7 +116,6 @@ class DeepSeek2(MoEModel):
 
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)  # n_blocks, n_mtp, n_layers (the trunk); MTP blocks get no slot pool
-        self.n_embd = self.meta_int("embedding_length", required=True)
         self.n_head = self.meta_int("attention.head_count", required=True)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", required=True)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
@@ -138,39 +137,79 @@ class DeepSeek2(MoEModel):
         self.refuse_unsupported()
         self.read_routing_keys()
         self.read_rope_scaling()
-        self.check_shapes()
+        d, path, n_embd, n_head, hk, hv = (self.meta_desc, self.gguf.path, self.n_embd, self.n_head, self.head_k,
+                                           self.head_v)
+        r, rot, nope = self.kv_rank, self.n_rot, self.n_nope
+        k_key = "attention.key_length_mla" if self.split_kv_b else "attention.key_length"
+        v_key = "attention.value_length_mla" if self.split_kv_b else "attention.value_length"
+        k_desc = f"{self._key(k_key)}={hk}, {d(rope__dimension_count=rot)}"
+        if rot % 2 or nope < 1:
+            raise GGUFError(f"{path}: metadata {k_desc}: rope.dimension_count must be even and less than the key "
+                            f"length")
+        if self.split_kv_b:
+            want_k = self.meta_int("attention.key_length", r + rot)
+            want_v = self.meta_int("attention.value_length", r)
+            if (want_k, want_v) != (r + rot, r):
+                raise GGUFError(f"{path}: metadata {d(attention__key_length=want_k, attention__value_length=want_v)} "
+                                f"but MLA needs kv_lora_rank + rope = {r + rot} and kv_lora_rank = {r} "
+                                f"({d(attention__kv_lora_rank=r)})")
+        if self.n_dense > self.n_layers:
+            raise GGUFError(f"{path}: metadata {d(leading_dense_block_count=self.n_dense)} is more than the "
+                            f"{self.n_layers} trunk layers")
+        # every trunk tensor the forward pass reads
+        ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
+        q_desc = f"{d(attention__head_count=n_head)} x {k_desc}"
+        v_desc = f"{d(attention__head_count=n_head)} x {self._key(v_key)}={hv}"
+        r_desc = d(attention__kv_lora_rank=r)
+        qr_desc = d(attention__q_lora_rank=self.q_rank)
+        exp_desc = d(expert_feed_forward_length=self.n_ff_exp)
+        sh_desc = f"{exp_desc} x {d(expert_shared_count=self.n_shared)}, {emb}"
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            b = {"attn_norm": self.tensor(p + "attn_norm.weight", (n_embd,), emb, kind="norm")}
+            if self.q_rank:
+                b.update(q_a=self.tensor(p + "attn_q_a.weight", (self.q_rank, n_embd), f"{qr_desc}, {emb}"),
+                         q_a_norm=self.tensor(p + "attn_q_a_norm.weight", (self.q_rank,), qr_desc, kind="norm"),
+                         q_b=self.tensor(p + "attn_q_b.weight", (n_head * hk, self.q_rank), f"{q_desc}, {qr_desc}"))
+            else:
+                if self.has(p + "attn_q_a.weight"):
+                    raise GGUFError(f"{path}: tensor {p}attn_q_a.weight exists but metadata key "
+                                    f"{self._key('attention.q_lora_rank')} is absent or 0")
+                b["q"] = self.tensor(p + "attn_q.weight", (n_head * hk, n_embd), f"{q_desc}, {emb}")
+            b.update(kv_a=self.tensor(p + "attn_kv_a_mqa.weight", (r + rot, n_embd),
+                                      f"{r_desc} + {d(rope__dimension_count=rot)}, {emb}"),
+                     kv_a_norm=self.tensor(p + "attn_kv_a_norm.weight", (r,), r_desc, kind="norm"))
+            # the up-projections as float32: W_kb [H, nope, r] (transformers' kv_b_proj rows of k_nope, per head;
+            # the file's attn_k_b [H, r, nope] transposed back) and W_vb [H, dv, r] (attn_v_b), or both split from
+            # the legacy attn_kv_b [H x (nope + dv), r]
+            if self.split_kv_b:
+                b["w_kb"] = self.tensor(p + "attn_k_b.weight", (n_head, r, nope), f"{q_desc}, {r_desc}",
+                                        kind="float").then(lambda t: t.transpose(1, 2).contiguous())
+                b["w_vb"] = self.tensor(p + "attn_v_b.weight", (n_head, hv, r), f"{v_desc}, {r_desc}",
+                                        kind="float").then(torch.Tensor.contiguous)
+            else:
+                kv_b = self.tensor(p + "attn_kv_b.weight", (n_head * (nope + hv), r), f"{q_desc}, {v_desc}, {r_desc}",
+                                   kind="float").then(lambda t: t.view(n_head, nope + hv, r))
+                b["w_kb"] = kv_b.then(lambda t: t[:, :nope].contiguous())
+                b["w_vb"] = kv_b.then(lambda t: t[:, nope:].contiguous())
+            b.update(o=self.tensor(p + "attn_output.weight", (n_embd, n_head * hv), f"{v_desc}, {emb}"),
+                     ffn_norm=self.tensor(p + "ffn_norm.weight", (n_embd,), emb, kind="norm"))
+            if self.is_dense_layer(i, self.n_dense):
+                b.update(self.ffn_tensors(p))
+            else:
+                b.update(router=self.router_tensor(p),
+                         score_bias=self.tensor(p + "exp_probs_b.bias", (self.n_experts,),
+                                                d(expert_count=self.n_experts), kind="norm", optional=True),
+                         moe=self.moe(i))
+                self.check_expert_widths(i, self.n_ff_exp, exp_desc)
+                if self.n_shared:
+                    b.update(self.ffn_tensors(p, "_shexp", self.n_ff_exp * self.n_shared, sh_desc,
+                                              names=("sh_gate", "sh_up", "sh_down")))
+            blocks.append(b)
         if opts.metadata_only:
             return
         self.rope = Rope(self.inv_freq(), scale=self.rope_scale, interleaved=True)
-        self.embd = self.lookup_table("token_embd.weight")
-        self.n_vocab = self.embd.shape[0]
-        self.out_norm = self.norm("output_norm.weight")
-        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
-        self.blocks = []
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            b = {"attn_norm": self.norm(p + "attn_norm.weight"), "kv_a": self.weight(p + "attn_kv_a_mqa.weight"),
-                 "kv_a_norm": self.norm(p + "attn_kv_a_norm.weight"), "o": self.weight(p + "attn_output.weight"),
-                 "ffn_norm": self.norm(p + "ffn_norm.weight")}
-            if self.q_rank:
-                b.update(q_a=self.weight(p + "attn_q_a.weight"), q_a_norm=self.norm(p + "attn_q_a_norm.weight"),
-                         q_b=self.weight(p + "attn_q_b.weight"))
-            else:
-                b["q"] = self.weight(p + "attn_q.weight")
-            b["w_kb"], b["w_vb"] = self.up_projections(p)
-            if i < self.n_dense:
-                b.update(gate=self.weight(p + "ffn_gate.weight"), up=self.weight(p + "ffn_up.weight"),
-                         down=self.weight(p + "ffn_down.weight"))
-            else:
-                bias = p + "exp_probs_b.bias"
-                b.update(router=self.weight(p + "ffn_gate_inp.weight"),
-                         score_bias=self.norm(bias) if self.has(bias) else None,
-                         moe=self.moe(i))
-                if self.n_shared:
-                    b.update(sh_gate=self.weight(p + "ffn_gate_shexp.weight"),
-                             sh_up=self.weight(p + "ffn_up_shexp.weight"),
-                             sh_down=self.weight(p + "ffn_down_shexp.weight"))
-            self.blocks.append(b)
+        self.load_declared(ends, blocks)
 
     # --- metadata ---------------------------------------------------------------------------------------------
     def refuse_unsupported(self) -> None:
@@ -246,102 +285,6 @@ class DeepSeek2(MoEModel):
         y = self.yarn
         return yarn_inv_freq(self.rope_base, self.n_rot, y.factor, y.orig_ctx, y.beta_fast, y.beta_slow,
                              device=self.device)
-
-    def check_shapes(self) -> None:
-        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read:
-        every trunk tensor the forward pass reads."""
-        d, path = self.meta_desc, self.gguf.path
-        n_embd, n_head, hk, hv, r, rot = self.n_embd, self.n_head, self.head_k, self.head_v, self.kv_rank, self.n_rot
-        k_key = "attention.key_length_mla" if self.split_kv_b else "attention.key_length"
-        v_key = "attention.value_length_mla" if self.split_kv_b else "attention.value_length"
-        k_desc = f"{self._key(k_key)}={hk}, {d(rope__dimension_count=rot)}"
-        if rot % 2 or self.n_nope < 1:
-            raise GGUFError(f"{path}: metadata {k_desc}: rope.dimension_count must be even and less than the key "
-                            f"length")
-        if self.split_kv_b:
-            want_k = self.meta_int("attention.key_length", r + rot)
-            want_v = self.meta_int("attention.value_length", r)
-            if (want_k, want_v) != (r + rot, r):
-                raise GGUFError(f"{path}: metadata {d(attention__key_length=want_k, attention__value_length=want_v)} "
-                                f"but MLA needs kv_lora_rank + rope = {r + rot} and kv_lora_rank = {r} "
-                                f"({d(attention__kv_lora_rank=r)})")
-        if self.n_dense > self.n_layers:
-            raise GGUFError(f"{path}: metadata {d(leading_dense_block_count=self.n_dense)} is more than the "
-                            f"{self.n_layers} trunk layers")
-        emb = d(embedding_length=n_embd)
-        self.check_common_shapes(n_embd, emb)
-        q_desc = f"{d(attention__head_count=n_head)} x {k_desc}"
-        v_desc = f"{d(attention__head_count=n_head)} x {self._key(v_key)}={hv}"
-        r_desc = d(attention__kv_lora_rank=r)
-        qr_desc = d(attention__q_lora_rank=self.q_rank)
-        exp_desc = d(expert_feed_forward_length=self.n_ff_exp)
-        sh_desc = f"{exp_desc} x {d(expert_shared_count=self.n_shared)}, {emb}"
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
-            if self.q_rank:
-                self.expect_shape(p + "attn_q_a.weight", (self.q_rank, n_embd), f"{qr_desc}, {emb}")
-                self.expect_shape(p + "attn_q_a_norm.weight", (self.q_rank,), qr_desc)
-                self.expect_shape(p + "attn_q_b.weight", (n_head * hk, self.q_rank), f"{q_desc}, {qr_desc}")
-            else:
-                if self.has(p + "attn_q_a.weight"):
-                    raise GGUFError(f"{path}: tensor {p}attn_q_a.weight exists but metadata key "
-                                    f"{self._key('attention.q_lora_rank')} is absent or 0")
-                self.expect_shape(p + "attn_q.weight", (n_head * hk, n_embd), f"{q_desc}, {emb}")
-            self.expect_shape(p + "attn_kv_a_mqa.weight", (r + rot, n_embd),
-                              f"{r_desc} + {d(rope__dimension_count=rot)}, {emb}")
-            self.expect_shape(p + "attn_kv_a_norm.weight", (r,), r_desc)
-            if self.split_kv_b:
-                self.expect_shape(p + "attn_k_b.weight", (n_head, r, self.n_nope), f"{q_desc}, {r_desc}")
-                self.expect_shape(p + "attn_v_b.weight", (n_head, hv, r), f"{v_desc}, {r_desc}")
-            else:
-                self.expect_shape(p + "attn_kv_b.weight", (n_head * (self.n_nope + hv), r),
-                                  f"{q_desc}, {v_desc}, {r_desc}")
-            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hv), f"{v_desc}, {emb}")
-            self.expect_shape(p + "ffn_norm.weight", (n_embd,), emb)
-            if i < self.n_dense:
-                if i in self.layout:
-                    raise GGUFError(f"{path}: layer {i} has routed experts but the metadata "
-                                    f"({d(leading_dense_block_count=self.n_dense)}) makes it a dense layer")
-                n_ff = self.gguf.tensor_info(p + "ffn_gate.weight").shape[0]
-                ff = emb + f" and ffn_gate's {n_ff} rows"
-                self.expect_shape(p + "ffn_gate.weight", (n_ff, n_embd), ff)
-                self.expect_shape(p + "ffn_up.weight", (n_ff, n_embd), ff)
-                self.expect_shape(p + "ffn_down.weight", (n_embd, n_ff), ff)
-                continue
-            if i not in self.layout:
-                raise GGUFError(f"{path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps) but the metadata "
-                                f"({d(leading_dense_block_count=self.n_dense)}) makes it an MoE layer")
-            self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
-                              d(expert_count=self.n_experts, embedding_length=n_embd))
-            if self.has(p + "exp_probs_b.bias"):
-                self.expect_shape(p + "exp_probs_b.bias", (self.n_experts,), d(expert_count=self.n_experts))
-            for name, m in self.layout[i].items():
-                rows = m.cols if name == "down" else (m.rows // 2 if name == "gate_up" else m.rows)
-                if rows != self.n_ff_exp:
-                    raise GGUFError(f"{path}: tensor blk.{i}.ffn_{name}_exps.weight has experts of width {rows} but "
-                                    f"the metadata ({exp_desc}) implies {self.n_ff_exp}")
-            if self.n_shared:
-                n_sh = self.n_ff_exp * self.n_shared
-                self.expect_shape(p + "ffn_gate_shexp.weight", (n_sh, n_embd), sh_desc)
-                self.expect_shape(p + "ffn_up_shexp.weight", (n_sh, n_embd), sh_desc)
-                self.expect_shape(p + "ffn_down_shexp.weight", (n_embd, n_sh), sh_desc)
-
-    def up_projections(self, p: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``p``'s up-projections as float32: W_kb [H, nope, r] (transformers' kv_b_proj rows of k_nope, per
-        head; the file's attn_k_b [H, r, nope] transposed back) and W_vb [H, dv, r] (attn_v_b), or both split from
-        the legacy attn_kv_b [H x (nope + dv), r]."""
-        def dense(name: str) -> torch.Tensor:
-            w = self.weight(name)
-            t = w.float()
-            self.dense_bytes += t.numel() * 4 - w.nbytes
-            return t
-
-        if self.split_kv_b:
-            return (dense(p + "attn_k_b.weight").transpose(1, 2).contiguous(),
-                    dense(p + "attn_v_b.weight").contiguous())
-        kv_b = dense(p + "attn_kv_b.weight").view(self.n_head, self.n_nope + self.head_v, self.kv_rank)
-        return kv_b[:, :self.n_nope].contiguous(), kv_b[:, self.n_nope:].contiguous()
 
     # --- compute ----------------------------------------------------------------------------------------------
     def make_cache(self, n_ctx: int) -> KVCache:

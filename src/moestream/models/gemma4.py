@@ -55,8 +55,6 @@ class Gemma4(MoEModel):
         super().__init__(gguf, opts)
         g = gguf.arch_get
         path = gguf.path
-        self.n_layers = self.meta_int("block_count", required=True)
-        self.n_embd = self.meta_int("embedding_length", required=True)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
         swa = g("attention.sliding_window_pattern", [False] * self.n_layers)
         if not isinstance(swa, (list, tuple)) or len(swa) != self.n_layers:
@@ -83,117 +81,78 @@ class Gemma4(MoEModel):
             if n_rot % 2 or n_rot > hd:
                 raise GGUFError(f"{path}: metadata {self.meta_desc(**{key.replace('.', '__'): n_rot})} must be "
                                 f"even and at most {self.meta_desc(**{hd_key.replace('.', '__'): hd})}")
-        self.check_shapes(n_head, n_kv, d_full, d_swa, first_shared, n_rot_full)
-        # (KV heads, head dim) of each layer that owns a KV cache; K and V both cached (K = V layers too)
-        self.kv_owners = [(n_kv[i], d_swa if self.is_swa[i] else d_full) for i in range(first_shared)]
-        if opts.metadata_only:
-            return
-        self.load_ends()
-        if self.ple_dim:
-            self.ple_embd = self.lookup_table("per_layer_token_embd.weight")  # [vocab, n_layers * ple_dim]
-            self.ple_proj = self.weight("per_layer_model_proj.weight")  # [n_layers * ple_dim, hidden]
-            self.ple_proj_norm = self.norm("per_layer_proj_norm.weight")  # [ple_dim]
-
-        # RoPE per layer kind, inverse frequencies base^(-2i/n_rot) / freq_factor_i; cos/sin tables kept
-        factors = self.norm("rope_freqs.weight") if self.has("rope_freqs.weight") else None
-        inv_full = rope_inv_freq(base_full, n_rot_full, self.device)
-        self.rope_full = Rope(inv_full if factors is None else inv_full / factors)
-        self.rope_swa = Rope(rope_inv_freq(base_swa, n_rot_swa, self.device))
-
-        self.blocks: list[dict] = []
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            hd = d_swa if self.is_swa[i] else d_full
-            b: dict = {
-                "n_head": n_head[i], "n_kv": n_kv[i],
-                "head_dim": hd, "swa": self.is_swa[i],
-                "attn_norm": self.norm(p + "attn_norm.weight"), "q": self.weight(p + "attn_q.weight"),
-                "q_norm": self.norm(p + "attn_q_norm.weight"), "o": self.weight(p + "attn_output.weight"),
-                "attn_post_norm": self.norm(p + "post_attention_norm.weight"),
-                "ffn_norm": self.norm(p + "ffn_norm.weight"), "gate": self.weight(p + "ffn_gate.weight"),
-                "up": self.weight(p + "ffn_up.weight"), "down": self.weight(p + "ffn_down.weight"),
-                "ffn_post_norm": self.norm(p + "post_ffw_norm.weight"),
-            }
-            if i < first_shared:
-                b["kv_layer"] = i
-                b["k"], b["k_norm"] = self.weight(p + "attn_k.weight"), self.norm(p + "attn_k_norm.weight")
-                b["v"] = self.weight(p + "attn_v.weight") if self.has(p + "attn_v.weight") else None  # None: V = K
-            else:  # shared KV: the last non-shared layer of the same kind (transformers' kv_sharing_modes)
-                src = [j for j in range(first_shared) if self.is_swa[j] == self.is_swa[i]]
-                if not src:
-                    raise GGUFError(f"{path}: layer {i} shares KV but no earlier layer of its kind "
-                                    f"({'sliding' if self.is_swa[i] else 'global'}) owns a cache")
-                b["kv_layer"] = src[-1]
-            if i in self.layout:
-                b["router"] = self.weight(p + "ffn_gate_inp.weight")  # [n_experts, hidden]
-                b["router_scale"] = self.norm(p + "ffn_gate_inp.scale")  # [hidden]
-                s = p + "ffn_down_exps.scale"
-                b["expert_scale"] = self.norm(s) if self.has(s) else None  # [n_experts], by real expert id
-                b["pre_norm_2"] = self.norm(p + "pre_ffw_norm_2.weight")
-                b["post_norm_1"] = self.norm(p + "post_ffw_norm_1.weight")
-                b["post_norm_2"] = self.norm(p + "post_ffw_norm_2.weight")
-                b["moe"] = self.moe(i, act=geglu, expert_scale=b["expert_scale"])
-            if self.ple_dim:
-                b["ple_gate"] = self.weight(p + "inp_gate.weight")  # [ple_dim, hidden]
-                b["ple_proj"] = self.weight(p + "proj.weight")  # [hidden, ple_dim]
-                b["ple_post_norm"] = self.norm(p + "post_norm.weight")
-            s = p + "layer_output_scale.weight"
-            b["out_scale"] = self.norm(s) if self.has(s) else None  # [1]
-            self.blocks.append(b)
-
-    def check_shapes(self, n_head: list[int], n_kv: list[int], d_full: int, d_swa: int, first_shared: int,
-                     n_rot_full: int) -> None:
-        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read."""
-        d, path, n_embd = self.meta_desc, self.gguf.path, self.n_embd
-        emb = d(embedding_length=n_embd)
-        vocab = self.check_common_shapes(n_embd, emb)
-        if self.has("rope_freqs.weight"):
-            self.expect_shape("rope_freqs.weight", (n_rot_full // 2,), d(rope__dimension_count=n_rot_full) + " / 2")
+        d, n_embd = self.meta_desc, self.n_embd
+        ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
+        factors = self.tensor("rope_freqs.weight", (n_rot_full // 2,), d(rope__dimension_count=n_rot_full) + " / 2",
+                              kind="norm", optional=True)
         if self.ple_dim:
             pd = d(block_count=self.n_layers, embedding_length_per_layer_input=self.ple_dim)
-            self.expect_shape("per_layer_token_embd.weight", (vocab, self.n_layers * self.ple_dim), pd)
-            self.expect_shape("per_layer_model_proj.weight", (self.n_layers * self.ple_dim, n_embd), pd + ", " + emb)
-            self.expect_shape("per_layer_proj_norm.weight", (self.ple_dim,),
-                              d(embedding_length_per_layer_input=self.ple_dim))
+            ends.update(  # [vocab, n_layers * ple_dim], [n_layers * ple_dim, hidden], [ple_dim]
+                ple_embd=self.tensor("per_layer_token_embd.weight", (self.n_vocab, self.n_layers * self.ple_dim), pd,
+                                     kind="table"),
+                ple_proj=self.tensor("per_layer_model_proj.weight", (self.n_layers * self.ple_dim, n_embd),
+                                     pd + ", " + emb),
+                ple_proj_norm=self.tensor("per_layer_proj_norm.weight", (self.ple_dim,),
+                                          d(embedding_length_per_layer_input=self.ple_dim), kind="norm"))
         for i in range(self.n_layers):
             p, nh = f"blk.{i}.", n_head[i]
             hd, hd_key = (d_swa, "attention__key_length_swa") if self.is_swa[i] else (d_full, "attention__key_length")
             heads = d(attention__head_count=nh, **{hd_key: hd}, embedding_length=n_embd) + f" (layer {i})"
-            self.expect_shape(p + "attn_q.weight", (nh * hd, n_embd), heads)
-            self.expect_shape(p + "attn_output.weight", (n_embd, nh * hd), heads)
-            self.expect_shape(p + "attn_q_norm.weight", (hd,), d(**{hd_key: hd}))
-            for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
-                self.expect_shape(p + n + ".weight", (n_embd,), emb)
-            n_ff = self.gguf.tensor_info(p + "ffn_gate.weight").shape[0]
-            self.expect_shape(p + "ffn_gate.weight", (n_ff, n_embd), emb)
-            self.expect_shape(p + "ffn_up.weight", (n_ff, n_embd), emb + f" and ffn_gate's {n_ff} rows")
-            self.expect_shape(p + "ffn_down.weight", (n_embd, n_ff), emb + f" and ffn_gate's {n_ff} rows")
-            src = i if i < first_shared else max(
-                (j for j in range(first_shared) if self.is_swa[j] == self.is_swa[i]), default=i)
-            if nh % n_kv[src]:
+            b: dict = {
+                "n_head": nh, "n_kv": n_kv[i], "head_dim": hd, "swa": self.is_swa[i],
+                "q": self.tensor(p + "attn_q.weight", (nh * hd, n_embd), heads),
+                "o": self.tensor(p + "attn_output.weight", (n_embd, nh * hd), heads),
+                "q_norm": self.tensor(p + "attn_q_norm.weight", (hd,), d(**{hd_key: hd}), kind="norm"),
+                **{key: self.tensor(p + name, (n_embd,), emb, kind="norm") for key, name in (
+                    ("attn_norm", "attn_norm.weight"), ("attn_post_norm", "post_attention_norm.weight"),
+                    ("ffn_norm", "ffn_norm.weight"), ("ffn_post_norm", "post_ffw_norm.weight"))},
+                **self.ffn_tensors(p),
+            }
+            # shared KV: the last non-shared layer of the same kind (transformers' kv_sharing_modes)
+            src = [j for j in range(first_shared) if self.is_swa[j] == self.is_swa[i]]
+            b["kv_layer"] = i if i < first_shared else (src[-1] if src else i)
+            if nh % n_kv[b["kv_layer"]]:
                 raise GGUFError(f"{path}: metadata {d(attention__head_count=nh)} (layer {i}) is not a multiple of "
-                                f"{d(attention__head_count_kv=n_kv[src])} (layer {src})")
+                                f"{d(attention__head_count_kv=n_kv[b['kv_layer']])} (layer {b['kv_layer']})")
             if i < first_shared:
                 kv = d(attention__head_count_kv=n_kv[i], **{hd_key: hd}, embedding_length=n_embd) + f" (layer {i})"
-                self.expect_shape(p + "attn_k.weight", (n_kv[i] * hd, n_embd), kv)
-                self.expect_shape(p + "attn_k_norm.weight", (hd,), d(**{hd_key: hd}))
-                if self.has(p + "attn_v.weight"):
-                    self.expect_shape(p + "attn_v.weight", (n_kv[i] * hd, n_embd), kv)
+                b["k"] = self.tensor(p + "attn_k.weight", (n_kv[i] * hd, n_embd), kv)
+                b["k_norm"] = self.tensor(p + "attn_k_norm.weight", (hd,), d(**{hd_key: hd}), kind="norm")
+                b["v"] = self.tensor(p + "attn_v.weight", (n_kv[i] * hd, n_embd), kv, optional=True)  # None: V = K
+            elif not src:
+                raise GGUFError(f"{path}: layer {i} shares KV but no earlier layer of its kind "
+                                f"({'sliding' if self.is_swa[i] else 'global'}) owns a cache")
             if i in self.layout:
-                self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
-                                  d(expert_count=self.n_experts, embedding_length=n_embd))
-                self.expect_shape(p + "ffn_gate_inp.scale", (n_embd,), emb)
-                if self.has(p + "ffn_down_exps.scale"):
-                    self.expect_shape(p + "ffn_down_exps.scale", (self.n_experts,), d(expert_count=self.n_experts))
-                for n in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
-                    self.expect_shape(p + n + ".weight", (n_embd,), emb)
+                b.update(router=self.router_tensor(p),  # [n_experts, hidden]
+                         router_scale=self.tensor(p + "ffn_gate_inp.scale", (n_embd,), emb, kind="norm"),
+                         # [n_experts], by real expert id
+                         expert_scale=self.tensor(p + "ffn_down_exps.scale", (self.n_experts,),
+                                                  d(expert_count=self.n_experts), kind="norm", optional=True),
+                         **{key: self.tensor(p + name, (n_embd,), emb, kind="norm") for key, name in (
+                             ("pre_norm_2", "pre_ffw_norm_2.weight"), ("post_norm_1", "post_ffw_norm_1.weight"),
+                             ("post_norm_2", "post_ffw_norm_2.weight"))},
+                         moe=self.moe(i, act=geglu))
             if self.ple_dim:
                 pd = d(embedding_length_per_layer_input=self.ple_dim, embedding_length=n_embd)
-                self.expect_shape(p + "inp_gate.weight", (self.ple_dim, n_embd), pd)
-                self.expect_shape(p + "proj.weight", (n_embd, self.ple_dim), pd)
-                self.expect_shape(p + "post_norm.weight", (n_embd,), emb)
-            if self.has(p + "layer_output_scale.weight"):
-                self.expect_shape(p + "layer_output_scale.weight", (1,), "a per-layer scalar")
+                b.update(ple_gate=self.tensor(p + "inp_gate.weight", (self.ple_dim, n_embd), pd),  # [ple_dim, hidden]
+                         ple_proj=self.tensor(p + "proj.weight", (n_embd, self.ple_dim), pd),  # [hidden, ple_dim]
+                         ple_post_norm=self.tensor(p + "post_norm.weight", (n_embd,), emb, kind="norm"))
+            b["out_scale"] = self.tensor(p + "layer_output_scale.weight", (1,), "a per-layer scalar", kind="norm",
+                                         optional=True)  # [1]
+            blocks.append(b)
+        # (KV heads, head dim) of each layer that owns a KV cache; K and V both cached (K = V layers too)
+        self.kv_owners = [(n_kv[i], d_swa if self.is_swa[i] else d_full) for i in range(first_shared)]
+        if opts.metadata_only:
+            return
+        self.load_declared(ends, blocks)
+        for b in self.blocks:  # the per-expert output scale, indexed by real expert id, applied by the MoE block
+            if "moe" in b:
+                b["moe"].expert_scale = b["expert_scale"]
+        # RoPE per layer kind, inverse frequencies base^(-2i/n_rot) / freq_factor_i; cos/sin tables kept
+        factors = self.loaded(factors)
+        inv_full = rope_inv_freq(base_full, n_rot_full, self.device)
+        self.rope_full = Rope(inv_full if factors is None else inv_full / factors)
+        self.rope_swa = Rope(rope_inv_freq(base_swa, n_rot_swa, self.device))
 
     def mapped_tables(self) -> list[str]:
         return super().mapped_tables() + (["per_layer_token_embd.weight"] if self.has("per_layer_token_embd.weight")

@@ -74,10 +74,8 @@ class Glm4MoE(MoEModel):
 
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)  # n_blocks, n_mtp, n_layers (the trunk); the MTP blocks get no slot pool
-        self.n_embd = self.meta_int("embedding_length", required=True)
-        self.n_head = self.meta_int("attention.head_count", required=True)
-        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
-        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        d, path, n_embd = self.meta_desc, self.gguf.path, self.n_embd
+        n_head, n_kv, hd = self.read_heads()
         self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", required=True)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
@@ -86,33 +84,53 @@ class Glm4MoE(MoEModel):
         self.read_routing_keys()
         self.n_ff_exp = self.expert_width()
         self.n_shared = self.meta_int("expert_shared_count", required=True, minimum=0)
-        self.check_shapes()
+        if self.n_rot % 2 or self.n_rot > hd:
+            raise GGUFError(f"{path}: metadata {d(rope__dimension_count=self.n_rot)} must be even and at most "
+                            f"{d(attention__key_length=hd)}")
+        sections = self.gguf.arch_get("rope.dimension_sections")
+        if sections is not None and any(sections):
+            raise GGUFError(f"{path}: metadata {d(rope__dimension_sections=list(sections))} asks for M-RoPE "
+                            f"(GLM-4.5V), which moestream does not compute")
+        if self.n_dense > self.n_layers:
+            trunk = d(block_count=self.n_blocks, nextn_predict_layers=self.n_mtp)
+            raise GGUFError(f"{path}: metadata {d(leading_dense_block_count=self.n_dense)} is more than the "
+                            f"{self.n_layers} trunk layers ({trunk})")
+        # every trunk tensor the forward pass reads; the MTP blocks are not declared (they are not run)
+        ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
+        exp_key = self._key("expert_feed_forward_length")
+        exp_desc = (f"{exp_key}={self.n_ff_exp}" if self.gguf.arch_get("expert_feed_forward_length") else
+                    f"{exp_key}=0: {self._key('feed_forward_length')} / expert_used_count = {self.n_ff_exp}")
+        sh_desc = f"{exp_desc} x {d(expert_shared_count=self.n_shared)}, {emb}"
+        nextn = {int(n.split(".")[1]): n for n in self.gguf.tensors if n.startswith("blk.") and ".nextn." in n}
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            if i in nextn:  # llama.cpp refuses it too (a tensor it does not load: "wrong number of tensors")
+                raise GGUFError(f"{path}: tensor {nextn[i]} belongs to an MTP block but the metadata "
+                                f"({d(block_count=self.n_blocks, nextn_predict_layers=self.n_mtp)}) makes block {i} "
+                                f"a trunk layer")
+            b = {"attn_norm": self.tensor(p + "attn_norm.weight", (n_embd,), emb, kind="norm"),
+                 **self.attention_tensors(p, n_head, n_kv, hd), **self.qkv_biases(p, n_head, n_kv, hd, optional=True),
+                 **{name: self.tensor(p + name, (hd,), d(attention__key_length=hd) + " (one norm per head)",
+                                      kind="norm", optional=True)
+                    for name in ("attn_q_norm.weight", "attn_k_norm.weight")},
+                 "ffn_norm": self.tensor(p + "post_attention_norm.weight", (n_embd,), emb, kind="norm")}
+            if self.is_dense_layer(i, self.n_dense):
+                b.update(self.ffn_tensors(p))
+            else:
+                b.update(router=self.router_tensor(p),
+                         score_bias=self.tensor(p + "exp_probs_b.bias", (self.n_experts,),
+                                                d(expert_count=self.n_experts), kind="norm"),
+                         moe=self.moe(i))
+                self.check_expert_widths(i, self.n_ff_exp, exp_desc)
+                if self.n_shared:
+                    b.update(self.ffn_tensors(p, "_shexp", self.n_ff_exp * self.n_shared, sh_desc,
+                                              names=("sh_gate", "sh_up", "sh_down")))
+            blocks.append(b)
+        self.check_heads_grouped(n_head, n_kv)  # after the shapes: reported with the tensor it contradicts
         if opts.metadata_only:
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.n_rot, self.device))
-        self.load_ends()
-        self.blocks = []
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            b = {
-                "attn_norm": self.norm(p + "attn_norm.weight"),
-                "q": self.weight(p + "attn_q.weight"), "k": self.weight(p + "attn_k.weight"),
-                "v": self.weight(p + "attn_v.weight"), "o": self.weight(p + "attn_output.weight"),
-                "ffn_norm": self.norm(p + "post_attention_norm.weight"),
-            }
-            for name in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight"):
-                b[name] = self.norm(p + name) if self.has(p + name) else None
-            if i < self.n_dense:
-                b.update(gate=self.weight(p + "ffn_gate.weight"), up=self.weight(p + "ffn_up.weight"),
-                         down=self.weight(p + "ffn_down.weight"))
-            else:
-                b.update(router=self.weight(p + "ffn_gate_inp.weight"), score_bias=self.norm(p + "exp_probs_b.bias"),
-                         moe=self.moe(i))
-                if self.n_shared:
-                    b.update(sh_gate=self.weight(p + "ffn_gate_shexp.weight"),
-                             sh_up=self.weight(p + "ffn_up_shexp.weight"),
-                             sh_down=self.weight(p + "ffn_down_shexp.weight"))
-            self.blocks.append(b)
+        self.load_declared(ends, blocks)
 
     # --- metadata ---------------------------------------------------------------------------------------------
     def read_routing_keys(self) -> None:
@@ -151,78 +169,6 @@ class Glm4MoE(MoEModel):
         if n_ff_exp:
             return n_ff_exp
         return self.meta_int("feed_forward_length", required=True) // self.top_k
-
-    def check_shapes(self) -> None:
-        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read:
-        every trunk tensor the forward pass reads; the MTP blocks are not checked (they are not run)."""
-        d, path = self.meta_desc, self.gguf.path
-        n_embd, n_head, n_kv, hd = self.n_embd, self.n_head, self.n_kv, self.head_dim
-        if self.n_rot % 2 or self.n_rot > hd:
-            raise GGUFError(f"{path}: metadata {d(rope__dimension_count=self.n_rot)} must be even and at most "
-                            f"{d(attention__key_length=hd)}")
-        sections = self.gguf.arch_get("rope.dimension_sections")
-        if sections is not None and any(sections):
-            raise GGUFError(f"{path}: metadata {d(rope__dimension_sections=list(sections))} asks for M-RoPE "
-                            f"(GLM-4.5V), which moestream does not compute")
-        if self.n_dense > self.n_layers:
-            trunk = d(block_count=self.n_blocks, nextn_predict_layers=self.n_mtp)
-            raise GGUFError(f"{path}: metadata {d(leading_dense_block_count=self.n_dense)} is more than the "
-                            f"{self.n_layers} trunk layers ({trunk})")
-        emb = d(embedding_length=n_embd)
-        self.check_common_shapes(n_embd, emb)
-        q_desc = d(attention__head_count=n_head, attention__key_length=hd, embedding_length=n_embd)
-        kv_desc = d(attention__head_count_kv=n_kv, attention__key_length=hd, embedding_length=n_embd)
-        exp_key = self._key("expert_feed_forward_length")
-        exp_desc = (f"{exp_key}={self.n_ff_exp}" if self.gguf.arch_get("expert_feed_forward_length") else
-                    f"{exp_key}=0: {self._key('feed_forward_length')} / expert_used_count = {self.n_ff_exp}")
-        sh_desc = f"{exp_desc} x {d(expert_shared_count=self.n_shared)}, {emb}"
-        nextn = {int(n.split(".")[1]): n for n in self.gguf.tensors if n.startswith("blk.") and ".nextn." in n}
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            if i in nextn:  # llama.cpp refuses it too (a tensor it does not load: "wrong number of tensors")
-                raise GGUFError(f"{path}: tensor {nextn[i]} belongs to an MTP block but the metadata "
-                                f"({d(block_count=self.n_blocks, nextn_predict_layers=self.n_mtp)}) makes block {i} "
-                                f"a trunk layer")
-            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
-            self.expect_shape(p + "attn_q.weight", (n_head * hd, n_embd), q_desc)
-            self.expect_shape(p + "attn_k.weight", (n_kv * hd, n_embd), kv_desc)
-            self.expect_shape(p + "attn_v.weight", (n_kv * hd, n_embd), kv_desc)
-            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hd), q_desc)
-            for name, n in (("attn_q.bias", n_head * hd), ("attn_k.bias", n_kv * hd), ("attn_v.bias", n_kv * hd)):
-                if self.has(p + name):
-                    self.expect_shape(p + name, (n,), q_desc if name == "attn_q.bias" else kv_desc)
-            for name in ("attn_q_norm.weight", "attn_k_norm.weight"):
-                if self.has(p + name):
-                    self.expect_shape(p + name, (hd,), d(attention__key_length=hd) + " (one norm per head)")
-            self.expect_shape(p + "post_attention_norm.weight", (n_embd,), emb)
-            if i < self.n_dense:
-                if i in self.layout:
-                    raise GGUFError(f"{path}: layer {i} has routed experts but the metadata "
-                                    f"({d(leading_dense_block_count=self.n_dense)}) makes it a dense layer")
-                n_ff = self.gguf.tensor_info(p + "ffn_gate.weight").shape[0]
-                ff = emb + f" and ffn_gate's {n_ff} rows"
-                self.expect_shape(p + "ffn_up.weight", (n_ff, n_embd), ff)
-                self.expect_shape(p + "ffn_down.weight", (n_embd, n_ff), ff)
-                continue
-            if i not in self.layout:
-                raise GGUFError(f"{path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps) but the metadata "
-                                f"({d(leading_dense_block_count=self.n_dense)}) makes it an MoE layer")
-            self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
-                              d(expert_count=self.n_experts, embedding_length=n_embd))
-            self.expect_shape(p + "exp_probs_b.bias", (self.n_experts,), d(expert_count=self.n_experts))
-            for name, m in self.layout[i].items():
-                rows = m.cols if name == "down" else (m.rows // 2 if name == "gate_up" else m.rows)
-                if rows != self.n_ff_exp:
-                    raise GGUFError(f"{path}: tensor blk.{i}.ffn_{name}_exps.weight has experts of width {rows} but "
-                                    f"the metadata ({exp_desc}) implies {self.n_ff_exp}")
-            if self.n_shared:
-                n_sh = self.n_ff_exp * self.n_shared
-                self.expect_shape(p + "ffn_gate_shexp.weight", (n_sh, n_embd), sh_desc)
-                self.expect_shape(p + "ffn_up_shexp.weight", (n_sh, n_embd), sh_desc)
-                self.expect_shape(p + "ffn_down_shexp.weight", (n_embd, n_sh), sh_desc)
-        if n_head % n_kv:
-            raise GGUFError(f"{path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
-                            f"{d(attention__head_count_kv=n_kv)}")
 
     # --- compute ----------------------------------------------------------------------------------------------
     def make_cache(self, n_ctx: int) -> KVCache:

@@ -63,10 +63,7 @@ class GptOss(MoEModel):
 
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
-        self.n_embd = self.meta_int("embedding_length", required=True)
-        self.n_head = self.meta_int("attention.head_count", required=True)
-        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
-        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        n_head, n_kv, hd = self.read_heads()
         self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", required=True)
         self.n_ff_exp = self.meta_int("expert_feed_forward_length", required=True)
@@ -80,33 +77,50 @@ class GptOss(MoEModel):
             raise GGUFError(f"{gguf.path}: metadata "
                             f"{self.meta_desc(rope__scaling__yarn_log_multiplier=self.scaling.log_multiplier)} asks "
                             f"for DeepSeek's YaRN magnitude, which moestream does not compute for gpt-oss")
-        self.check_shapes()
+        d, path, n_embd, n_exp = self.meta_desc, self.gguf.path, self.n_embd, self.n_experts
+        if self.n_rot != hd:
+            raise GGUFError(f"{path}: metadata {d(rope__dimension_count=self.n_rot, attention__key_length=hd)} "
+                            f"differ: partial rotary, which moestream does not compute for gpt-oss")
+        if hd % 2:
+            raise GGUFError(f"{path}: metadata {d(attention__key_length=hd)} must be even (NEOX RoPE)")
+        self.check_heads_grouped(n_head, n_kv)
+        # every tensor the forward pass reads
+        ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
+        if not self.has("output.weight"):
+            raise GGUFError(f"{path}: tensor output.weight is missing (gpt-oss has an untied output matrix; "
+                            f"llama.cpp requires it too)")
+        exp_desc = d(expert_count=n_exp, expert_feed_forward_length=self.n_ff_exp)
+        biases = []  # per layer: the routed experts' biases, float32 [n_experts, rows], indexed by real expert id
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            self.require_moe(i)
+            b = {"attn_norm": self.tensor(p + "attn_norm.weight", (n_embd,), emb, kind="norm"),
+                 **self.attention_tensors(p, n_head, n_kv, hd),
+                 "o_bias": self.tensor(p + "attn_output.bias", (n_embd,), emb, kind="norm"),
+                 **self.qkv_biases(p, n_head, n_kv, hd, optional=True),
+                 "sinks": self.tensor(p + "attn_sinks.weight", (n_head,),
+                                      d(attention__head_count=n_head) + " (one sink per head)", kind="norm"),
+                 "ffn_norm": self.tensor(p + "post_attention_norm.weight", (n_embd,), emb, kind="norm"),
+                 "router": self.router_tensor(p),
+                 "router_bias": self.tensor(p + "ffn_gate_inp.bias", (n_exp,), d(expert_count=n_exp), kind="norm"),
+                 "swa": self.is_swa[i]}
+            mats = self.layout[i]
+            if set(mats) != {"gate", "up", "down"}:
+                raise GGUFError(f"{path}: layer {i} has expert matrices {sorted(mats)}; gpt-oss needs separate "
+                                f"ffn_gate_exps, ffn_up_exps and ffn_down_exps (as llama.cpp)")
+            self.check_expert_widths(i, self.n_ff_exp, exp_desc)
+            biases.append({name: self.tensor(p + f"ffn_{name}_exps.bias", (n_exp, n), exp_desc + ", " + emb,
+                                             kind="float")
+                           for name, n in (("gate", self.n_ff_exp), ("up", self.n_ff_exp), ("down", n_embd))})
+            blocks.append(b)
         if opts.metadata_only:
             return
         self.rope_full = self.make_rope(self.rope_base)
         self.rope_swa = self.rope_full if self.rope_base_swa == self.rope_base else self.make_rope(self.rope_base_swa)
-        self.embd = self.lookup_table("token_embd.weight")
-        self.n_vocab = self.embd.shape[0]
-        self.out_norm = self.norm("output_norm.weight")
-        self.output = self.weight("output.weight")
+        self.load_declared(ends, blocks)
         act = ClampedSwiGLU(SWIGLU_ALPHA, SWIGLU_LIMIT)
-        self.blocks = []
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            b = {
-                "attn_norm": self.norm(p + "attn_norm.weight"),
-                "q": self.weight(p + "attn_q.weight"), "k": self.weight(p + "attn_k.weight"),
-                "v": self.weight(p + "attn_v.weight"), "o": self.weight(p + "attn_output.weight"),
-                "o_bias": self.norm(p + "attn_output.bias"), "sinks": self.norm(p + "attn_sinks.weight"),
-                "ffn_norm": self.norm(p + "post_attention_norm.weight"),
-                "router": self.weight(p + "ffn_gate_inp.weight"), "router_bias": self.norm(p + "ffn_gate_inp.bias"),
-                "swa": self.is_swa[i],
-            }
-            for name in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
-                b[name] = self.norm(p + name) if self.has(p + name) else None
-            bias = {m: self.expert_bias(p + f"ffn_{m}_exps.bias") for m in ("gate", "up", "down")}
-            b["moe"] = self.moe(i, act=act, bias=bias)
-            self.blocks.append(b)
+        for i, b in enumerate(self.blocks):
+            b["moe"] = self.moe(i, act=act, bias=self.loaded(biases[i]))
 
     # --- metadata ---------------------------------------------------------------------------------------------
     def swa_pattern(self) -> list[bool]:
@@ -129,64 +143,6 @@ class GptOss(MoEModel):
             return Rope(rope_inv_freq(base, self.n_rot, self.device))
         inv = yarn_inv_freq(base, self.n_rot, s.factor, s.orig_ctx, s.beta_fast, s.beta_slow, self.device)
         return Rope(inv, scale=yarn_attention_factor(s.factor) * s.attn_factor)
-
-    def check_shapes(self) -> None:
-        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is
-        read: every tensor the forward pass reads."""
-        d, path = self.meta_desc, self.gguf.path
-        n_embd, n_head, n_kv, hd, n_exp = self.n_embd, self.n_head, self.n_kv, self.head_dim, self.n_experts
-        if self.n_rot != hd:
-            raise GGUFError(f"{path}: metadata {d(rope__dimension_count=self.n_rot, attention__key_length=hd)} "
-                            f"differ: partial rotary, which moestream does not compute for gpt-oss")
-        if hd % 2:
-            raise GGUFError(f"{path}: metadata {d(attention__key_length=hd)} must be even (NEOX RoPE)")
-        if n_head % n_kv:
-            raise GGUFError(f"{path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
-                            f"{d(attention__head_count_kv=n_kv)}")
-        emb = d(embedding_length=n_embd)
-        self.check_common_shapes(n_embd, emb)
-        if not self.has("output.weight"):
-            raise GGUFError(f"{path}: tensor output.weight is missing (gpt-oss has an untied output matrix; "
-                            f"llama.cpp requires it too)")
-        q_desc = d(attention__head_count=n_head, attention__key_length=hd, embedding_length=n_embd)
-        kv_desc = d(attention__head_count_kv=n_kv, attention__key_length=hd, embedding_length=n_embd)
-        exp_desc = d(expert_count=n_exp, expert_feed_forward_length=self.n_ff_exp)
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            if i not in self.layout:
-                raise GGUFError(f"{path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps); every gpt-oss layer "
-                                f"is an MoE layer")
-            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
-            self.expect_shape(p + "attn_q.weight", (n_head * hd, n_embd), q_desc)
-            self.expect_shape(p + "attn_k.weight", (n_kv * hd, n_embd), kv_desc)
-            self.expect_shape(p + "attn_v.weight", (n_kv * hd, n_embd), kv_desc)
-            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hd), q_desc)
-            self.expect_shape(p + "attn_output.bias", (n_embd,), emb)
-            for name, n in (("attn_q.bias", n_head * hd), ("attn_k.bias", n_kv * hd), ("attn_v.bias", n_kv * hd)):
-                if self.has(p + name):
-                    self.expect_shape(p + name, (n,), q_desc if name == "attn_q.bias" else kv_desc)
-            self.expect_shape(p + "attn_sinks.weight", (n_head,), d(attention__head_count=n_head) + " (one sink per "
-                              "head)")
-            self.expect_shape(p + "post_attention_norm.weight", (n_embd,), emb)
-            self.expect_shape(p + "ffn_gate_inp.weight", (n_exp, n_embd),
-                              d(expert_count=n_exp, embedding_length=n_embd))
-            self.expect_shape(p + "ffn_gate_inp.bias", (n_exp,), d(expert_count=n_exp))
-            mats = self.layout[i]
-            if set(mats) != {"gate", "up", "down"}:
-                raise GGUFError(f"{path}: layer {i} has expert matrices {sorted(mats)}; gpt-oss needs separate "
-                                f"ffn_gate_exps, ffn_up_exps and ffn_down_exps (as llama.cpp)")
-            for name, m in mats.items():
-                rows = m.cols if name == "down" else m.rows
-                if rows != self.n_ff_exp:
-                    raise GGUFError(f"{path}: tensor blk.{i}.ffn_{name}_exps.weight has experts of width {rows} but "
-                                    f"the metadata ({exp_desc}) implies {self.n_ff_exp}")
-            for name, n in (("gate", self.n_ff_exp), ("up", self.n_ff_exp), ("down", n_embd)):
-                self.expect_shape(p + f"ffn_{name}_exps.bias", (n_exp, n), exp_desc + ", " + emb)
-
-    def expert_bias(self, name: str) -> torch.Tensor:
-        """A per-expert bias, float32 [n_experts, rows] on the device (resident, indexed by real expert id)."""
-        info = self.gguf.tensor_info(name)
-        return self.norm(name).view(*info.shape)
 
     # --- compute ----------------------------------------------------------------------------------------------
     def make_cache(self, n_ctx: int) -> KVCache:

@@ -41,47 +41,15 @@ class Mixtral(MoEModel):
 
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
-        self.n_layers = self.meta_int("block_count", required=True)
-        self.n_embd = self.meta_int("embedding_length", required=True)
-        self.n_head = self.meta_int("attention.head_count", required=True)
-        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
-        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
-        self.head_dim_v = self.meta_int("attention.value_length", self.head_dim)
+        d, n_embd = self.meta_desc, self.n_embd
+        n_head, n_kv, hd = self.read_heads(value_length=True)
         self.n_rot = self.meta_int("rope.dimension_count", self.head_dim)
         # llama.cpp requires this key for llama files; the default is Mixtral-8x7B's published rms_norm_eps
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-5)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         self.softmax_routing(norm=True, switchable=False)  # Mixtral: always renormalized
-        self.check_shapes()
-        if opts.metadata_only:
-            return
-        self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
-        self.load_ends()
-        self.blocks = []
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            b = {
-                "attn_norm": self.norm(p + "attn_norm.weight"),
-                "q": self.weight(p + "attn_q.weight"), "k": self.weight(p + "attn_k.weight"),
-                "v": self.weight(p + "attn_v.weight"), "o": self.weight(p + "attn_output.weight"),
-                "ffn_norm": self.norm(p + "ffn_norm.weight"),
-            }
-            if i in self.layout:
-                b["router"] = self.weight(p + "ffn_gate_inp.weight")
-                b["moe"] = self.moe(i)
-            else:
-                b["gate"], b["up"] = self.weight(p + "ffn_gate.weight"), self.weight(p + "ffn_up.weight")
-                b["down"] = self.weight(p + "ffn_down.weight")
-            self.blocks.append(b)
-
-    def check_shapes(self) -> None:
-        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read."""
-        d = self.meta_desc
-        n_embd, n_head, n_kv, hd, hdv = self.n_embd, self.n_head, self.n_kv, self.head_dim, self.head_dim_v
-        if hd % 2:
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__key_length=hd)} must be even (RoPE rotates "
-                            f"pairs of dimensions)")
+        self.check_rope_pairs(hd)
         if self.n_rot != hd:
             raise GGUFError(f"{self.gguf.path}: metadata {d(rope__dimension_count=self.n_rot)} differs from "
                             f"{d(attention__key_length=hd)}: partial RoPE is not supported for llama files")
@@ -92,31 +60,22 @@ class Mixtral(MoEModel):
         if unsupported:  # llama.cpp's llama graph knows these (Llama 3 RoPE factors, Granite), moestream does not
             raise GGUFError(f"{self.gguf.path}: llama file with {unsupported[0]}: only Mixtral-style llama files "
                             f"(no RoPE frequency factors, biases, shared experts or scales) are supported")
-        emb = d(embedding_length=n_embd)
-        self.check_common_shapes(n_embd, emb)
+        ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
         for i in range(self.n_layers):
             p = f"blk.{i}."
-            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
-            self.expect_shape(p + "attn_q.weight", (n_head * hd, n_embd),
-                              d(attention__head_count=n_head, attention__key_length=hd, embedding_length=n_embd))
-            self.expect_shape(p + "attn_k.weight", (n_kv * hd, n_embd),
-                              d(attention__head_count_kv=n_kv, attention__key_length=hd, embedding_length=n_embd))
-            self.expect_shape(p + "attn_v.weight", (n_kv * hdv, n_embd),
-                              d(attention__head_count_kv=n_kv, attention__value_length=hdv, embedding_length=n_embd))
-            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hdv),
-                              d(attention__head_count=n_head, attention__value_length=hdv, embedding_length=n_embd))
-            self.expect_shape(p + "ffn_norm.weight", (n_embd,), emb)
+            b = {"attn_norm": self.tensor(p + "attn_norm.weight", (n_embd,), emb, kind="norm"),
+                 **self.attention_tensors(p, n_head, n_kv, hd, self.head_dim_v),
+                 "ffn_norm": self.tensor(p + "ffn_norm.weight", (n_embd,), emb, kind="norm")}
             if i in self.layout:
-                self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
-                                  d(expert_count=self.n_experts, embedding_length=n_embd))
+                b.update(router=self.router_tensor(p), moe=self.moe(i))
             else:
-                n_ff = self.gguf.tensor_info(p + "ffn_gate.weight").shape[0]
-                self.expect_shape(p + "ffn_gate.weight", (n_ff, n_embd), emb)
-                self.expect_shape(p + "ffn_up.weight", (n_ff, n_embd), emb + f" and ffn_gate's {n_ff} rows")
-                self.expect_shape(p + "ffn_down.weight", (n_embd, n_ff), emb + f" and ffn_gate's {n_ff} rows")
-        if n_head % n_kv:
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
-                            f"{d(attention__head_count_kv=n_kv)}")
+                b.update(self.ffn_tensors(p))
+            blocks.append(b)
+        self.check_heads_grouped(n_head, n_kv)  # after the shapes: reported with the tensor it contradicts
+        if opts.metadata_only:
+            return
+        self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
+        self.load_declared(ends, blocks)
 
     def has_meta(self, suffix: str) -> bool:
         """Whether the file holds the metadata key ``<arch>.<suffix>``."""

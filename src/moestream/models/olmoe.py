@@ -35,45 +35,15 @@ class Olmoe(MoEModel):
 
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
-        self.n_layers = self.meta_int("block_count", required=True)
-        self.n_embd = self.meta_int("embedding_length", required=True)
-        self.n_head = self.meta_int("attention.head_count", required=True)
-        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
-        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
-        self.head_dim_v = self.meta_int("attention.value_length", self.head_dim)
+        d, n_embd = self.meta_desc, self.n_embd
+        n_head, n_kv, hd = self.read_heads(value_length=True)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-5)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         #: whether the top-k router probabilities are renormalized to sum 1 (transformers' norm_topk_prob)
         self.norm_topk = self.softmax_routing(norm=False, switchable=True)
-        self.check_shapes()
-        if opts.metadata_only:
-            return
-        self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
-        self.load_ends()
-        self.blocks = []
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            self.blocks.append({
-                "attn_norm": self.norm(p + "attn_norm.weight"),
-                "q": self.weight(p + "attn_q.weight"), "k": self.weight(p + "attn_k.weight"),
-                "v": self.weight(p + "attn_v.weight"), "o": self.weight(p + "attn_output.weight"),
-                "q_norm": self.norm(p + "attn_q_norm.weight"), "k_norm": self.norm(p + "attn_k_norm.weight"),
-                "ffn_norm": self.norm(p + "ffn_norm.weight"),
-                "router": self.weight(p + "ffn_gate_inp.weight"),
-                "moe": self.moe(i),
-            })
-
-    def check_shapes(self) -> None:
-        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is
-        read. Every layer must have routed experts (OLMoE has no dense layers)."""
-        d = self.meta_desc
-        n_embd, n_head, n_kv, hd, hdv = self.n_embd, self.n_head, self.n_kv, self.head_dim, self.head_dim_v
-        if hd % 2:
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__key_length=hd)} must be even (RoPE rotates "
-                            f"pairs of dimensions)")
-        emb = d(embedding_length=n_embd)
-        self.check_common_shapes(n_embd, emb)
+        self.check_rope_pairs(hd)
+        ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
         q_desc = d(attention__head_count=n_head, attention__key_length=hd)
         k_desc = d(attention__head_count_kv=n_kv, attention__key_length=hd)
         for i in range(self.n_layers):
@@ -81,21 +51,22 @@ class Olmoe(MoEModel):
             if i not in self.layout:
                 raise GGUFError(f"{self.gguf.path}: tensor {p}ffn_gate_exps.weight is missing (every olmoe layer "
                                 f"has routed experts; {d(block_count=self.n_layers)})")
-            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
-            self.expect_shape(p + "attn_q.weight", (n_head * hd, n_embd), q_desc + ", " + emb)
-            self.expect_shape(p + "attn_k.weight", (n_kv * hd, n_embd), k_desc + ", " + emb)
-            self.expect_shape(p + "attn_v.weight", (n_kv * hdv, n_embd),
-                              d(attention__head_count_kv=n_kv, attention__value_length=hdv, embedding_length=n_embd))
-            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hdv),
-                              d(attention__head_count=n_head, attention__value_length=hdv, embedding_length=n_embd))
-            self.expect_shape(p + "attn_q_norm.weight", (n_head * hd,), q_desc + " (q is normed whole)")
-            self.expect_shape(p + "attn_k_norm.weight", (n_kv * hd,), k_desc + " (k is normed whole)")
-            self.expect_shape(p + "ffn_norm.weight", (n_embd,), emb)
-            self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
-                              d(expert_count=self.n_experts, embedding_length=n_embd))
-        if n_head % n_kv:
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
-                            f"{d(attention__head_count_kv=n_kv)}")
+            blocks.append({
+                "attn_norm": self.tensor(p + "attn_norm.weight", (n_embd,), emb, kind="norm"),
+                **self.attention_tensors(p, n_head, n_kv, hd, self.head_dim_v),
+                "q_norm": self.tensor(p + "attn_q_norm.weight", (n_head * hd,), q_desc + " (q is normed whole)",
+                                      kind="norm"),
+                "k_norm": self.tensor(p + "attn_k_norm.weight", (n_kv * hd,), k_desc + " (k is normed whole)",
+                                      kind="norm"),
+                "ffn_norm": self.tensor(p + "ffn_norm.weight", (n_embd,), emb, kind="norm"),
+                "router": self.router_tensor(p),
+                "moe": self.moe(i),
+            })
+        self.check_heads_grouped(n_head, n_kv)  # after the shapes: reported with the tensor it contradicts
+        if opts.metadata_only:
+            return
+        self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
+        self.load_declared(ends, blocks)
 
     def make_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, self.device)

@@ -44,40 +44,46 @@ class Qwen2MoE(MoEModel):
 
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
-        self.n_layers = self.meta_int("block_count", required=True)
-        self.n_embd = self.meta_int("embedding_length", required=True)
-        self.n_head = self.meta_int("attention.head_count", required=True)
-        self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
-        self.head_dim = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
+        d, g, n_embd = self.meta_desc, self.gguf.arch_get, self.n_embd
+        n_head, n_kv, hd = self.read_heads()
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         #: top-k weights renormalized (transformers' norm_topk_prob; published false, llama.cpp never)
         self.norm_topk = self.softmax_routing(norm=False, switchable=True)
         self.n_ff_exp = self.expert_widths()
-        self.check_shapes()
+        self.check_rope_pairs(hd)
+        ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
+        ff_key = self._key("expert_feed_forward_length")
+        if g("expert_feed_forward_length") is not None and g("expert_feed_forward_length") != 0:
+            why = f"{ff_key}={g('expert_feed_forward_length')}"
+        else:
+            why = (f"{ff_key} absent: {self._key('feed_forward_length')}={g('feed_forward_length')} / "
+                   f"{self._key('expert_used_count')}={self.top_k}, as llama.cpp derives it")
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            self.require_moe(i)
+            b = {"attn_norm": self.tensor(p + "attn_norm.weight", (n_embd,), emb, kind="norm"),
+                 **self.attention_tensors(p, n_head, n_kv, hd)}
+            b["bq"], b["bk"], b["bv"] = self.qkv_biases(p, n_head, n_kv, hd).values()
+            b.update(ffn_norm=self.tensor(p + "ffn_norm.weight", (n_embd,), emb, kind="norm"),
+                     router=self.router_tensor(p), moe=self.moe(i))
+            self.check_expert_widths(i, self.n_ff_exp[i], why)
+            b["sh_gate_inp"] = self.shared_gate_tensor(p)
+            if g("expert_shared_feed_forward_length") is not None:
+                n_sh = self.meta_int("expert_shared_feed_forward_length")
+                b.update(self.ffn_tensors(p, "_shexp", n_sh, emb + ", " + d(expert_shared_feed_forward_length=n_sh),
+                                          names=("sh_gate", "sh_up", "sh_down")))
+            else:
+                b.update(self.ffn_tensors(p, "_shexp", names=("sh_gate", "sh_up", "sh_down")))
+            blocks.append(b)
+        self.check_heads_grouped(n_head, n_kv)  # after the shapes: reported with the tensor it contradicts
         #: the shared expert's width (rows of ffn_gate_shexp, equal to the key where the file has it)
         self.n_ff_shexp = self.gguf.tensor_info("blk.0.ffn_gate_shexp.weight").shape[0]
         if opts.metadata_only:
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
-        self.load_ends()
-        self.blocks = []
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            self.blocks.append({
-                "attn_norm": self.norm(p + "attn_norm.weight"),
-                "q": self.weight(p + "attn_q.weight"), "k": self.weight(p + "attn_k.weight"),
-                "v": self.weight(p + "attn_v.weight"), "o": self.weight(p + "attn_output.weight"),
-                "bq": self.norm(p + "attn_q.bias"), "bk": self.norm(p + "attn_k.bias"),
-                "bv": self.norm(p + "attn_v.bias"),
-                "ffn_norm": self.norm(p + "ffn_norm.weight"),
-                "router": self.weight(p + "ffn_gate_inp.weight"),
-                "moe": self.moe(i),
-                "sh_gate_inp": self.weight(p + "ffn_gate_inp_shexp.weight"),
-                "sh_gate": self.weight(p + "ffn_gate_shexp.weight"), "sh_up": self.weight(p + "ffn_up_shexp.weight"),
-                "sh_down": self.weight(p + "ffn_down_shexp.weight"),
-            })
+        self.load_declared(ends, blocks)
 
     def expert_widths(self) -> list[int]:
         """The routed experts' width per layer: ``expert_feed_forward_length`` (one value or one per layer), or,
@@ -93,62 +99,6 @@ class Qwen2MoE(MoEModel):
                             f"(and {self._key('feed_forward_length')}, from which llama.cpp derives it, too)")
         n_ff = self.meta_ints("feed_forward_length", self.n_layers)
         return [f // self.top_k for f in n_ff]
-
-    def check_shapes(self) -> None:
-        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read."""
-        d = self.meta_desc
-        n_embd, n_head, n_kv, hd = self.n_embd, self.n_head, self.n_kv, self.head_dim
-        if hd % 2:
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__key_length=hd)} must be even (RoPE rotates "
-                            f"pairs of dimensions)")
-        emb = d(embedding_length=n_embd)
-        self.check_common_shapes(n_embd, emb)
-        g = self.gguf.arch_get
-        ff_key = self._key("expert_feed_forward_length")
-        if g("expert_feed_forward_length") is not None and g("expert_feed_forward_length") != 0:
-            why = f"{ff_key}={g('expert_feed_forward_length')}"
-        else:
-            why = (f"{ff_key} absent: {self._key('feed_forward_length')}={g('feed_forward_length')} / "
-                   f"{self._key('expert_used_count')}={self.top_k}, as llama.cpp derives it")
-        sh_key = g("expert_shared_feed_forward_length")
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            if i not in self.layout:
-                raise GGUFError(f"{self.gguf.path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps); every "
-                                f"qwen2moe layer is an MoE layer")
-            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
-            q_desc = d(attention__head_count=n_head, attention__key_length=hd, embedding_length=n_embd)
-            kv_desc = d(attention__head_count_kv=n_kv, attention__key_length=hd, embedding_length=n_embd)
-            self.expect_shape(p + "attn_q.weight", (n_head * hd, n_embd), q_desc)
-            self.expect_shape(p + "attn_k.weight", (n_kv * hd, n_embd), kv_desc)
-            self.expect_shape(p + "attn_v.weight", (n_kv * hd, n_embd), kv_desc)
-            self.expect_shape(p + "attn_q.bias", (n_head * hd,), q_desc)
-            self.expect_shape(p + "attn_k.bias", (n_kv * hd,), kv_desc)
-            self.expect_shape(p + "attn_v.bias", (n_kv * hd,), kv_desc)
-            self.expect_shape(p + "attn_output.weight", (n_embd, n_head * hd), q_desc)
-            self.expect_shape(p + "ffn_norm.weight", (n_embd,), emb)
-            self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
-                              d(expert_count=self.n_experts, embedding_length=n_embd))
-            for name, m in self.layout[i].items():
-                rows = m.cols if name == "down" else (m.rows // 2 if name == "gate_up" else m.rows)
-                if rows != self.n_ff_exp[i]:
-                    raise GGUFError(f"{self.gguf.path}: tensor blk.{i}.ffn_{name}_exps.weight has experts of width "
-                                    f"{rows} but the metadata ({why}) implies {self.n_ff_exp[i]}")
-            # [1, n_embd] as the converter writes it; llama-quantize writes it 1-D (ggml_n_dims drops the 1)
-            if tuple(self.gguf.tensor_info(p + "ffn_gate_inp_shexp.weight").shape) != (n_embd,):
-                self.expect_shape(p + "ffn_gate_inp_shexp.weight", (1, n_embd), emb)
-            if sh_key is not None:
-                n_sh = self.meta_int("expert_shared_feed_forward_length")
-                sh = emb + ", " + d(expert_shared_feed_forward_length=n_sh)
-            else:
-                n_sh = self.gguf.tensor_info(p + "ffn_gate_shexp.weight").shape[0]
-                sh = emb + f" and ffn_gate_shexp's {n_sh} rows"
-            self.expect_shape(p + "ffn_gate_shexp.weight", (n_sh, n_embd), sh)
-            self.expect_shape(p + "ffn_up_shexp.weight", (n_sh, n_embd), sh)
-            self.expect_shape(p + "ffn_down_shexp.weight", (n_embd, n_sh), sh)
-        if n_head % n_kv:  # after the shapes: a wrong head count is best reported with the tensor it contradicts
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
-                            f"{d(attention__head_count_kv=n_kv)}")
 
     def make_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim, self.device)

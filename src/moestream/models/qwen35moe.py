@@ -141,7 +141,6 @@ class Qwen35MoE(MoEModel):
         path = gguf.path
         # MTP (next-token prediction) blocks, if the file has them, come after the trunk and are not run: the
         # base class's n_layers is the trunk
-        self.n_embd = self.meta_int("embedding_length", required=True)
         self.n_head = self.meta_int("attention.head_count", required=True)
         self.n_kv = self.meta_int("attention.head_count_kv", self.n_head)
         self.head_dim = self.meta_int("attention.key_length", required=True)
@@ -175,86 +174,46 @@ class Qwen35MoE(MoEModel):
                             f"layers, got {recr!r}")
         self.recr_layers = [i for i in range(self.n_layers) if recr[i]]
         self.attn_layers = [i for i in range(self.n_layers) if not recr[i]]
-        self.check_shapes()
-        if opts.metadata_only:
-            return
-
-        self.rope = Rope(rope_inv_freq(self.rope_base, self.n_rot, self.device))
-        self.load_ends()
-        self.blocks = []
-        for i in range(self.n_layers):
-            p = f"blk.{i}."
-            if i not in self.layout:
-                raise GGUFError(f"{gguf.path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps); every "
-                                f"qwen35moe layer is an MoE layer")
-            b = {"attn_norm": self.norm(p + "attn_norm.weight"),
-                 "ffn_norm": self.norm(p + "post_attention_norm.weight"),
-                 "router": self.weight(p + "ffn_gate_inp.weight"),
-                 "moe": self.moe(i),
-                 "sh_gate_inp": self.weight(p + "ffn_gate_inp_shexp.weight"),
-                 "sh_gate": self.weight(p + "ffn_gate_shexp.weight"), "sh_up": self.weight(p + "ffn_up_shexp.weight"),
-                 "sh_down": self.weight(p + "ffn_down_shexp.weight")}
-            if recr[i]:
-                b.update(qkv=self.weight(p + "attn_qkv.weight"), z=self.weight(p + "attn_gate.weight"),
-                         beta=self.weight(p + "ssm_beta.weight"), alpha=self.weight(p + "ssm_alpha.weight"),
-                         dt=self.norm(p + "ssm_dt.bias"), a=self.norm(p + "ssm_a"),
-                         conv=self.weight(p + "ssm_conv1d.weight").float().reshape(self.conv_dim, self.conv_kernel),
-                         ssm_norm=self.norm(p + "ssm_norm.weight"), out=self.weight(p + "ssm_out.weight"))
-            else:
-                b.update(q=self.weight(p + "attn_q.weight"), k=self.weight(p + "attn_k.weight"),
-                         v=self.weight(p + "attn_v.weight"), o=self.weight(p + "attn_output.weight"),
-                         q_norm=self.norm(p + "attn_q_norm.weight"), k_norm=self.norm(p + "attn_k_norm.weight"))
-            self.blocks.append(b)
-
-    def check_shapes(self) -> None:
-        """Metadata against the tensor shapes (GGUFError naming the tensor and the keys), before any weight is read."""
-        d, n_embd = self.meta_desc, self.n_embd
-        emb = d(embedding_length=n_embd)
-        self.check_common_shapes(n_embd, emb)
-        hd, nh, nkv, nv, dv = self.head_dim, self.n_head, self.n_kv, self.n_v_heads, self.d_v
+        d, n_embd, hd, nh, nkv, nv, dv = (self.meta_desc, self.n_embd, self.head_dim, self.n_head, self.n_kv,
+                                          self.n_v_heads, self.d_v)
+        ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
         ssm = d(ssm__state_size=self.d_k, ssm__group_count=self.n_k_heads, ssm__time_step_rank=nv,
                 ssm__inner_size=nv * dv)
+        heads = d(attention__head_count=nh, attention__key_length=hd, embedding_length=n_embd)
+        kv = d(attention__head_count_kv=nkv, attention__key_length=hd, embedding_length=n_embd)
         for i in range(self.n_layers):
             p = f"blk.{i}."
-            if i not in self.layout:
-                raise GGUFError(f"{self.gguf.path}: layer {i} has no routed experts (blk.{i}.ffn_*_exps); every "
-                                f"qwen35moe layer is an MoE layer")
-            self.expect_shape(p + "attn_norm.weight", (n_embd,), emb)
-            self.expect_shape(p + "post_attention_norm.weight", (n_embd,), emb)
-            self.expect_shape(p + "ffn_gate_inp.weight", (self.n_experts, n_embd),
-                              d(expert_count=self.n_experts, embedding_length=n_embd))
-            # [1, n_embd] as the converter writes it; llama-quantize writes it 1-D (ggml_n_dims drops the 1)
-            if tuple(self.gguf.tensor_info(p + "ffn_gate_inp_shexp.weight").shape) != (n_embd,):
-                self.expect_shape(p + "ffn_gate_inp_shexp.weight", (1, n_embd), emb)
-            n_ff = self.gguf.tensor_info(p + "ffn_gate_shexp.weight").shape[0]
-            self.expect_shape(p + "ffn_gate_shexp.weight", (n_ff, n_embd), emb)
-            self.expect_shape(p + "ffn_up_shexp.weight", (n_ff, n_embd), emb + f" and ffn_gate_shexp's {n_ff} rows")
-            self.expect_shape(p + "ffn_down_shexp.weight", (n_embd, n_ff), emb + f" and ffn_gate_shexp's {n_ff} rows")
-            if i in self.recr_layers:
-                self.expect_shape(p + "attn_qkv.weight", (self.conv_dim, n_embd), ssm + ", " + emb)
-                self.expect_shape(p + "ssm_conv1d.weight", (self.conv_dim, self.conv_kernel),
-                                  ssm + ", " + d(ssm__conv_kernel=self.conv_kernel))
-                self.expect_shape(p + "attn_gate.weight", (nv * dv, n_embd), ssm + ", " + emb)
-                self.expect_shape(p + "ssm_beta.weight", (nv, n_embd), d(ssm__time_step_rank=nv) + ", " + emb)
-                self.expect_shape(p + "ssm_alpha.weight", (nv, n_embd), d(ssm__time_step_rank=nv) + ", " + emb)
-                self.expect_shape(p + "ssm_dt.bias", (nv,), d(ssm__time_step_rank=nv))
-                self.expect_shape(p + "ssm_a", (nv,), d(ssm__time_step_rank=nv))
-                self.expect_shape(p + "ssm_norm.weight", (dv,), ssm)
-                self.expect_shape(p + "ssm_out.weight", (n_embd, nv * dv), ssm + ", " + emb)
+            self.require_moe(i)
+            b = {"attn_norm": self.tensor(p + "attn_norm.weight", (n_embd,), emb, kind="norm"),
+                 "ffn_norm": self.tensor(p + "post_attention_norm.weight", (n_embd,), emb, kind="norm"),
+                 "router": self.router_tensor(p), "moe": self.moe(i), "sh_gate_inp": self.shared_gate_tensor(p),
+                 **self.ffn_tensors(p, "_shexp", names=("sh_gate", "sh_up", "sh_down"))}
+            if recr[i]:
+                rank = d(ssm__time_step_rank=nv) + ", " + emb
+                b.update(qkv=self.tensor(p + "attn_qkv.weight", (self.conv_dim, n_embd), ssm + ", " + emb),
+                         conv=self.tensor(p + "ssm_conv1d.weight", (self.conv_dim, self.conv_kernel),
+                                          ssm + ", " + d(ssm__conv_kernel=self.conv_kernel), kind="float"),
+                         z=self.tensor(p + "attn_gate.weight", (nv * dv, n_embd), ssm + ", " + emb),
+                         beta=self.tensor(p + "ssm_beta.weight", (nv, n_embd), rank),
+                         alpha=self.tensor(p + "ssm_alpha.weight", (nv, n_embd), rank),
+                         dt=self.tensor(p + "ssm_dt.bias", (nv,), d(ssm__time_step_rank=nv), kind="norm"),
+                         a=self.tensor(p + "ssm_a", (nv,), d(ssm__time_step_rank=nv), kind="norm"),
+                         ssm_norm=self.tensor(p + "ssm_norm.weight", (dv,), ssm, kind="norm"),
+                         out=self.tensor(p + "ssm_out.weight", (n_embd, nv * dv), ssm + ", " + emb))
             else:
-                self.expect_shape(p + "attn_q.weight", (nh * 2 * hd, n_embd),
-                                  d(attention__head_count=nh, attention__key_length=hd, embedding_length=n_embd)
-                                  + " (query and gate per head)")
-                kv = d(attention__head_count_kv=nkv, attention__key_length=hd, embedding_length=n_embd)
-                self.expect_shape(p + "attn_k.weight", (nkv * hd, n_embd), kv)
-                self.expect_shape(p + "attn_v.weight", (nkv * hd, n_embd), kv)
-                self.expect_shape(p + "attn_output.weight", (n_embd, nh * hd),
-                                  d(attention__head_count=nh, attention__key_length=hd, embedding_length=n_embd))
-                self.expect_shape(p + "attn_q_norm.weight", (hd,), d(attention__key_length=hd))
-                self.expect_shape(p + "attn_k_norm.weight", (hd,), d(attention__key_length=hd))
-        if nh % nkv:  # after the shapes: a wrong head count is best reported with the tensor it contradicts
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=nh)} is not a multiple of "
-                            f"{d(attention__head_count_kv=nkv)}")
+                b.update(q=self.tensor(p + "attn_q.weight", (nh * 2 * hd, n_embd),
+                                       heads + " (query and gate per head)"),
+                         k=self.tensor(p + "attn_k.weight", (nkv * hd, n_embd), kv),
+                         v=self.tensor(p + "attn_v.weight", (nkv * hd, n_embd), kv),
+                         o=self.tensor(p + "attn_output.weight", (n_embd, nh * hd), heads),
+                         q_norm=self.tensor(p + "attn_q_norm.weight", (hd,), d(attention__key_length=hd), kind="norm"),
+                         k_norm=self.tensor(p + "attn_k_norm.weight", (hd,), d(attention__key_length=hd), kind="norm"))
+            blocks.append(b)
+        self.check_heads_grouped(nh, nkv)  # after the shapes: reported with the tensor it contradicts
+        if opts.metadata_only:
+            return
+        self.rope = Rope(rope_inv_freq(self.rope_base, self.n_rot, self.device))
+        self.load_declared(ends, blocks)
 
     def make_cache(self, n_ctx: int) -> HybridCache:
         return HybridCache(self, n_ctx)

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
 from .layers import KVCache, Rope, rms_norm, rope_inv_freq, softmax_topk
 
@@ -26,18 +25,13 @@ class Qwen3MoE(MoEModel):
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         d, n_embd = self.meta_desc, self.n_embd
-        self.n_head = n_head = self.meta_int("attention.head_count", required=True)
-        self.n_kv = n_kv = self.meta_int("attention.head_count_kv", self.n_head)
-        self.head_dim = hd = self.meta_int("attention.key_length", max(self.n_embd // self.n_head, 1))
-        self.head_dim_v = self.meta_int("attention.value_length", self.head_dim)
+        n_head, n_kv, hd = self.read_heads(value_length=True)
         self.eps = self.meta_float("attention.layer_norm_rms_epsilon", 1e-6)
         self.rope_base = self.meta_float("rope.freq_base", 10000.0)
         self.rope_scaling()  # refuses RoPE scaling (YaRN, linear, ...): not computed for this family
         #: top-k weights renormalized (transformers' norm_topk_prob; published true, llama.cpp always)
         self.norm_topk = self.softmax_routing(norm=True, switchable=True)
-        if hd % 2:
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__key_length=hd)} must be even (RoPE rotates "
-                            f"pairs of dimensions)")
+        self.check_rope_pairs(hd)
         ends, blocks, emb = self.declare_ends(), [], d(embedding_length=n_embd)
         for i in range(self.n_layers):
             p = f"blk.{i}."
@@ -51,9 +45,7 @@ class Qwen3MoE(MoEModel):
             else:
                 b.update(self.ffn_tensors(p))
             blocks.append(b)
-        if n_head % n_kv:  # after the shapes: a wrong head count is best reported with the tensor it contradicts
-            raise GGUFError(f"{self.gguf.path}: metadata {d(attention__head_count=n_head)} is not a multiple of "
-                            f"{d(attention__head_count_kv=n_kv)}")
+        self.check_heads_grouped(n_head, n_kv)  # after the shapes: reported with the tensor it contradicts
         if opts.metadata_only:
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
