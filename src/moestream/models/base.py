@@ -630,15 +630,6 @@ class MoEModel:
         """Tensors loaded with :meth:`lookup_table` (subclasses list their row-lookup tables)."""
         return ["token_embd.weight"] if self.has("output.weight") else []
 
-    def load_ends(self) -> None:
-        """The two ends every family shares: ``embd`` (``token_embd``, a row-lookup table), ``n_vocab``,
-        ``out_norm`` (``output_norm``) and ``output`` (``output``, or the embedding when the file ties them)."""
-        self.embd = self.lookup_table("token_embd.weight")
-        self.n_vocab = self.embd.shape[0]
-        self.out_norm = self.norm("output_norm.weight")
-        self.output = self.weight("output.weight") if self.has("output.weight") else self.embd
-
-
     @staticmethod
     def check_room(cache: Any, start: int, n_tok: int) -> int:
         """The end position ``start + n_tok``; ValueError when the cache's ``n_ctx`` cannot hold it."""
