@@ -52,6 +52,20 @@ def test_inspect_default():
         assert field in out, out
 
 
+def test_inspect_plan_of_a_file_without_tokenizer(tmp_path):
+    """A file without a tokenizer (tools/shrink_vocab.py writes such files for the GPU machine) still gets its
+    memory plan: the default context is priced, as no prompt can be tokenized for it."""
+    import ggufedit
+    from conftest import DEFAULT_GGUF
+    from helpers import cli
+
+    keys = [k for k in ggufedit.read(DEFAULT_GGUF).fields if k.startswith("tokenizer.")]
+    bare = ggufedit.rewrite(DEFAULT_GGUF, tmp_path / "bare.gguf", drop_kv=tuple(keys))[0]
+    for flags in (("--mem", "2GiB"), ("--gpu-mem", "1GiB")):
+        p = cli("inspect", "-m", str(bare), *flags)
+        assert p.returncode == 0 and "memory plan" in p.stdout, p.stdout + p.stderr
+
+
 def test_bench_writes_table_and_json(tmp_path):
     out = tmp_path / "b.json"
     p = moestream("bench", "-p", "8", "-n", "4", "-r", "2", "--slots", "4,8", "--json", str(out))

@@ -74,9 +74,10 @@ def inspect_model(path: str, opts: LoadOptions | None = None,
         from .tokenizer import GGUFTokenizer
         with contextlib.suppress(kernels.KernelBuildError):
             kernels.load()
-        tok = GGUFTokenizer.from_fields(g.fields, g.path)
+        # a file without a tokenizer (run cannot tokenize a prompt for it): the default context is priced
+        tok = GGUFTokenizer.from_fields(g.fields, g.path) if "tokenizer.ggml.tokens" in g.fields else None
         if callable(context):
-            n_ctx = context(shape, tok)
+            n_ctx = context(shape, tok) if tok is not None else None
         if opts.mem is not None:
             plan = shape.plan_memory(opts, n_ctx, loaded=False, gpu=False)
         del tok
