@@ -647,10 +647,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .report import inspect_model
 
     opts = load_options(args)
-    if opts.cuda and opts.gpu_mem is None:  # the plan of the GPU's free memory
+    if opts.cuda and opts.gpu_mem is None and opts.slots is None:  # the plan of the GPU's free memory, as run's
         from .budget import gpu_budget
         gpu_mem, gpu_source = gpu_budget(None, None, opts.device)
-        opts = replace(opts, gpu_mem=gpu_mem, gpu_mem_source=gpu_source, slots=None)
+        opts = replace(opts, gpu_mem=gpu_mem, gpu_mem_source=gpu_source)
     priced = opts.mem is not None or opts.gpu_mem is not None
     for flag, value in (("-c", args.ctx_size), ("-n", args.n_predict), ("-p", args.prompt), ("-f", args.file)):
         if value is not None and not priced:
