@@ -341,6 +341,7 @@ class Fuzzer:
         self.problems: list[str] = []
         self.counts = {"cases": 0, "ran": 0, "refused": 0}
         self.slowest = (0.0, "")
+        self.unmutated_seconds = 0.0
         self.most_growth = 0
 
     def baseline(self, command: str) -> int:
@@ -350,6 +351,7 @@ class Fuzzer:
                 o = run_case(args, self.seconds)
                 assert o.problem is None and o.rc == 0, (args, o)
                 self._baseline[args[0]] = o.growth_bytes
+                self.unmutated_seconds = max(self.unmutated_seconds, o.seconds)
         return self._baseline[command]
 
     def check(self, case: str, what: str, path: Path) -> None:
@@ -370,7 +372,8 @@ class Fuzzer:
     def report(self) -> None:
         print(f"{self.name}: {self.counts}; slowest {self.slowest[0]:.2f} s ({self.slowest[1]}); peak RSS growth at "
               f"most {self.most_growth / 2**20:.1f} MiB (file {self.size / 2**20:.1f} MiB"
-              + (f", unmutated {self._baseline}" if self._baseline is not None else "") + ")")
+              + (f", unmutated {self._baseline}, {self.unmutated_seconds:.1f} s" if self._baseline is not None else "")
+              + f"); limit {self.seconds:.0f} s")
         assert not self.problems, f"{len(self.problems)} problem(s):\n" + "\n".join(self.problems[:30])
 
 
@@ -450,12 +453,16 @@ def test_bases_run(small: Path, split: list[Path]) -> None:
 
 
 def _fuzz(name: str, paths: list[Path], cases: Callable[[list[Layout], list[bytes]], Iterator[tuple]],
-          tmp: Path, seconds: float = CASE_SECONDS) -> Fuzzer:
+          tmp: Path, seconds: float | None = CASE_SECONDS) -> Fuzzer:
     """Run ``cases(layouts, datas)`` -- (case, what, part index, mutated bytes) -- on copies of the file ``paths``
-    (a split model: the mutated part replaced, the others as they are), each command within ``seconds``."""
+    (a split model: the mutated part replaced, the others as they are), each command within ``seconds`` (None: 4 x
+    the unmutated file's slower command, at least 4 x CASE_SECONDS, measured first)."""
     datas = [p.read_bytes() for p in paths]
     layouts = [parse_layout(d) for d in datas]
-    fz = Fuzzer(name, paths, seconds)
+    fz = Fuzzer(name, paths, seconds or 10 * CASE_SECONDS)
+    if seconds is None:
+        fz.baseline("run")
+        fz.seconds = max(4 * CASE_SECONDS, 4 * fz.unmutated_seconds)
     work = tmp / name
     work.mkdir()
     for n, (case, what, part, mutated) in enumerate(cases(layouts, datas)):
@@ -507,8 +514,9 @@ def test_split_parts(split: list[Path], tmp_path: Path, warm: None) -> None:
 
 
 def test_embedded_model(tmp_path: Path, warm: None) -> None:
-    """Three cases on the embedded model itself (its 152k-token header takes seconds to parse, so a minute is its
-    limit): a cut inside the vocabulary, an unknown tensor type, an array one item longer."""
+    """Three cases on the embedded model itself (its 152k-token header takes seconds to parse: the limit is 4 x its
+    unmutated run's time, at least a minute): a cut inside the vocabulary, an unknown tensor type, an array one item
+    longer."""
     path = Path(default_model_path())
 
     def cases(layouts: list[Layout], datas: list[bytes]) -> Iterator[tuple]:
@@ -522,4 +530,4 @@ def test_embedded_model(tmp_path: Path, warm: None) -> None:
             buf = bytearray(data)
             what = _put(buf, f, value(f.value))
             yield case, what, 0, bytes(buf)
-    _fuzz("default", [path], cases, tmp_path, seconds=4 * CASE_SECONDS).report()
+    _fuzz("default", [path], cases, tmp_path, seconds=None).report()

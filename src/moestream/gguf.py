@@ -98,10 +98,11 @@ class _CheckedReader(GGUFReader):
 
     def _build_tensors(self, start_offs, fields):  # noqa: ANN001 - mirrors the base class
         # name the tensor whose type id the gguf package does not know (it raises a bare ValueError), or whose data
-        # offset is past the end of the file (the base class adds it to the data start in uint64, which wraps)
+        # offset is far past the end of the file, as a corrupt length is (the base class adds it to the data start
+        # in uint64, which wraps); one a little past the end is a truncated file, which _get reports
         for field in fields:
             _len, name_data, _n_dims, _dims, raw_dtype, offset = field.parts
-            if int(start_offs) + int(offset[0]) > len(self.data):
+            if int(start_offs) + int(offset[0]) > 2 * len(self.data) + (1 << 20):
                 raise _OffsetPastEnd(bytes(name_data).decode("utf-8", errors="replace"), int(offset[0]))
             type_id = int(raw_dtype[0])
             try:
@@ -208,8 +209,8 @@ def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
         raise GGUFError(f"{path}: tensor {e.tensor} has ggml type {e.type_id}, which is not a known ggml type "
                         "(a newer llama.cpp, or a corrupt tensor table)") from None
     except _OffsetPastEnd as e:
-        raise GGUFError(f"{path}: tensor {e.tensor} has data offset {e.offset}, past the end of the file ({size} "
-                        "bytes): a corrupt tensor table") from None
+        raise GGUFError(f"{path}: tensor {e.tensor} has data offset {e.offset}, far past the end of the file ("
+                        f"{size} bytes): a corrupt tensor table") from None
     except _Truncated as e:
         if e.need > 2 * size + (1 << 20):  # a length field far past the end: garbage, not a cut file
             raise GGUFError(f"{path}: corrupt GGUF header (a length field points {e.need} bytes in, "
