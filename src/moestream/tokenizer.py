@@ -275,7 +275,8 @@ class GGUFTokenizer:
             and ``eom_token_id`` when present, plus every token the file marks CONTROL whose text
             is one llama.cpp treats as end of turn (``<|im_end|>``, ``<|endoftext|>``,
             ``<end_of_turn>``, ``<|eot_id|>``, ``<｜end▁of▁sentence｜>``, ... see ``END_OF_TURN_NAMES``).
-        chat_template: ``tokenizer.chat_template`` or None.
+        chat_template: ``tokenizer.chat_template`` or None (the command line's --chat-template replaces it).
+        template_origin: where ``chat_template`` came from, for messages (``path`` unless replaced).
         token_types: ``tokenizer.ggml.token_type`` per id (list of int, :class:`TokenType` values).
         backend: the ``tokenizers.Tokenizer`` doing the work.
     """
@@ -308,6 +309,8 @@ class GGUFTokenizer:
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.chat_template = chat_template
+        #: where chat_template came from, for messages: the file, or the option that replaced it
+        self.template_origin = path
         self.token_types = token_types
         self._template_tokens = template_tokens
         self._tokens = tokens
@@ -621,11 +624,13 @@ class GGUFTokenizer:
                 an error (``raise_exception(...)``, e.g. roles not alternating).
         """
         if self.chat_template is None:
-            raise TokenizerError(f"{self.path}: the GGUF has no tokenizer.chat_template")
+            raise TokenizerError(f"{self.path}: the GGUF has no tokenizer.chat_template (--chat-template NAME or "
+                                 f"--chat-template-file FILE gives one)")
         try:
             template = _compile_template(self.chat_template)
         except Exception as e:  # noqa: BLE001 - jinja2 syntax / security errors
-            raise TokenizerError(f"{self.path}: the chat template does not compile ({_one_line(e)})") from None
+            raise TokenizerError(f"{self.template_origin}: the chat template does not compile ({_one_line(e)})"
+                                 ) from None
         chat = [_alias_reasoning(_plain({k: v for k, v in dict(m).items() if v is not None})) for m in messages]
         variables = {**self._template_tokens, **_plain(template_vars)}
         try:
@@ -637,7 +642,7 @@ class GGUFTokenizer:
                 **variables,
             )
         except Exception as e:  # noqa: BLE001 - TemplateError from raise_exception, UndefinedError...
-            raise TokenizerError(f"{self.path}: chat template: {_one_line(e)}") from None
+            raise TokenizerError(f"{self.template_origin}: chat template: {_one_line(e)}") from None
 
 
 class StreamDecoder:
