@@ -12,7 +12,6 @@ import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator
-from importlib import resources
 
 from .chat_templates import CHAT_TEMPLATES
 from .llamaflags import REFUSED, SERVE_REFUSED, FlagRefused, Parser, add_refused, gpu_layers_device
@@ -55,7 +54,7 @@ def version() -> str:
 
 def default_model_path() -> str:
     """The small Qwen3-MoE GGUF embedded in the package (src/moestream/data/default.gguf)."""
-    return str(resources.files("moestream") / "data" / "default.gguf")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "default.gguf")
 
 
 def model_path(args: argparse.Namespace) -> str:
@@ -277,7 +276,7 @@ def _tokenizer(model, template: tuple[str, str] | None = None):  # noqa: ANN001,
     """The file's tokenizer; ``template``: (Jinja source, where it came from) of --chat-template(-file), which
     replaces the file's chat template (see :func:`chat_template_option`)."""
     from .tokenizer import GGUFTokenizer
-    tok = GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path)
+    tok = GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path, model.gguf.metadata_digest)
     if template is not None:
         tok.chat_template, tok.template_origin = template
     return tok

@@ -14,20 +14,24 @@ the model with :class:`ModelFileChanged` naming the file.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import re
 import stat
 import struct
 import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from .errors import GGUFError, ModelFileChanged
+
+if TYPE_CHECKING:
+    import torch
 
 _SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _GGUF_MAGIC = b"GGUF"
@@ -247,12 +251,15 @@ def open_reader(path: str | os.PathLike[str], fd: int | None = None) -> GGUFRead
 class Header:
     """What GGUFModel takes from one part's header. fields: key -> value as ``gguf``'s ``ReaderField.contents()``
     gives it (GGUF.* keys left out; a field whose strings are not UTF-8 is None); tensors: (name, ggml type id,
-    ggml ne dims, byte offset from ``data_offset``, n_bytes) in table order; data_offset: absolute."""
+    ggml ne dims, byte offset from ``data_offset``, n_bytes) in table order; data_offset: absolute.
+    metadata_digest: hex BLAKE2b-128 of the header's bytes up to the end of the metadata (the key of what is derived
+    from the metadata, e.g. the converted tokenizer); None where GGUFReader read the header."""
 
     fields: dict[str, Any]
     tensors: list[tuple[str, int, tuple[int, ...], int, int]]
     alignment: int
     data_offset: int
+    metadata_digest: str | None = None
 
     @classmethod
     def of_reader(cls, reader: GGUFReader) -> Header:
@@ -270,29 +277,87 @@ _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
 
+#: string arrays of at least this many entries are decoded on first use (StringArray)
+LAZY_STRINGS = 1024
+
+
+class StringArray(Sequence):
+    """A GGUF array of ``count`` strings kept as its raw bytes (each a uint64 length and UTF-8 bytes) and decoded on
+    first use: a tokenizer whose conversion is cached never needs the 151k merges. Equal to a list of the same
+    strings. GGUFError (naming ``path`` and ``key``) if an entry turns out not to be UTF-8."""
+
+    __slots__ = ("_count", "_items", "_key", "_path", "_raw")
+
+    def __init__(self, raw: bytes, count: int, path: str = "", key: str = ""):
+        self._raw, self._count, self._path, self._key = raw, count, path, key
+        self._items: list[str] | None = None
+
+    def _decoded(self) -> list[str]:
+        if self._items is None:
+            raw, u64, off = self._raw, _U64.unpack_from, 0
+            out: list[str] = []
+            push = out.append
+            try:
+                for _ in range(self._count):
+                    (n,) = u64(raw, off)
+                    push(raw[off + 8:off + 8 + n].decode("utf-8"))
+                    off += 8 + n
+            except UnicodeDecodeError as e:
+                raise GGUFError(f"{self._path}: metadata {self._key}: entry {len(out)} is not UTF-8 ({e.reason})"
+                                ) from None
+            self._items, self._raw = out, b""
+        return self._items
+
+    def tolist(self) -> list[str]:
+        """The strings, as a new list."""
+        return list(self._decoded())
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - int or slice, as list
+        return self._decoded()[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._decoded())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, StringArray)):
+            return self._decoded() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StringArray({self._count} strings)"
+
+
 class _NotFast(Exception):
     """The header is not one :func:`_fast_header` takes: GGUFReader reads it (and names any error)."""
 
 
-def _fast_header(fd: int, size: int) -> Header | None:
+def _fast_header(fd: int, size: int, fields_only: bool = False, path: str = "") -> Header | None:
     """The header of a little-endian GGUF v2/v3 file read straight from a map of ``fd`` (``size`` bytes), with the
     same values as GGUFReader's (numeric arrays through numpy's ``tolist`` as ``contents()`` does, strings UTF-8);
     None for anything it does not take -- another byte order or version, a value it does not know, a string that is
-    not UTF-8, a duplicate key or tensor, an unknown ggml type, a row that is not whole blocks, an alignment that is
-    not a power of two, tensor data past the end -- so that GGUFReader reads it and says what is wrong."""
+    not UTF-8 (in a long string array: GGUFError when it is first read, see StringArray), a duplicate key or
+    tensor, an unknown ggml type, a row that is not whole blocks, an alignment that is
+    not a power of two, tensor data past the end -- so that GGUFReader reads it and says what is wrong.
+    ``fields_only``: stop after the metadata (no tensors; a header-only file is fine). String arrays of
+    :data:`LAZY_STRINGS` or more entries are :class:`StringArray` (``path`` names the file in its errors)."""
     try:
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError):
         return None
     try:
-        return _parse_header(mm, size)
+        return _parse_header(mm, size, fields_only, path)
     except (_NotFast, struct.error, IndexError, ValueError, KeyError, OverflowError, MemoryError):
         return None
     finally:
         mm.close()
 
 
-def _parse_header(mm: mmap.mmap, size: int) -> Header:
+def _parse_header(mm: mmap.mmap, size: int, fields_only: bool, path: str) -> Header:
     u64, u32 = _U64.unpack_from, _U32.unpack_from
 
     def string(off: int) -> tuple[str, int]:
@@ -302,7 +367,14 @@ def _parse_header(mm: mmap.mmap, size: int) -> Header:
             raise _NotFast
         return mm[off + 8:end].decode("utf-8"), end
 
-    def array(off: int, vtype: int, count: int) -> tuple[list, int]:
+    def array(off: int, vtype: int, count: int, key: str = "") -> tuple[Any, int]:
+        if vtype == 8 and count >= LAZY_STRINGS:
+            start = off
+            for _ in range(count):
+                off += 8 + u64(mm, off)[0]
+            if off > size:
+                raise _NotFast
+            return StringArray(mm[start:off], count, path, key), off
         if vtype == 8:
             out: list = []
             push = out.append
@@ -339,7 +411,7 @@ def _parse_header(mm: mmap.mmap, size: int) -> Header:
             (count,) = u64(mm, off + 4)
             if itype == 9 or (itype != 8 and itype not in _SCALARS):
                 raise _NotFast
-            value, off = array(off + 12, itype, count)
+            value, off = array(off + 12, itype, count, key)
         else:
             value, off = array(off, vtype, 1)
             value = value[0]
@@ -348,6 +420,9 @@ def _parse_header(mm: mmap.mmap, size: int) -> Header:
                 raise _NotFast
             alignment = value
         fields[key] = value
+    digest = hashlib.blake2b(mm[:off], digest_size=16).hexdigest()
+    if fields_only:
+        return Header(fields, [], alignment, 0, digest)
     tensors = []
     names: set[str] = set()
     for _ in range(n_tensors):
@@ -373,7 +448,20 @@ def _parse_header(mm: mmap.mmap, size: int) -> Header:
     data_offset = -(-off // alignment) * alignment
     if any(data_offset + rel + n > size for _, _, _, rel, n in tensors):
         raise _NotFast
-    return Header(fields, tensors, alignment, data_offset)
+    return Header(fields, tensors, alignment, data_offset, digest)
+
+
+def read_metadata(path: str) -> tuple[dict[str, Any], str | None]:
+    """(fields, metadata_digest) of the GGUF file ``path`` (see :class:`Header`), reading the metadata only (a
+    header-only file is fine). GGUFError naming the file where it cannot be read."""
+    fd = open_model_file(path)
+    try:
+        header = _fast_header(fd, os.fstat(fd).st_size, fields_only=True, path=path)
+        if header is None:
+            return Header.of_reader(open_reader(path, fd)).fields, None
+        return header.fields, header.metadata_digest
+    finally:
+        os.close(fd)
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -400,6 +488,7 @@ class GGUFModel:
     Attributes:
         path: the path given by the user. paths: all part paths in order.
         fields: metadata key -> Python value (from part 1). arch: ``general.architecture``.
+        metadata_digest: of part 1's metadata bytes (:class:`Header`), or None.
         tensors: name -> TensorInfo across all parts.
     Raises GGUFError for a missing/non-GGUF/truncated file or a missing split part.
     """
@@ -410,6 +499,7 @@ class GGUFModel:
         self.paths = split_parts(path)
         self.fields: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
+        self.metadata_digest: str | None = None
         self._identity: list[tuple[int, int, int, int]] = []
         self._maps: dict[int, mmap.mmap] = {}
         #: one read-only descriptor per part, opened here; every read of the file goes through it
@@ -435,11 +525,12 @@ class GGUFModel:
         fd = open_model_file(p)
         self._fds.append(fd)
         st = os.fstat(fd)
-        header = _fast_header(fd, st.st_size)
+        header = _fast_header(fd, st.st_size, path=p)
         if header is None:
             header = Header.of_reader(open_reader(p, fd))
         if part == 0:
             self.fields.update(header.fields)
+            self.metadata_digest = header.metadata_digest
         size = st.st_size
         align, expect = header.alignment, 0
         for name, ggml_type, dims, rel, n_bytes in header.tensors:
@@ -503,11 +594,15 @@ class GGUFModel:
 
     def mapped(self, info: TensorInfo) -> torch.Tensor:
         """uint8 tensor [n_bytes] viewing the tensor data in a memory map of the file (no read)."""
+        import torch
+
         self.check_unchanged()
         return torch.frombuffer(self._map(info.part), dtype=torch.uint8, count=info.n_bytes, offset=info.offset)
 
     def read(self, info: TensorInfo) -> torch.Tensor:
         """uint8 tensor [n_bytes] holding a private copy of the tensor data (read with pread)."""
+        import torch
+
         out = torch.empty(info.n_bytes, dtype=torch.uint8)
         buf = memoryview(out.numpy())
         fd = self._fds[info.part]
