@@ -63,7 +63,7 @@ def inspect_model(path: str, slots: int | None = None, mem: int | None = None, m
         from .tokenizer import GGUFTokenizer
         with contextlib.suppress(kernels.KernelBuildError):
             kernels.load()
-        tok = GGUFTokenizer.from_fields(g.fields, g.path)
+        tok = GGUFTokenizer.from_fields(g.fields, g.path, g.metadata_digest)
         plan = shape.plan_memory(LoadOptions(mem=mem, mem_source=mem_source, expand_dense=expand_dense,
                                              host_cache=host_cache), n_ctx, loaded=False)
         del tok
