@@ -302,19 +302,7 @@ def chat_template_option(args: argparse.Namespace) -> tuple[str, str] | None:
         return source, (f"--chat-template {name}" if name in CHAT_TEMPLATES else "--chat-template")
     if path is None:
         return None
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_PROMPT_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"--chat-template-file {path}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"--chat-template-file {path}: is a directory, not a file") from None
-    except OSError as e:
-        raise ConfigError(f"--chat-template-file {path}: cannot read it ({e.strerror or e})") from None
-    try:
-        source = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--chat-template-file {path}: not valid UTF-8 (bad byte at offset {e.start})") from None
+    source = _read_text_file("--chat-template-file", path)
     if not source.strip():
         raise ConfigError(f"--chat-template-file {path}: the file is empty")
     return source, path
@@ -441,35 +429,44 @@ def read_prompt_file(path: str) -> str:
 
     if path == "":
         raise ConfigError("-f: the path is empty (use -f - to read the prompt from stdin)")
+    if path == "-" and sys.stdin is None:
+        raise ConfigError("-f -: standard input is closed")
     name = "stdin" if path == "-" else path
-    try:
-        if path == "-":
-            if sys.stdin is None:
-                raise ConfigError("-f -: standard input is closed")
-            data = sys.stdin.buffer.read(MAX_PROMPT_FILE_BYTES + 1)
-        else:
-            with open(path, "rb") as f:  # a FIFO (-f <(cmd)) is fine; /dev/zero is cut off below
-                data = f.read(MAX_PROMPT_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"-f {path}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"-f {path}: is a directory, not a file") from None
-    except PermissionError:
-        raise ConfigError(f"-f {path}: permission denied") from None
-    except OSError as e:
-        raise ConfigError(f"-f {path}: cannot read it ({e.strerror or e})") from None
-    if len(data) > MAX_PROMPT_FILE_BYTES:
-        raise ConfigError(f"-f {name}: more than {MAX_PROMPT_FILE_BYTES >> 20} MiB, far past any context; not read "
-                          f"further")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"-f {name}: not valid UTF-8 (bad byte at offset {e.start})") from None
+    text = _read_text_file("-f", path)
     if text.endswith("\n"):
         text = text[:-1]
     if text == "":
         raise ConfigError(f"-f {name}: the prompt is empty")
     return text
+
+
+def _read_text_file(option: str, path: str) -> str:
+    """The UTF-8 text of the file ``path`` given to ``option`` (``-`` reads stdin), at most MAX_PROMPT_FILE_BYTES;
+    ConfigError naming the option and the file when it cannot be read, is larger, or is not UTF-8."""
+    from .errors import ConfigError
+
+    name = "stdin" if path == "-" else path
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read(MAX_PROMPT_FILE_BYTES + 1)
+        else:
+            with open(path, "rb") as f:  # a FIFO (-f <(cmd)) is fine; /dev/zero is cut off below
+                data = f.read(MAX_PROMPT_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{option} {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{option} {path}: is a directory, not a file") from None
+    except PermissionError:
+        raise ConfigError(f"{option} {path}: permission denied") from None
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot read it ({e.strerror or e})") from None
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        raise ConfigError(f"{option} {name}: more than {MAX_PROMPT_FILE_BYTES >> 20} MiB, far past any context; not "
+                          f"read further")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{option} {name}: not valid UTF-8 (bad byte at offset {e.start})") from None
 
 
 @contextlib.contextmanager
