@@ -36,7 +36,7 @@ adds about 0.6 s of header reading, and the first call in a process about 2.5 s 
 So the converted tokenizer is cached on disk when the caller gives the metadata's digest (``from_fields(...,
 metadata_digest=...)``; ``from_gguf`` and the command line do): ``~/.cache/moestream/converted-tokenizers/``
 (``$XDG_CACHE_HOME`` respected), one ``tokenizers`` JSON per digest of the file's metadata bytes and of what the
-conversion depends on besides them (this module's source, the transformers and tokenizers versions). A hit skips
+conversion depends on besides them (this module's source, the installed transformers and tokenizers). A hit skips
 transformers entirely (the ``tokenizers`` library reads the JSON back: the same tokenizer); a cache that cannot be
 read or written is passed over.
 """
@@ -301,18 +301,21 @@ def _cache_root() -> str:
 
 @functools.cache
 def _conversion_key() -> str:
-    """What a converted tokenizer depends on besides the file's metadata: this module's source and the versions of
-    transformers (the conversion) and tokenizers (the JSON format)."""
-    from importlib.metadata import PackageNotFoundError, version
+    """What a converted tokenizer depends on besides the file's metadata: this module's source, transformers' (the
+    conversion; its ``__init__.py``'s size and mtime, without importing it) and tokenizers' version (the JSON)."""
+    import importlib.util
+
+    import tokenizers
 
     h = hashlib.blake2b(digest_size=8)
     with open(__file__, "rb") as f:
         h.update(f.read())
-    for pkg in ("transformers", "tokenizers"):
-        try:
-            h.update(f"{pkg}={version(pkg)};".encode())
-        except PackageNotFoundError:
-            h.update(f"{pkg}=?;".encode())
+    h.update(f"tokenizers={tokenizers.__version__};".encode())
+    spec = importlib.util.find_spec("transformers")
+    if spec is not None and spec.origin:
+        with contextlib.suppress(OSError):
+            st = os.stat(spec.origin)
+            h.update(f"transformers={spec.origin}:{st.st_size}:{st.st_mtime_ns};".encode())
     return h.hexdigest()
 
 
