@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,8 @@ from moestream.experts import reader as reader_mod
 from moestream.experts.pool import ResidentStore, StreamingStore
 from moestream.models.base import LoadOptions, MoEModel, load_model
 from moestream.tokenizer import GGUFTokenizer
+
+DEFAULT_GGUF = Path(__file__).resolve().parents[1] / "src" / "moestream" / "data" / "default.gguf"
 
 PROMPT = ("Streaming experts from disk: the router picks the top-k experts of each token, and the slot pool "
           "keeps the hot ones in memory while misses are read by the IO threads.")
@@ -285,34 +288,110 @@ def test_rewritten_in_place_during_a_read(own_copy, qwen3, monkeypatch):
     check_after_fault(model, model.store, err, ids, ref)
 
 
-def test_replaced_by_rename_during_a_read(own_copy, qwen3, monkeypatch):
-    """Another file is renamed over the path in the middle of a step: the open descriptors still read the inode
-    checked at load (consistent bytes: this step's logits are right), and the next step stops with
-    ModelFileChanged. Renaming the original back (same inode) makes the model usable again."""
-    model, path, restore = own_copy
-    start, end = last_layer_range(model)
-    backup = path + ".orig"
-
-    def replace_then_read(fd, buffers, offset):
-        os.link(path, backup)  # keeps the original inode to put back afterwards
+def _move_path(path: str, how: str) -> None:
+    """Take the path away from the loaded file: ``replace`` renames another file over it (the loaded inode stays
+    under ``path + '.orig'``, a hard link made first), ``rename`` renames it, ``delete`` unlinks it."""
+    if how == "replace":
+        os.link(path, path + ".orig")
         with open(path + ".new", "wb") as f:
             f.write(b"GGUF something else")
         os.replace(path + ".new", path)
+    elif how == "rename":
+        os.rename(path, path + ".moved")
+    else:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("how", ["replace", "rename", "delete"])
+def test_path_replaced_renamed_or_deleted_during_a_read(own_copy, qwen3, monkeypatch, how):
+    """The path is replaced by another file, renamed or deleted in the middle of the prefill: the reads go on from
+    the descriptors opened at load (the loaded inode, whose bytes did not change), so that step and every later one
+    give the fresh run's logits bitwise, and nothing stops (llama.cpp's map keeps going too)."""
+    model, path, _ = own_copy
+    start, end = last_layer_range(model)
+
+    def move_then_read(fd, buffers, offset):
+        _move_path(path, how)
         return REAL_PREADV(fd, buffers, offset)
 
-    fault = Fault(path, start, end, replace_then_read)
+    fault = Fault(path, start, end, move_then_read)
     monkeypatch.setattr(os, "preadv", fault)
     _, ids, ref = qwen3
-    eng = Engine(model)
-    cache = model.new_cache(len(ids) + 1)
     fault.armed = True
-    logits = eng.prefill(ids, cache, logits_all=True)
+    got = logits_of(model, ids, STEPS, 128)
     assert fault.fired == 1
-    assert_bitwise([logits], ref[:1])
-    with pytest.raises(ModelFileChanged, match=f"^{path}: model file was replaced by another file while in use"):
-        eng.decode_step(int(logits[-1].argmax()), len(ids), cache)
-    os.replace(backup, path)
-    check_after_fault(model, model.store, ModelFileChanged(), ids, ref)
+    assert_bitwise(got, ref)
+    model.gguf.check_unchanged()
+
+
+@pytest.mark.parametrize("how", ["replace", "rename", "delete"])
+def test_resident_model_goes_on_after_the_path_moves(qwen3, tmp_path, how):
+    """--moe-stream off: the experts are a map of the descriptor opened at load; moving the path away changes
+    nothing."""
+    _, ids, ref = qwen3
+    path = str(tmp_path / "copy.gguf")
+    shutil.copy(qwen3[0].gguf.path, path)
+    model = load_model(path, LoadOptions(moe_stream=False))
+    _move_path(path, how)
+    assert_bitwise(logits_of(model, ids, STEPS, 128), ref)
+
+
+def _copy_changed_on_first_output(tmp_path, monkeypatch, change: Callable[[str], None]) -> str:
+    """A copy of the embedded model; ``change(path)`` runs at the first text the CLI writes (the prompt echo, after
+    the prefill: the decode steps that follow read experts the pools do not hold yet)."""
+    from moestream import cli as cli_mod
+
+    path = str(tmp_path / "copy.gguf")
+    shutil.copy(DEFAULT_GGUF, path)
+    real = cli_mod.write_stdout
+    done = []
+
+    def write(text: str) -> None:
+        if not done:
+            done.append(1)
+            change(path)
+        real(text)
+
+    monkeypatch.setattr(cli_mod, "write_stdout", write)
+    return path
+
+
+@pytest.mark.parametrize("stream", ["on", "off"])
+@pytest.mark.parametrize("how", ["replace", "rename", "delete"])
+def test_run_goes_on_when_the_file_moves(tmp_path, monkeypatch, how, stream):
+    """The issue's case: run -m copy.gguf, then rm copy.gguf (or mv, or a byte-identical copy renamed over it)
+    while it runs: the run finishes with the text of an undisturbed run."""
+    argv = ["-n", "12", "--temp", "0", "--slots", "4", "--moe-stream", stream]
+    ref = cli("run", "-m", str(DEFAULT_GGUF), *argv)
+    assert ref.returncode == 0, ref.stderr
+
+    def move(path: str) -> None:
+        if how == "replace":  # a byte-identical copy renamed over the path: another inode
+            shutil.copy(path, path + ".new")
+            os.replace(path + ".new", path)
+        else:
+            _move_path(path, how)
+
+    path = _copy_changed_on_first_output(tmp_path, monkeypatch, move)
+    p = cli("run", "-m", path, *argv)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == ref.stdout
+
+
+@pytest.mark.parametrize("stream", ["on", "off"])
+def test_run_stops_when_the_file_changes_in_place(tmp_path, monkeypatch, stream):
+    """The open file's own bytes change (here it grows: size and mtime): one line naming the file, exit 1."""
+    def append(path: str) -> None:
+        with open(path, "ab") as f:
+            f.write(b"\0" * 16)
+
+    path = _copy_changed_on_first_output(tmp_path, monkeypatch, append)
+    size = os.path.getsize(DEFAULT_GGUF)
+    p = cli("run", "-m", path, "-n", "12", "--temp", "0", "--slots", "4", "--moe-stream", stream)
+    assert p.returncode == 1
+    err = [line for line in p.stderr.splitlines() if "error" in line]
+    assert err == [f"moestream: error: {path}: model file changed size from {size} to {size + 16} bytes while in "
+                   f"use; stopping"], p.stderr
 
 
 # ------------------------------------------------------------------------------------------------ O_DIRECT refused

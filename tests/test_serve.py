@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -751,3 +752,56 @@ def test_plain_request_disconnect_during_decode_cancels_it(srv: Any, oracle: Any
                                                        "temperature": 0}, timeout=60)
     want, _ = library_text(oracle, ids, 4)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+
+
+# ------------------------------------------------------------------------------------------------ the file's lifetime
+def test_health_503_once_the_file_changed_in_place(tmp_path: Path) -> None:
+    """The model file renamed and its name deleted: the server goes on serving (the descriptor opened at load reads
+    the loaded bytes). Its bytes changed in place: that request fails (500, naming the file), and from then on
+    /health and every request answer 503 with the reason, so that a supervisor (llama-swap) restarts it."""
+    path = tmp_path / "copy.gguf"
+    shutil.copy(DEFAULT_GGUF, path)
+    s = Running(["-m", str(path), "-c", "64", "--slots", "4"])
+    body = {"prompt": "The history of", "max_tokens": 4, "temperature": 0}
+    try:
+        s.wait_ready()
+        first = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
+        assert first.status_code == 200, first.text
+        moved = tmp_path / "moved.gguf"
+        os.rename(path, moved)
+        shutil.copy(DEFAULT_GGUF, path)  # a byte-identical file under the old name: another inode
+        os.unlink(path)
+        again = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        assert httpx.get(s.base + "/health").status_code == 200
+        with open(moved, "ab") as f:
+            f.write(b"\0" * 16)
+        failed = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
+        assert failed.status_code == 500 and "model file changed size" in failed.text and str(path) in failed.text
+        h = httpx.get(s.base + "/health")
+        assert h.status_code == 503, h.text
+        err = h.json()["error"]
+        assert err["type"] == "unavailable_error"
+        assert err["message"].startswith(f"the model can no longer compute: {path}: model file changed size")
+        assert err["message"].endswith("; restart the server")
+        assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 503
+    finally:
+        s.stop()
+
+
+def test_health_503_after_read_faults_in_a_row() -> None:
+    """One request failing on an expert read leaves the model serving (the next may not meet the fault); a second
+    in a row marks it broken; a success in between starts the count again."""
+    from moestream.errors import ExpertReadError
+    from moestream.server import READ_FAULTS_BROKEN
+
+    state = ServerState(lambda: None, ["m"])  # type: ignore[arg-type, return-value]
+    fault = ExpertReadError("/m.gguf", 4096, 512, "Input/output error")
+    state._note_fault(fault)
+    assert state.broken is None
+    state._read_faults = 0  # what a request that succeeds does
+    for _ in range(READ_FAULTS_BROKEN - 1):
+        state._note_fault(fault)
+    assert state.broken is None
+    state._note_fault(fault)
+    assert state.broken is not None and "/m.gguf" in state.broken and f"{READ_FAULTS_BROKEN} requests" in state.broken

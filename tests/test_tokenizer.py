@@ -804,3 +804,58 @@ def test_tokfiles_header_is_header_only(qwen_path: Path) -> None:
     assert tensor_names == ()
     assert os.path.getsize(qwen_path) < 8 << 20
     assert len(fields["tokenizer.ggml.merges"]) == 151387
+
+
+# ---------------------------------------------------------------------------------------------- the cached conversion
+def test_bytes_to_unicode_is_gpt2s() -> None:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode as reference
+
+    from moestream.tokenizer import bytes_to_unicode
+
+    assert bytes_to_unicode() == reference()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_metadata_reader_matches_transformers(name: str) -> None:
+    """moestream's own header parser (lazy string arrays included) gives the values transformers' GGUF reader does."""
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    from moestream.gguf import StringArray, read_metadata
+
+    path = tokfiles.header_gguf(name)
+    ours, digest = read_metadata(str(path))
+    theirs, _ = read_gguf_metadata(str(path), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+    assert digest is not None and isinstance(ours["tokenizer.ggml.tokens"], StringArray)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores",
+                "tokenizer.ggml.model", "tokenizer.ggml.bos_token_id", "tokenizer.chat_template"):
+        if key in theirs or key in ours:
+            assert list(ours[key]) == list(theirs[key]) if isinstance(theirs[key], list) else ours[key] == theirs[key]
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_cached_conversion_is_the_same_tokenizer(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The converted tokenizer written to the cache and read back (a second load: no transformers) is the tokenizer
+    a conversion makes (the tokenizers JSON is the same) and encodes the hard strings to the same ids; a damaged
+    cache file is converted again."""
+    from moestream.gguf import read_metadata
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = str(tokfiles.header_gguf(name))
+    fields, digest = read_metadata(path)
+    fresh = GGUFTokenizer.from_fields(fields, path)  # no digest: no cache
+    assert not (tmp_path / "moestream").exists()
+    first = GGUFTokenizer.from_fields(fields, path, metadata_digest=digest)  # a miss: converts and writes
+    files = list((tmp_path / "moestream" / "converted-tokenizers").iterdir())
+    assert len(files) == 1 and files[0].name.startswith(digest)
+    hit = GGUFTokenizer.from_gguf(path)  # a hit
+    for tok in (first, hit):
+        assert tok.backend.to_str() == fresh.backend.to_str()
+        assert tok.eos_ids == fresh.eos_ids and tok.token_types == fresh.token_types
+        for text in HARD_STRINGS:
+            assert tok.encode(text) == fresh.encode(text), text
+            ids = fresh.encode(text)
+            assert tok.decode(ids) == fresh.decode(ids)
+    files[0].write_text("{not json")
+    again = GGUFTokenizer.from_gguf(path)
+    assert again.backend.to_str() == fresh.backend.to_str()
+    assert files[0].read_text() == fresh.backend.to_str()

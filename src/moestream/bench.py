@@ -271,7 +271,7 @@ def _row_trace(cfg: dict, model):  # noqa: ANN001, ANN202
     from .runtrace import TraceWriter, store_info
     from .tokenizer import GGUFTokenizer
     tw = TraceWriter(cfg["trace"]["path"], gpu=str(model.device), header_written=True)
-    tw.tokenizer = GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path)
+    tw.tokenizer = GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path, model.gguf.metadata_digest)
     tw.record({"kind": "row", "row": cfg["trace"]["row"], "label": cfg["trace"]["label"],
                "store": store_info(model.store), "device": str(model.device)})
     return tw

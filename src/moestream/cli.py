@@ -13,7 +13,9 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
+from .chat_templates import CHAT_TEMPLATES
 from .limits import MAX_IO_THREADS, MAX_TOKENS, check_tokens
+from .llamaflags import REFUSED, SERVE_REFUSED, FlagRefused, Parser, add_refused, gpu_layers_device
 from .options import default_threads, max_threads, model_path, set_compute_threads
 from .output import write_stdout
 
@@ -96,6 +98,7 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
                        help="CUDA: where the slot pools live: device (default: GPU memory, misses read into a "
                        "small pinned staging ring and copied on a copy stream) or host (pinned host memory that "
                        "the reads land in and the GPU kernels address directly, no copy: the unified-memory mode)")
+    _add_gpu_layers(p)
     p.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--expand-dense", action="store_true",
                    help="dequantize dense weights to float32 at load (more memory: see inspect)")
@@ -103,7 +106,27 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
                    help="blocks (default): moestream's C kernels on the file's ggml blocks, activations quantized "
                    "to 8 bits as llama.cpp does (compiled at first use); dequant: dequantize each weight to "
                    "float32 and multiply with torch (slow; the float32 model of the dequantized weights)")
-    p.add_argument("-ub", "--ubatch", type=int, default=128, help="prefill chunk size in tokens (default 128)")
+    p.add_argument("-ub", "--ubatch", "--ubatch-size", type=int, default=128,
+                   help="prefill chunk size in tokens (default 128)")
+    add_refused(p, REFUSED)
+
+
+def _add_gpu_layers(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's ``-ngl N``, as a --device (the last of the two given wins)."""
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="device", type=gpu_layers_device,
+                   default=argparse.SUPPRESS, metavar="N", help="llama.cpp's flag, as a --device: 0 = cpu, more "
+                   "(or all) = cuda (moestream computes the whole model on one device), auto or -1 = auto")
+
+
+def _add_chat_template(p: argparse.ArgumentParser) -> None:
+    """``--chat-template NAME|JINJA``, ``--chat-template-file FILE`` and ``--jinja`` (llama.cpp's)."""
+    p.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
+                   help=f"use this chat template instead of the file's: one of {', '.join(CHAT_TEMPLATES)} "
+                   "(llama.cpp's built-in names), or a Jinja template as text")
+    p.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="use the Jinja chat template in FILE instead of the file's")
+    p.add_argument("--jinja", action="store_true", help="accepted for llama.cpp's sake: chat templates are always "
+                   "rendered with Jinja")
 
 
 def _load(args: argparse.Namespace, moe_stream: bool, streams_later: bool = False):
@@ -156,9 +179,40 @@ def _device_desc(model) -> str:  # noqa: ANN001
     return f"{dev} ({torch.cuda.get_device_name(dev)}), {kern}"
 
 
-def _tokenizer(model):  # noqa: ANN001, ANN202
+def _tokenizer(model, template: tuple[str, str] | None = None):  # noqa: ANN001, ANN202
+    """The file's tokenizer; ``template``: (Jinja source, where it came from) of --chat-template(-file), which
+    replaces the file's chat template (see :func:`chat_template_option`)."""
     from .tokenizer import GGUFTokenizer
-    return GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path)
+    tok = GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path, model.gguf.metadata_digest)
+    if template is not None:
+        tok.chat_template, tok.template_origin = template
+    return tok
+
+
+def chat_template_option(args: argparse.Namespace) -> tuple[str, str] | None:
+    """(Jinja source, origin for messages) of ``--chat-template NAME|JINJA`` or ``--chat-template-file FILE``, or
+    None without either; read before the model loads. ConfigError for both given, an unknown name, or a file that
+    cannot be read, is not UTF-8 or is empty."""
+    from .chat_templates import chat_template_source
+    from .errors import ConfigError
+
+    value, path = getattr(args, "chat_template", None), getattr(args, "chat_template_file", None)
+    if value is not None and path is not None:
+        raise ConfigError("--chat-template and --chat-template-file both give the chat template: use one of them")
+    if value is not None:
+        source = chat_template_source(value)
+        if source is None:
+            names = ", ".join(CHAT_TEMPLATES)
+            raise ConfigError(f"--chat-template {value}: not a template name moestream knows ({names}) nor a Jinja "
+                              f"template; put a template in a file and pass --chat-template-file FILE")
+        name = value.strip().lower()
+        return source, (f"--chat-template {name}" if name in CHAT_TEMPLATES else "--chat-template")
+    if path is None:
+        return None
+    source = _read_text_file("--chat-template-file", path)
+    if not source.strip():
+        raise ConfigError(f"--chat-template-file {path}: the file is empty")
+    return source, path
 
 
 def _describe(model) -> str:  # noqa: ANN001
@@ -231,35 +285,44 @@ def read_prompt_file(path: str) -> str:
 
     if path == "":
         raise ConfigError("-f: the path is empty (use -f - to read the prompt from stdin)")
+    if path == "-" and sys.stdin is None:
+        raise ConfigError("-f -: standard input is closed")
     name = "stdin" if path == "-" else path
-    try:
-        if path == "-":
-            if sys.stdin is None:
-                raise ConfigError("-f -: standard input is closed")
-            data = sys.stdin.buffer.read(MAX_PROMPT_FILE_BYTES + 1)
-        else:
-            with open(path, "rb") as f:  # a FIFO (-f <(cmd)) is fine; /dev/zero is cut off below
-                data = f.read(MAX_PROMPT_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"-f {path}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"-f {path}: is a directory, not a file") from None
-    except PermissionError:
-        raise ConfigError(f"-f {path}: permission denied") from None
-    except OSError as e:
-        raise ConfigError(f"-f {path}: cannot read it ({e.strerror or e})") from None
-    if len(data) > MAX_PROMPT_FILE_BYTES:
-        raise ConfigError(f"-f {name}: more than {MAX_PROMPT_FILE_BYTES >> 20} MiB, far past any context; not read "
-                          f"further")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"-f {name}: not valid UTF-8 (bad byte at offset {e.start})") from None
+    text = _read_text_file("-f", path)
     if text.endswith("\n"):
         text = text[:-1]
     if text == "":
         raise ConfigError(f"-f {name}: the prompt is empty")
     return text
+
+
+def _read_text_file(option: str, path: str) -> str:
+    """The UTF-8 text of the file ``path`` given to ``option`` (``-`` reads stdin), at most MAX_PROMPT_FILE_BYTES;
+    ConfigError naming the option and the file when it cannot be read, is larger, or is not UTF-8."""
+    from .errors import ConfigError
+
+    name = "stdin" if path == "-" else path
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read(MAX_PROMPT_FILE_BYTES + 1)
+        else:
+            with open(path, "rb") as f:  # a FIFO (-f <(cmd)) is fine; /dev/zero is cut off below
+                data = f.read(MAX_PROMPT_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{option} {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{option} {path}: is a directory, not a file") from None
+    except PermissionError:
+        raise ConfigError(f"{option} {path}: permission denied") from None
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot read it ({e.strerror or e})") from None
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        raise ConfigError(f"{option} {name}: more than {MAX_PROMPT_FILE_BYTES >> 20} MiB, far past any context; not "
+                          f"read further")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{option} {name}: not valid UTF-8 (bad byte at offset {e.start})") from None
 
 
 @contextlib.contextmanager
@@ -389,6 +452,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prompt, n_predict = _run_options(args)
     StopStrings(args.stop, "--stop")  # an empty --stop is refused before the model loads
+    template = chat_template_option(args)
     _check_common(args)
     if args.routing_trace is not None:  # before the model runs: a bad path is one line, not a lost run
         from .experts.trace import check_trace_path
@@ -405,7 +469,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     trace = None
     run_trace = None  # --trace: moestream/runtrace.py's writer, opened once the store exists
     try:
-        tok = _tokenizer(model)
+        tok = _tokenizer(model, template)
         engine = Engine(model, args.ubatch)
         if args.interactive:
             return _interactive(args, model, tok, engine, prompt, n_predict, Sampler(params))
@@ -494,7 +558,8 @@ def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | Non
     from .tokenizer import TokenizerError
 
     if tok.chat_template is None:
-        raise TokenizerError(f"{tok.path}: the GGUF has no tokenizer.chat_template, which -cnv needs")
+        raise TokenizerError(f"{tok.path}: the GGUF has no tokenizer.chat_template, which -cnv needs (--chat-template "
+                             f"NAME or --chat-template-file FILE gives one)")
     # a template that cannot render a plain first turn fails here, at start, not on every turn
     tok.apply_chat_template([*([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []),
                              {"role": "user", "content": "hi"}], add_generation_prompt=True)
@@ -578,6 +643,10 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
         raise ConfigError(f"-c must be from 0 (the default context) to 2^31, got {args.ctx_size}")
     if args.alias is not None and not args.alias.strip():
         raise ConfigError("--alias: the model name is empty")
+    if args.parallel not in (1, -1):  # llama-server's -np; -1: its "auto"
+        raise ConfigError(f"-np {args.parallel}: moestream serve runs one generation at a time (batching is not built "
+                          f"yet); use -np 1 or leave it out")
+    template = chat_template_option(args)
     base = os.path.basename(model_path(args))
     names = [args.alias] if args.alias else list(dict.fromkeys([base.removesuffix(".gguf"), base]))
     args.interactive = False
@@ -590,13 +659,15 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
         from .options import flag_errors
 
         with flag_errors(args):  # the loader thread: a library error names the flag here too
-            return _serve_load(args, names, held)
+            return _serve_load(args, names, held, template)
 
     return names, load, held
 
 
-def _serve_load(args: argparse.Namespace, names: list[str], held: list):  # noqa: ANN202 - server.Loaded
-    """serve_loader's load(): check the options, load the model, size the context (the server's loader thread)."""
+def _serve_load(args: argparse.Namespace, names: list[str], held: list,  # noqa: ANN202 - server.Loaded
+                template: tuple[str, str] | None = None):
+    """serve_loader's load(): check the options, load the model, size the context (the server's loader thread);
+    ``template``: --chat-template(-file)'s (chat_template_option)."""
     from .engine import Engine
     from .server import Loaded
 
@@ -605,7 +676,7 @@ def _serve_load(args: argparse.Namespace, names: list[str], held: list):  # noqa
     args.threads = threads
     model, _ = _load(args, args.moe_stream)
     held.append(model)
-    tok = _tokenizer(model)
+    tok = _tokenizer(model, template)
     n_ctx = _context(args, model, 0, -1)
     print(_describe(model), file=sys.stderr, flush=True)
     print(f"moestream: serving {names[0]}: context {n_ctx} tokens per request (prompt and reply), one "
@@ -781,7 +852,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="moestream", description="Run MoE GGUF models with routed experts "
+    ap = Parser(prog="moestream", description="Run MoE GGUF models with routed experts "
                                  "streamed from disk into per-layer slot caches.")
     ap.add_argument("--version", action="version", version=f"moestream {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -792,7 +863,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"first user message, else -cnv waits for one)")
     r.add_argument("-f", "--file", default=None, metavar="FILE",
                    help="read the prompt from FILE (- = stdin), without one trailing newline, as llama.cpp")
-    r.add_argument("-n", "--n-predict", type=int, default=None,
+    r.add_argument("-n", "--n-predict", "--predict", type=int, default=None,
                    help="tokens to generate (default 128; with -cnv, per reply, default -1); -1 = until an "
                    "end-of-generation token or the context is full")
     r.add_argument("-c", "--ctx-size", type=int, default=None,
@@ -810,15 +881,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-cnv", "--conversation", "-i", "--interactive", dest="interactive", action="store_true",
                    help="interactive chat: a prompt loop on the chat template, one KV cache across turns (each "
                    "turn prefills only its new tokens); /exit or end of input ends it; Ctrl-C stops a reply")
+    r.add_argument("-no-cnv", "--no-conversation", dest="interactive", action="store_false",
+                   help="not interactive (the default; llama.cpp's flag)")
+    _add_chat_template(r)
     r.add_argument("--temp", type=float, default=0.8, help="temperature; <= 0 = greedy (default 0.8)")
     r.add_argument("--top-k", type=int, default=40)
     r.add_argument("--top-p", type=float, default=0.95)
     r.add_argument("--min-p", type=float, default=0.05)
+    r.add_argument("--repeat-penalty", type=float, default=1.0, help="divide the positive logits (multiply the "
+                   "negative ones) of tokens among the last --repeat-last-n by this, as llama.cpp (default 1.0: off)")
+    r.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look back on, prompt "
+                   "included (default 64; 0: off; -1: all)")
+    r.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this from the logit of a token "
+                   "among the last --repeat-last-n (default 0.0: off)")
+    r.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times its count among the "
+                   "last --repeat-last-n from a token's logit (default 0.0: off)")
     r.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed; -1 (default) = random")
     r.add_argument("--trace", default=None, metavar="FILE", help=TRACE_HELP)
     r.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop string (repeatable): the text ends before its first occurrence, which is not "
                    "printed; text that may start one is held until it is known not to")
+    r.add_argument("-r", "--reverse-prompt", dest="stop", action="append", metavar="STR",
+                   help="llama.cpp's reverse prompt: a --stop string (with -cnv the reply ends there and the next "
+                   "prompt follows)")
     r.add_argument("--routing-trace", default=None, metavar="FILE",
                    help="write the run's routing trace (every slot request: layer, experts, pinned; JSON lines with "
                    "a header, see experts/trace.py) to FILE, replaced atomically; moestream trace FILE replays it")
@@ -826,12 +911,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="print the model's layout and memory needs")
     i.add_argument("-m", "--model", default=None)
+    add_refused(i, REFUSED)
     i.add_argument("--slots", type=int, default=None, help="price pools of this many slots per layer")
     i.add_argument("--mem", default=None, metavar="SIZE", help="print the memory plan run --mem SIZE makes: slots "
                    "per layer, pool GiB, what is left")
     i.add_argument("--device", default="cpu", type=str.lower, metavar="cpu|cuda|auto", help="cuda (or auto with a "
                    "GPU): also print the GPU memory plan of run --device cuda (sized from the GPU's free memory "
                    "unless --gpu-mem is given)")
+    _add_gpu_layers(i)
     i.add_argument("--host-cache", default=None, metavar="SIZE", help="with --mem: price a host tier of SIZE in "
                    "the plan (as run --host-cache)")
     i.add_argument("--gpu-mem", default=None, metavar="SIZE", help="print the GPU memory plan run --device cuda "
@@ -880,7 +967,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "bench starts (one count for every row, llama.cpp's included)"))
     b.add_argument("--override-ctx", action="store_true",
                    help="allow -p or -n past the file's trained context_length (warns)")
-    b.add_argument("-ub", "--ubatch", type=int, default=128)
+    b.add_argument("-ub", "--ubatch", "--ubatch-size", type=int, default=128)
     b.add_argument("--expand-dense", action="store_true")
     b.add_argument("--matmul", default="blocks", type=str.lower, metavar="blocks|dequant",
                    help="matmul path of the moestream rows (default blocks: the C kernels)")
@@ -909,11 +996,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "host or device,host (the resident rows too: every expert copied there)")
     b.add_argument("--device", default="cpu", type=str.lower, metavar="cpu|cuda|auto",
                    help="where the moestream rows compute (default cpu); also picks the --llama-bench rows")
+    _add_gpu_layers(b)
     b.add_argument("--mem-cap", default=None, metavar="SIZE",
                    help="run every row in a memory cgroup of SIZE (e.g. 4GiB), page cache included, with the "
                         "file evicted from the page cache before each row (root; cgroup v2, else v1). K/M/G/T and "
                         "KiB/MiB/GiB/TiB are powers of 2 (4G = 4GiB), KB/MB/GB/TB powers of 10, no unit = bytes; "
                         "at least 64MiB")
+    add_refused(b, REFUSED)
     b.set_defaults(func=cmd_bench)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming)")
@@ -927,11 +1016,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="allow a context past the file's trained context_length (warns)")
     sv.add_argument("--moe-stream", type=_on_off, default=True, metavar="on|off",
                     help="stream routed experts (on, default) or address them in a memory map (off)")
-    sv.add_argument("--alias", default=None, metavar="NAME", help="the model's name in /v1/models and the "
+    sv.add_argument("-a", "--alias", default=None, metavar="NAME", help="the model's name in /v1/models and the "
                     "'model' requests must give (default: the file name without .gguf; the file name too)")
     sv.add_argument("--trace", default=None, metavar="FILE",
                     help=TRACE_HELP.replace("per-token trace", "per-token trace of every request") +
                     "; the file appears when the server stops")
+    sv.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                    help="generations at a time: 1 (llama-server's flag; batching is not built yet)")
+    _add_chat_template(sv)
+    add_refused(sv, SERVE_REFUSED)
     sv.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("trace", help="replay a routing trace through LRU, LFU and Belady's optimal replacement")
@@ -973,7 +1066,11 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import MoestreamError, OutputError
 
     ap = build_parser()
-    args, extra = ap.parse_known_args(argv)
+    try:
+        args, extra = ap.parse_known_args(argv)
+    except FlagRefused as e:
+        print(e, file=sys.stderr)
+        return 2
     sub = ap.subcommands[args.command]  # type: ignore[attr-defined]
     if extra:  # the subcommand's usage, not the top-level one
         sub.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import resource
@@ -120,10 +121,14 @@ class SamplingParams:
     """llama.cpp-style sampling. temp <= 0 is greedy. top_k 0 or -1, top_p 1, min_p 0 disable a filter;
     the most likely token always survives the filters. seed None or -1: a random seed.
 
-    Order (as llama.cpp's default chain): top-k, top-p, min-p, then temperature, then a draw.
+    Order (as llama.cpp's default chain): the penalties (:func:`penalize`, greedy included), top-k, top-p, min-p,
+    then temperature, then a draw. The penalties look at the last ``repeat_last_n`` tokens the sampler was given
+    (:meth:`Sampler.accept`: the prompt, then each sampled token; 0: off, -1: all); repeat_penalty 1 and
+    presence/frequency 0 turn them off (the default).
     The one check of these values for every command and the server (:meth:`__post_init__`): OptionError naming
-    the field and the value for a temperature that is not a finite number, a top-k that is not an integer >= -1,
-    top-p/min-p not a number in [0, 1], or a seed not an integer in [-1, 2^63). Numbers are stored as float/int.
+    the field and the value for a temperature or penalty that is not a finite number, a top-k that is not an
+    integer >= -1, top-p/min-p not a number in [0, 1], a seed not an integer in [-1, 2^63), a repeat_penalty <= 0
+    or a repeat_last_n below -1. Numbers are stored as float/int.
     """
 
     temp: float = 0.8
@@ -131,6 +136,16 @@ class SamplingParams:
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int | None = None
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the penalties change anything (llama.cpp's early return)."""
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                            or self.frequency_penalty != 0.0)
 
     def __post_init__(self) -> None:
         if not (_is_number(self.temp) and math.isfinite(self.temp)):
@@ -147,6 +162,35 @@ class SamplingParams:
             raise OptionError(f"{{seed}} must be -1 (random) or in [0, 2^63), got {shown(self.seed)}",
                               seed=self.seed)
         self.temp, self.top_p, self.min_p = float(self.temp), float(self.top_p), float(self.min_p)
+        for name in ("repeat_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (_is_number(v) and math.isfinite(v)):
+                raise OptionError(f"{{{name}}} must be a finite number, got {shown(v)}", **{name: v})
+        if self.repeat_penalty <= 0:
+            raise OptionError(f"{{repeat_penalty}} must be above 0 (1: off), got {shown(self.repeat_penalty)}",
+                              repeat_penalty=self.repeat_penalty)
+        if not (_is_int(self.repeat_last_n) and self.repeat_last_n >= -1):
+            raise OptionError(f"{{repeat_last_n}} must be -1 (all), 0 (off) or more, got {shown(self.repeat_last_n)}",
+                              repeat_last_n=self.repeat_last_n)
+        self.repeat_penalty = float(self.repeat_penalty)
+        self.presence_penalty, self.frequency_penalty = float(self.presence_penalty), float(self.frequency_penalty)
+
+
+def penalize(logits: torch.Tensor, window: Iterable[int], p: SamplingParams) -> torch.Tensor:
+    """llama.cpp's penalties sampler (``llama_sampler_penalties_apply``) on float32 logits [n_vocab]: for each
+    token that occurs ``count`` > 0 times in ``window`` (token ids), a logit <= 0 is multiplied by
+    ``p.repeat_penalty`` and a positive one divided by it, then ``count * frequency_penalty + presence_penalty`` is
+    subtracted; float32 arithmetic, as llama.cpp. Returns a new tensor on the logits' device."""
+    ids = torch.tensor(list(window), dtype=torch.int64, device=logits.device)
+    counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]]
+    seen = counts > 0
+    x = logits.float()
+    rp = torch.full_like(x, p.repeat_penalty)  # a tensor: the division is IEEE's, not a multiply by 1/rp
+    out = torch.where(seen, torch.where(x <= 0, x * rp, x / rp), x)
+    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        sub = counts.float() * p.frequency_penalty + seen.float() * p.presence_penalty
+        out = torch.where(seen, out - sub, out)
+    return out
 
 
 def best_first(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,9 +226,19 @@ class Sampler:
         self.gen = torch.Generator()
         seed = params.seed if params.seed is not None and params.seed >= 0 else time.time_ns() % 2**63
         self.gen.manual_seed(seed)
+        #: the last repeat_last_n tokens given to accept() (only kept when the penalties are on)
+        self.history: collections.deque[int] = collections.deque(
+            maxlen=None if params.repeat_last_n < 0 else params.repeat_last_n)
+
+    def accept(self, ids: Iterable[int]) -> None:
+        """Tokens of the sequence, in order (the prompt, then each sampled one), for the penalties' window."""
+        if self.p.penalized:
+            self.history.extend(ids)
 
     def __call__(self, logits: torch.Tensor) -> int:
         p = self.p
+        if p.penalized and self.history:
+            logits = penalize(logits, self.history, p)
         if p.temp <= 0:
             return int(torch.argmax(logits))  # the first of equal maxima, on the logits' own device
         logits = logits.float().cpu()
@@ -431,6 +485,9 @@ class Generation:
                 st.n_prompt += chunk.shape[0]
                 self.unfed = self.tokens[s + chunk.shape[0]:]
             st.prompt_seconds = time.perf_counter() - t0
+            accept = getattr(self.sampler, "accept", None)  # the penalties' window (Sampler.accept)
+            if accept is not None:
+                accept(self.tokens)
             if self.on_prefill is not None:
                 self.on_prefill(self)
             t1 = time.perf_counter()
@@ -449,6 +506,8 @@ class Generation:
                     return
                 st.tokens.append(tok)
                 self.unfed = [tok]
+                if accept is not None:
+                    accept((tok,))
                 yield tok
                 if i == limit - 1:
                     return

@@ -90,6 +90,8 @@ FLAGS = {
     "mem": "--mem", "n_ctx": "-c", "prefetch": "--prefetch", "direct_io": "--direct-io", "pool": "--pool",
     "gpu_mem": "--gpu-mem", "host_cache": "--host-cache",
     "temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed",
+    "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
     "n_predict": "-n", "steps": "--steps", "n_prompt": "-p", "n_gen": "-n",
 }
 DESTS = {"n_ctx": "ctx_size"}
@@ -153,8 +155,11 @@ def load_options(args: argparse.Namespace, moe_stream: bool | None = None, **fie
 
 
 def sampling_params(args: argparse.Namespace):  # noqa: ANN201
-    """SamplingParams of ``--temp``, ``--top-k``, ``--top-p``, ``--min-p``, ``--seed`` (checked by
+    """SamplingParams of ``--temp``, ``--top-k``, ``--top-p``, ``--min-p``, ``--seed`` and llama.cpp's penalties
+    (``--repeat-penalty``, ``--repeat-last-n``, ``--presence-penalty``, ``--frequency-penalty``; checked by
     ``SamplingParams.__post_init__``, the server's check too)."""
     from .engine import SamplingParams
 
-    return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)

@@ -75,7 +75,8 @@ def inspect_model(path: str, opts: LoadOptions | None = None,
         with contextlib.suppress(kernels.KernelBuildError):
             kernels.load()
         # a file without a tokenizer (run cannot tokenize a prompt for it): the default context is priced
-        tok = GGUFTokenizer.from_fields(g.fields, g.path) if "tokenizer.ggml.tokens" in g.fields else None
+        tok = (GGUFTokenizer.from_fields(g.fields, g.path, g.metadata_digest) if "tokenizer.ggml.tokens" in g.fields
+               else None)
         if callable(context):
             n_ctx = context(shape, tok) if tok is not None else None
         if opts.mem is not None:

@@ -4,7 +4,9 @@ Routes: ``POST /v1/chat/completions`` (the file's chat template, message text to
 :mod:`moestream.chat`), ``POST /v1/completions`` (a raw prompt: control-token text in it is parsed, as llama.cpp
 does with a raw prompt), both streaming (server-sent events, ``data: [DONE]`` at the end) or not;
 ``GET /v1/models``; ``GET /health`` (503 while the model loads, 200 once it is ready: the socket listens before
-the model is loaded, so a supervisor such as llama-swap can poll it); ``GET /metrics`` (Prometheus text format).
+the model is loaded, so a supervisor such as llama-swap can poll it; 503 again, with the reason, once the model can
+no longer compute -- its file's bytes changed in place, or expert reads failed :data:`READ_FAULTS_BROKEN` requests in
+a row -- so that the supervisor restarts the server); ``GET /metrics`` (Prometheus text format).
 
 One generation runs at a time, in a worker thread; requests that arrive meanwhile wait in a FIFO queue. A
 client that disconnects cancels its own request (queued: it never starts; running: the generation stops at
@@ -14,7 +16,8 @@ connections).
 
 Errors are OpenAI's error objects, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status in
 the response (400 a malformed or invalid request, 404 an unknown route or model, 503 loading or shutting down,
-500 a failure while generating, such as a read fault: the next request is served as usual).
+500 a failure while generating, such as a read fault: the next request is served as usual, until the model is
+broken as said above: then 503 for every request).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import ConfigError, MoestreamError, OptionError
+from .errors import ConfigError, ExpertReadError, ModelFileChanged, MoestreamError, OptionError
 from .limits import MAX_TOKENS, check_tokens
 from .textgen import DoneEvent, StopStrings, TextEvents, TokenEvent
 
@@ -120,6 +123,11 @@ class Counters:
     last_decode_tps: float = 0.0
 
 
+#: Requests in a row whose generation failed on an expert read (ExpertReadError) after which the model counts as
+#: broken (/health 503): one may be a passing fault that the next request does not meet (the pool stays consistent)
+READ_FAULTS_BROKEN = 2
+
+
 class ServerState:
     """The model (loaded in a thread, so that the server answers /health at once), the FIFO queue and its worker
     thread, and the counters. ``load()`` returns a :class:`Loaded` or raises MoestreamError (then /health reports
@@ -130,6 +138,9 @@ class ServerState:
         self.load_fn, self.names, self.on_load_error = load, names, on_load_error
         self.loaded: Loaded | None = None
         self.load_error: str | None = None
+        #: why the loaded model can no longer compute (then /health and every request answer 503), or None
+        self.broken: str | None = None
+        self._read_faults = 0  # requests in a row that failed on an expert read
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.waiting = 0  # jobs queued and not started
         self.running = 0
@@ -224,9 +235,11 @@ class ServerState:
                 if isinstance(ev, DoneEvent):
                     self._account(ev)
                 job.put(ev)
+            self._read_faults = 0
         except MoestreamError as e:
             self._count("error")
             print(f"moestream: error: {e}", file=sys.stderr, flush=True)
+            self._note_fault(e)
             job.put(APIError(500, str(e), "server_error", code=500))
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             self._count("error")
@@ -234,6 +247,24 @@ class ServerState:
             job.put(APIError(500, f"generation failed ({type(e).__name__})", "server_error", code=500))
         finally:
             self.current = None
+
+    def _note_fault(self, e: MoestreamError) -> None:
+        """Mark the model broken after a change of its file's bytes, or the READ_FAULTS_BROKEN-th read fault in a
+        row; says so once on stderr."""
+        if isinstance(e, ModelFileChanged):
+            reason = str(e)
+        elif isinstance(e, ExpertReadError):
+            self._read_faults += 1
+            if self._read_faults < READ_FAULTS_BROKEN:
+                return
+            reason = f"expert reads failed in {self._read_faults} requests in a row (the last: {e})"
+        else:
+            self._read_faults = 0
+            return
+        if self.broken is None:
+            self.broken = reason
+            print("moestream: error: the model can no longer compute; GET /health answers 503 from now on (restart "
+                  "the server)", file=sys.stderr, flush=True)
 
     def _count(self, outcome: str) -> None:
         with self.lock:
@@ -529,6 +560,9 @@ def create_app(state: ServerState):  # noqa: ANN201
             raise APIError(503, "the server is shutting down", "unavailable_error", code=503)
         if state.load_error is not None:
             raise APIError(500, f"the model failed to load: {state.load_error}", "server_error", code=500)
+        if state.broken is not None:
+            raise APIError(503, f"the model can no longer compute: {state.broken}; restart the server",
+                           "unavailable_error", code=503)
         if not state.ready:
             raise APIError(503, "Loading model", "unavailable_error", code=503)
         return state.loaded  # type: ignore[return-value]

@@ -32,15 +32,26 @@ Measured on a 2-core machine: ``from_fields`` takes about 1-3 s for a 152k-token
 151,387 merges (transformers' conversion, then the rebuild from the file's tokens; 2.7 s measured under load) and about
 2.7 s for Gemma 3's 262,144 tokens (transformers rebuilds the merges from the vocabulary); ``from_gguf``
 adds about 0.6 s of header reading, and the first call in a process about 2.5 s of importing transformers.
-Nothing is cached on disk.
+
+So the converted tokenizer is cached on disk when the caller gives the metadata's digest (``from_fields(...,
+metadata_digest=...)``; ``from_gguf`` and the command line do): ``~/.cache/moestream/converted-tokenizers/``
+(``$XDG_CACHE_HOME`` respected), one ``tokenizers`` JSON per digest of the file's metadata bytes and of what the
+conversion depends on besides them (this module's source, the installed transformers and tokenizers). A hit skips
+transformers entirely (the ``tokenizers`` library reads the JSON back: the same tokenizer); a cache that cannot be
+read or written is passed over.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
+import hashlib
+import itertools
 import json
+import os
 import re
+import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -145,7 +156,7 @@ def _llama_types(
     The declared eos / eot / eom ids end generation too. Returns (types, eos_ids).
     """
     out = list(types)
-    by_text = {text: i for i, text in enumerate(tokens)}  # llama.cpp's token_to_id: the last id of a text
+    by_text = dict(zip(tokens, range(len(tokens)), strict=True))  # llama.cpp's token_to_id: the last id of a text
     eos = {i for i in declared if i is not None}
     for kind, names in FIM_NAMES.items():
         i = fim.get(kind)
@@ -236,6 +247,13 @@ def _one_line(exc: BaseException) -> str:
 def _str_list(value: Any, key: str, path: str) -> list[str]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TokenizerError(f"{path}: {key} is not an array of strings (got {type(value).__name__})")
+    if hasattr(value, "tolist") and not hasattr(value, "dtype"):  # moestream.gguf.StringArray: str entries
+        try:
+            return value.tolist()
+        except MoestreamError as e:
+            raise TokenizerError(str(e)) from None
+    if type(value) is list and set(map(type, value)) <= {str}:  # the common case, without a loop in Python
+        return list(value)
     out = []
     for item in value:
         if isinstance(item, bytes):
@@ -249,17 +267,93 @@ def _str_list(value: Any, key: str, path: str) -> list[str]:
 def _num_list(value: Any, key: str, path: str, kind: type) -> list:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TokenizerError(f"{path}: {key} is not a numeric array (got {type(value).__name__})")
+    if type(value) is list and set(map(type, value)) <= {kind}:
+        return list(value)
     try:
         return [kind(v) for v in value]
     except (TypeError, ValueError) as e:
         raise TokenizerError(f"{path}: {key} is not a numeric array ({_one_line(e)})") from None
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte (the inverse of ``bytes_to_unicode``)."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet, byte -> character (``bytes_to_unicode`` of GPT-2's encoder.py, as transformers
+    has it): the printable Latin-1 bytes map to themselves, the other 68 to U+0100.. in byte order."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (the inverse of :func:`bytes_to_unicode`)."""
     return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def _cache_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moestream", "converted-tokenizers")
+
+
+@functools.cache
+def _conversion_key() -> str:
+    """What a converted tokenizer depends on besides the file's metadata: this module's source, transformers' (the
+    conversion; its ``__init__.py``'s size and mtime, without importing it) and tokenizers' version (the JSON)."""
+    import importlib.util
+
+    import tokenizers
+
+    h = hashlib.blake2b(digest_size=8)
+    with open(__file__, "rb") as f:
+        h.update(f.read())
+    h.update(f"tokenizers={tokenizers.__version__};".encode())
+    spec = importlib.util.find_spec("transformers")
+    if spec is not None and spec.origin:
+        with contextlib.suppress(OSError):
+            st = os.stat(spec.origin)
+            h.update(f"transformers={spec.origin}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def _cache_file(metadata_digest: str) -> str:
+    return os.path.join(_cache_root(), f"{metadata_digest}-{_conversion_key()}.json")
+
+
+def _load_cached(path: str) -> Any:
+    """The ``tokenizers.Tokenizer`` cached at ``path``, or None (absent, unreadable, or not a tokenizer)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_str(text)
+    except Exception:  # noqa: BLE001 - a damaged cache file: convert again (and replace it)
+        return None
+
+
+def _store_cached(path: str, backend: Any) -> None:
+    """Write ``backend`` to the cache at ``path`` atomically (a temporary file renamed); nothing on failure."""
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(backend.to_str())
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 class GGUFTokenizer:
@@ -275,7 +369,8 @@ class GGUFTokenizer:
             and ``eom_token_id`` when present, plus every token the file marks CONTROL whose text
             is one llama.cpp treats as end of turn (``<|im_end|>``, ``<|endoftext|>``,
             ``<end_of_turn>``, ``<|eot_id|>``, ``<｜end▁of▁sentence｜>``, ... see ``END_OF_TURN_NAMES``).
-        chat_template: ``tokenizer.chat_template`` or None.
+        chat_template: ``tokenizer.chat_template`` or None (the command line's --chat-template replaces it).
+        template_origin: where ``chat_template`` came from, for messages (``path`` unless replaced).
         token_types: ``tokenizer.ggml.token_type`` per id (list of int, :class:`TokenType` values).
         backend: the ``tokenizers.Tokenizer`` doing the work.
     """
@@ -308,15 +403,18 @@ class GGUFTokenizer:
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.chat_template = chat_template
+        #: where chat_template came from, for messages: the file, or the option that replaced it
+        self.template_origin = path
         self.token_types = token_types
         self._template_tokens = template_tokens
         self._tokens = tokens
         #: llama.cpp cleans up spaces in detokenized byte-level BPE text unless the pre-tokenizer says not to
         self._clean_spaces = model in ("gpt2", "gemma4") and pre not in NO_CLEAN_SPACES_PRE
-        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special) | {
-            i for i, kind in enumerate(token_types) if kind == TokenType.CONTROL
-        }
-        self._unused_ids = frozenset(i for i, kind in enumerate(token_types) if kind == TokenType.UNUSED)
+        ids = range(len(token_types))  # itertools.compress: the 152k-entry scans without a loop in Python
+        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special) | set(
+            itertools.compress(ids, map(TokenType.CONTROL.__eq__, token_types))
+        )
+        self._unused_ids = frozenset(itertools.compress(ids, map(TokenType.UNUSED.__eq__, token_types)))
         self._byte_level = model == "gpt2"
         self._byte_fallback = not self._byte_level
         self._strip_left = _decoder_strip(backend)
@@ -333,7 +431,7 @@ class GGUFTokenizer:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_fields(cls, fields: Mapping[str, Any], path: str) -> GGUFTokenizer:
+    def from_fields(cls, fields: Mapping[str, Any], path: str, metadata_digest: str | None = None) -> GGUFTokenizer:
         """Build from GGUF metadata.
 
         Args:
@@ -341,6 +439,9 @@ class GGUFTokenizer:
                 e.g. ``{k: f.contents() for k, f in gguf.GGUFReader(p).fields.items()}``. Uses
                 ``general.architecture`` and the ``tokenizer.*`` keys.
             path: the file the fields came from, only for messages.
+            metadata_digest: a digest of the metadata bytes ``fields`` were read from
+                (``moestream.gguf.GGUFModel.metadata_digest``): the converted tokenizer is cached on disk under it
+                (module docstring). None: no cache.
         Raises:
             TokenizerError: no ``tokenizer.ggml.tokens``, a missing or unsupported
                 ``tokenizer.ggml.model``, arrays of the wrong type or length, a special token id out of
@@ -372,12 +473,13 @@ class GGUFTokenizer:
                     raise TokenizerError(
                         f"{path}: tokenizer.ggml.{key} has {len(arrays[name])} entries for {n} tokens"
                     )
-        merges = fields.get("tokenizer.ggml.merges")
-        if merges is not None:
-            arrays["merges"] = _str_list(merges, "tokenizer.ggml.merges", path)
-        if model == "gpt2" and "merges" not in arrays:
+        merges = fields.get("tokenizer.ggml.merges")  # read below only to convert (not on a cache hit)
+        if merges is not None and (isinstance(merges, (str, bytes)) or not isinstance(merges, Iterable)):
+            raise TokenizerError(f"{path}: tokenizer.ggml.merges is not an array of strings (got "
+                                 f"{type(merges).__name__})")
+        if model == "gpt2" and merges is None:
             raise TokenizerError(f"{path}: byte-level BPE (gpt2) tokenizer without tokenizer.ggml.merges")
-        if model != "gpt2" and "merges" not in arrays and "scores" not in arrays:
+        if model != "gpt2" and merges is None and "scores" not in arrays:
             raise TokenizerError(f"{path}: {model} tokenizer has neither tokenizer.ggml.merges nor .scores")
         token_types = arrays.get("token_type") or [TokenType.NORMAL] * n
 
@@ -403,8 +505,15 @@ class GGUFTokenizer:
 
         architecture = str(fields.get("general.architecture") or "")
         pre = fields.get("tokenizer.ggml.pre")
-        backend = _convert(architecture, model, pre, fields, arrays, path)
-        backend = _repair(backend, tokens, token_types, arrays.get("merges"), model == "gpt2", path)
+        cache_file = _cache_file(metadata_digest) if metadata_digest else None
+        backend = _load_cached(cache_file) if cache_file is not None else None
+        if backend is None:
+            if merges is not None:
+                arrays["merges"] = _str_list(merges, "tokenizer.ggml.merges", path)
+            backend = _convert(architecture, model, pre, fields, arrays, path)
+            backend = _repair(backend, tokens, token_types, arrays.get("merges"), model == "gpt2", path)
+            if cache_file is not None:
+                _store_cached(cache_file, backend)
 
         add_bos = fields.get("tokenizer.ggml.add_bos_token")
         # llama.cpp's default when the key is absent: BOS for SentencePiece vocabularies, none for BPE
@@ -455,10 +564,17 @@ class GGUFTokenizer:
         Raises:
             TokenizerError: the file is missing, not GGUF, truncated, or has no usable tokenizer.
         """
-        import os
-
         if not os.path.isfile(path):
             raise TokenizerError(f"{path}: no such file")
+        from .errors import GGUFError
+        from .gguf import read_metadata
+
+        try:  # moestream's own header parser, with the metadata's digest: the converted tokenizer is cached
+            fields, digest = read_metadata(path)
+            if digest is not None:
+                return cls.from_fields(fields, path, metadata_digest=digest)
+        except GGUFError:
+            pass
         try:
             from transformers.integrations.gguf import read_gguf_metadata
 
@@ -621,11 +737,13 @@ class GGUFTokenizer:
                 an error (``raise_exception(...)``, e.g. roles not alternating).
         """
         if self.chat_template is None:
-            raise TokenizerError(f"{self.path}: the GGUF has no tokenizer.chat_template")
+            raise TokenizerError(f"{self.path}: the GGUF has no tokenizer.chat_template (--chat-template NAME or "
+                                 f"--chat-template-file FILE gives one)")
         try:
             template = _compile_template(self.chat_template)
         except Exception as e:  # noqa: BLE001 - jinja2 syntax / security errors
-            raise TokenizerError(f"{self.path}: the chat template does not compile ({_one_line(e)})") from None
+            raise TokenizerError(f"{self.template_origin}: the chat template does not compile ({_one_line(e)})"
+                                 ) from None
         chat = [_alias_reasoning(_plain({k: v for k, v in dict(m).items() if v is not None})) for m in messages]
         variables = {**self._template_tokens, **_plain(template_vars)}
         try:
@@ -637,7 +755,7 @@ class GGUFTokenizer:
                 **variables,
             )
         except Exception as e:  # noqa: BLE001 - TemplateError from raise_exception, UndefinedError...
-            raise TokenizerError(f"{self.path}: chat template: {_one_line(e)}") from None
+            raise TokenizerError(f"{self.template_origin}: chat template: {_one_line(e)}") from None
 
 
 class StreamDecoder:

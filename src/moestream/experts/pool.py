@@ -291,13 +291,15 @@ class StreamingStore(ExpertStore):
         check_policy(policy)
         if align is not None and (align < 1 or align & (align - 1)):
             raise ConfigError(f"direct IO alignment must be a power of two, got {align}")
-        self.reader = ExpertReader(io_threads, identity=model.identity, note=note)
         paths = sorted({m.path for mats in layout.layers.values() for m in mats.values()})
+        # the reads go through the descriptors the model opened at load: the path may be renamed or deleted
+        self.reader = ExpertReader(io_threads, identity=model.identity, note=note,
+                                   sources={p: model.open_path(p) for p in paths})
         direct_paths: set[str] = set()
         aligns = [1]
         try:
             for p in paths:
-                a = dio_alignment(p) if direct_io is not False else None
+                a = dio_alignment(model.open_path(p)) if direct_io is not False else None
                 if a is not None and self.reader.open(p, direct=True):
                     direct_paths.add(p)
                     aligns.append(a)

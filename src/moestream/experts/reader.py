@@ -180,9 +180,10 @@ class ExpertReader:
     not in it: what fstat says when the reader first opens it). After every read the descriptor's fstat must
     still say so: a file rewritten in place (size or mtime changed) raises ModelFileChanged instead of letting
     changed bytes be computed; a write updates mtime before it changes bytes, so a read that saw new bytes sees
-    the new mtime after it. A file replaced by rename is not seen here: the open descriptors keep reading the
-    inode that was checked at load (consistent bytes), and the engine's per-step ``check_unchanged`` (which
-    stats the path) stops the run at the next step.
+    the new mtime after it. ``sources``: path -> what to open for it, e.g. ``/proc/self/fd/N`` of the descriptor
+    the model opened at load (GGUFModel.open_path): then a path renamed, replaced by another file or deleted is
+    not seen at all -- the reads go on from the inode that was loaded -- and only its own bytes changing stops
+    them.
 
     Where an O_DIRECT read is refused (EINVAL) the reader retries it buffered, reads that file buffered for the
     rest of its life and says so once through ``note`` (default: a line on stderr); the bytes are the same.
@@ -193,12 +194,13 @@ class ExpertReader:
     """
 
     def __init__(self, io_threads: int = 8, identity: dict[str, tuple[int, int, int, int]] | None = None,
-                 note: Callable[[str], None] = stderr_note):
+                 note: Callable[[str], None] = stderr_note, sources: dict[str, str] | None = None):
         check_io_threads(io_threads)
         self.io_threads = io_threads
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="moestream-io")
         self._fds: dict[tuple[str, bool], int] = {}
         self._identity: dict[str, tuple[int, int, int, int]] = dict(identity or {})
+        self._sources: dict[str, str] = dict(sources or {})
         self._lock = threading.Lock()
         self._note = note
         #: paths whose O_DIRECT reads were refused mid-run: read buffered from then on
@@ -224,7 +226,7 @@ class ExpertReader:
             if key in self._fds:
                 return self._fds[key]
             try:
-                fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+                fd = os.open(self._sources.get(path, path), os.O_RDONLY | (O_DIRECT if direct else 0))
             except OSError as e:
                 if direct and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
                     self.direct_refused.add(path)

@@ -1,0 +1,134 @@
+"""llama.cpp's command-line flags on moestream's parser: read as llama.cpp means them, or refused in one line.
+
+Users type llama-cli / llama-server / llama-bench flags by habit. argparse's defaults misread them: ``-ngl 99``
+became ``-n gl``, ``-fa`` became ``-f a``, ``-hf REPO`` became ``-h`` (help, exit 0). :class:`Parser` turns off
+both argparse shortcuts -- abbreviated long options and short options joined to their value or to each other --
+so that an option is only ever the exact string it was declared as (``--name=value`` still works). Then:
+
+* flags with a moestream meaning work (``-ngl``, ``-np 1``, ``-r``, ``--jinja``, ``-no-cnv`` ..., declared in
+  cli.py next to the options they map onto);
+* flags moestream has no use for are declared with :func:`add_refused`: given, they stop the parse with one line
+  naming the flag and what to do instead, exit status 2 (:class:`FlagRefused`, printed by ``cli.main``).
+
+docs/llama-cpp-flags.md is the table of both. This module imports nothing heavy: it runs before the parse.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["FlagRefused", "Parser", "REFUSED", "SERVE_REFUSED", "add_refused", "gpu_layers_device"]
+
+
+class FlagRefused(Exception):
+    """A llama.cpp flag moestream does not take; ``str(e)`` is the one line to print (the flag, what to do)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse without abbreviations and without joined short options: ``-ngl`` is ``-ngl`` or unknown, never
+    ``-n gl``; ``--mem-`` is not ``--mem``. Sub-parsers made by ``add_subparsers().add_parser`` are Parsers too."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - argparse's own signature
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def _get_option_tuples(self, option_string: str) -> list:
+        # argparse calls this for an argument that starts with '-' and is not an exact option string (nor
+        # "exact=value"): the candidates it would read it as (a prefix of a long option; a short option with the
+        # rest of the string as its value, "-ngl" -> "-n gl"). None: the argument is an unknown option.
+        return []
+
+
+class _Refuse(argparse.Action):
+    """Raises FlagRefused as soon as the flag is met (it takes an optional value, so ``-hf REPO`` and ``-fa`` both
+    reach it)."""
+
+    def __init__(self, option_strings: list[str], dest: str, why: str = "", **kwargs) -> None:  # noqa: ANN003
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.why = why
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        raise FlagRefused(f"{parser.prog}: error: {option_string} (llama.cpp's flag): {self.why}")
+
+
+_MEM = "size the slot pools with --mem (and --gpu-mem with --device cuda); moestream inspect --mem SIZE prints the plan"
+_SAMPLERS = ("that sampler is not in moestream: it has --temp, --top-k, --top-p, --min-p, --repeat-penalty, "
+             "--presence-penalty and --frequency-penalty")
+
+#: (llama.cpp flags, what moestream says) for every command that loads a model (run, serve, verify, bench, inspect)
+REFUSED: list[tuple[tuple[str, ...], str]] = [
+    (("-hf", "-hfr", "--hf-repo"), "moestream does not download models: download the .gguf file (e.g. hf download "
+     "REPO FILE.gguf --local-dir .) and pass -m FILE"),
+    (("-hff", "--hf-file"), "moestream does not download models: pass the downloaded file with -m FILE"),
+    (("-hft", "--hf-token"), "moestream does not download models: pass the downloaded file with -m FILE"),
+    (("-mu", "--model-url"), "moestream does not download models: download the file and pass -m FILE"),
+    (("-dr", "--docker-repo"), "moestream does not download models: download the file and pass -m FILE"),
+    (("-fa", "--flash-attn"), "moestream has no flash-attention switch (attention is computed one way per device); "
+     "leave it out"),
+    (("-ot", "--override-tensor"), "moestream places tensors itself: routed experts are streamed from the file into "
+     f"per-layer slot pools, everything else stays resident; {_MEM}"),
+    (("-cmoe", "--cpu-moe"), f"experts are streamed from disk into per-layer slot pools; {_MEM}"),
+    (("-ncmoe", "--n-cpu-moe"), f"experts are streamed from disk into per-layer slot pools; {_MEM}"),
+    (("--no-mmap",), "moestream reads routed experts with pread into its slot pools (with --moe-stream off it maps "
+     "the file); leave it out"),
+    (("--mlock",), f"the slot pools are moestream's own memory, not a map of the file; {_MEM}"),
+    (("-b", "--batch-size"), "moestream has no separate logical batch: it prefills in chunks of -ub N tokens "
+     "(--ubatch); use -ub"),
+    (("-ctk", "--cache-type-k"), "moestream's KV cache has one type (not quantized); leave it out"),
+    (("-ctv", "--cache-type-v"), "moestream's KV cache has one type (not quantized); leave it out"),
+    (("-sm", "--split-mode"), "moestream computes on one device: --device cuda uses the first GPU "
+     "(CUDA_VISIBLE_DEVICES picks it)"),
+    (("-ts", "--tensor-split"), "moestream computes on one device: --device cuda uses the first GPU "
+     "(CUDA_VISIBLE_DEVICES picks it)"),
+    (("-mg", "--main-gpu"), "moestream computes on one device: --device cuda uses the first GPU "
+     "(CUDA_VISIBLE_DEVICES picks it)"),
+    (("-dev",), "use --device cpu|cuda|auto"),
+    (("-tb", "--threads-batch"), "moestream uses -t threads for prefill and decode alike: use -t"),
+    (("--numa",), "moestream does no NUMA placement: leave it out (numactl can bind the process)"),
+    (("-mm", "--mmproj"), "moestream runs text models only (no multimodal projector)"),
+    (("--lora", "--lora-scaled"), "moestream does not apply LoRA adapters: merge the adapter into the GGUF first"),
+    (("-md", "--model-draft"), "moestream has no speculative decoding: leave the draft model out"),
+    (("--mirostat",), _SAMPLERS),
+    (("--typical",), _SAMPLERS),
+    (("--xtc-probability",), _SAMPLERS),
+    (("--dry-multiplier",), _SAMPLERS),
+    (("--grammar", "--grammar-file"), "moestream has no grammar-constrained sampling"),
+    (("-j", "--json-schema"), "moestream has no grammar-constrained sampling"),
+]
+
+#: serve only (llama-server's)
+SERVE_REFUSED: list[tuple[tuple[str, ...], str]] = [
+    (("-cb", "--cont-batching"), "moestream serve runs one generation at a time (batching is not built yet); "
+     "leave it out"),
+    (("--api-key", "--api-key-file"), "moestream serve has no API keys: it listens on 127.0.0.1 unless --host says "
+     "otherwise; put an authenticating proxy in front to expose it"),
+]
+
+
+def add_refused(p: argparse.ArgumentParser, table: list[tuple[tuple[str, ...], str]]) -> None:
+    """Declare each flag of ``table`` on ``p`` as refused (hidden from --help), skipping any ``p`` already has
+    (bench's own ``-p``, ``-r`` ...)."""
+    have = set(p._option_string_actions)  # noqa: SLF001 - the option strings argparse already knows
+    for flags, why in table:
+        free = [f for f in flags if f not in have]
+        if free:
+            p.add_argument(*free, action=_Refuse, why=why, dest="llama_" + free[-1].lstrip("-").replace("-", "_"))
+
+
+def gpu_layers_device(value: str) -> str:
+    """``-ngl N`` as a ``--device``: 0 -> ``cpu``, N > 0 or ``all`` -> ``cuda``, ``auto`` or -1 -> ``auto``
+    (llama.cpp offloads N layers to the GPU; moestream computes the whole model on one device, so any layer on the
+    GPU means the GPU). argparse.ArgumentTypeError for anything else."""
+    v = value.strip().lower()
+    if v == "all":
+        return "cuda"
+    if v == "auto":
+        return "auto"
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a layer count, all or auto, got {value!r}") from None
+    if n < -1:
+        raise argparse.ArgumentTypeError(f"expected a layer count (0: the CPU; more: the GPU), got {n}")
+    return "auto" if n == -1 else "cuda" if n > 0 else "cpu"
