@@ -68,14 +68,15 @@ bench)
   tail -5 "$OUT"/*.err
   ;;
 runner)
-  bench_model
+  [ "${RUNNER_MODELS:-q32 g6}" != "g6" ] && bench_model
   G=/tmp/g6.gguf
+  [ -f /tmp/tok.gguf ] || xz -dc "$BUNDLE"/tok.gguf.xz > /tmp/tok.gguf
   [ -f $G ] || ( time python3 tools/make_bench_model.py --arch gemma4 --type Q4_0 --layers 6 -o $G \
     --tokenizer-from /tmp/tok.gguf ) > "$OUT/make_g6.log" 2>&1
   for i in $(seq 1 60); do [ -x $LLB ] && break; sleep 5; done
   tail -2 /tmp/llb.log
-  for m in $M $G; do
-    n=$(basename $m .gguf)
+  for n in ${RUNNER_MODELS:-q32 g6}; do
+    m=/tmp/$n.gguf
     for g in 1 0; do
       vs=""; [ $g = 1 ] && vs="--vs llama.cpp --llama-bench $LLB"
       MOESTREAM_CUDA_GRAPHS=$g timeout 200 python3 -m moestream bench -m $m -p 64 -n 32 -r 1 -t 16 --device cuda \
