@@ -40,13 +40,15 @@ def enabled() -> bool:
     return os.environ.get("MOESTREAM_CUDA_GRAPHS", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def _tensors_of(v: object) -> list[torch.Tensor]:
+    """The tensors of an attribute: a tensor, or a list, tuple or dict of them (None and others skipped)."""
+    items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
 def cache_tensors(cache: object) -> list[torch.Tensor]:
     """Every tensor a cache object holds (its attributes: tensors, and lists or dicts of them), in a fixed order."""
-    out: list[torch.Tensor] = []
-    for _, v in sorted(vars(cache).items()):
-        items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
-        out.extend(t for t in items if isinstance(t, torch.Tensor))
-    return out
+    return [t for _, v in sorted(vars(cache).items()) for t in _tensors_of(v)]
 
 
 def _addresses(cache: object) -> tuple[int, ...]:
@@ -128,7 +130,7 @@ class DecodeGraphs:
             dev = cache_tensors(cache)[0].device
             static = tuple(None if t is None else t.to(dev, copy=True) for t in inputs)
             try:
-                g = self._segments[key] = (*self._capture_fn(fn, static), static)
+                g = self._segments[key] = (*self._capture_fn(fn, static, cache), static)
             except (RuntimeError, NotImplementedError) as e:
                 self._off(e)
                 return None
@@ -148,14 +150,20 @@ class DecodeGraphs:
         self.clear()
         torch.cuda.synchronize()
 
-    def _capture_fn(self, fn: Callable[..., object], static: tuple) -> tuple:
+    def _capture_fn(self, fn: Callable[..., object], static: tuple, cache: object) -> tuple:
         """(graph, outputs, keep) of ``fn(*static)``: one warm-up run on a side stream (compiles kernels, fills
-        lazily made constants; not captured), then the capture."""
+        lazily made constants; not captured), then the capture. The warm-up really runs the step: the cache's
+        recurrent state (every tensor of it but the ``k``/``v`` rows, which the replay writes again with the same
+        values) is put back as it was, or the step the replay runs next would advance it a second time."""
         dev = next(t.device for t in static if t is not None)
+        rows = {id(t) for name in ("k", "v") for t in _tensors_of(getattr(cache, name, None))}
+        state = [(t, t.clone()) for t in cache_tensors(cache) if id(t) not in rows]
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             fn(*static)
+            for t, saved in state:
+                t.copy_(saved)
         torch.cuda.current_stream(dev).wait_stream(side)
         from ..gpu import tkernels
 
@@ -173,5 +181,5 @@ class DecodeGraphs:
         pos_in = torch.empty(1, dtype=torch.int64, device=dev)
         tok_in.copy_(tokens)
         pos_in.fill_(start)
-        graph, out, keep = self._capture_fn(lambda t, p: body(t, p, n_keys, cache), (tok_in, pos_in))
+        graph, out, keep = self._capture_fn(lambda t, p: body(t, p, n_keys, cache), (tok_in, pos_in), cache)
         return graph, tok_in, pos_in, out, keep
