@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(```|~~~)")
 #: shell words that end a command's arguments
+#: the error line moestream prints (``moestream: error: ...``, argparse's ``moestream run: error: ...``)
+ERROR_LINE = r"moestream( \w+)?: error: "
 SHELL_OPS = {"|", "||", "&&", ";", "&", ">", ">>", "<", "2>", "2>&1", "&>"}
 
 
@@ -69,14 +71,24 @@ def logical_lines(block: list[str]) -> list[str]:
 
 
 def moestream_commands(block: list[str]) -> list[list[str]]:
+    """The argument lists of :func:`moestream_lines`, refused examples included."""
+    return [args for args, _ in moestream_lines(block)]
+
+
+def moestream_lines(block: list[str]) -> list[tuple[list[str], str | None]]:
     """The argument lists of the ``moestream`` command lines of one fenced block: a shell line (``$ `` prompt,
     ``VAR=value`` and ``sudo`` prefixes, ``$VAR`` of an earlier ``VAR="..."`` line in the block expanded) or a
     YAML ``cmd:`` value (llama-swap's ``${PORT}`` given a port), whose first word is ``moestream`` or a path
-    ending in ``/moestream``."""
-    found: list[list[str]] = []
+    ending in ``/moestream``. Each comes with the error line that follows it in the block, if one does (``moestream
+    run: error: ...`` after ``$ moestream run ...``: an example of a refused command), else None."""
+    found: list[tuple[list[str], str | None]] = []
     variables: dict[str, str] = {}
-    for line in logical_lines(block):
+    lines = logical_lines(block)
+    session = any(ln.lstrip().startswith("$ ") for ln in lines)  # a transcript: only the $ lines are commands
+    for n, line in enumerate(lines):
         s = line.strip()
+        if session and not s.startswith("$ ") or re.match(ERROR_LINE, s):
+            continue
         if s.startswith("cmd:"):  # a llama-swap entry: ${PORT} is the port it substitutes
             s = s[4:].replace("${PORT}", "8080")
         s = re.sub(r"^\$ ", "", s)
@@ -99,15 +111,16 @@ def moestream_commands(block: list[str]) -> list[list[str]]:
             if w in SHELL_OPS or w.startswith((">", "2>")):
                 break
             args.append(w)
-        found.append(args)
+        following = lines[n + 1].strip() if n + 1 < len(lines) else ""
+        found.append((args, following if re.match(ERROR_LINE, following) else None))
     return found
 
 
-def all_commands() -> list[tuple[str, list[str]]]:
+def all_commands() -> list[tuple[str, list[str], str | None]]:
     out = []
     for page in PAGES:
         for block in fenced_blocks(page.read_text()):
-            out += [(page.relative_to(ROOT).as_posix(), args) for args in moestream_commands(block)]
+            out += [(page.relative_to(ROOT).as_posix(), args, error) for args, error in moestream_lines(block)]
     return out
 
 
@@ -124,6 +137,8 @@ def parse(args: list[str]) -> str | None:
             ns, extra = ap.parse_known_args(args)
     except SystemExit as e:
         return None if e.code == 0 else err.getvalue().strip() or f"exit {e.code}"
+    except Exception as e:  # noqa: BLE001 - a flag the parser refuses in its own way (llamaflags.FlagRefused)
+        return str(e)
     if extra:
         return f"unrecognized arguments: {' '.join(extra)}"
     if getattr(ns, "verify_moe_stream", None) is not None:
@@ -134,21 +149,29 @@ def parse(args: list[str]) -> str | None:
 def test_commands_found():
     """The extraction sees the README's five commands and the pages' examples (a broken extraction would pass
     every page vacuously)."""
-    readme = {args[0] for page, args in COMMANDS if page == "README.md" and args}
+    readme = {args[0] for page, args, _ in COMMANDS if page == "README.md" and args}
     assert {"run", "serve", "bench", "verify", "inspect"} <= readme, readme
     assert len(COMMANDS) >= 20, COMMANDS
     # the extraction itself: continuations, a prompt, an env prefix, a variable, a YAML cmd, a pipe, a comment
-    block = ['$ MOESTREAM_X=1 .venv/bin/moestream run -p "a b" \\', "    -n 4 | head  # c",
+    block = ['MOESTREAM_X=1 .venv/bin/moestream run -p "a b" \\', "    -n 4 | head  # c",
              'B="moestream bench -m m.gguf"', "$B --slots 8", "    cmd: moestream serve --port ${PORT}",
              "curl -s localhost:8080/health", "echo moestream run"]
     assert moestream_commands(block) == [["run", "-p", "a b", "-n", "4"], ["bench", "-m", "m.gguf", "--slots", "8"],
                                          ["serve", "--port", "8080"]]
+    refused = ["$ moestream run -x", "moestream run: error: -x is not an option", "$ moestream run -n 2", "hello"]
+    assert moestream_lines(refused) == [(["run", "-x"], "moestream run: error: -x is not an option"),
+                                        (["run", "-n", "2"], None)]
 
 
-@pytest.mark.parametrize(("page", "args"), COMMANDS, ids=[f"{p}:{' '.join(a)[:60]}" for p, a in COMMANDS])
-def test_command_parses(page, args):
+@pytest.mark.parametrize(("page", "args", "error"), COMMANDS, ids=[f"{p}:{' '.join(a)[:60]}" for p, a, _ in COMMANDS])
+def test_command_parses(page, args, error):
+    """Each command parses; one the page shows refused (its error line after it) is refused with that line."""
     problem = parse(args)
-    assert problem is None, f"{page}: `moestream {shlex.join(args)}` does not parse: {problem}"
+    if error is None:
+        assert problem is None, f"{page}: `moestream {shlex.join(args)}` does not parse: {problem}"
+    else:
+        assert problem is not None and error in problem, \
+            f"{page}: `moestream {shlex.join(args)}` should be refused with {error!r}, the parser says {problem!r}"
 
 
 def test_parse_refuses():
