@@ -432,8 +432,8 @@ def test_interactive_refused_turn_keeps_the_session(monkeypatch: pytest.MonkeyPa
 
     real = tokenizer.GGUFTokenizer.from_fields.__func__
 
-    def rewriting(cls: Any, fields: Any, path: str) -> GGUFTokenizer:
-        t = real(cls, fields, path)
+    def rewriting(cls: Any, fields: Any, path: str, *digest: Any) -> GGUFTokenizer:
+        t = real(cls, fields, path, *digest)
         t.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] | "
                            "replace('x', 'y') }}<｜Assistant｜>{% endif %}{% endfor %}")
         return t
@@ -463,8 +463,8 @@ def test_interactive_template_that_always_fails_is_refused_at_start(monkeypatch:
     as --chat does, instead of refusing every turn and exiting 0."""
     real = GGUFTokenizer.from_fields
 
-    def broken(fields, path):  # noqa: ANN001, ANN202
-        tok = real(fields, path)
+    def broken(fields, path, *digest):  # noqa: ANN001, ANN002, ANN202
+        tok = real(fields, path, *digest)
         tok.chat_template = "{{ raise_exception('this template refuses everything') }}"
         return tok
 

@@ -214,8 +214,8 @@ def test_n_minus_one_stops_at_end_of_generation(monkeypatch):
     assert fifth not in greedy[:4]
     real = tokenizer.GGUFTokenizer.from_fields.__func__
 
-    def with_stop(cls, fields, path):
-        t = real(cls, fields, path)
+    def with_stop(cls, fields, path, *digest):
+        t = real(cls, fields, path, *digest)
         t.eos_ids = {*t.eos_ids, fifth}
         return t
 

@@ -790,8 +790,8 @@ def test_health_503_once_the_file_changed_in_place(tmp_path: Path) -> None:
 
 
 def test_health_503_after_read_faults_in_a_row() -> None:
-    """One request failing on an expert read leaves the model serving (the next may not meet the fault); a second
-    in a row marks it broken; a success in between starts the count again."""
+    """Requests failing on an expert read leave the model serving (the next may not meet the fault) until
+    READ_FAULTS_BROKEN of them come in a row, which mark it broken; a success in between starts the count again."""
     from moestream.errors import ExpertReadError
     from moestream.server import READ_FAULTS_BROKEN
 

@@ -124,8 +124,9 @@ class Counters:
 
 
 #: Requests in a row whose generation failed on an expert read (ExpertReadError) after which the model counts as
-#: broken (/health 503): one may be a passing fault that the next request does not meet (the pool stays consistent)
-READ_FAULTS_BROKEN = 2
+#: broken (/health 503): one or two may be a passing fault that the next request does not meet (the pool stays
+#: consistent, and the server goes on)
+READ_FAULTS_BROKEN = 3
 
 
 class ServerState:
