@@ -200,10 +200,10 @@ class Runner:
                 sh = m.shared(i, x, h) if m.has_shared(i) else None
         raise AssertionError("unreachable: the last segment returns the logits")
 
-    def _segmented(self, tokens: torch.Tensor, start: int, n_keys: int, cache: Any, key: tuple) -> torch.Tensor | None:
+    def _segmented(self, tokens: torch.Tensor, start: int, n_keys: int, cache: Any, key: tuple) -> torch.Tensor:
         """:meth:`decode_device` while streaming: each segment a graph replay, each MoE layer through the store.
         The per-step tensors a family keeps in ``step.data`` (made by segment 0) travel between the segments as
-        graph inputs and outputs. None when a capture failed before any segment ran (the caller runs eagerly)."""
+        graph inputs and outputs. A segment whose capture fails runs eagerly (and graphs are off from then on)."""
         m = self.model
         segs = self.segments()
         pos = torch.full((1,), start, dtype=torch.int64, device=m.device)
