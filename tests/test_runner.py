@@ -22,6 +22,7 @@ from helpers import assert_bitwise
 from moestream.engine import Engine
 from moestream.models.base import LoadOptions, load_model
 from moestream.models.layers import decode_keys
+from moestream.runtime.step import Seq, Step
 
 #: (fixture, file) of every family: a file of each architecture's real converter output
 FAMILIES = [
@@ -89,23 +90,15 @@ def _device_decode(model: Any, ids: list[int], steps: int) -> list[torch.Tensor]
     tok = int(out[0][-1].argmax())
     for i in range(steps):
         pos = len(ids) + i
+        host = Step(torch.tensor([tok]), [Seq(cache, pos, 1)])  # the host side: recurrent state's position
         with torch.inference_mode():
-            runner.model.begin_step(_Step(cache, pos))
+            model.begin_step(host)
             logits = runner.body(torch.tensor([tok]), torch.tensor([pos]), decode_keys(pos, cache.n_ctx), cache,
                                  eager=True)
-            runner.model.end_step(_Step(cache, pos))
+            model.end_step(host)
         out.append(logits)
         tok = int(logits[0].argmax())
     return out
-
-
-class _Step:
-    """The host side of one decode step (what ``Runner.decode_device`` hands the model's begin/end hooks)."""
-
-    def __init__(self, cache: Any, pos: int):
-        from moestream.runtime.step import Seq
-
-        self.seqs = [Seq(cache, pos, 1)]
 
 
 def test_device_step_every_family(path: str) -> None:
