@@ -66,6 +66,18 @@ def test_inspect_plan_of_a_file_without_tokenizer(tmp_path):
         assert p.returncode == 0 and "memory plan" in p.stdout, p.stdout + p.stderr
 
 
+def test_streaming_options_noted_as_ignored_when_resident():
+    """--slots / --mem / --prefetch with --moe-stream off: the run says they are ignored (found by a newcomer: a
+    budget asked for was dropped without a word)."""
+    from helpers import cli
+
+    p = cli("run", "--moe-stream", "off", "--slots", "8", "--prefetch", "on", "-n", "2", "-p", "Hi", "--temp", "0")
+    assert p.returncode == 0, p.stderr
+    assert "note: --slots, --prefetch: streaming options, ignored with --moe-stream off" in p.stderr, p.stderr
+    q = cli("run", "--moe-stream", "off", "-n", "2", "-p", "Hi", "--temp", "0")
+    assert q.returncode == 0 and "ignored" not in q.stderr, q.stderr
+
+
 def test_bench_writes_table_and_json(tmp_path):
     out = tmp_path / "b.json"
     p = moestream("bench", "-p", "8", "-n", "4", "-r", "2", "--slots", "4,8", "--json", str(out))

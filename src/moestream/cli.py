@@ -152,8 +152,14 @@ def _ignored_options(args: argparse.Namespace, opts, moe_stream: bool) -> list[s
             notes.append("--gpu-mem applies to --device cuda only: ignored on the CPU")
         if getattr(args, "pool", "device") != "device":
             notes.append("--pool applies to --device cuda only: ignored on the CPU (the pools are host memory)")
-    if not moe_stream and opts.host_cache:
-        notes.append("--host-cache is a cache below the slot pools: ignored with --moe-stream off")
+    if not moe_stream:
+        given = [flag for flag, dest, default in (
+            ("--host-cache", "host_cache", None), ("--mem", "mem", None), ("--slots", "slots", None),
+            ("--direct-io", "direct_io", None), ("--prefetch", "prefetch", False), ("--io-threads", "io_threads", 8),
+            ("--policy", "policy", "lfu")) if getattr(args, dest, default) != default]
+        if given:
+            notes.append(f"{', '.join(given)}: streaming options, ignored with --moe-stream off (every expert is "
+                         f"addressed in the file's memory map)")
     return notes
 
 
