@@ -19,7 +19,7 @@ from ..experts.pool import ExpertStore, ResidentStore, StreamingStore, check_poo
 from ..experts.reader import check_io_threads
 from ..gguf import GGUFModel
 from ..runtime.runner import Runner
-from .layers import KVArena, Weight, check_computable, rms_norm, swiglu_ffn
+from .layers import KVArena, KVCache, Weight, check_computable, rms_norm, swiglu_ffn
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 
@@ -805,12 +805,16 @@ class MoEModel:
 
     def make_cache(self, n_ctx: int) -> object:
         """The family's cache for ``n_ctx`` positions: an object with ``n_ctx`` and per-layer tensors (``k``, ``v``
-        [n_ctx, ...] rows; any recurrent state), read and written through the runner's Step."""
-        raise NotImplementedError
+        [n_ctx, ...] rows; any recurrent state), read and written through the runner's Step. Default: GQA's
+        :class:`KVCache`, float32 [n_ctx, n_kv, head_dim] keys and [n_ctx, n_kv, head_dim_v] values per layer
+        (head_dim_v: ``read_heads(value_length=True)``'s, else head_dim)."""
+        return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, getattr(self, "head_dim_v", self.head_dim),
+                       self.device)
 
     def cache_bytes(self, n_ctx: int) -> int:
-        """Bytes ``new_cache(n_ctx)`` allocates, computed without allocating (checked before a run)."""
-        raise NotImplementedError
+        """Bytes ``new_cache(n_ctx)`` allocates, computed without allocating (checked before a run); default: the
+        default :meth:`make_cache`'s."""
+        return 4 * self.n_layers * n_ctx * self.n_kv * (self.head_dim + getattr(self, "head_dim_v", self.head_dim))
 
     def forward(self, tokens: torch.Tensor, start: int, cache: object, logits_all: bool = False) -> torch.Tensor:
         """tokens: [T] int64 at positions start..start+T-1. Returns float32 logits [T, n_vocab] when

@@ -58,7 +58,7 @@ import torch
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, linear_bias, rms_norm, rope_inv_freq, swiglu_ffn
+from .layers import Rope, linear_bias, rms_norm, rope_inv_freq, swiglu_ffn
 from .routing import sigmoid_group_topk
 
 if TYPE_CHECKING:
@@ -171,12 +171,6 @@ class Glm4MoE(MoEModel):
         return self.meta_int("feed_forward_length", required=True) // self.top_k
 
     # --- compute ----------------------------------------------------------------------------------------------
-    def make_cache(self, n_ctx: int) -> KVCache:
-        return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim, self.device)
-
-    def cache_bytes(self, n_ctx: int) -> int:
-        return 4 * self.n_layers * n_ctx * self.n_kv * 2 * self.head_dim
-
     def route(self, b: dict, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits: [T, n_experts] float32 of MoE block ``b`` -> (ids [T, top_k] int64, weights [T, top_k]
         float32): :func:`routing.sigmoid_group_topk` with the block's score-correction bias and the file's keys."""

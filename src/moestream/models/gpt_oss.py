@@ -48,7 +48,7 @@ import torch
 from ..errors import GGUFError
 from ..experts.moe import ClampedSwiGLU
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, linear_bias, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
+from .layers import Rope, linear_bias, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
 
 if TYPE_CHECKING:
     from ..runtime.step import Step
@@ -145,12 +145,6 @@ class GptOss(MoEModel):
         return Rope(inv, scale=yarn_attention_factor(s.factor) * s.attn_factor)
 
     # --- compute ----------------------------------------------------------------------------------------------
-    def make_cache(self, n_ctx: int) -> KVCache:
-        return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim, self.device)
-
-    def cache_bytes(self, n_ctx: int) -> int:
-        return 4 * self.n_layers * n_ctx * self.n_kv * 2 * self.head_dim
-
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] the FFN-normed input of block ``b`` -> (ids [T, top_k] int64 real expert ids, weights
         [T, top_k] float32): the top-k of the biased router logits, softmaxed among themselves."""

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, rms_norm, rope_inv_freq, softmax_topk
+from .layers import Rope, rms_norm, rope_inv_freq, softmax_topk
 
 if TYPE_CHECKING:
     from ..runtime.step import Step
@@ -80,12 +80,6 @@ class Mixtral(MoEModel):
     def has_meta(self, suffix: str) -> bool:
         """Whether the file holds the metadata key ``<arch>.<suffix>``."""
         return self.gguf.arch_get(suffix) is not None
-
-    def make_cache(self, n_ctx: int) -> KVCache:
-        return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, self.device)
-
-    def cache_bytes(self, n_ctx: int) -> int:
-        return 4 * self.n_layers * n_ctx * self.n_kv * (self.head_dim + self.head_dim_v)
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits: float32 [T, n_experts] -> (ids [T, top_k] int64, weights [T, top_k] float32, sum 1):

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, linear_bias, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
+from .layers import Rope, linear_bias, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
 
 if TYPE_CHECKING:
     from ..runtime.step import Step
@@ -99,12 +99,6 @@ class Qwen2MoE(MoEModel):
                             f"(and {self._key('feed_forward_length')}, from which llama.cpp derives it, too)")
         n_ff = self.meta_ints("feed_forward_length", self.n_layers)
         return [f // self.top_k for f in n_ff]
-
-    def make_cache(self, n_ctx: int) -> KVCache:
-        return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim, self.device)
-
-    def cache_bytes(self, n_ctx: int) -> int:
-        return 4 * self.n_layers * n_ctx * self.n_kv * 2 * self.head_dim
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits: [T, n_experts] float32 -> (ids [T, top_k] int64, weights [T, top_k] float32): the top-k

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import LoadOptions, MoEModel, register
-from .layers import KVCache, Rope, rms_norm, rope_inv_freq, softmax_topk
+from .layers import Rope, rms_norm, rope_inv_freq, softmax_topk
 
 if TYPE_CHECKING:
     from ..runtime.step import Step
@@ -50,12 +50,6 @@ class Qwen3MoE(MoEModel):
             return
         self.rope = Rope(rope_inv_freq(self.rope_base, self.head_dim, self.device))
         self.load_declared(ends, blocks)
-
-    def make_cache(self, n_ctx: int) -> KVCache:
-        return KVCache(self.n_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, self.device)
-
-    def cache_bytes(self, n_ctx: int) -> int:
-        return 4 * self.n_layers * n_ctx * self.n_kv * (self.head_dim + self.head_dim_v)
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits: [T, n_experts] -> (ids [T, top_k] int64, weights [T, top_k] float32, summing to 1 unless
