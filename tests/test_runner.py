@@ -1,8 +1,14 @@
 """The step runner (runtime/runner.py) over every family: batches of sequences and the device-position decode step.
 
 - A batch of sequences (each its own KV cache and positions; one prefilling while another decodes, of different
-  lengths) gives every sequence the same bits as running it alone: the projections, routers and experts see all
-  the rows together, and every row is computed on its own (the C kernels, torch's row-wise ops).
+  lengths) gives every sequence what it gets alone: the projections, routers and experts see all the rows
+  together. Bitwise on the embedded model (its matmuls are the C kernels, each row computed on its own); on the
+  family fixtures, whose F32 weights (routers, F32 files) go through torch's matmul, whose blocking depends on the
+  row count, not bitwise: the same top token everywhere, and within 2e-3 of the largest logit. Measured
+  (2026-12-03): within 1e-5 on every F32 file; 1.0e-3 (0.0075 of 7.46) on qwen3moe-tiny Q8_0 at the step where
+  three one-token decodes share a call (probably a near-tied expert chosen differently after the router's F32
+  matmul changed in its last bits; not verified). Bitwise batching for every weight type is the serving issue's
+  work (issue 26, item 2).
 - The decode step that CUDA graphs capture (position in a tensor, attention over a fixed number of cache rows
   with the later ones masked: ``Runner.body``) runs on the CPU for every family: its logits stay within 1e-5 of
   the largest logit of the usual eager step (the same float32 products, reductions over more, masked, keys) with
@@ -72,9 +78,14 @@ def test_batch_equals_alone(path: str) -> None:
                                  (prompts[2][4:], 4, bc[2])], logits_all=True)
         end = model.runner.step([(torch.tensor([8]), 8, bc[0]), (torch.tensor([9]), 6, bc[1]),
                                  (torch.tensor([10]), 9, bc[2])])
-    assert_bitwise([first], [torch.cat([a[0] for a in alone])])
-    assert_bitwise([mid], [torch.cat([alone[0][1], alone[1][1], alone[2][1]])])
-    assert_bitwise([end], [torch.cat(last)])
+    got = [first, mid, end]
+    want = [torch.cat([a[0] for a in alone]), torch.cat([alone[0][1], alone[1][1], alone[2][1]]), torch.cat(last)]
+    if path == str(DEFAULT_GGUF):
+        assert_bitwise(got, want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        diff, scale = float((g - w).abs().max()), float(w.abs().max())
+        assert diff <= 2e-3 * scale, f"step {step}: max |diff| {diff:.3g} of max |logit| {scale:.3g}"
+        assert torch.equal(g.argmax(-1), w.argmax(-1)), step
     assert model.store.stats.misses > 0
 
 
