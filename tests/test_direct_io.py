@@ -300,12 +300,14 @@ def test_direct_read_of_unaligned_offsets_lands_at_the_lead(data_file):
 
 # ------------------------------------------------------------------------------------------------ refusal
 def _refuse_o_direct_open(monkeypatch, victim: str) -> list[str]:
-    """open(2) of ``victim`` with O_DIRECT fails with EINVAL, as on a file system without direct IO."""
+    """open(2) of ``victim`` with O_DIRECT fails with EINVAL, as on a file system without direct IO (also through
+    ``/proc/self/fd/N``, which the reader opens to read the file it was loaded from)."""
     real = os.open
     refused: list[str] = []
+    target = os.path.realpath(victim)
 
     def fake(path, flags, *a, **k):
-        if os.fspath(path) == victim and flags & reader_mod.O_DIRECT:
+        if os.path.realpath(os.fspath(path)) == target and flags & reader_mod.O_DIRECT:
             refused.append(victim)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(path, flags, *a, **k)
