@@ -5,8 +5,7 @@
     python tools/record_logits.py --compare A.npz B.npz
 
 Per file: a 24-token prompt's logits (every position), then 6 greedy decode steps, resident (``--moe-stream off``)
-and streaming through top-k slots per layer; and 3 of those tokens decoded as a batch of sequences through the
-step runner where the checkout has one (``model.runner.step``; compared with the same sequences alone).
+and streaming through top-k slots per layer (batches of sequences are checked by tests/test_runner.py).
 ``--compare`` exits 1 naming the first file and array whose bits differ.
 """
 
