@@ -61,7 +61,7 @@ def test_inspect_plan_of_a_file_without_tokenizer(tmp_path):
 
     keys = [k for k in ggufedit.read(DEFAULT_GGUF).fields if k.startswith("tokenizer.")]
     bare = ggufedit.rewrite(DEFAULT_GGUF, tmp_path / "bare.gguf", drop_kv=tuple(keys))[0]
-    for flags in (("--mem", "2GiB"), ("--gpu-mem", "1GiB")):
+    for flags in (("--mem", "20GiB"), ("--gpu-mem", "1GiB")):
         p = cli("inspect", "-m", str(bare), *flags)
         assert p.returncode == 0 and "memory plan" in p.stdout, p.stdout + p.stderr
 
