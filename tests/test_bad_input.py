@@ -459,6 +459,8 @@ def test_mem_cap_units():
     for bad in ("1e400G", "1e3G", "1_000M", "+1G", "0x10G", "4XB", "GiB", "nan", "inf", "1.5.G"):
         with pytest.raises(ConfigError, match="--mem-cap: cannot read"):
             parse_size(bad)
+    with pytest.raises(ConfigError, match="unknown unit 'XB'"):  # as typed, not lower-cased
+        parse_size("4 XB")
 
 
 @pytest.mark.parametrize("cap,needle", [("0GiB", "must be positive"), ("1k", "below the 64 MiB minimum")])

@@ -11,7 +11,7 @@ from moestream import cli
 from moestream.budget import GiB, MiB, parse_mem, plan_pools
 from moestream.errors import ConfigError
 from moestream.memcap import MemCap
-from moestream.models.base import LoadOptions, load_model
+from moestream.models.base import LoadOptions, load_model, open_model
 
 
 def _plan(budget: int, slot_bytes: dict[int, int], n_exp: int = 16, top_k: int = 4, fixed: int = 100):
@@ -91,6 +91,26 @@ def test_too_small_names_the_smallest_that_works(default_gguf):
     assert 4 <= int(m.group(1)) <= 64
 
 
+def test_budget_too_small_is_refused_before_any_weight_is_read(default_gguf, monkeypatch):
+    """The memory plan comes first (issue 23): a --mem that cannot hold top-k slots per layer is refused from the
+    tensor table, before the loader reads a weight; a budget that fits gets the store in the same call, its pools
+    fitted to the process measured after the load (no deferred store for the caller to finish)."""
+    from moestream.models.base import MoEModel
+
+    opts = LoadOptions(mem=parse_mem("100MiB"), mem_source="--mem 100MiB")
+    reads = []
+    real = MoEModel.load_declared
+    monkeypatch.setattr(MoEModel, "load_declared", lambda self, *a: reads.append(1) or real(self, *a))
+    with pytest.raises(ConfigError, match=r"--mem 100MiB is too small"):
+        load_model(str(default_gguf), opts, n_ctx=64)
+    assert reads == []
+    model = load_model(str(default_gguf), LoadOptions(mem=parse_mem("20GiB"), mem_source="--mem 20GiB"), n_ctx=64)
+    assert reads == [1]
+    assert model.store.streaming and model.memory_plan.n_ctx == 64
+    assert set(model.memory_plan.slots.values()) == {64}  # every expert fits in 20 GiB
+    model.store.close()
+
+
 def test_inspect_mem_prints_the_plan_run_uses(default_gguf):
     """inspect --mem prints the plan run makes: the same dense, KV and scratch figures, the process measured within
     64 MiB of run's own (fresh processes both), and pools = budget less the rest."""
@@ -124,8 +144,8 @@ def test_budget_store_is_identical_to_resident(default_gguf, monkeypatch):
     resident = load_model(str(default_gguf), LoadOptions(moe_stream=False))
     ids = list(range(1, 40))
     ref = Engine(resident).prefill(ids, resident.new_cache(48), logits_all=True)
-    probe = load_model(str(default_gguf), LoadOptions(moe_stream=False))
-    need = probe.plan_memory(LoadOptions(mem=2**40), n_ctx=48).minimum  # bytes for top-k slots per layer
+    probe = open_model(str(default_gguf))  # the loader's plan: from the tensor table, before the load
+    need = probe.plan_memory(LoadOptions(mem=2**40), n_ctx=48, loaded=False).minimum  # bytes for top-k slots
     m = load_model(str(default_gguf), LoadOptions(mem=need + 6 * 4 * probe.layout.bytes_per_expert(0), n_ctx=48))
     try:
         per = m.store.slots_per_layer()

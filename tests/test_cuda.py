@@ -60,9 +60,9 @@ def test_triton_on(gpu_model) -> None:  # noqa: ANN001
     from moestream.gpu import tkernels
 
     assert moes
-    for m in moes:  # Triton's types take the grouped path; other types (MXFP4) and experts with biases (gpt-oss)
+    for m in moes:  # Triton's types take the grouped path, biased experts (gpt-oss) included; other types (MXFP4)
         types = {mm.ggml_type for mm in m.mats.values()}  # are dequantized on the GPU, one expert at a time
-        grouped = types <= tkernels.TYPES and m.bias is None
+        grouped = types <= tkernels.TYPES
         assert m.gpu == grouped, f"layer {m.layer}: types {sorted(types)}, biases {m.bias is not None}, grouped {m.gpu}"
 
 
@@ -206,8 +206,9 @@ def test_identity_host_tier(gpu_model, pool: str) -> None:  # noqa: ANN001
 @pytest.fixture
 def graphed(gpu_model, monkeypatch):  # noqa: ANN001, ANN201
     """``gpu_model``'s file loaded again with the CUDA-graph decode on (MOESTREAM_CUDA_GRAPHS=1). Every family
-    whose experts run on the grouped Triton path decodes a resident step as one graph (GPT-OSS's biased experts
-    run one at a time: its steps are graphed in segments, see test_cuda_graph_segments_streaming)."""
+    whose experts run on the grouped Triton path (GPT-OSS's biased experts included) decodes a resident step as one
+    graph; a file whose expert types Triton does not compute (MXFP4) is graphed in segments, see
+    test_cuda_graph_segments_streaming."""
     monkeypatch.setenv("MOESTREAM_CUDA_GRAPHS", "1")
     model = load_model(gpu_model.gguf.path, LoadOptions(moe_stream=False, device="cuda"))
     assert model.runner.graphs.opted_in
@@ -216,7 +217,7 @@ def graphed(gpu_model, monkeypatch):  # noqa: ANN001, ANN201
 
 def _whole_step(model) -> None:  # noqa: ANN001
     if not all(model.experts(i).gpu for i in model.layout.moe_layers):
-        pytest.skip(f"{model.gguf.arch}: experts off the grouped path (biases or types Triton does not compute) "
+        pytest.skip(f"{model.gguf.arch}: experts off the grouped path (types Triton does not compute) "
                     f"cannot be one graph; its segments are graphed")
     assert model.runner.graphable(), "a resident model on CUDA should decode through one graph per step"
 

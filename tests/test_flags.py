@@ -80,8 +80,12 @@ def test_ngl_0_runs_on_the_cpu_as_without_it() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
 def test_ngl_99_without_a_gpu_is_one_line() -> None:
+    """The refusal names the flag the user typed (-ngl 99, not the --device it stands for), and --device's own."""
     p = cli("run", "-n", "1", "-ngl", "99")
-    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "--device cuda" in p.stderr, p.stderr
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("moestream: error: -ngl 99: ") and "leave -ngl out" in p.stderr, p.stderr
+    p = cli("run", "-n", "1", "-ngl", "99", "--device", "cuda")
+    assert p.returncode == 1 and p.stderr.startswith("moestream: error: --device cuda: "), p.stderr
 
 
 def test_aliases_of_llama_cpp_long_names() -> None:

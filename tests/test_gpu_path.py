@@ -101,3 +101,36 @@ def test_graphed_decode_step_equals_streaming_step() -> None:
     for g, w in zip(graphed[1:], want[1:], strict=True):
         assert int(g.argmax()) == int(w.argmax())
         assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
+
+
+def test_grouped_path_adds_expert_biases_by_real_id(fixtures_tool) -> None:
+    """GPT-OSS's per-expert biases on the grouped launches (each pair's bias row gathered by its real expert id,
+    one float32 add, as the per-expert path adds it): streaming through top-k slots (slot ids != expert ids) gives
+    the bits of the resident store; the decode step a CUDA graph captures (``MoE.resident_step``) gives the bits of
+    the streaming step; both within 1e-5 of the largest logit of the per-expert dequantize path. A bias read by
+    slot id would be another expert's: the first bar would fail."""
+    path = str(fixtures_tool.build_fixture("gpt-oss-tiny")["f32"])
+    model = load_model(path, LoadOptions(slots=4, matmul="dequant"))
+    moes = [b["moe"] for b in model.blocks if "moe" in b]
+    assert all(m.bias for m in moes)
+    for moe in moes:
+        moe.gpu = True
+    calls = []
+    real = moes[0]._grouped
+
+    def spy(store, groups, experts, slot_of, x, out):  # noqa: ANN001, ANN202
+        calls.append(sorted(slot_of[e] for e in experts) != sorted(experts))
+        return real(store, groups, experts, slot_of, x, out)
+
+    moes[0]._grouped = spy
+    streamed = logits_of(model, IDS, 2, 3)
+    assert any(calls), "no batch addressed experts through slot ids != expert ids"
+    step_streamed = _decode_on_device_path(model, IDS, 3, eager=True)
+    model.set_store(ResidentStore(model.gguf, model.layout))
+    assert_bitwise(streamed, logits_of(model, IDS, 2, 3))
+    assert_bitwise(step_streamed[1:], _decode_on_device_path(model, IDS, 3, eager=False)[1:])
+    ref = load_model(path, LoadOptions(moe_stream=False, matmul="dequant"))  # per expert, bias added per expert
+    want = logits_of(ref, IDS, 2, 3)
+    scale = max(float(w.abs().max()) for w in want)
+    for g, w in zip(streamed, want, strict=True):
+        assert float((g - w).abs().max()) <= 1e-5 * scale

@@ -702,6 +702,12 @@ def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Pa
         f"moestream: error: cannot listen on 127.0.0.1:{port} (Address already in use)"]
     assert main(["serve", "--port", "70000"]) == 1
     assert capsys.readouterr().err.strip() == "moestream: error: --port must be from 0 to 65535, got 70000"
+    # what needs no torch is refused before the socket listens: one line, no "listening" (a newcomer saw one)
+    for argv, needle in ((["--mem", "5XB"], "--mem: cannot read '5XB'"), (["-t", "0"], "-t must be at least 1"),
+                         (["--host-cache", "lots"], "--host-cache: cannot read")):
+        assert main(["serve", "--port", "0", *argv]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"moestream: error: {needle}"), err
 
 
 def test_serve_trace_records_every_request(tmp_path: Path, oracle: Any) -> None:

@@ -723,8 +723,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.n_prompt == 0 and args.n_gen == 0:
         raise ConfigError("-p and -n must not both be 0")
     from .engine import check_cache_fits, check_trained_context
-    from .models.base import LoadOptions, load_model
-    shape = load_model(model, LoadOptions(metadata_only=True))  # hyperparameters only, no weights read
+    from .models.base import LoadOptions, open_model
+    shape = open_model(model, LoadOptions())  # hyperparameters and tensor table only, no weight read
     n_ctx = max(args.n_prompt, args.n_gen + 1)
     warning = check_trained_context(shape, n_ctx, f"-p {args.n_prompt} / -n {args.n_gen}", args.override_ctx)
     check_cache_fits(shape, n_ctx, "-p/-n", "-p or -n")

@@ -82,7 +82,7 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
                        "predicted 47%% and cost more IO than it hid; decode steps, and prefill chunks whose "
                        "predicted experts fit in half the pool; ignored with --moe-stream off)")
         p.add_argument("--direct-io", type=_on_off, default=None, metavar="on|off", help=DIRECT_IO_HELP)
-    p.add_argument("--device", default="cpu", type=str.lower, metavar="cpu|cuda|auto",
+    p.add_argument("--device", default="cpu", action=_Device, metavar="cpu|cuda|auto",
                    help="where the model computes (default cpu; auto: CUDA when torch sees a GPU). On CUDA the "
                    "dense weights, KV cache and slot pools live in GPU memory and the matmuls run Triton kernels "
                    "on the file's ggml blocks")
@@ -111,9 +111,31 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
     add_refused(p, REFUSED)
 
 
+class _DeviceFlag(argparse.Action):
+    """``-ngl N``: stores the device it means (llamaflags.gpu_layers_device) and, for messages about it, the flag
+    as typed (``args.device_flag``, e.g. ``("-ngl", "99")``); ``--device`` (:class:`_Device`) clears it, so the
+    last of the two given wins for the message as for the value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001, ANN204
+        try:
+            device = gpu_layers_device(values)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        setattr(namespace, self.dest, device)
+        namespace.device_flag = (option_string, values)
+
+
+class _Device(argparse.Action):
+    """``--device NAME`` (lower-cased); clears what ``-ngl`` recorded (:class:`_DeviceFlag`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001, ANN204
+        setattr(namespace, self.dest, values.lower())
+        namespace.device_flag = None
+
+
 def _add_gpu_layers(p: argparse.ArgumentParser) -> None:
     """llama.cpp's ``-ngl N``, as a --device (the last of the two given wins)."""
-    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="device", type=gpu_layers_device,
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="device", action=_DeviceFlag,
                    default=argparse.SUPPRESS, metavar="N", help="llama.cpp's flag, as a --device: 0 = cpu, more "
                    "(or all) = cuda (moestream computes the whole model on one device), auto or -1 = auto")
 
@@ -129,10 +151,12 @@ def _add_chat_template(p: argparse.ArgumentParser) -> None:
                    "rendered with Jinja")
 
 
-def _load(args: argparse.Namespace, moe_stream: bool, streams_later: bool = False):
-    """The model and its LoadOptions (options.load_options); ``streams_later``: verify, whose resident model is run
-    streaming too (the streaming options are used, so no note says they are ignored)."""
-    from .models.base import load_model
+def _open(args: argparse.Namespace, moe_stream: bool, streams_later: bool = False):
+    """``(shape, opts)``: the file's architecture from its tensor table, no weight read yet (models.base.open_model;
+    the context and the memory plan are computed from it before :func:`_load`), and its LoadOptions
+    (options.load_options); ``streams_later``: verify, whose resident model is run streaming too (the streaming
+    options are used, so no note says they are ignored)."""
+    from .models.base import open_model
     from .options import load_options
     _check_common(args)
     threads = args.threads if args.threads is not None else default_threads()
@@ -140,8 +164,15 @@ def _load(args: argparse.Namespace, moe_stream: bool, streams_later: bool = Fals
     opts = load_options(args, moe_stream)
     for ignored in _ignored_options(args, opts, moe_stream or streams_later):
         print(f"moestream: note: {ignored}", file=sys.stderr, flush=True)
-    # with a budget the pools are sized once the context is known (_context, verify): defer the store
-    return load_model(model_path(args), opts, defer_store=True), opts
+    return open_model(model_path(args), opts), opts
+
+
+def _load(args: argparse.Namespace, shape, opts, n_ctx: int):  # noqa: ANN001, ANN202
+    """The model of :func:`_open`'s ``shape`` with its weights and expert store, for a context of ``n_ctx`` tokens:
+    with a budget, the memory plan is made (and a budget too small refused) before any weight is read
+    (models.base.load_model)."""
+    from .models.base import load_model
+    return load_model(shape, opts, n_ctx=n_ctx, ubatch=args.ubatch)
 
 
 def _ignored_options(args: argparse.Namespace, opts, moe_stream: bool) -> list[str]:  # noqa: ANN001
@@ -406,15 +437,13 @@ def _plan_context(args: argparse.Namespace, model, n_prompt: int, n_predict: int
 
 
 def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int) -> int:  # noqa: ANN001
-    """The context size of a run (see the -c help) after the trained-context and memory checks (:func:`_plan_context`);
-    sizes the pools of a budget for it; prints the --override-ctx warning on stderr."""
+    """The context size of a run (see the -c help) after the trained-context and memory checks (:func:`_plan_context`)
+    on :func:`_open`'s shape, before the load; prints the --override-ctx warning on stderr."""
     from .engine import check_cache_fits
 
     n_ctx, option, warning = _plan_context(args, model, n_prompt, n_predict)
     # before anything is printed: an absurd -n or -c is refused here, not by torch's allocator
     check_cache_fits(model, n_ctx, option)
-    if model.store is None:  # pools sized by the budget for this context
-        model.fit_store(n_ctx, ubatch=args.ubatch)
     if warning:
         print(f"moestream: {warning}", file=sys.stderr, flush=True)
     return n_ctx
@@ -471,14 +500,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .output import check_distinct_outputs
     check_distinct_outputs([("--routing-trace", args.routing_trace), ("--trace", args.trace)])
     params = sampling_params(args)
-    model, _ = _load(args, args.moe_stream)
+    shape, opts = _open(args, args.moe_stream)
+    tok = _tokenizer(shape, template)
+    model = None
     trace = None
     run_trace = None  # --trace: moestream/runtrace.py's writer, opened once the store exists
     try:
-        tok = _tokenizer(model, template)
-        engine = Engine(model, args.ubatch)
         if args.interactive:
-            return _interactive(args, model, tok, engine, prompt, n_predict, Sampler(params))
+            _check_chat_template(args, tok)
+            n_ctx = _context(args, shape, 0, n_predict)
+            model = _load(args, shape, opts, n_ctx)
+            return _interactive(args, model, tok, Engine(model, args.ubatch), prompt, n_predict, Sampler(params),
+                                n_ctx)
         if args.chat:
             msgs = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else [])
             ids = encode_chat(tok, [*msgs, {"role": "user", "content": prompt}])
@@ -486,13 +519,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             ids = tok.encode(prompt, add_special=True)
         if not ids:
             raise ConfigError("the prompt is empty after tokenization")
-        n_ctx = _context(args, model, len(ids), n_predict)
-        if args.routing_trace is not None:  # the store exists from here on (a budget sizes it for n_ctx)
-            from .experts.trace import RoutingTrace
-            trace = RoutingTrace.attach(model)
+        n_ctx = _context(args, shape, len(ids), n_predict)
         if len(ids) >= n_ctx and n_predict != 0 or len(ids) > n_ctx:
             raise ConfigError(f"the prompt has {len(ids)} tokens; the context size -c {n_ctx} leaves no room to "
                               f"generate")
+        model = _load(args, shape, opts, n_ctx)
+        engine = Engine(model, args.ubatch)
+        if args.routing_trace is not None:
+            from .experts.trace import RoutingTrace
+            trace = RoutingTrace.attach(model)
         run_trace = _open_run_trace(args, model)
         with interruptible() as interrupted:
             gen = engine.stream(ids, n_predict, Sampler(params), stop_ids=tok.eos_ids, n_ctx=n_ctx,
@@ -518,7 +553,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 run_trace.abort()
         raise
     finally:
-        if model.store is not None:
+        if model is not None and model.store is not None:
             model.store.close()
             line = _tier_line(model.store)
             if line:
@@ -554,22 +589,26 @@ def _read_turn(tty: bool) -> str:
     return line
 
 
-def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | None, n_predict: int,  # noqa: ANN001
-                 sampler) -> int:  # noqa: ANN001
-    """Interactive chat (-cnv): a prompt loop on one KV cache (moestream.chat.ChatSession). Each reply streams to
-    stdout, its stats line goes to stderr. Ends at EOF or /exit (status 0) or Ctrl-C at the prompt (130); Ctrl-C
-    during a reply stops that reply. A turn that does not fit, or that the template cannot take, is refused with a
-    line on stderr and the session goes on."""
-    from .chat import ChatSession
+def _check_chat_template(args: argparse.Namespace, tok) -> None:  # noqa: ANN001
+    """-cnv's checks of the chat template, before the load: TokenizerError when the file has none, or when it cannot
+    render a plain first turn (so it fails at start, not on every turn)."""
     from .tokenizer import TokenizerError
 
     if tok.chat_template is None:
         raise TokenizerError(f"{tok.path}: the GGUF has no tokenizer.chat_template, which -cnv needs (--chat-template "
                              f"NAME or --chat-template-file FILE gives one)")
-    # a template that cannot render a plain first turn fails here, at start, not on every turn
     tok.apply_chat_template([*([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []),
                              {"role": "user", "content": "hi"}], add_generation_prompt=True)
-    n_ctx = _context(args, model, 0, n_predict)
+
+
+def _interactive(args: argparse.Namespace, model, tok, engine, prompt: str | None, n_predict: int,  # noqa: ANN001
+                 sampler, n_ctx: int) -> int:  # noqa: ANN001
+    """Interactive chat (-cnv): a prompt loop on one KV cache of ``n_ctx`` tokens (moestream.chat.ChatSession). Each
+    reply streams to stdout, its stats line goes to stderr. Ends at EOF or /exit (status 0) or Ctrl-C at the prompt
+    (130); Ctrl-C during a reply stops that reply. A turn that does not fit, or that the template cannot take, is
+    refused with a line on stderr and the session goes on."""
+    from .chat import ChatSession
+
     session = ChatSession(engine, tok, n_ctx, system=args.system_prompt)
     print(_describe(model), file=sys.stderr, flush=True)
     if sys.stdin is None:
@@ -639,7 +678,8 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
     """``(names, load, held)`` of ``moestream serve``'s options: the model names it answers to (``--alias``, or the
     file name without and with ``.gguf``), the function that checks the options, loads the model as ``run`` does
     and returns a :class:`moestream.server.Loaded` (run in the server's loader thread), and the list it appends the
-    loaded model to (for closing its store). ConfigError for a bad --port, -c or --alias."""
+    loaded model to (for closing its store). ConfigError for a bad --port, -c, --alias, -m, -ub, -t or size (all
+    before the socket listens)."""
     from .errors import ConfigError
     from .server import Loaded
 
@@ -649,6 +689,9 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
         raise ConfigError(f"-c must be from 0 (the default context) to 2^31, got {args.ctx_size}")
     if args.alias is not None and not args.alias.strip():
         raise ConfigError("--alias: the model name is empty")
+    from .options import parse_sizes
+    _check_common(args)  # -m, -ub, -t and the sizes: refused before the socket listens (no torch needed)
+    parse_sizes(args)
     if args.parallel not in (1, -1):  # llama-server's -np; -1: its "auto"
         raise ConfigError(f"-np {args.parallel}: moestream serve runs one generation at a time (batching is not built "
                           f"yet); use -np 1 or leave it out")
@@ -680,10 +723,11 @@ def _serve_load(args: argparse.Namespace, names: list[str], held: list,  # noqa:
     _check_common(args)
     threads = args.threads if args.threads is not None else default_threads()
     args.threads = threads
-    model, _ = _load(args, args.moe_stream)
+    shape, opts = _open(args, args.moe_stream)
+    tok = _tokenizer(shape, template)
+    n_ctx = _context(args, shape, 0, -1)
+    model = _load(args, shape, opts, n_ctx)
     held.append(model)
-    tok = _tokenizer(model, template)
-    n_ctx = _context(args, model, 0, -1)
     print(_describe(model), file=sys.stderr, flush=True)
     print(f"moestream: serving {names[0]}: context {n_ctx} tokens per request (prompt and reply), one "
           f"generation at a time", file=sys.stderr, flush=True)
@@ -762,19 +806,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     _check_prompt(args.prompt)
     _check_common(args)
     check_tokens(args.steps, "steps", minimum=1)
-    model, opts = _load(args, moe_stream=False, streams_later=True)
-    tok = _tokenizer(model)
+    shape, opts = _open(args, moe_stream=False, streams_later=True)
+    tok = _tokenizer(shape)
     ids = tok.encode(args.prompt, add_special=True)
     if not ids:
         raise ConfigError("the prompt is empty after tokenization")
-    warning = check_trained_context(model, len(ids) + args.steps, f"--steps {args.steps}", args.override_ctx)
-    check_cache_fits(model, len(ids) + args.steps, f"--steps {args.steps}", "--steps or prompt")
+    warning = check_trained_context(shape, len(ids) + args.steps, f"--steps {args.steps}", args.override_ctx)
+    check_cache_fits(shape, len(ids) + args.steps, f"--steps {args.steps}", "--steps or prompt")
     if warning:
         print(f"moestream: {warning}", file=sys.stderr, flush=True)
     slots = opts.slots if opts.slots is not None else None
-    if slots is not None and slots < model.top_k:
-        raise ConfigError(f"--slots {slots} is below the experts used per token ({model.top_k}); "
-                          f"a step needs at least {model.top_k} slots per layer")
+    if slots is not None and slots < shape.top_k:
+        raise ConfigError(f"--slots {slots} is below the experts used per token ({shape.top_k}); "
+                          f"a step needs at least {shape.top_k} slots per layer")
+    model = _load(args, shape, opts, len(ids) + args.steps)  # resident: verify makes the streaming store
     res = verify(model, ids, args.steps, opts, args.ubatch)
     if model.memory_plan is not None:
         print(f"moestream: {model.memory_plan.line()}", file=sys.stderr, flush=True)
@@ -921,7 +966,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--slots", type=int, default=None, help="price pools of this many slots per layer")
     i.add_argument("--mem", default=None, metavar="SIZE", help="print the memory plan run --mem SIZE makes: slots "
                    "per layer, pool GiB, what is left")
-    i.add_argument("--device", default="cpu", type=str.lower, metavar="cpu|cuda|auto", help="cuda (or auto with a "
+    i.add_argument("--device", default="cpu", action=_Device, metavar="cpu|cuda|auto", help="cuda (or auto with a "
                    "GPU): also print the GPU memory plan of run --device cuda (sized from the GPU's free memory "
                    "unless --gpu-mem is given)")
     _add_gpu_layers(i)
@@ -1000,7 +1045,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the streaming rows (as run --host-cache; off for none), e.g. off,8GiB")
     b.add_argument("--pool", default="device", metavar="device|host", help="CUDA: where the pools live: device, "
                    "host or device,host (the resident rows too: every expert copied there)")
-    b.add_argument("--device", default="cpu", type=str.lower, metavar="cpu|cuda|auto",
+    b.add_argument("--device", default="cpu", action=_Device, metavar="cpu|cuda|auto",
                    help="where the moestream rows compute (default cpu); also picks the --llama-bench rows")
     _add_gpu_layers(b)
     b.add_argument("--mem-cap", default=None, metavar="SIZE",

@@ -53,8 +53,8 @@ def check_trained_context(model: MoEModel, n_ctx: int, option: str, override: bo
     key = f"{model.gguf.arch}.context_length"
     where = f"the {train} tokens {os.path.basename(model.gguf.path)} was trained for ({key})"
     if not override:
-        raise ConfigError(f"{option}: a context of {n_ctx} tokens is past {where}; stay within {train}, or pass "
-                          f"--override-ctx to go past it")
+        raise OptionError(f"{option}: a context of {n_ctx} tokens is past {where}; stay within {train}, or pass "
+                          "{override_ctx} to go past it", override_ctx=False)
     return (f"warning: {option}: a context of {n_ctx} tokens is past {where} (--override-ctx); the text may "
             f"degrade past {train} tokens")
 
@@ -330,7 +330,7 @@ class Engine:
 
     def __init__(self, model: MoEModel, ubatch: int = 128):
         if ubatch < 1:
-            raise ConfigError(f"--ubatch must be at least 1, got {ubatch}")
+            raise OptionError("{ubatch} " f"must be at least 1, got {ubatch}", ubatch=ubatch)
         self.model, self.ubatch = model, ubatch
 
     @torch.inference_mode()

@@ -71,7 +71,8 @@ def parse_size(text: str) -> int:
     except ValueError:
         raise ConfigError(f"{bad} (e.g. 4GiB, 800MiB; units B, K/KiB, M/MiB, G/GiB, T/TiB, KB, MB, GB, TB)") from None
     if unit not in _UNITS:
-        raise ConfigError(f"{bad}: unknown unit {unit!r} (B; K/KiB, M/MiB, G/GiB, T/TiB: powers of 2; KB, MB, GB, "
+        typed = text.strip().replace(" ", "")[len(num):]  # the unit as the user wrote it, case kept
+        raise ConfigError(f"{bad}: unknown unit {typed!r} (B; K/KiB, M/MiB, G/GiB, T/TiB: powers of 2; KB, MB, GB, "
                           f"TB: powers of 10)")
     if not math.isfinite(value):
         raise ConfigError(f"{bad}: not a finite number")

@@ -92,7 +92,8 @@ FLAGS = {
     "temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed",
     "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty",
-    "n_predict": "-n", "steps": "--steps", "n_prompt": "-p", "n_gen": "-n",
+    "n_predict": "-n", "steps": "--steps", "n_prompt": "-p", "n_gen": "-n", "ubatch": "--ubatch",
+    "override_ctx": "--override-ctx",
 }
 DESTS = {"n_ctx": "ctx_size"}
 
@@ -103,8 +104,15 @@ def given_texts(args: argparse.Namespace) -> dict[str, object]:
 
 
 def flag_message(e: OptionError, args: argparse.Namespace | None) -> str:
-    """The message of a library OptionError with its fields named by their flags and the values as given."""
-    return e.render(FLAGS, given_texts(args) if args is not None else None)
+    """The message of a library OptionError with its fields named by their flags and the values as given (the
+    device by ``-ngl N`` where that flag set it: ``args.device_flag``)."""
+    if args is None:
+        return e.render(FLAGS)
+    names, given = FLAGS, given_texts(args)
+    flag = getattr(args, "device_flag", None)
+    if flag:
+        names, given = {**FLAGS, "device": flag[0]}, {**given, "device": flag[1]}
+    return e.render(names, given)
 
 
 @contextlib.contextmanager
@@ -118,6 +126,19 @@ def flag_errors(args: argparse.Namespace) -> Iterator[None]:
         raise ConfigError(flag_message(e, args)) from None
 
 
+def parse_sizes(args: argparse.Namespace) -> tuple[int | None, int | None, int | None]:
+    """``(mem, gpu_mem, host_cache)`` in bytes from ``--mem``, ``--gpu-mem`` and ``--host-cache`` (None where not
+    given), parsed by budget.parse_mem without importing torch (serve checks them before its socket listens).
+    ConfigError naming the flag for a size that cannot be read."""
+    from .budget import parse_mem
+
+    def size(name: str, flag: str) -> int | None:
+        text = getattr(args, name, None)
+        return None if text is None else parse_mem(text, flag)
+
+    return size("mem", "--mem"), size("gpu_mem", "--gpu-mem"), size("host_cache", "--host-cache")
+
+
 def load_options(args: argparse.Namespace, moe_stream: bool | None = None, **fields: object):  # noqa: ANN201
     """The one place a LoadOptions is made from parsed arguments (run, chat, serve, verify, inspect; bench's rows
     are ``dataclasses.replace`` of its base): the sizes parsed (``--mem``, ``--gpu-mem``, ``--host-cache``), every
@@ -127,19 +148,15 @@ def load_options(args: argparse.Namespace, moe_stream: bool | None = None, **fie
     available now. ConfigError naming the flag for a size that cannot be read."""
     import sys
 
-    from .budget import parse_mem, warn_over_available
+    from .budget import warn_over_available
     from .models.base import LoadOptions
-
-    def size(name: str, flag: str) -> int | None:
-        text = getattr(args, name, None)
-        return None if text is None else parse_mem(text, flag)
 
     def source(name: str, flag: str) -> str | None:
         text = getattr(args, name, None)
         return None if text is None else f"{flag} {str(text).strip()}"
 
     stream = getattr(args, "moe_stream", True) if moe_stream is None else moe_stream
-    mem, gpu_mem, host_cache = size("mem", "--mem"), size("gpu_mem", "--gpu-mem"), size("host_cache", "--host-cache")
+    mem, gpu_mem, host_cache = parse_sizes(args)
     defaults = LoadOptions.__dataclass_fields__
     values = {name: getattr(args, name) for name in ("slots", "io_threads", "policy", "expand_dense", "overlap",
                                                       "device", "matmul", "prefetch", "direct_io", "pool")

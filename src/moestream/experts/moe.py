@@ -58,8 +58,9 @@ class MoE:
     layer's types and activation; otherwise one dequantize-then-matmul per matrix per expert.
     bias: optional per-expert output biases that stay resident, ``{matrix: float32 [n_experts, rows]}`` for some of
     ``gate``, ``up``, ``down`` (``gate_up`` for a merged matrix), added to that matrix's output and indexed by the
-    REAL expert id (the matmul itself addresses the pool by slot id). A layer with biases computes per expert (the
-    fused C call and the CUDA grouped launches take none). overlap_of: callable returning whether a call without
+    REAL expert id (the matmul itself addresses the pool by slot id). On CUDA the grouped launches add them to
+    each (token, expert) pair's row, gathered by the pair's real id; on the CPU a layer with biases computes per
+    expert (the fused C call takes none). overlap_of: callable returning whether a call without
     ``overlap=`` hides the reads behind compute (a model's ``opts.overlap``, read at each call); absent: on.
     Architecture files make it with ``MoEModel.moe(layer, ...)``, which passes the store, kernels and overlap.
     """
@@ -96,7 +97,7 @@ class MoE:
         #: CUDA: the Triton kernels on the ggml blocks, one grouped launch per matrix (gpu/tkernels.py), where
         #: they compute every matrix's type; otherwise one dequantize-then-matmul per matrix per expert
         self.gpu = False
-        if gpu and self.bias is None:
+        if gpu:
             from ..gpu import tkernels
             self.gpu = all(tkernels.computes(mm.ggml_type, mm.cols) for mm in m.values())
         self.kernel_act = kact
@@ -259,19 +260,24 @@ class MoE:
         # everything the launches need in one upload: slot offsets + pair positions (int64), pair rows + tiles
         offs = [slots * store.matrix(self.layer, n).stride(0) + store.lead(self.layer, n)[slots] for n in mats]
         dev = x.device
-        h64 = np.concatenate([*offs, dst.astype(np.int64)])
+        # each pair's real expert id (pairs are grouped by expert: experts[j] owns start[j]..start[j+1]), for the
+        # biases, which are indexed by real id
+        real = np.repeat(np.asarray(experts, dtype=np.int64), np.diff(start)) if self.bias is not None else []
+        h64 = np.concatenate([*offs, dst.astype(np.int64), real]).astype(np.int64, copy=False)
         h32 = np.concatenate([tok, np.arange(p, dtype=np.int32), tiles.reshape(-1)]).astype(np.int32, copy=False)
         blob = tkernels._upload(np.concatenate([h64.view(np.uint8), h32.view(np.uint8)]), dev)  # one upload
         i64, i32 = blob[:h64.nbytes].view(torch.int64), blob[h64.nbytes:].view(torch.int32)
         d_tok, d_rows, d_tiles = i32[:p], i32[p:2 * p], i32[2 * p:].view(-1, 3)
-        d_dst = i64[len(mats) * g:]  # the (token, k) pairs' flat index: into the weights and the output rows
+        d_dst = i64[len(mats) * g:len(mats) * g + p]  # the (token, k) pairs' flat index: weights, output rows
+        d_real = i64[len(mats) * g + p:]
         store.device_ready(self.layer)
 
         def mm(k: int, name: str, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             mat = m[name]
             y = torch.empty((p, mat.rows), dtype=torch.float32, device=dev)
-            return tkernels.grouped_planned(v, store.matrix(self.layer, name), i64[k * g:(k + 1) * g], d_tiles,
-                                            rows, mat.ggml_type, mat.rows, mat.cols, m_hint, y)
+            y = tkernels.grouped_planned(v, store.matrix(self.layer, name), i64[k * g:(k + 1) * g], d_tiles,
+                                         rows, mat.ggml_type, mat.rows, mat.cols, m_hint, y)
+            return self._add_bias(name, y, d_real)
 
         if self.merged:
             gate, up = mm(0, "gate_up", x, d_tok).split(self.n_ff, dim=-1)
@@ -319,7 +325,8 @@ class MoE:
             mat, pool = self.mats[name], store.matrix(self.layer, name)
             offs = flat * pool.stride(0) + lead[name].index_select(0, flat)
             y = torch.empty((top_k, mat.rows), dtype=torch.float32, device=dev)
-            return tkernels.grouped_planned(v, pool, offs, tiles, src, mat.ggml_type, mat.rows, mat.cols, 1, y)
+            y = tkernels.grouped_planned(v, pool, offs, tiles, src, mat.ggml_type, mat.rows, mat.cols, 1, y)
+            return self._add_bias(name, y, flat)
 
         if self.merged:
             gate, up = mm("gate_up", x, zeros).split(self.n_ff, dim=-1)
@@ -328,6 +335,14 @@ class MoE:
         y = mm("down", self.act(gate, up).contiguous(), rows)
         y.mul_(weights.reshape(-1)[:, None])
         return y.view(1, top_k, -1).sum(dim=1)
+
+    def _add_bias(self, name: str, y: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """y float32 [pairs, rows] of matrix ``name`` plus its per-expert bias rows gathered by ``real`` (int64
+        [pairs], each pair's real expert id; the biases stay resident, never in a slot): one float32 add per
+        element, as :meth:`_expert`'s ``y + bias[expert]``. y itself when the layer has no bias for ``name``."""
+        if self.bias is None or name not in self.bias:
+            return y
+        return y.add_(self.bias[name].index_select(0, real))
 
     def _expert(self, store: ExpertStore, slot: int, xs: torch.Tensor, expert: int) -> torch.Tensor:
         """One expert's FFN on xs [n, hidden] with its matrices at ``slot`` of the store's pools; its biases (if

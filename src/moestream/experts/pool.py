@@ -285,8 +285,8 @@ class StreamingStore(ExpertStore):
         per_layer = n_slots if isinstance(n_slots, dict) else dict.fromkeys(layout.moe_layers, n_slots)
         low = min(per_layer.values())
         if low < min_slots:
-            raise ConfigError(f"--slots {low} is below the experts used per token ({min_slots}); "
-                              f"a step needs at least {min_slots} slots per layer")
+            raise OptionError("{slots} " f"{low} is below the experts used per token ({min_slots}); "
+                              f"a step needs at least {min_slots} slots per layer", slots=low)
         n_slots = max(per_layer.values())
         check_policy(policy)
         if align is not None and (align < 1 or align & (align - 1)):
@@ -720,9 +720,9 @@ class HostTier:
         short = [la for la in store.pools if self.rows[la] < need[la]]
         if short:
             want = sum(per_slot[la] * need[la] for la in store.pools)
-            raise ConfigError(f"--host-cache {size / 2**30:.2f} GiB holds {rows} experts per layer, fewer than twice "
-                              f"the {store.slots[short[0]].n_slots} slots of the pools: give at least "
-                              f"{-(-want // 2**20)}MiB, or leave --host-cache out")
+            raise OptionError("{host_cache} " f"{size / 2**30:.2f} GiB holds {rows} experts per layer, fewer than "
+                              f"twice the {store.slots[short[0]].n_slots} slots of the pools: give at least "
+                              f"{-(-want // 2**20)}MiB, or leave " "{host_cache} out", host_cache=size)
         gpu = store.device.type == "cuda"
         self.gpu = gpu
         self.slots: dict[int, SlotMap] = {}

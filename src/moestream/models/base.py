@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -145,7 +146,8 @@ def resolve_device(name: str) -> str:
     if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
         if not torch.cuda.is_available():
             why = "this torch is a CPU build" if torch.version.cuda is None else "torch sees no CUDA device"
-            raise OptionError(f"{{device=}}: {why} (torch {torch.__version__}); use {{device}} cpu", device=name)
+            raise OptionError(f"{{device=}}: {why} (torch {torch.__version__}); leave {{device}} out to compute on "
+                              f"the CPU", device=name)
         idx = int(name[5:]) if ":" in name else 0
         if idx >= torch.cuda.device_count():
             raise OptionError(f"{{device=}}: torch sees {torch.cuda.device_count()} CUDA device(s)", device=name)
@@ -250,7 +252,7 @@ class MoEModel:
         self.runner = Runner(self)
         if opts.metadata_only:
             self.check_expert_types()
-        elif not opts.budgeted:  # a budget needs the dense weights loaded first: fit_store() after __init__
+        elif not opts.budgeted:  # a budget's pools: load_model, once the plan is made and the weights are in
             self.store = self.make_store(opts)
 
     # --- checked metadata -----------------------------------------------------------------------
@@ -723,28 +725,18 @@ class MoEModel:
                           what=self.gguf.path, strict=strict, **extra)
         return plan
 
-    def fit_store(self, n_ctx: int | None = None, opts: LoadOptions | None = None, logits_rows: int = 1,
-                  ubatch: int = 128) -> ExpertStore:
-        """Make the expert store of ``opts`` (default: the load options) and set it; with a budget (streaming, no
-        ``slots``) the pools are sized by :meth:`plan_memory` for ``n_ctx`` (the plan is kept in ``memory_plan``).
-        Returns the store. Closes the store it replaces."""
-        opts = opts or self.opts
-        if self.store is not None:
-            self.store.close()
-            self.store = None  # type: ignore[assignment]
-        self.store = self.make_store(opts, n_ctx, logits_rows, ubatch)
-        return self.store
-
     def make_store(self, opts: LoadOptions, n_ctx: int | None = None, logits_rows: int = 1,
-                   ubatch: int = 128) -> ExpertStore:
-        """A new expert store for ``opts`` (not set on the model: see :meth:`fit_store`)."""
+                   ubatch: int = 128, plan: Any = None) -> ExpertStore:
+        """A new expert store for ``opts``, not set on the model (:func:`load_model` sets the first; verify makes a
+        second). With a budget its pools have ``plan``'s slots (a budget.MemoryPlan, kept in ``memory_plan``), or
+        those of :meth:`plan_memory` for ``n_ctx`` made now when ``plan`` is None."""
         self.check_expert_types()
         if not opts.moe_stream:
             return ResidentStore(self.gguf, self.layout, device=self.device, pool=opts.pool)
         if opts.slots is not None:
             slots: int | dict[int, int] = opts.slots
         else:
-            self.memory_plan = self.plan_memory(opts, n_ctx, logits_rows, ubatch=ubatch)
+            self.memory_plan = plan or self.plan_memory(opts, n_ctx, logits_rows, ubatch=ubatch)
             slots = self.memory_plan.slots
         return StreamingStore(self.gguf, self.layout, slots, self.top_k, opts.io_threads, opts.policy,
                               direct_io=opts.direct_io, device=self.device, pool=opts.pool,
@@ -889,20 +881,45 @@ def _triton_available() -> bool:
     return tkernels.available()
 
 
-def load_model(path: str, opts: LoadOptions | None = None, defer_store: bool = False) -> MoEModel:
-    """Open ``path`` (a GGUF file or the first/any part of a split model) and build its architecture.
+def open_model(path: str | GGUFModel, opts: LoadOptions | None = None) -> MoEModel:
+    """The architecture of ``path`` (a GGUF file, any part of a split model, or an open :class:`GGUFModel`) built
+    from its metadata and tensor table alone: hyperparameters, shapes and ggml types checked as a load checks them,
+    no weight read (``opts`` with ``metadata_only``). What the context and the memory plan are computed from before
+    :func:`load_model` reads anything. GGUFError / ConfigError as :func:`load_model`."""
+    opts = opts or LoadOptions()
+    gguf = path if isinstance(path, GGUFModel) else GGUFModel(path)
+    return architecture_of(gguf)(gguf, dataclasses.replace(opts, metadata_only=True))
 
-    With a memory budget (streaming without ``opts.slots``) the pools are sized after the dense weights are
-    loaded, for ``opts.n_ctx``; ``defer_store``: leave that to the caller (``model.fit_store(n_ctx)``, once the
-    context is known), so ``model.store`` is None until then.
+
+def load_model(path: str | GGUFModel | MoEModel, opts: LoadOptions | None = None, n_ctx: int | None = None,
+               ubatch: int = 128, logits_rows: int = 1) -> MoEModel:
+    """Open ``path`` (a GGUF file, any part of a split model, an open :class:`GGUFModel`, or the shape
+    :func:`open_model` made of one) and build its architecture with its weights and its expert store.
+
+    One lifecycle for every way the pools are sized: ``opts.slots`` (or resident) makes the store at once; with a
+    memory budget (streaming without ``slots``: ``--mem``, ``--gpu-mem`` or the auto budget) the memory plan for a
+    context of ``n_ctx`` tokens (None: ``opts.n_ctx``, else the model's default) is made from the tensor table
+    FIRST, so a budget that cannot hold top-k slots per layer is refused before any weight is read; the store is
+    then made with that plan's slots (``model.memory_plan``): the numbers ``inspect --mem`` prints for the same
+    options and context. The plan's ``process`` term is this process measured before the load and its ``dense``
+    term the tensor table's bytes (the load itself adds a few MiB: 5.8 MiB measured on the embedded model).
+    ``ubatch`` / ``logits_rows``: the prefill chunk and the logits rows the scratch estimate is for.
     Raises GGUFError for bad files and unsupported architectures, ConfigError for bad options or a budget too
     small (naming the smallest that works).
     """
     opts = opts or LoadOptions()
-    gguf = GGUFModel(path)
+    if isinstance(path, MoEModel):
+        shape, gguf = (path if path.opts.metadata_only else None), path.gguf
+    else:
+        gguf, shape = (path if isinstance(path, GGUFModel) else GGUFModel(path)), None
+    if opts.metadata_only:
+        return shape or architecture_of(gguf)(gguf, opts)
+    plan = None
+    if opts.budgeted:  # the plan before the load: refused here, before a weight is read
+        plan = (shape or open_model(gguf, opts)).plan_memory(opts, n_ctx, logits_rows, loaded=False, ubatch=ubatch)
     model = architecture_of(gguf)(gguf, opts)
-    if model.store is None and not opts.metadata_only and not defer_store:
-        model.fit_store(opts.n_ctx)
+    if model.store is None:
+        model.store = model.make_store(opts, plan=plan)
     return model
 
 

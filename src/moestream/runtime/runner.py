@@ -96,7 +96,7 @@ class Runner:
 
     def graphable(self) -> bool:
         """Whether a whole decode step can be one CUDA graph: every MoE layer computable by
-        ``MoE.resident_step`` (every expert resident where the GPU addresses it, Triton kernels, no biases), every
+        ``MoE.resident_step`` (every expert resident where the GPU addresses it, Triton kernels), every
         dense weight on the Triton kernels or float32, no router lookahead."""
         m = self.model
         store = m.store
