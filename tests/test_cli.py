@@ -272,3 +272,27 @@ def test_default_context_is_capped_by_memory(monkeypatch):
     assert "context 40 tokens: the file's 4096 would need more than half of the memory" in p.stderr.splitlines()[0]
     s = stats(p.stderr)
     assert s["prompt"] == "6" and s["decode"] == "33" and s["stopped"] == "context full"
+
+
+def test_inspect_imports_no_torch(fixtures_tool):
+    """inspect reads the metadata and the tensor table only, so it imports no torch (issue 27's start time: torch
+    alone takes ~1.2 s to import here): a real process's report is made without torch._C loaded and is the text
+    the same report has in this process, where torch is imported; with --mem, torch is imported at its first use
+    and the plan is printed. On the embedded model and Gemma 4 (whose module uses torch.nn.functional)."""
+    import subprocess
+    import sys
+
+    from conftest import DEFAULT_GGUF
+    from helpers import cli
+
+    code = ("import sys; from moestream.cli import main; rc = main(sys.argv[1:]); "
+            "print('torch loaded:', 'torch._C' in sys.modules, file=sys.stderr); sys.exit(rc)")
+    gemma = str(fixtures_tool.build_fixture("gemma4-tiny")["f32"])
+    for path in (str(DEFAULT_GGUF), gemma):
+        p = subprocess.run([sys.executable, "-c", code, "inspect", "-m", path], capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0 and p.stderr.splitlines()[-1] == "torch loaded: False", p.stderr
+        assert p.stdout == cli("inspect", "-m", path).stdout
+    p = subprocess.run([sys.executable, "-c", code, "inspect", "--mem", "4GiB"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0 and "memory plan" in p.stdout and p.stderr.splitlines()[-1] == "torch loaded: True"

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import os
 import sys
+import types
 from collections.abc import Callable, Iterator
 
 from .chat_templates import CHAT_TEMPLATES
@@ -758,11 +759,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 obj.store.close()
 
 
+class _LazyTorch(types.ModuleType):
+    """A stand-in for ``torch`` in ``sys.modules`` until something reads one of its attributes: then the real torch
+    is imported (replacing the stand-in in ``sys.modules``), its namespace copied in, and the attribute returned.
+    importlib.util.LazyLoader cannot do this on Python 3.11: every later ``import torch`` reads ``__spec__``, which
+    loads it. Modules that imported the stand-in keep it; what the copy missed is forwarded to the real module."""
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - only for names not in the stand-in's namespace
+        real = sys.modules.get("torch")
+        if real is None or real is self:
+            sys.modules.pop("torch", None)
+            import importlib
+            real = importlib.import_module("torch")
+            self.__dict__.update(real.__dict__)
+        return getattr(real, name)
+
+
+def _lazy_torch() -> None:
+    """Put :class:`_LazyTorch` in ``sys.modules`` for inspect alone: its report reads the tensor table and builds
+    no tensor, so it need not wait for torch (about 1.2 s of a start on the 2-core machine: docs/start-time.md);
+    --mem, --gpu-mem and --device cuda import it at their first use. Nothing when torch is already imported or
+    not installed."""
+    import importlib.util
+
+    if "torch" in sys.modules:
+        return
+    spec = importlib.util.find_spec("torch")
+    if spec is None:
+        return
+    stand_in = _LazyTorch("torch")
+    stand_in.__spec__ = spec
+    sys.modules["torch"] = stand_in
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``moestream inspect``: the layout and, with --mem / --gpu-mem / --device cuda, the memory plan run would make
     for the same options and the same context (the prompt + -n, -c, or -n -1's default: :func:`_plan_context`)."""
     from dataclasses import replace
 
+    _lazy_torch()
     from .errors import ConfigError
     from .options import load_options
     from .report import inspect_model

@@ -544,11 +544,8 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tenso
     T.MXFP4: _mxfp4,
 }
 
-_FLOAT_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
-    T.F32: torch.float32,
-    T.F16: torch.float16,
-    T.BF16: torch.bfloat16,
-}
+#: the float types and their torch dtypes' names (getattr(torch, name): no torch attribute is read at import)
+_FLOAT_TYPES: dict[GGMLQuantizationType, str] = {T.F32: "float32", T.F16: "float16", T.BF16: "bfloat16"}
 
 #: ggml types that :func:`dequantize` and :func:`linear` accept.
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset((*_FLOAT_TYPES, *_BLOCK_DECODERS))
@@ -641,7 +638,7 @@ def dequantize(raw: torch.Tensor, ggml_type: int, n_cols: int) -> torch.Tensor:
     if raw.stride(-1) != 1:
         raw = raw.contiguous()
 
-    float_dtype = _FLOAT_TYPES.get(qtype)
+    float_dtype = getattr(torch, _FLOAT_TYPES[qtype]) if qtype in _FLOAT_TYPES else None
     if float_dtype is not None:
         vals = _reinterpret(raw, float_dtype)
         if float_dtype == torch.float16:

@@ -12,19 +12,19 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .. import kernels, quant
 from ..ops import elementwise
 from .layout import ExpertLayout
 from .pool import ExpertStore, ResidentStore
 
-Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: (gate, up) float32 [n, n_ff] each -> the hidden activation [n, n_ff] (a string: no torch at import)
+Activation = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up (Qwen/Mixtral experts)."""
-    return F.silu(gate) * up
+    return torch.nn.functional.silu(gate) * up
 
 
 swiglu.kernel_act = kernels.ACT_SILU  # type: ignore[attr-defined]  # the C kernels' code for it

@@ -204,6 +204,21 @@ class Declared:
         return f"Declared({self.name!r})"
 
 
+class DeviceName(NamedTuple):
+    """A device as a torch.device names it (``type`` "cpu" / "cuda", ``index`` or None), made without torch."""
+
+    type: str
+    index: int | None
+
+    @classmethod
+    def of(cls, name: str) -> DeviceName:
+        kind, _, index = str(name).partition(":")
+        return cls(kind, int(index) if index else None)
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
 class MoEModel:
     """Base of the architectures. Subclasses read their hyper-parameters in ``__init__``, declare each tensor their
     forward pass reads once (:meth:`tensor`: checked at once, read by :meth:`load_declared` unless
@@ -217,7 +232,9 @@ class MoEModel:
 
     def __init__(self, gguf: GGUFModel, opts: LoadOptions):
         self.gguf, self.opts = gguf, opts
-        self.device = torch.device(opts.device)
+        #: the torch.device computed on; a shape opened for its metadata (open_model: no tensor is made) holds a
+        #: :class:`DeviceName` (the same ``type`` and ``index``) and imports no torch for it
+        self.device = DeviceName.of(opts.device) if opts.metadata_only else torch.device(opts.device)
         #: matmuls through moestream's C kernels (``--matmul blocks`` on a CPU device)
         self.use_blocks = opts.matmul == "blocks" and self.device.type == "cpu"
         #: matmuls through the Triton kernels on the ggml blocks (``--matmul blocks`` on a CUDA device)
@@ -705,7 +722,7 @@ class MoEModel:
         direct, align = StreamingStore.read_mode(self.layout, opts.direct_io)  # O_DIRECT slots are padded
         extra: dict[str, Any] = {}
         if cuda and opts.pool == "device":  # the pools, dense weights, KV cache and activations live in VRAM
-            budget, source = gpu_budget(opts.gpu_mem, opts.gpu_mem_source, self.device if gpu is None else "cuda")
+            budget, source = gpu_budget(opts.gpu_mem, opts.gpu_mem_source, str(self.device) if gpu is None else "cuda")
             process = 0
             strict = opts.gpu_mem is not None
             extra = {"option": "--gpu-mem", "kind": "GPU memory"}

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from .. import kernels
 from ..errors import GGUFError
@@ -32,7 +31,7 @@ if TYPE_CHECKING:
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+    return torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

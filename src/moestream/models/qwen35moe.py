@@ -27,7 +27,6 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
@@ -73,7 +72,7 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) ->
     the cached inputs prepended; no activation).
     """
     xin = torch.cat((state, x), dim=0)  # [K-1+T, C]
-    out = F.conv1d(xin.t().unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])  # [1, C, T]
+    out = torch.nn.functional.conv1d(xin.t().unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])  # [1, C, T]
     state.copy_(xin[x.shape[0]:])
     return out[0].t()
 
@@ -235,7 +234,7 @@ class Qwen35MoE(MoEModel):
         """Gated DeltaNet mixer of layer i. h: [T, hidden] (normed) -> [T, hidden]; advances cache.conv/ssm[i]."""
         n_tok = h.shape[0]
         qkv = causal_conv1d(b["qkv"].linear(h), cache.conv[i], b["conv"])  # [T, conv_dim]
-        qkv = elementwise(F.silu, qkv)
+        qkv = elementwise(torch.nn.functional.silu, qkv)
         kd = self.n_k_heads * self.d_k
         q = qkv[:, :kd].reshape(n_tok, self.n_k_heads, self.d_k)
         k = qkv[:, kd:2 * kd].reshape(n_tok, self.n_k_heads, self.d_k)
@@ -245,12 +244,12 @@ class Qwen35MoE(MoEModel):
         q = l2_norm(q).repeat(1, rep, 1) * (1.0 / math.sqrt(self.d_k))
         k = l2_norm(k).repeat(1, rep, 1)
         beta = torch.sigmoid(b["beta"].linear(h))  # [T, n_v]
-        g = b["a"] * F.softplus(b["alpha"].linear(h) + b["dt"])  # [T, n_v], ssm_a = -exp(A_log)
+        g = b["a"] * torch.nn.functional.softplus(b["alpha"].linear(h) + b["dt"])  # [T, n_v], ssm_a = -exp(A_log)
         # prefill: the chunked form (as transformers); decode: the recurrent step
         rule = gated_delta_rule_chunked if n_tok > 1 else gated_delta_rule
         o = rule(q, k, v, g, beta, cache.ssm[i])  # [T, n_v, d_v]
         z = b["z"].linear(h).view(n_tok, self.n_v_heads, self.d_v)
-        o = rms_norm(o, b["ssm_norm"], self.eps) * elementwise(F.silu, z)
+        o = rms_norm(o, b["ssm_norm"], self.eps) * elementwise(torch.nn.functional.silu, z)
         return b["out"].linear(o.reshape(n_tok, -1))
 
     def attn(self, b: dict, h: torch.Tensor, i: int, step: Step) -> torch.Tensor:

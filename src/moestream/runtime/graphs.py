@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 #: body(tokens int64 [1], pos int64 [1], n_keys, cache) -> logits float32 [1, vocab]
-Body = Callable[[torch.Tensor, torch.Tensor, int, object], torch.Tensor]
+Body = Callable[["torch.Tensor", "torch.Tensor", int, object], "torch.Tensor"]
 
 
 def enabled() -> bool:
