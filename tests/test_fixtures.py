@@ -212,12 +212,13 @@ def test_tiny_checkpoint_greedy_is_not_degenerate(qwen3moe_tiny: dict[str, Any])
 
 
 @pytest.mark.slow
-def test_fixture_cache_hit_is_fast(qwen3moe_tiny: dict[str, Any], fixtures_tool: Any) -> None:
-    import time
-
-    t0 = time.perf_counter()
+def test_fixture_cache_hit_rebuilds_nothing(qwen3moe_tiny: dict[str, Any], fixtures_tool: Any) -> None:
+    """A second build of a cached fixture is a hit: the same paths, and no file of it written again (their
+    modification times unchanged; speed itself lives in benchmarks, not in timed tests)."""
+    files = [Path(v) for v in qwen3moe_tiny.values() if isinstance(v, (str, Path)) and Path(v).is_file()]
+    before = {f: f.stat().st_mtime_ns for f in files}
     again = fixtures_tool.build_fixture("qwen3moe-tiny")
-    assert time.perf_counter() - t0 < 1.0
+    assert {f: f.stat().st_mtime_ns for f in files} == before
     assert again == qwen3moe_tiny
     assert all(Path(again[k]).is_file() for k in ("f32", "bf16", "q8_0", "source_header"))
 
