@@ -46,11 +46,9 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 
@@ -432,7 +430,7 @@ def train(args: argparse.Namespace) -> None:
 def build(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(TOOLS))
     import fixtures
-    from make_default_model import DEFAULT_SPEC, MAX_BYTES
+    from make_default_model import DEFAULT_SPEC, MAX_BYTES, install
 
     ckpt = Path(args.ckpt)
     state = load_shards(ckpt)
@@ -461,18 +459,8 @@ def build(args: argparse.Namespace) -> None:
     size = built.stat().st_size
     if size > MAX_BYTES:
         raise SystemExit(f"{built}: {size:,} bytes, over the {MAX_BYTES:,}-byte budget")
-    dest = Path(args.out)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".default-", suffix=".gguf", delete=False) as tmp:
-        pass
-    try:
-        shutil.copyfile(built, tmp.name)
-        os.chmod(tmp.name, 0o644)
-        os.replace(tmp.name, dest)
-    finally:
-        if os.path.exists(tmp.name):
-            os.unlink(tmp.name)
-    log(f"wrote {dest} ({size:,} bytes, sha256 {_sha256(dest)[:16]}...; weights sha256 {weights_sha[:16]}...)")
+    install(built, Path(args.out))
+    log(f"weights sha256 {weights_sha[:16]}...")
 
 
 def main(argv: list[str] | None = None) -> int:
