@@ -21,8 +21,10 @@ Three steps, each a sub-command:
    safetensors and transformers' ``Qwen3MoeForCausalLM``; trains with AdamW (fused on CUDA), bf16 autocast,
    a cosine schedule and the Switch-Transformer load-balancing loss on each router; stops after ``--steps``
    steps or, with ``--seconds``, after the number of steps that fits the wall-clock budget (measured on the
-   first steps, then fixed and logged, so ``--steps N`` repeats the schedule). Writes float32 safetensors shards
-   of at most 15 MiB (a tensor larger than that is cut into row blocks) and ``train_log.json`` (the loss curve).
+   first steps, then fixed and logged, so ``--steps N`` repeats the schedule but for the lr of those first
+   steps). Writes safetensors shards of at most 15 MiB (matrices bfloat16, vectors float32; a tensor larger than
+   that is cut into row blocks; the tied ``lm_head.weight`` left out) and ``train_log.json`` (the loss curve);
+   ``--mid-out`` also writes them part way (a fallback if the run is cut short).
 3. ``build`` (here, CPU): the shards -> transformers ``save_pretrained`` with the tokenizer files ->
    llama.cpp's ``convert_hf_to_gguf --outtype q8_0`` (the same pipeline as ``tools/fixtures.py``) ->
    ``--out`` (default ``src/moestream/data/default.gguf``), refused over 30 MB.
