@@ -97,7 +97,14 @@ def qwen3moe_tiny_iquants(fixtures_tool: ModuleType, llama_cpp: ModuleType) -> d
 
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
-    """The embedded default model (``src/moestream/data/default.gguf``)."""
+    """The embedded default model (``src/moestream/data/default.gguf``): trained, Shakespeare and Milton."""
     if not DEFAULT_GGUF.exists():
-        pytest.fail(f"{DEFAULT_GGUF} is missing; build it with: python tools/make_default_model.py")
+        pytest.fail(f"{DEFAULT_GGUF} is missing; build it with tools/train_default_model.py (docs/default-model.md)")
     return DEFAULT_GGUF
+
+
+@pytest.fixture(scope="session")
+def random_default_gguf(make_default_model_tool: ModuleType) -> Path:
+    """The random-weight model of the embedded model's shape (``tools/make_default_model.py``, cached like every
+    fixture), for the tests that need random routing."""
+    return make_default_model_tool.build_random()

