@@ -349,12 +349,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, lib: ctyp
     in double in index order; mean and scale in float32; then x * scale, times weight (float32 [n], or None).
     Rows in parallel, each row by one thread."""
     n = x.shape[-1]
-    _float32_cpu("rms_norm", x, weight)
+    if x.dtype != torch.float32 or x.device.type != "cpu" or (weight is not None and weight.dtype != torch.float32):
+        _float32_cpu("rms_norm", x, weight)
+    w = None if weight is None else weight.data_ptr() if weight.is_contiguous() else weight.contiguous().data_ptr()
+    if x.is_contiguous():  # the common case, without a view
+        y = torch.empty_like(x)
+        (lib or load()).ms_rms_norm(x.numel() // n, n, x.data_ptr(), n, w, eps, y.data_ptr(), n, threads())
+        return y
     xs = _rows(x, n)
     y = torch.empty((xs.shape[0], n), dtype=torch.float32)
-    w = None if weight is None else weight.contiguous()
-    (lib or load()).ms_rms_norm(xs.shape[0], n, xs.data_ptr(), xs.stride(0), None if w is None else w.data_ptr(),
-                           float(eps), y.data_ptr(), n, threads())
+    (lib or load()).ms_rms_norm(xs.shape[0], n, xs.data_ptr(), xs.stride(0), w, eps, y.data_ptr(), n, threads())
     return y.view(x.shape)
 
 
