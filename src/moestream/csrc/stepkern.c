@@ -125,14 +125,13 @@ void ms_rope(int T, int heads, int d, int n_rot, int interleaved, const float *x
 /* Query head h reads KV head h / (n_head / n_kv); query t sees keys j <= pos_t and, with window > 0, j >   */
 /* pos_t - window.                                                                                         */
 
-static inline float dot8(const float *a, const float *b, int n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
-    for (int l = 0; i < n; i++, l++) acc[l] += a[i] * b[i];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
+/* 8 float lanes as a GCC/clang vector: each lane's multiply and add rounded on its own (no contraction), on
+ * any ISA (the portable build lowers it to SSE pairs or scalars: the same bits). */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f ld8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+static inline float hsum8(v8f a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
 static _Thread_local float *tl_buf;
 static _Thread_local long tl_cap;
@@ -149,8 +148,10 @@ static float *scratch(long n) {
     return tl_buf;
 }
 
+#define MAX_HC 16 /* query heads of one KV head computed together (each on its own: the bits do not depend on it) */
+
 typedef struct {
-    int T, n_head, n_kv, d, dv;
+    int T, n_head, n_kv, d, dv, hc, n_chunks;
     const float *q; long qs_t, qs_h;
     const float *k; long ks_p, ks_h;
     const float *v; long vs_p, vs_h;
@@ -161,41 +162,119 @@ typedef struct {
     int failed;
 } attn_ctx;
 
+/* The scores of one query against keys k_j (row stride ks) for j < n, into s: four keys at a time (four
+ * independent sums in flight), each key's sum in the order of dot8. */
+static void scores_row(const attn_ctx *c, const float *q, const float *k, long ks, int n, float *s) {
+    const int d = c->d, d8 = d & ~7;
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *k0 = k + (long)j * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int i = 0; i < d8; i += 8) {
+            const v8f qv = ld8(q + i);
+            a0 += qv * ld8(k0 + i);
+            a1 += qv * ld8(k1 + i);
+            a2 += qv * ld8(k2 + i);
+            a3 += qv * ld8(k3 + i);
+        }
+        for (int i = d8; i < d; i++) {
+            a0[i - d8] += q[i] * k0[i];
+            a1[i - d8] += q[i] * k1[i];
+            a2[i - d8] += q[i] * k2[i];
+            a3[i - d8] += q[i] * k3[i];
+        }
+        s[j] = hsum8(a0) * c->scale;
+        s[j + 1] = hsum8(a1) * c->scale;
+        s[j + 2] = hsum8(a2) * c->scale;
+        s[j + 3] = hsum8(a3) * c->scale;
+    }
+    for (; j < n; j++) {
+        const float *kj = k + (long)j * ks;
+        v8f a = {0};
+        for (int i = 0; i < d8; i += 8) a += ld8(q + i) * ld8(kj + i);
+        for (int i = d8; i < d; i++) a[i - d8] += q[i] * kj[i];
+        s[j] = hsum8(a) * c->scale;
+    }
+    if (c->softcap > 0.0f)
+        for (j = 0; j < n; j++) s[j] = c->softcap * tanhf(s[j] / c->softcap);
+}
+
+/* o[i] += sum_j p_j * v_j[i] for i < dv, j < n, in key order (o holds the sum over the keys before these);
+ * 64 dims at a time in registers. */
+static void weighted_values(const float *p, const float *v, long vs, int n, int dv, float *o) {
+    int i0 = 0;
+    for (; i0 + 64 <= dv; i0 += 64) {
+        v8f a[8];
+        for (int u = 0; u < 8; u++) a[u] = ld8(o + i0 + 8 * u);
+        for (int j = 0; j < n; j++) {
+            const float *vj = v + (long)j * vs + i0;
+            const v8f pb = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
+            for (int u = 0; u < 8; u++) a[u] += pb * ld8(vj + 8 * u);
+        }
+        for (int u = 0; u < 8; u++) st8(o + i0 + 8 * u, a[u]);
+    }
+    for (; i0 + 8 <= dv; i0 += 8) {
+        v8f a = ld8(o + i0);
+        for (int j = 0; j < n; j++) {
+            const v8f pb = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
+            a += pb * ld8(v + (long)j * vs + i0);
+        }
+        st8(o + i0, a);
+    }
+    for (; i0 < dv; i0++) {
+        float a = o[i0];
+        for (int j = 0; j < n; j++) a = a + p[j] * v[(long)j * vs + i0];
+        o[i0] = a;
+    }
+}
+
+#define KEY_BLOCK 64 /* keys whose rows stay in L1 while every query head of an item reads them */
+
+/* item: token t, KV head g, query heads h0..h0+nh-1 of its group; each query head's arithmetic is that of the
+ * block comment above whatever the item holds (the heads share only the loads of key and value rows). */
 static void attn_item(void *vc, int item) {
     attn_ctx *c = vc;
-    const int t = item / c->n_head, h = item % c->n_head;
-    const int kvh = h / (c->n_head / c->n_kv);
+    const int per_t = c->n_kv * c->n_chunks;
+    const int t = item / per_t, g = (item % per_t) / c->n_chunks, chunk = item % c->n_chunks;
+    const int group = c->n_head / c->n_kv;
+    const int h0 = g * group + chunk * c->hc;
+    const int nh = h0 + c->hc <= (g + 1) * group ? c->hc : (g + 1) * group - h0;
     const int pos = c->start + t;
     const int lo = c->window > 0 && pos - c->window + 1 > 0 ? pos - c->window + 1 : 0;
     const int n = pos + 1 - lo;
-    float *s = scratch(n);
-    float *o = c->out + (long)t * c->os_t + (long)h * c->dv;
+    float *s = scratch((long)nh * n);
     if (!s) { c->failed = 1; return; }
-    const float *q = c->q + (long)t * c->qs_t + (long)h * c->qs_h;
-    const float *k = c->k + (long)lo * c->ks_p + (long)kvh * c->ks_h;
-    float m = -INFINITY;
-    for (int j = 0; j < n; j++) {
-        float sc = dot8(q, k + (long)j * c->ks_p, c->d) * c->scale;
-        if (c->softcap > 0.0f) sc = c->softcap * tanhf(sc / c->softcap);
-        s[j] = sc;
-        if (sc > m) m = sc;
+    const float *k = c->k + (long)lo * c->ks_p + (long)g * c->ks_h;
+    const float *v = c->v + (long)lo * c->vs_p + (long)g * c->vs_h;
+    const float *q = c->q + (long)t * c->qs_t;
+    float *o = c->out + (long)t * c->os_t;
+    for (int j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        const int nb = n - j0 < KEY_BLOCK ? n - j0 : KEY_BLOCK;
+        for (int hh = 0; hh < nh; hh++)
+            scores_row(c, q + (long)(h0 + hh) * c->qs_h, k + (long)j0 * c->ks_p, c->ks_p, nb, s + (long)hh * n + j0);
     }
-    const float sink = c->sinks ? c->sinks[h] : 0.0f;
-    if (c->sinks && sink > m) m = sink;
-    double sum = 0.0;
-    for (int j = 0; j < n; j++) {
-        s[j] = expf(s[j] - m);
-        sum += (double)s[j];
+    for (int hh = 0; hh < nh; hh++) {
+        const int h = h0 + hh;
+        float *sh = s + (long)hh * n;
+        float m = -INFINITY;
+        for (int j = 0; j < n; j++) if (sh[j] > m) m = sh[j];
+        const float sink = c->sinks ? c->sinks[h] : 0.0f;
+        if (c->sinks && sink > m) m = sink;
+        double sum = 0.0;
+        for (int j = 0; j < n; j++) {
+            sh[j] = expf(sh[j] - m);
+            sum += (double)sh[j];
+        }
+        if (c->sinks) sum += (double)expf(sink - m);
+        const float den = (float)sum;
+        for (int j = 0; j < n; j++) sh[j] = sh[j] / den;
+        memset(o + (long)h * c->dv, 0, (size_t)c->dv * sizeof(float));
     }
-    if (c->sinks) sum += (double)expf(sink - m);
-    const float den = (float)sum;
-    for (int j = 0; j < n; j++) s[j] = s[j] / den;
-    for (int i = 0; i < c->dv; i++) o[i] = 0.0f;
-    const float *v = c->v + (long)lo * c->vs_p + (long)kvh * c->vs_h;
-    for (int j = 0; j < n; j++) {
-        const float p = s[j];
-        const float *vj = v + (long)j * c->vs_p;
-        for (int i = 0; i < c->dv; i++) o[i] = o[i] + p * vj[i];
+    for (int j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        const int nb = n - j0 < KEY_BLOCK ? n - j0 : KEY_BLOCK;
+        for (int hh = 0; hh < nh; hh++)
+            weighted_values(s + (long)hh * n + j0, v + (long)j0 * c->vs_p, c->vs_p, nb, c->dv,
+                            o + (long)(h0 + hh) * c->dv);
     }
 }
 
@@ -205,9 +284,13 @@ static void attn_item(void *vc, int item) {
 int ms_attention(int T, int n_head, int n_kv, int d, int dv, const float *q, long qs_t, long qs_h,
                  const float *k, long ks_p, long ks_h, const float *v, long vs_p, long vs_h, int start, int window,
                  const float *sinks, float scale, float softcap, float *out, long os_t, int n_threads) {
-    attn_ctx c = {T, n_head, n_kv, d, dv, q, qs_t, qs_h, k, ks_p, ks_h, v, vs_p, vs_h, start, window, sinks,
-                  scale, softcap, out, os_t, 0};
-    ms_pool_run(n_threads, attn_item, &c, T * n_head);
+    const int group = n_head / n_kv;
+    int hc = group < MAX_HC ? group : MAX_HC; /* fewer heads per item while the items do not fill the threads */
+    while (hc > 1 && (long)T * n_kv * ((group + hc - 1) / hc) < n_threads) hc = (hc + 1) / 2;
+    const int n_chunks = (group + hc - 1) / hc;
+    attn_ctx c = {T, n_head, n_kv, d, dv, hc, n_chunks, q, qs_t, qs_h, k, ks_p, ks_h, v, vs_p, vs_h, start, window,
+                  sinks, scale, softcap, out, os_t, 0};
+    ms_pool_run(n_threads, attn_item, &c, T * n_kv * n_chunks);
     return c.failed ? -2 : 0;
 }
 
