@@ -8,7 +8,9 @@ library is profiled as it is (nothing in it is edited for this).
 
 Two passes over the same decode steps after a prefill of ``-p`` random tokens:
 
-1. wall time: perf_counter around each step and inside each matmul call (the numbers reported);
+1. time around each step and inside each matmul call (the numbers reported): wall time (perf_counter), or with
+   ``--clock thread`` the calling thread's CPU time (thread_time: at ``-t 1`` every kernel runs on that thread, so
+   this is the step's whole CPU time, and it holds still on a machine other processes load);
 2. torch.profiler over ``--prof-steps`` steps: the aten ops outside the matmul scopes, ranked by self CPU time
    (the profiler adds overhead per op, so only its ranking is used, not its absolute times).
 
@@ -37,7 +39,8 @@ class MatmulTimer:
     """Wraps the matmul functions: accumulates their wall time (outermost calls only) and, when ``scoped``,
     marks them with a profiler scope named ``matmul``."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:  # noqa: ANN001
+        self.clock = clock
         self.seconds = 0.0
         self.calls = 0
         self.depth = 0
@@ -50,14 +53,14 @@ class MatmulTimer:
                 if timer.depth:
                     return fn(*a, **k)
                 timer.depth += 1
-                t0 = time.perf_counter()
+                t0 = timer.clock()
                 try:
                     if timer.scoped:
                         with torch.profiler.record_function(MATMUL_SCOPE):
                             return fn(*a, **k)
                     return fn(*a, **k)
                 finally:
-                    timer.seconds += time.perf_counter() - t0
+                    timer.seconds += timer.clock() - t0
                     timer.calls += 1
                     timer.depth -= 1
             return inner
@@ -72,14 +75,18 @@ class MatmulTimer:
 
 
 #: Profiler scopes put around the parts of a step (only in the torch.profiler pass), for the per-part table.
+_FAMILIES = ("base", "qwen3moe", "gemma4", "qwen35moe", "deepseek2", "glm4moe", "gpt_oss", "qwen2moe", "olmoe",
+             "llama")
 PARTS = {
     "moe layer (experts/moe.py, not its matmuls)": [("moestream.experts.moe", "MoE", "__call__")],
     "attention": [(f"moestream.models.{m}", None, f) for m in ("qwen3moe", "gemma4", "qwen35moe")
-                  for f in ("attention", "attention_window")],
+                  for f in ("attention", "attention_window")] + [("moestream.runtime.step", "Step", "attend")],
     "rope": [("moestream.models.layers", "Rope", "__call__")]  # and the per-call RoPE before it:
             + [(f"moestream.models.{m}", None, f) for m in ("qwen3moe", "gemma4", "qwen35moe")
                for f in ("rope_neox", "rope_neox_inv_freq")],
-    "rms_norm": [(f"moestream.models.{m}", None, "rms_norm") for m in ("qwen3moe", "gemma4", "qwen35moe")],
+    "rms_norm": [(f"moestream.models.{m}", None, "rms_norm") for m in _FAMILIES],
+    "router (softmax/sigmoid, top-k)": [(f"moestream.models.{m}", None, f) for m in _FAMILIES
+                                        for f in ("softmax_topk", "group_topk", "sigmoid_group_topk")],
     "model forward, other": [(f"moestream.models.{m}", c, "forward") for m, c in
                              (("qwen3moe", "Qwen3MoE"), ("gemma4", "Gemma4"), ("qwen35moe", "Qwen35MoE"))]
                             + [("moestream.runtime.runner", "Runner", "run")],
@@ -160,6 +167,8 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--matmul", default="blocks", help="blocks (the C kernels, default) or dequant")
     ap.add_argument("--stream", action="store_true", help="stream experts through slot pools (default: resident)")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="wall time, or the calling thread's CPU time (meaningful at -t 1; see above)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--by-caller", action="store_true", help="rank ops by (op, outermost op that called it)")
     a = ap.parse_args()
@@ -170,14 +179,15 @@ def main() -> None:
     engine = Engine(model)
     rng = random.Random(1234)
     n_ctx = a.prompt + a.steps + a.prof_steps + 8
-    timer = MatmulTimer()
+    clock = time.thread_time if a.clock == "thread" else time.perf_counter
+    timer = MatmulTimer(clock)
 
     def run(n: int, cache: object, pos: int) -> list[float]:
         per = []
         for i in range(n):
-            t0 = time.perf_counter()
+            t0 = clock()
             engine.decode_step(rng.randrange(model.n_vocab), pos + i, cache)
-            per.append(time.perf_counter() - t0)
+            per.append(clock() - t0)
         return per
 
     def fresh() -> object:
@@ -196,7 +206,8 @@ def main() -> None:
     total = sum(steps)
     ms = 1000 * statistics.median(steps)
     print(f"model {a.model}: {model.n_layers} layers, context {a.prompt}..{a.prompt + a.steps}, "
-          f"{'streaming' if a.stream else 'resident'}, {a.threads} threads, torch {torch.__version__}")
+          f"{'streaming' if a.stream else 'resident'}, {a.threads} threads, torch {torch.__version__}, "
+          f"{a.clock} clock")
     print(f"decode step: median {ms:.2f} ms, mean {1000 * total / len(steps):.2f} ms over {len(steps)} steps")
     print(f"matmul {1000 * mm / len(steps):.2f} ms/step; outside the matmuls {1000 * (total - mm) / len(steps):.2f} "
           f"ms/step = {100 * (total - mm) / total:.1f}%")

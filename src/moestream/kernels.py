@@ -1,4 +1,7 @@
-"""moestream's CPU kernels (``csrc/moekern.c``): matmuls on ggml blocks as stored, and one call per MoE layer.
+"""moestream's CPU kernels (``csrc/moekern.c``): matmuls on ggml blocks as stored, and one call per MoE layer;
+and the step kernels (``csrc/stepkern.c``, the same library): RMSNorm, RoPE, attention over the KV cache and the
+router, the operations of a forward step between the matmuls (:func:`rms_norm`, :func:`rope`, :func:`attention`,
+:func:`route`).
 
 The C source is the project's own; it is compiled on the user's machine at first use (a few seconds per ISA
 with gcc or clang) and cached under ``~/.cache/moestream/kernels/`` (``$XDG_CACHE_HOME`` respected), keyed by
@@ -37,10 +40,12 @@ import torch
 
 from .errors import MoestreamError
 
-__all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports", "computes"]
+__all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports", "computes",
+           "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route"]
 
 _SRC = Path(__file__).with_name("csrc")
-_SOURCES = ("moekern.c", "iquants.h")
+_SOURCES = ("moekern.c", "iquants.h", "stepkern.c")
+_UNITS = ("moekern.c", "stepkern.c")  # compiled into one library
 
 # flags per ISA build; -ffp-contract=off: no fused multiply-add the source does not spell out
 _ISA_FLAGS = {
@@ -125,17 +130,18 @@ def _build(which: str) -> Path:
         raise KernelBuildError(f"cannot write the kernel cache {out_dir}: {e.strerror or e}; set XDG_CACHE_HOME to a "
                                f"writable directory") from None
     log = out_dir / f"build-{which}.log"
-    cmd = [cc, *flags, str(_SRC / "moekern.c"), "-o", tmp, "-lm", "-lpthread"]
+    cmd = [cc, *flags, *(str(_SRC / u) for u in _UNITS), "-o", tmp, "-lm", "-lpthread"]
+    what = " and ".join(str(_SRC / u) for u in _UNITS)
     try:
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.SubprocessError) as e:
-            raise KernelBuildError(f"compiling {_SRC / 'moekern.c'} with {cc} failed to start: {e}") from None
+            raise KernelBuildError(f"compiling {what} with {cc} failed to start: {e}") from None
         if r.returncode != 0 or not os.path.isfile(tmp) or os.path.getsize(tmp) == 0:
             with contextlib.suppress(OSError):
                 log.write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
             why = f"exit {r.returncode}" if r.returncode != 0 else "it wrote no library"
-            raise KernelBuildError(f"compiling {_SRC / 'moekern.c'} with {cc} failed ({why}); the compiler's "
+            raise KernelBuildError(f"compiling {what} with {cc} failed ({why}); the compiler's "
                                    f"messages are in {log}")
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, lib)  # atomic: concurrent builders each produce the same file
@@ -187,6 +193,16 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_block_bytes.argtypes = [_I]
             lib.ms_set_table.argtypes = [_I, _P]
             lib.ms_set_table.restype = None
+            _L = ctypes.c_long
+            lib.ms_rms_norm.argtypes = [_L, _I, _P, _L, _P, _F, _P, _L, _I]
+            lib.ms_rms_norm.restype = None
+            lib.ms_rope.argtypes = [_I, _I, _I, _I, _I, _P, _L, _L, _P, _P, _P, _L, _L, _I]
+            lib.ms_rope.restype = None
+            lib.ms_attention.argtypes = [_I, _I, _I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _I, _I, _P, _F, _F,
+                                         _P, _L, _I]
+            lib.ms_attention.restype = _I
+            lib.ms_route.argtypes = [_I, _I, _P, _I, _P, _I, _I, _I, _I, _F, _F, _P, _P, _I]
+            lib.ms_route.restype = _I
             _set_tables(lib)
             _LIBS[which] = lib
         return lib
@@ -283,3 +299,151 @@ def moe(x: torch.Tensor, t_gu: int, t_down: int, gate: np.ndarray, up: np.ndarra
         raise ValueError(f"moe: the kernels do not compute ggml types {t_gu} / {t_down} at these sizes")
     if rc == -2:
         raise MemoryError("moe: out of memory for the expert FFN's buffers")
+
+
+# --- the step kernels (csrc/stepkern.c) ----------------------------------------------------------------------
+
+_STEP = {"on": os.environ.get("MOESTREAM_STEP_KERNELS", "1").strip() != "0", "lib": None, "tried": False}
+
+#: gating of :func:`route`
+GATING_SOFTMAX, GATING_SIGMOID, GATING_SCORES = 0, 1, 2
+
+
+def set_step_ops(on: bool) -> None:
+    """Run the CPU step's norms, RoPE, attention and router in C (``True``, the default) or in torch
+    (``MOESTREAM_STEP_KERNELS=0`` at start, or ``False`` here)."""
+    _STEP["on"] = bool(on)
+
+
+def step_ops() -> ctypes.CDLL | None:
+    """The kernel library when the step ops run in C, else None (switched off, or the kernels cannot be built
+    here: the callers then run torch's ops)."""
+    if not _STEP["on"]:
+        return None
+    if not _STEP["tried"]:
+        _STEP["tried"] = True
+        try:
+            _STEP["lib"] = load()
+        except KernelBuildError:
+            _STEP["lib"] = None
+    return _STEP["lib"]
+
+
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x viewed as [rows, n] with unit stride along n (a copy only when no such view exists)."""
+    xs = x.reshape(-1, n)
+    return xs if xs.stride(-1) == 1 or xs.shape[0] == 0 else xs.contiguous()
+
+
+def _float32_cpu(name: str, *ts: torch.Tensor | None) -> None:
+    for t in ts:
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"{name}: float32 CPU tensors only, got {t.dtype} on {t.device}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, lib: ctypes.CDLL | None = None
+             ) -> torch.Tensor:
+    """RMSNorm over the last dim: x float32 [..., n] -> ``x * (1 / sqrt(mean(x^2) + eps)) * weight``, same shape.
+
+    ggml's arithmetic (ggml_compute_forward_rms_norm_f32, then ggml_mul): each square rounded to float32, summed
+    in double in index order; mean and scale in float32; then x * scale, times weight (float32 [n], or None).
+    Rows in parallel, each row by one thread."""
+    n = x.shape[-1]
+    if x.dtype != torch.float32 or x.device.type != "cpu" or (weight is not None and weight.dtype != torch.float32):
+        _float32_cpu("rms_norm", x, weight)
+    w = None if weight is None else weight.data_ptr() if weight.is_contiguous() else weight.contiguous().data_ptr()
+    if x.is_contiguous():  # the common case, without a view
+        y = torch.empty_like(x)
+        (lib or load()).ms_rms_norm(x.numel() // n, n, x.data_ptr(), n, w, eps, y.data_ptr(), n, threads())
+        return y
+    xs = _rows(x, n)
+    y = torch.empty((xs.shape[0], n), dtype=torch.float32)
+    (lib or load()).ms_rms_norm(xs.shape[0], n, xs.data_ptr(), xs.stride(0), w, eps, y.data_ptr(), n, threads())
+    return y.view(x.shape)
+
+
+def _head_strides(x: torch.Tensor) -> tuple[int, int]:
+    """(token stride, head stride) in elements of x [T, heads, d] whose last dim has unit stride."""
+    return x.stride(0), x.stride(1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, out: torch.Tensor,
+         lib: ctypes.CDLL | None = None) -> None:
+    """RoPE from tables, into ``out``: x, out float32 [T, heads, d] (last dims of unit stride; out must not overlap
+    x); cos, sin float32 [T, n_rot] (the tables' rows of the T positions, rows contiguous: layers.Rope).
+
+    Per dim i < n_rot: ``x_i * cos_i + p_i * sin_i`` (each product and the sum rounded on their own, as
+    layers.Rope's torch ops do, so the same bits), p_i the partner: x_{i + n_rot/2} / x_{i - n_rot/2} (NEOX) or
+    x_{i ^ 1} (``interleaved``); dims past n_rot copied."""
+    _float32_cpu("rope", x, cos, sin, out)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if out.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride(0) != cos.shape[1] or sin.stride() != cos.stride():
+        raise ValueError("rope: out and the tables need unit strides along their last dims, table rows contiguous")
+    n_tok, heads, d = x.shape
+    xt, xh = _head_strides(x)
+    ot, oh = _head_strides(out)
+    (lib or load()).ms_rope(n_tok, heads, d, cos.shape[1], int(interleaved), x.data_ptr(), xt, xh, cos.data_ptr(),
+                       sin.data_ptr(), out.data_ptr(), ot, oh, threads())
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+              window: int | None = None, sinks: torch.Tensor | None = None, softcap: float = 0.0,
+              lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Causal GQA attention of T new queries over the KV cache, read in place (layers.attention's semantics).
+
+    q: float32 [T, n_head, d] at positions start..start+T-1; k: [>= start+T, n_kv, d] and v: [>= start+T, n_kv,
+    d_v], cache rows from position 0 (views with unit stride along their last dim; v may be a view of k: MLA's
+    K = V). window: keys j with pos - window < j <= pos (None: all j <= pos); sinks: float32 [n_head] logits in
+    the softmax's denominator; softcap > 0: scores become softcap * tanh(score / softcap). Returns float32
+    [T, n_head * d_v]. Arithmetic (csrc/stepkern.c): dot products in 8 partial sums, scores times scale,
+    expf of score - max, the sum in double, probabilities divided by it, values summed in key order.
+    Each (token, head) by one thread. MemoryError when the score buffer cannot grow."""
+    _float32_cpu("attention", q, k, v, sinks)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("attention: the cache views need unit stride along their last dim")
+    n_tok, n_head, d = q.shape
+    n_kv, dv = k.shape[1], v.shape[2]
+    if n_head % n_kv or k.shape[0] < start + n_tok or v.shape[0] < start + n_tok:
+        raise ValueError(f"attention: {n_head} query heads over {n_kv} KV heads, {k.shape[0]} cache rows for "
+                         f"positions up to {start + n_tok - 1}")
+    s = None if sinks is None else sinks.contiguous()
+    out = torch.empty((n_tok, n_head * dv), dtype=torch.float32)
+    qt, qh = _head_strides(q)
+    rc = (lib or load()).ms_attention(n_tok, n_head, n_kv, d, dv, q.data_ptr(), qt, qh, k.data_ptr(), k.stride(0),
+                                 k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), int(start), int(window or 0),
+                                 None if s is None else s.data_ptr(), float(scale), float(softcap),
+                                 out.data_ptr(), n_head * dv, threads())
+    if rc == -2:
+        raise MemoryError("attention: out of memory for the score buffer")
+    return out
+
+
+def route(logits: torch.Tensor, top_k: int, gating: int = GATING_SOFTMAX, bias: torch.Tensor | None = None,
+          n_group: int = 1, topk_group: int = 1, norm: bool = True, floor: float = 0.0,
+          scale: float = 1.0, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of one MoE layer: logits float32 [T, n_experts] -> (ids int64 [T, top_k] best first, weights
+    float32 [T, top_k]).
+
+    Scores by ``gating``: GATING_SOFTMAX (expf of logit - max, the sum in double, divided), GATING_SIGMOID
+    (1 / (1 + expf(-logit))) or GATING_SCORES (the logits are the scores); choice = score + ``bias`` [n_experts]
+    (or the score); ``n_group`` > 1: only the experts of the ``topk_group`` groups whose two best choices sum
+    highest stay choosable; ids = the top_k best choices (ties: the lower id); weights = their scores, divided by
+    max(their sum (double, in top-k order), ``floor``) when ``norm``, times ``scale``. ValueError for sizes that
+    do not fit (``n_group`` must divide n_experts, ``top_k`` fit in the kept groups)."""
+    _float32_cpu("route", logits, bias)
+    logits = logits.contiguous()
+    n_tok, n_exp = logits.shape
+    b = None if bias is None else bias.contiguous()
+    ids = torch.empty((n_tok, top_k), dtype=torch.int64)
+    w = torch.empty((n_tok, top_k), dtype=torch.float32)
+    rc = (lib or load()).ms_route(n_tok, n_exp, logits.data_ptr(), int(gating), None if b is None else b.data_ptr(),
+                             int(n_group), int(topk_group), int(top_k), int(norm), float(floor), float(scale),
+                             ids.data_ptr(), w.data_ptr(), threads())
+    if rc == -1:
+        raise ValueError(f"route: top-{top_k} of {n_exp} experts in {n_group} groups ({topk_group} kept) does not fit")
+    if rc == -2:
+        raise MemoryError("route: out of memory for the score buffer")
+    return ids, w

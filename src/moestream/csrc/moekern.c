@@ -1085,6 +1085,9 @@ static void pool_run(int n_threads, task_fn fn, void *ctx, int n_items) {
     pthread_mutex_unlock(&P.run_mu);
 }
 
+/* The pool for the step kernels (stepkern.c, linked into the same library). */
+void ms_pool_run(int n_threads, task_fn fn, void *ctx, int n_items) { pool_run(n_threads, fn, ctx, n_items); }
+
 /* ------------------------------------------------------------------------------------------------------ */
 /* public API                                                                                              */
 

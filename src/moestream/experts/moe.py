@@ -135,14 +135,6 @@ class MoE:
         store = self.store_of()
         n_tok, top_k = ids.shape
         cuda = x.device.type == "cuda"
-        if cuda or self.gpu:  # the router's choice to the host: one small copy (and the one sync) per layer
-            ids_host = ids.cpu()
-            experts = np.unique(ids_host.numpy()).tolist()
-        else:
-            experts = torch.unique(ids).tolist()  # sorted real ids
-        cap = store.capacity(self.layer)
-        size = cap // 2 if overlap and len(experts) > cap and cap >= 2 else cap
-        tiles = [experts[i:i + size] for i in range(0, len(experts), size)]
         if expert_scale is None:
             expert_scale = self.expert_scale
         if expert_scale is not None:
@@ -151,7 +143,7 @@ class MoE:
         batch = self._fused
         if self.gpu:  # (on a CPU tensor only under Triton's interpreter, in tests)
             x = x.contiguous()
-            groups = _Groups(ids_host, weights, keep=True)
+            groups = _Groups(ids.cpu(), weights, keep=True)  # the router's choice to the host: one sync per layer
             batch = self._grouped
             out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
         elif self.fused and not cuda:
@@ -160,6 +152,15 @@ class MoE:
             out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
         else:
             out = x.new_zeros((n_tok, top_k, x.shape[-1]))
+        if groups is not None:
+            experts = groups.experts  # sorted real ids
+        elif cuda:  # the router's choice to the host: one small copy (and the one sync) per layer
+            experts = np.unique(ids.cpu().numpy()).tolist()
+        else:
+            experts = torch.unique(ids).tolist()  # sorted real ids
+        cap = store.capacity(self.layer)
+        size = cap // 2 if overlap and len(experts) > cap and cap >= 2 else cap
+        tiles = [experts[i:i + size] for i in range(0, len(experts), size)]
         shared_out = None
         if shared is not None and not overlap:
             shared_out = shared(x)
@@ -386,12 +387,19 @@ class _Groups:
             self.w = None
         else:
             self.w = np.ascontiguousarray(weights.reshape(-1).detach().cpu().numpy()[order], dtype=np.float32)
-        experts, first, counts = np.unique(flat[order], return_index=True, return_counts=True)
-        self.span = {int(e): (int(f), int(f + c)) for e, f, c in zip(experts, first, counts, strict=True)}
+        by_expert = flat[order]
+        bounds = (np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1).tolist()
+        first, end = [0, *bounds], [*bounds, len(flat)]
+        #: the distinct real ids, ascending
+        self.experts = by_expert[first].tolist()
+        self.span = {e: (f, b) for e, f, b in zip(self.experts, first, end, strict=True)}
+        self._all = (np.array([*first, len(flat)], dtype=np.int32), self.tok, self.w, self.dst)
 
     def select(self, experts: list[int]) -> tuple:
         """(start int32 [len(experts) + 1], tok int32, w float32 (None for GPU weights), dst int32) of ``experts``'
         pairs, in that order."""
+        if experts == self.experts:  # every expert of the call, ascending (a decode step whose experts are all hits)
+            return self._all
         spans = [self.span[e] for e in experts]
         start = np.zeros(len(spans) + 1, dtype=np.int32)
         np.cumsum([b - a for a, b in spans], out=start[1:])

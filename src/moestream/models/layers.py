@@ -88,8 +88,9 @@ class Weight:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | float, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim (float32; weight: [x.shape[-1]], or 1.0 for none).
 
-    torch.rms_norm, which on the CPU is this very sequence of ops (pow, mean, add, rsqrt, mul, mul), run in C++
-    rather than dispatched one by one from Python: the same bits."""
+    torch.rms_norm (pow, mean, add, rsqrt, mul, mul in one C++ call). Not the step kernels' kernels.rms_norm
+    (ggml's arithmetic, squares summed in double): measured 2026-12-03, it moved the deepseek2 fixture's F32 logits
+    from 8.0e-5 to 1.18e-4 of transformers' (the bar is 1e-4; everything else in C left it at 8.03e-5)."""
     return torch.rms_norm(x, (x.shape[-1],), None if isinstance(weight, float) else weight, eps)
 
 
@@ -204,6 +205,11 @@ class Rope:
         end = start + n_tok
         if end > self.cos.shape[0]:
             self.reserve(end)
+        if x.device.type == "cpu" and x.dtype == torch.float32 and (lib := kernels.step_ops()) is not None:
+            if out is None:
+                out = torch.empty(x.shape, dtype=torch.float32)
+            kernels.rope(x, self.cos[start:end], self.sin[start:end], self.interleaved, out, lib=lib)
+            return out  # the same bits as the torch ops below
         cos, sin = self.cos[start:end, None], self.sin[start:end, None]  # [T, 1, n_rot]
         if self.interleaved:
             xr = x[..., :n_rot]
@@ -326,10 +332,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     attends to nothing (GPT-OSS: transformers' ``s_aux``, llama.cpp's ``ggml_soft_max_add_sinks``): weights
     ``exp(s_j) / (sum_j exp(s_j) + exp(sink_h))``. Returns float32 [T, n_head * d_v].
 
-    GQA without copying the cache: the queries of one KV head's group are the rows of one matrix,
-    [n_kv, group * T, d], multiplied with that head's keys. A single new token (decode) sees every key it is
-    given, so it needs no mask.
+    On the CPU the step kernels compute it (kernels.attention: each (token, head) by one thread, the same bits
+    whatever the thread count or the chunk a token is in). Elsewhere, or with the step kernels off, torch: GQA
+    without copying the cache, the queries of one KV head's group are the rows of one matrix, [n_kv, group * T,
+    d], multiplied with that head's keys; a single new token (decode) sees every key it is given, so it needs no
+    mask.
     """
+    if q.device.type == "cpu" and q.dtype == torch.float32 and (lib := kernels.step_ops()) is not None:
+        return kernels.attention(q, k, v, start, scale, window, sinks, lib=lib)
     n_tok, n_head, d = q.shape
     first = 0 if window is None else max(0, start - window + 1)  # keys before this are masked for every query
     if first:
@@ -425,6 +435,9 @@ def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.T
 def softmax_topk(router_logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax routing: router_logits float32 [T, n_experts] -> (ids int64 [T, top_k], weights float32
     [T, top_k]): the top-k of softmax over all experts, divided by their sum when ``norm`` (transformers'
-    ``norm_topk_prob``; llama.cpp build_moe_ffn with softmax gating and ``norm_w``), else as they are."""
+    ``norm_topk_prob``; llama.cpp build_moe_ffn with softmax gating and ``norm_w``), else as they are. On the CPU
+    the step kernels' router (kernels.route), elsewhere torch's ops."""
+    if router_logits.device.type == "cpu" and (lib := kernels.step_ops()) is not None:
+        return kernels.route(router_logits, top_k, kernels.GATING_SOFTMAX, norm=norm, lib=lib)
     w, ids = torch.topk(torch.softmax(router_logits, dim=-1), top_k, dim=-1)
     return ids, (w / w.sum(dim=-1, keepdim=True) if norm else w)

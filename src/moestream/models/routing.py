@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
+
 #: llama.cpp's floor for the sum the top-k weights are divided by (the smallest normal float16)
 WEIGHT_SUM_FLOOR = 6.103515625e-5
 
@@ -27,8 +29,12 @@ def sigmoid_group_topk(router_logits: torch.Tensor, top_k: int, *, bias: torch.T
     6. weights multiplied by ``scale`` (``routed_scaling_factor``; 1.0: left as they are).
 
     The caller checks that ``n_group`` divides n_experts into groups of at least two and that
-    ``topk_group`` <= ``n_group``. Ids are real expert ids.
+    ``topk_group`` <= ``n_group``. Ids are real expert ids. On the CPU the step kernels' router (kernels.route),
+    elsewhere torch's ops.
     """
+    if router_logits.device.type == "cpu" and (lib := kernels.step_ops()) is not None:
+        return kernels.route(router_logits, top_k, kernels.GATING_SIGMOID, bias, n_group, topk_group, norm,
+                             WEIGHT_SUM_FLOOR, scale, lib=lib)
     return group_topk(torch.sigmoid(router_logits), top_k, bias=bias, n_group=n_group, topk_group=topk_group,
                       norm=norm, scale=scale)
 
@@ -38,6 +44,9 @@ def group_topk(scores: torch.Tensor, top_k: int, *, bias: torch.Tensor | None = 
     """Steps 2-6 of :func:`sigmoid_group_topk` on gating scores float32 [T, n_experts] that are already computed
     (sigmoid, or softmax: llama.cpp's build_moe_ffn applies the same bias, group choice, renormalization and
     scale whatever the gating function) -> (ids int64 [T, top_k], weights float32 [T, top_k])."""
+    if scores.device.type == "cpu" and (lib := kernels.step_ops()) is not None:
+        return kernels.route(scores, top_k, kernels.GATING_SCORES, bias, n_group, topk_group, norm, WEIGHT_SUM_FLOOR,
+                             scale, lib=lib)
     choice = scores if bias is None else scores + bias
     if n_group > 1:
         n_tok, n_exp = choice.shape

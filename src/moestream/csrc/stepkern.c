@@ -1,0 +1,396 @@
+/* moestream's step kernels: the operations of a forward step between the matmuls, on float32 rows.
+ *
+ *   ms_rms_norm   RMSNorm of rows (ggml's arithmetic: the squares summed in double, in order)
+ *   ms_rope       RoPE from precomputed cos/sin tables (NEOX halves or interleaved pairs; partial rotation)
+ *   ms_attention  attention of T new queries over a KV cache (GQA without copies, causal, sliding window,
+ *                 sinks, softcap, K = V through strides)
+ *   ms_route      the router: softmax / sigmoid / given scores, bias, expert groups, top-k, renormalisation
+ *
+ * Determinism: every output element (a row of a norm, a (token, head) of attention, a token's top-k) is
+ * computed by one thread with a sequence of float operations fixed by this source, never by the thread
+ * count or by the other rows of the call; -ffp-contract=off (kernels.py) keeps every multiply and add
+ * rounded on its own, so a plain numpy reference with the same order gets the same bits (tests/test_stepkern.py
+ * writes one per operation). exp and tanh are the C library's expf / tanhf.
+ *
+ * Threads: the pool of moekern.c (ms_pool_run, the same library), items claimed from an atomic counter.
+ * Buffers: attention's score row is a per-thread buffer that grows to the longest row seen and is kept
+ * (no allocation per step once it has grown).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void ms_pool_run(int n_threads, void (*fn)(void *, int), void *ctx, int n_items);
+
+/* Elements an item of a row-parallel op should cover before another thread is worth waking. */
+#define GRAIN 16384
+
+static int items_for(long rows, long per_row, long *rows_per_item) {
+    long rpi = GRAIN / (per_row > 0 ? per_row : 1);
+    if (rpi < 1) rpi = 1;
+    *rows_per_item = rpi;
+    return (int)((rows + rpi - 1) / rpi);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* RMSNorm: y = x * (1 / sqrtf(mean + eps)) [* w], mean = (float)(sum_i (double)(x_i * x_i) / n) summed in  */
+/* index order (ggml_compute_forward_rms_norm_f32, then ggml_mul by the weight).                            */
+
+typedef struct {
+    long rows, rpi;
+    int n;
+    const float *x; long xs;
+    const float *w;
+    float eps;
+    float *y; long ys;
+} norm_ctx;
+
+static void norm_rows(void *vc, int item) {
+    const norm_ctx *c = vc;
+    long r1 = (item + 1) * c->rpi < c->rows ? (item + 1) * c->rpi : c->rows;
+    for (long r = item * c->rpi; r < r1; r++) {
+        const float *x = c->x + r * c->xs;
+        float *y = c->y + r * c->ys;
+        double sum = 0.0;
+        for (int i = 0; i < c->n; i++) sum += (double)(x[i] * x[i]);
+        const float mean = (float)(sum / c->n);
+        const float scale = 1.0f / sqrtf(mean + c->eps);
+        if (c->w) {
+            for (int i = 0; i < c->n; i++) y[i] = (x[i] * scale) * c->w[i];
+        } else {
+            for (int i = 0; i < c->n; i++) y[i] = x[i] * scale;
+        }
+    }
+}
+
+/* rows rows of n floats, row r at x + r * xs (y + r * ys); w: [n] or NULL. y may be x. */
+void ms_rms_norm(long rows, int n, const float *x, long xs, const float *w, float eps, float *y, long ys,
+                 int n_threads) {
+    norm_ctx c = {rows, 0, n, x, xs, w, eps, y, ys};
+    int n_items = items_for(rows, n, &c.rpi);
+    ms_pool_run(n_threads, norm_rows, &c, n_items);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* RoPE from tables: y_i = x_i * cos_i + p_i * sin_i (each product and the sum rounded on their own: the    */
+/* arithmetic of layers.Rope in torch, so the same bits), p_i the partner of dim i: NEOX x_{i +- n_rot/2},  */
+/* interleaved x_{i ^ 1}. Dims past n_rot are copied. Token t reads table row t (cos, sin: [T][n_rot]).     */
+
+typedef struct {
+    int T, heads, d, n_rot, interleaved;
+    const float *x; long xs_t, xs_h;
+    const float *cos, *sin;
+    float *y; long ys_t, ys_h;
+    long rpi;
+} rope_ctx;
+
+static void rope_rows(void *vc, int item) {
+    const rope_ctx *c = vc;
+    const long rows = (long)c->T * c->heads;
+    long r1 = (item + 1) * c->rpi < rows ? (item + 1) * c->rpi : rows;
+    const int h = c->n_rot / 2;
+    for (long r = item * c->rpi; r < r1; r++) {
+        const long t = r / c->heads, hd = r % c->heads;
+        const float *x = c->x + t * c->xs_t + hd * c->xs_h;
+        float *y = c->y + t * c->ys_t + hd * c->ys_h;
+        const float *cs = c->cos + t * c->n_rot, *sn = c->sin + t * c->n_rot;
+        if (c->interleaved) {
+            for (int i = 0; i < c->n_rot; i++) y[i] = x[i] * cs[i] + x[i ^ 1] * sn[i];
+        } else {
+            for (int i = 0; i < h; i++) y[i] = x[i] * cs[i] + x[i + h] * sn[i];
+            for (int i = h; i < c->n_rot; i++) y[i] = x[i] * cs[i] + x[i - h] * sn[i];
+        }
+        for (int i = c->n_rot; i < c->d; i++) y[i] = x[i];
+    }
+}
+
+/* x: [T][heads][d] at x + t * xs_t + h * xs_h (dims contiguous); y likewise (must not overlap x). */
+void ms_rope(int T, int heads, int d, int n_rot, int interleaved, const float *x, long xs_t, long xs_h,
+             const float *cos, const float *sin, float *y, long ys_t, long ys_h, int n_threads) {
+    rope_ctx c = {T, heads, d, n_rot, interleaved, x, xs_t, xs_h, cos, sin, y, ys_t, ys_h, 0};
+    int n_items = items_for((long)T * heads, d, &c.rpi);
+    ms_pool_run(n_threads, rope_rows, &c, n_items);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* Attention of T new queries (positions start..start+T-1) over the cache rows 0..start+T-1.                */
+/*   score_j = dot8(q, k_j) * scale, dot8: 8 partial sums acc[i % 8] += q_i * k_i in index order, then      */
+/*             ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));                                           */
+/*   softcap > 0: score_j = softcap * tanhf(score_j / softcap);                                             */
+/*   m = max(scores, sink); e_j = expf(score_j - m); sum = (double) sum of e_j in key order, then the       */
+/*   sink's expf(sink - m); p_j = e_j / (float)sum;                                                         */
+/*   out = sum_j p_j * v_j, each output dim summed in key order from 0.0f.                                  */
+/* Query head h reads KV head h / (n_head / n_kv); query t sees keys j <= pos_t and, with window > 0, j >   */
+/* pos_t - window.                                                                                         */
+
+/* 8 float lanes as a GCC/clang vector: each lane's multiply and add rounded on its own (no contraction), on
+ * any ISA (the portable build lowers it to SSE pairs or scalars: the same bits). */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f ld8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+static inline float hsum8(v8f a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+static _Thread_local float *tl_buf;
+static _Thread_local long tl_cap;
+
+static float *scratch(long n) {
+    if (n > tl_cap) {
+        long cap = tl_cap ? tl_cap : 1024;
+        while (cap < n) cap *= 2;
+        float *p = realloc(tl_buf, (size_t)cap * sizeof(float));
+        if (!p) return NULL;
+        tl_buf = p;
+        tl_cap = cap;
+    }
+    return tl_buf;
+}
+
+#define MAX_HC 16 /* query heads of one KV head computed together (each on its own: the bits do not depend on it) */
+
+typedef struct {
+    int T, n_head, n_kv, d, dv, hc, n_chunks;
+    const float *q; long qs_t, qs_h;
+    const float *k; long ks_p, ks_h;
+    const float *v; long vs_p, vs_h;
+    int start, window;
+    const float *sinks;
+    float scale, softcap;
+    float *out; long os_t;
+    int failed;
+} attn_ctx;
+
+/* The scores of one query against keys k_j (row stride ks) for j < n, into s: four keys at a time (four
+ * independent sums in flight), each key's sum in the order of dot8. */
+static void scores_row(const attn_ctx *c, const float *q, const float *k, long ks, int n, float *s) {
+    const int d = c->d, d8 = d & ~7;
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *k0 = k + (long)j * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int i = 0; i < d8; i += 8) {
+            const v8f qv = ld8(q + i);
+            a0 += qv * ld8(k0 + i);
+            a1 += qv * ld8(k1 + i);
+            a2 += qv * ld8(k2 + i);
+            a3 += qv * ld8(k3 + i);
+        }
+        for (int i = d8; i < d; i++) {
+            a0[i - d8] += q[i] * k0[i];
+            a1[i - d8] += q[i] * k1[i];
+            a2[i - d8] += q[i] * k2[i];
+            a3[i - d8] += q[i] * k3[i];
+        }
+        s[j] = hsum8(a0) * c->scale;
+        s[j + 1] = hsum8(a1) * c->scale;
+        s[j + 2] = hsum8(a2) * c->scale;
+        s[j + 3] = hsum8(a3) * c->scale;
+    }
+    for (; j < n; j++) {
+        const float *kj = k + (long)j * ks;
+        v8f a = {0};
+        for (int i = 0; i < d8; i += 8) a += ld8(q + i) * ld8(kj + i);
+        for (int i = d8; i < d; i++) a[i - d8] += q[i] * kj[i];
+        s[j] = hsum8(a) * c->scale;
+    }
+    if (c->softcap > 0.0f)
+        for (j = 0; j < n; j++) s[j] = c->softcap * tanhf(s[j] / c->softcap);
+}
+
+/* o[i] += sum_j p_j * v_j[i] for i < dv, j < n, in key order (o holds the sum over the keys before these);
+ * 64 dims at a time in registers. */
+static void weighted_values(const float *p, const float *v, long vs, int n, int dv, float *o) {
+    int i0 = 0;
+    for (; i0 + 64 <= dv; i0 += 64) {
+        v8f a[8];
+        for (int u = 0; u < 8; u++) a[u] = ld8(o + i0 + 8 * u);
+        for (int j = 0; j < n; j++) {
+            const float *vj = v + (long)j * vs + i0;
+            const v8f pb = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
+            for (int u = 0; u < 8; u++) a[u] += pb * ld8(vj + 8 * u);
+        }
+        for (int u = 0; u < 8; u++) st8(o + i0 + 8 * u, a[u]);
+    }
+    for (; i0 + 8 <= dv; i0 += 8) {
+        v8f a = ld8(o + i0);
+        for (int j = 0; j < n; j++) {
+            const v8f pb = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
+            a += pb * ld8(v + (long)j * vs + i0);
+        }
+        st8(o + i0, a);
+    }
+    for (; i0 < dv; i0++) {
+        float a = o[i0];
+        for (int j = 0; j < n; j++) a = a + p[j] * v[(long)j * vs + i0];
+        o[i0] = a;
+    }
+}
+
+#define KEY_BLOCK 64 /* keys whose rows stay in L1 while every query head of an item reads them */
+
+/* item: token t, KV head g, query heads h0..h0+nh-1 of its group; each query head's arithmetic is that of the
+ * block comment above whatever the item holds (the heads share only the loads of key and value rows). */
+static void attn_item(void *vc, int item) {
+    attn_ctx *c = vc;
+    const int per_t = c->n_kv * c->n_chunks;
+    const int t = item / per_t, g = (item % per_t) / c->n_chunks, chunk = item % c->n_chunks;
+    const int group = c->n_head / c->n_kv;
+    const int h0 = g * group + chunk * c->hc;
+    const int nh = h0 + c->hc <= (g + 1) * group ? c->hc : (g + 1) * group - h0;
+    const int pos = c->start + t;
+    const int lo = c->window > 0 && pos - c->window + 1 > 0 ? pos - c->window + 1 : 0;
+    const int n = pos + 1 - lo;
+    float *s = scratch((long)nh * n);
+    if (!s) { c->failed = 1; return; }
+    const float *k = c->k + (long)lo * c->ks_p + (long)g * c->ks_h;
+    const float *v = c->v + (long)lo * c->vs_p + (long)g * c->vs_h;
+    const float *q = c->q + (long)t * c->qs_t;
+    float *o = c->out + (long)t * c->os_t;
+    for (int j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        const int nb = n - j0 < KEY_BLOCK ? n - j0 : KEY_BLOCK;
+        for (int hh = 0; hh < nh; hh++)
+            scores_row(c, q + (long)(h0 + hh) * c->qs_h, k + (long)j0 * c->ks_p, c->ks_p, nb, s + (long)hh * n + j0);
+    }
+    for (int hh = 0; hh < nh; hh++) {
+        const int h = h0 + hh;
+        float *sh = s + (long)hh * n;
+        float m = -INFINITY;
+        for (int j = 0; j < n; j++) if (sh[j] > m) m = sh[j];
+        const float sink = c->sinks ? c->sinks[h] : 0.0f;
+        if (c->sinks && sink > m) m = sink;
+        double sum = 0.0;
+        for (int j = 0; j < n; j++) {
+            sh[j] = expf(sh[j] - m);
+            sum += (double)sh[j];
+        }
+        if (c->sinks) sum += (double)expf(sink - m);
+        const float den = (float)sum;
+        for (int j = 0; j < n; j++) sh[j] = sh[j] / den;
+        memset(o + (long)h * c->dv, 0, (size_t)c->dv * sizeof(float));
+    }
+    for (int j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        const int nb = n - j0 < KEY_BLOCK ? n - j0 : KEY_BLOCK;
+        for (int hh = 0; hh < nh; hh++)
+            weighted_values(s + (long)hh * n + j0, v + (long)j0 * c->vs_p, c->vs_p, nb, c->dv,
+                            o + (long)(h0 + hh) * c->dv);
+    }
+}
+
+/* q: [T][n_head][d] at q + t * qs_t + h * qs_h; k: cache row j of KV head g at k + j * ks_p + g * ks_h (d
+ * floats), v likewise (dv floats; v may point into k: K = V); out: [T][n_head * dv] at out + t * os_t.
+ * window: 0 = none; sinks: [n_head] or NULL; softcap: 0 = none. Returns 0, or -2 when out of memory. */
+int ms_attention(int T, int n_head, int n_kv, int d, int dv, const float *q, long qs_t, long qs_h,
+                 const float *k, long ks_p, long ks_h, const float *v, long vs_p, long vs_h, int start, int window,
+                 const float *sinks, float scale, float softcap, float *out, long os_t, int n_threads) {
+    const int group = n_head / n_kv;
+    int hc = group < MAX_HC ? group : MAX_HC; /* fewer heads per item while the items do not fill the threads */
+    while (hc > 1 && (long)T * n_kv * ((group + hc - 1) / hc) < n_threads) hc = (hc + 1) / 2;
+    const int n_chunks = (group + hc - 1) / hc;
+    attn_ctx c = {T, n_head, n_kv, d, dv, hc, n_chunks, q, qs_t, qs_h, k, ks_p, ks_h, v, vs_p, vs_h, start, window,
+                  sinks, scale, softcap, out, os_t, 0};
+    ms_pool_run(n_threads, attn_item, &c, T * n_kv * n_chunks);
+    return c.failed ? -2 : 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The router, per token:                                                                                   */
+/*   gating 0 (softmax): m = max; e_i = expf(l_i - m); sum in double, in order; s_i = e_i / (float)sum;     */
+/*   gating 1 (sigmoid): s_i = 1.0f / (1.0f + expf(-l_i)); gating 2: s_i = l_i (scores given);              */
+/*   choice_i = s_i [+ bias_i]; with n_group > 1 a group's score is its best choice plus its second best,   */
+/*   and only the experts of the topk_group best groups stay choosable;                                     */
+/*   ids = the top_k best choices, best first (ties: the lower index), w_r = s_{ids_r};                     */
+/*   norm: w_r / max((float)sum_r (double)w_r, floor); then w_r * scale unless scale == 1.                  */
+
+typedef struct {
+    int n_exp;
+    const float *logits;
+    int gating;
+    const float *bias;
+    int n_group, topk_group, top_k, norm;
+    float floor, scale;
+    int64_t *ids;
+    float *w;
+    int failed;
+} route_ctx;
+
+static void route_tok(void *vc, int t) {
+    route_ctx *c = vc;
+    const int ne = c->n_exp, k = c->top_k;
+    float *buf = scratch(2L * ne);
+    if (!buf) { c->failed = 1; return; }
+    float *s = buf, *ch = buf + ne;
+    const float *l = c->logits + (long)t * ne;
+    if (c->gating == 0) {
+        float m = -INFINITY;
+        for (int i = 0; i < ne; i++) if (l[i] > m) m = l[i];
+        double sum = 0.0;
+        for (int i = 0; i < ne; i++) { s[i] = expf(l[i] - m); sum += (double)s[i]; }
+        const float den = (float)sum;
+        for (int i = 0; i < ne; i++) s[i] = s[i] / den;
+    } else if (c->gating == 1) {
+        for (int i = 0; i < ne; i++) s[i] = 1.0f / (1.0f + expf(-l[i]));
+    } else {
+        for (int i = 0; i < ne; i++) s[i] = l[i];
+    }
+    for (int i = 0; i < ne; i++) ch[i] = c->bias ? s[i] + c->bias[i] : s[i];
+    if (c->n_group > 1) {
+        const int gs = ne / c->n_group;
+        unsigned char keep[1024];
+        float gscore[1024];
+        for (int g = 0; g < c->n_group; g++) {
+            float b1 = -INFINITY, b2 = -INFINITY;
+            for (int i = g * gs; i < (g + 1) * gs; i++) {
+                if (ch[i] > b1) { b2 = b1; b1 = ch[i]; }
+                else if (ch[i] > b2) b2 = ch[i];
+            }
+            gscore[g] = b1 + b2;
+            keep[g] = 0;
+        }
+        for (int r = 0; r < c->topk_group; r++) {
+            int best = -1;
+            for (int g = 0; g < c->n_group; g++)
+                if (!keep[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
+            keep[best] = 1;
+        }
+        for (int g = 0; g < c->n_group; g++)
+            if (!keep[g]) for (int i = g * gs; i < (g + 1) * gs; i++) ch[i] = -INFINITY;
+    }
+    int64_t *ids = c->ids + (long)t * k;
+    float *w = c->w + (long)t * k;
+    for (int r = 0; r < k; r++) {
+        int best = -1;
+        for (int i = 0; i < ne; i++) {
+            int taken = 0;
+            for (int q = 0; q < r; q++) if (ids[q] == i) { taken = 1; break; }
+            if (taken) continue;
+            /* a NaN choice is taken only when nothing else is left */
+            if (best < 0 || ch[i] > ch[best] || (ch[best] != ch[best] && ch[i] == ch[i])) best = i;
+        }
+        ids[r] = best;
+        w[r] = s[best];
+    }
+    if (c->norm) {
+        double sum = 0.0;
+        for (int r = 0; r < k; r++) sum += (double)w[r];
+        float den = (float)sum;
+        if (den < c->floor) den = c->floor;
+        for (int r = 0; r < k; r++) w[r] = w[r] / den;
+    }
+    if (c->scale != 1.0f)
+        for (int r = 0; r < k; r++) w[r] = w[r] * c->scale;
+}
+
+/* logits: [T][n_exp]; bias: [n_exp] or NULL; ids: int64 [T][top_k]; w: [T][top_k]. n_group <= 1024 divides
+ * n_exp, topk_group <= n_group, top_k <= the experts of topk_group groups. Returns 0, -1 for a bad size, or
+ * -2 when out of memory. */
+int ms_route(int T, int n_exp, const float *logits, int gating, const float *bias, int n_group, int topk_group,
+             int top_k, int norm, float floor, float scale, int64_t *ids, float *w, int n_threads) {
+    if (n_group < 1 || n_group > 1024 || n_exp % n_group || topk_group < 1 || topk_group > n_group ||
+        top_k < 1 || top_k > (n_group > 1 ? topk_group * (n_exp / n_group) : n_exp))
+        return -1;
+    route_ctx c = {n_exp, logits, gating, bias, n_group, topk_group, top_k, norm, floor, scale, ids, w, 0};
+    ms_pool_run(T * (long)n_exp >= GRAIN ? n_threads : 1, route_tok, &c, T);
+    return c.failed ? -2 : 0;
+}

@@ -1,0 +1,296 @@
+"""The step kernels (csrc/stepkern.c: RMSNorm, RoPE, attention over the KV cache, the router) against numpy
+references written here with the same arithmetic, bit for bit, on every build the CPU runs and at 1 and 8 threads;
+and against torch's own ops (the functions the C replaces) within float32 rounding, so the references compute the
+right thing.
+
+The references spell out each C operation in numpy float32 (products and sums rounded on their own), sequential
+sums with ``np.cumsum`` (which adds in order), double sums in float64 the same way, and ``expf`` / ``tanhf`` from
+the C library through ctypes (the functions the kernels call).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from moestream import kernels
+from moestream.models import layers, routing
+from test_kernels import _LIBM, BUILDS
+
+F32, F64 = np.float32, np.float64
+
+
+@pytest.fixture(scope="module")
+def libs() -> dict:
+    return {b: kernels.load(b) for b in BUILDS}
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    yield
+    kernels.set_threads(0)
+
+
+def expf(a: np.ndarray) -> np.ndarray:
+    """libm's expf, element by element (float(np.float32) is exact)."""
+    flat = np.asarray(a, dtype=F32).ravel()
+    return np.array([_LIBM.expf(float(v)) for v in flat], dtype=F32).reshape(np.shape(a))
+
+
+def tanhf(a: np.ndarray) -> np.ndarray:
+    flat = np.asarray(a, dtype=F32).ravel()
+    return np.array([_LIBM.tanhf(float(v)) for v in flat], dtype=F32).reshape(np.shape(a))
+
+
+def bits(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    a = t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+    return np.ascontiguousarray(a, dtype=F32).view(np.int32)
+
+
+def each_build_and_threads(libs: dict, fn) -> list:  # noqa: ANN001
+    """fn(lib) for every build at 1 and 8 threads."""
+    out = []
+    for lib in libs.values():
+        for t in (1, 8):
+            kernels.set_threads(t)
+            out.append(fn(lib))
+    return out
+
+
+# --- RMSNorm ---------------------------------------------------------------------------------------------------
+
+def ref_rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """ggml's RMSNorm: squares in float32, summed in double in index order; mean, scale, products in float32."""
+    sq = (x * x).astype(F64)
+    mean = (np.cumsum(sq, axis=-1)[..., -1] / x.shape[-1]).astype(F32)
+    scale = F32(1.0) / np.sqrt(mean + F32(eps))
+    y = x * scale[..., None]
+    return y if w is None else y * w
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (5, 3, 128), (300, 64), (2, 7)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_bitwise(libs, shape, weighted):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g) if weighted else None
+    want = ref_rms_norm(x.numpy(), None if w is None else w.numpy(), 1e-6)
+    for got in each_build_and_threads(libs, lambda lib: kernels.rms_norm(x, w, 1e-6, lib=lib)):
+        assert np.array_equal(bits(got), bits(want))
+    torch_y = torch.rms_norm(x, (shape[-1],), w, 1e-6)
+    assert torch.allclose(torch.from_numpy(want), torch_y, rtol=2e-6, atol=1e-7)
+
+
+def test_rms_norm_strided_rows(libs):
+    """A view whose rows are not contiguous (MLA's ``kv[:, :r]``) is read in place, same bits as a copy."""
+    kv = torch.randn(6, 40)
+    view = kv[:, :32]
+    for lib in libs.values():
+        assert torch.equal(kernels.rms_norm(view, None, 1e-5, lib=lib), kernels.rms_norm(view.contiguous(), None,
+                                                                                          1e-5, lib=lib))
+
+
+# --- RoPE ------------------------------------------------------------------------------------------------------
+
+def ref_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    n_rot = cos.shape[1]
+    xr = x[..., :n_rot]
+    if interleaved:
+        partner = xr.reshape(*xr.shape[:-1], -1, 2)[..., ::-1].reshape(xr.shape)
+    else:
+        partner = np.concatenate((xr[..., n_rot // 2:], xr[..., :n_rot // 2]), axis=-1)
+    y = x.copy()
+    y[..., :n_rot] = xr * cos[:, None] + partner * sin[:, None]
+    return y
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("d,n_rot", [(128, 128), (64, 32), (576, 64)])
+def test_rope_bitwise_and_as_layers_rope(libs, interleaved, d, n_rot):
+    """The C rotation equals the numpy reference and layers.Rope's torch ops bit for bit, whole and partial,
+    NEOX and interleaved, written into a strided destination (cache rows)."""
+    rope = layers.Rope(layers.rope_inv_freq(10000.0, n_rot), scale=1.1, interleaved=interleaved)
+    start, n_tok, heads = 37, 5, 3
+    rope.reserve(start + n_tok)
+    x = torch.randn(n_tok, heads, d, generator=torch.Generator().manual_seed(d + n_rot))
+    cos, sin = rope.cos[start:start + n_tok], rope.sin[start:start + n_tok]
+    want = ref_rope(x.numpy(), cos.numpy(), sin.numpy(), interleaved)
+    kernels.set_step_ops(False)
+    try:
+        torch_y = rope(x, start)
+    finally:
+        kernels.set_step_ops(True)
+    assert np.array_equal(bits(torch_y), bits(want))
+
+    def run(lib):  # noqa: ANN001, ANN202
+        cache = torch.full((start + n_tok + 2, heads + 1, d), 7.0)
+        out = cache[start:start + n_tok, 1:]
+        kernels.rope(x, cos, sin, interleaved, out, lib=lib)
+        assert (cache[:start] == 7).all() and (cache[:, 0] == 7).all()
+        return out.clone()
+
+    for got in each_build_and_threads(libs, run):
+        assert np.array_equal(bits(got), bits(want))
+
+
+# --- attention -------------------------------------------------------------------------------------------------
+
+def ref_dot8(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """q [d] . k [n, d] -> [n]: acc[i % 8] += q_i k_i in order, then ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7))."""
+    d = q.shape[-1]
+    pad = (-d) % 8
+    qp, kp = np.pad(q, (0, pad)), np.pad(k, ((0, 0), (0, pad)))
+    prod = (qp * kp).reshape(k.shape[0], -1, 8)
+    a = np.cumsum(prod, axis=1, dtype=F32)[:, -1, :]
+    return ((a[:, 0] + a[:, 1]) + (a[:, 2] + a[:, 3])) + ((a[:, 4] + a[:, 5]) + (a[:, 6] + a[:, 7]))
+
+
+def ref_attention(q, k, v, start, scale, window=None, sinks=None, softcap=0.0):  # noqa: ANN001, ANN201
+    n_tok, n_head, _ = q.shape
+    n_kv, dv = k.shape[1], v.shape[2]
+    out = np.zeros((n_tok, n_head * dv), dtype=F32)
+    for t in range(n_tok):
+        pos = start + t
+        lo = max(0, pos - window + 1) if window else 0
+        for h in range(n_head):
+            g = h // (n_head // n_kv)
+            s = ref_dot8(q[t, h], k[lo:pos + 1, g]) * F32(scale)
+            if softcap:
+                s = F32(softcap) * tanhf(s / F32(softcap))
+            m = s.max() if sinks is None else max(s.max(), sinks[h])
+            e = expf(s - m)
+            total = np.cumsum(e.astype(F64))[-1]
+            if sinks is not None:
+                total += F64(expf(np.array([sinks[h] - m], dtype=F32))[0])
+            p = e / F32(total)
+            o = np.zeros(dv, dtype=F32)
+            for j in range(pos + 1 - lo):
+                o = o + p[j] * v[lo + j, g]
+            out[t, h * dv:(h + 1) * dv] = o
+    return out
+
+
+CASES = {  # name: (n_tok, start, n_head, n_kv, d, dv, window, sinks, softcap, K = V)
+    "decode_gqa": (1, 40, 8, 2, 128, 128, None, False, 0.0),
+    "prefill_chunk": (6, 3, 4, 4, 64, 64, None, False, 0.0),
+    "window_sinks": (5, 20, 4, 2, 64, 64, 8, True, 0.0),
+    "softcap_odd_dims": (3, 9, 6, 3, 20, 12, None, False, 30.0),
+    "mla_k_eq_v": (2, 11, 4, 1, 72, 64, None, False, 0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_attention_bitwise(libs, case):
+    n_tok, start, n_head, n_kv, d, dv, window, with_sinks, softcap = CASES[case]
+    g = torch.Generator().manual_seed(len(case))
+    n_ctx = start + n_tok + 3  # rows past the last position exist and must be ignored
+    q = torch.randn(n_tok, n_head, d, generator=g)
+    kc = torch.randn(n_ctx, n_kv, d, generator=g)
+    mla = case == "mla_k_eq_v"
+    vc = kc[..., :dv] if mla else torch.randn(n_ctx, n_kv, dv, generator=g)
+    sinks = torch.randn(n_head, generator=g) if with_sinks else None
+    scale = 1.0 / math.sqrt(d)
+    want = ref_attention(q.numpy(), kc.numpy(), vc.numpy(), start, scale, window,
+                         None if sinks is None else sinks.numpy(), softcap)
+    for got in each_build_and_threads(libs, lambda lib: kernels.attention(q, kc, vc, start, scale, window, sinks,
+                                                                          softcap, lib=lib)):
+        assert np.array_equal(bits(got), bits(want))
+    if not softcap:  # torch's (layers.attention's) ops compute the same function
+        kernels.set_step_ops(False)
+        try:
+            torch_out = layers.attention(q, kc[:start + n_tok], vc[:start + n_tok], start, scale, window, sinks)
+        finally:
+            kernels.set_step_ops(True)
+        assert torch.allclose(torch.from_numpy(want), torch_out, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_rows_do_not_depend_on_the_chunk(libs):
+    """A token's output is the same bits whether it is attended alone (decode) or inside a prefill chunk."""
+    lib = libs[BUILDS[-1]]
+    q = torch.randn(7, 4, 32)
+    kc, vc = torch.randn(20, 2, 32), torch.randn(20, 2, 32)
+    whole = kernels.attention(q, kc, vc, 5, 0.2, lib=lib)
+    for t in range(7):
+        assert torch.equal(kernels.attention(q[t:t + 1], kc, vc, 5 + t, 0.2, lib=lib)[0], whole[t])
+
+
+# --- router ----------------------------------------------------------------------------------------------------
+
+def ref_route(logits, top_k, gating, bias=None, n_group=1, topk_group=1, norm=True, floor=0.0, scale=1.0):  # noqa: ANN001, ANN201
+    ids_all, w_all = [], []
+    for row in logits:
+        if gating == kernels.GATING_SOFTMAX:
+            e = expf(row - row.max())
+            s = e / F32(np.cumsum(e.astype(F64))[-1])
+        elif gating == kernels.GATING_SIGMOID:
+            s = F32(1.0) / (F32(1.0) + expf(-row))
+        else:
+            s = row.copy()
+        ch = s if bias is None else s + bias
+        if n_group > 1:
+            gs = len(ch) // n_group
+            top2 = [sorted(ch[j * gs:(j + 1) * gs].tolist(), reverse=True)[:2] for j in range(n_group)]
+            gscore = [F32(a) + F32(b) for a, b in top2]
+            keep = sorted(range(n_group), key=lambda j: (-gscore[j], j))[:topk_group]
+            ch = ch.copy()
+            for j in range(n_group):
+                if j not in keep:
+                    ch[j * gs:(j + 1) * gs] = -np.inf
+        ids = sorted(range(len(ch)), key=lambda i: (-ch[i], i))[:top_k]
+        w = s[ids]
+        if norm:
+            w = w / max(F32(np.cumsum(w.astype(F64))[-1]), F32(floor))
+        if scale != 1.0:
+            w = w * F32(scale)
+        ids_all.append(ids)
+        w_all.append(w)
+    return np.array(ids_all, dtype=np.int64), np.array(w_all, dtype=F32)
+
+
+ROUTES = {  # name: (n_exp, top_k, gating, bias, n_group, topk_group, norm, floor, scale)
+    "softmax_norm": (128, 8, kernels.GATING_SOFTMAX, False, 1, 1, True, 0.0, 1.0),
+    "softmax_plain": (60, 4, kernels.GATING_SOFTMAX, False, 1, 1, False, 0.0, 1.0),
+    "sigmoid_groups": (64, 6, kernels.GATING_SIGMOID, True, 8, 3, True, routing.WEIGHT_SUM_FLOOR, 2.5),
+    "scores_groups": (32, 4, kernels.GATING_SCORES, True, 4, 2, True, routing.WEIGHT_SUM_FLOOR, 1.0),
+    "512_top10": (512, 10, kernels.GATING_SOFTMAX, False, 1, 1, True, 0.0, 1.0),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTES))
+def test_route_bitwise(libs, case):
+    n_exp, top_k, gating, with_bias, n_group, topk_group, norm, floor, scale = ROUTES[case]
+    g = torch.Generator().manual_seed(n_exp + top_k)
+    logits = torch.randn(9, n_exp, generator=g) * 2
+    if gating == kernels.GATING_SCORES:
+        logits = torch.sigmoid(logits)
+    bias = torch.randn(n_exp, generator=g) * 0.1 if with_bias else None
+    want_ids, want_w = ref_route(logits.numpy(), top_k, gating, None if bias is None else bias.numpy(), n_group,
+                                 topk_group, norm, floor, scale)
+    for ids, w in each_build_and_threads(libs, lambda lib: kernels.route(logits, top_k, gating, bias, n_group,
+                                                                          topk_group, norm, floor, scale, lib=lib)):
+        assert np.array_equal(ids.numpy(), want_ids)
+        assert np.array_equal(bits(w), bits(want_w))
+    # the torch functions it replaces choose the same experts and weights within float32 rounding
+    kernels.set_step_ops(False)
+    try:
+        if gating == kernels.GATING_SOFTMAX and bias is None and n_group == 1 and scale == 1.0:
+            t_ids, t_w = layers.softmax_topk(logits, top_k, norm)
+        elif gating == kernels.GATING_SIGMOID:
+            t_ids, t_w = routing.sigmoid_group_topk(logits, top_k, bias=bias, n_group=n_group, topk_group=topk_group,
+                                                    norm=norm, scale=scale)
+        else:
+            t_ids, t_w = routing.group_topk(logits, top_k, bias=bias, n_group=n_group, topk_group=topk_group,
+                                            norm=norm, scale=scale)
+    finally:
+        kernels.set_step_ops(True)
+    assert np.array_equal(t_ids.numpy(), want_ids)
+    assert torch.allclose(t_w, torch.from_numpy(want_w), rtol=1e-6, atol=1e-7)
+
+
+def test_route_refuses_sizes_that_do_not_fit(libs):
+    lib = libs[BUILDS[0]]
+    with pytest.raises(ValueError, match="top-9 of 16 experts in 4 groups"):
+        kernels.route(torch.zeros(1, 16), 9, kernels.GATING_SIGMOID, n_group=4, topk_group=2, lib=lib)
