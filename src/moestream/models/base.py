@@ -688,17 +688,19 @@ class MoEModel:
                              top_k=self.top_k, n_ff=n_ff, logits_rows=logits_rows)
 
     def plan_memory(self, opts: LoadOptions, n_ctx: int | None = None, logits_rows: int = 1,
-                    loaded: bool = True, ubatch: int = 128, gpu: bool | None = None):  # noqa: ANN201 - MemoryPlan
+                    loaded: bool = True, ubatch: int = 128, gpu: bool | None = None,
+                    n_seqs: int = 1):  # noqa: ANN201 - MemoryPlan
         """The memory plan for ``opts`` (its ``mem`` or the auto budget) at a context of ``n_ctx`` tokens (None:
-        ``opts.n_ctx``, else :meth:`default_ctx`). ``loaded``: the dense weights are loaded (their bytes are known
-        and in this process's resident memory); else they are estimated from the tensor table.
+        ``opts.n_ctx``, else :meth:`default_ctx`) for each of ``n_seqs`` KV caches (serve -np N: one per slot).
+        ``loaded``: the dense weights are loaded (their bytes are known and in this process's resident memory);
+        else they are estimated from the tensor table.
         ConfigError naming the file and the smallest budget that works when top-k slots per layer do not fit."""
         from ..budget import gpu_budget, plan_pools, process_rss, resolve_budget
 
         n_ctx = n_ctx or opts.n_ctx or self.default_ctx()
         cuda = self.device.type == "cuda" if gpu is None else gpu
         dense = self.dense_bytes if loaded else self.dense_estimate(mapped=not cuda)
-        kv, scratch = self.cache_bytes(n_ctx), self.scratch_estimate(n_ctx, ubatch, logits_rows)
+        kv, scratch = n_seqs * self.cache_bytes(n_ctx), self.scratch_estimate(n_ctx, ubatch + n_seqs - 1, logits_rows)
         layers = self.layout.moe_layers
         direct, align = StreamingStore.read_mode(self.layout, opts.direct_io)  # O_DIRECT slots are padded
         extra: dict[str, Any] = {}
@@ -720,23 +722,23 @@ class MoEModel:
         plan = plan_pools(budget, source, process=process, dense=dense, kv=kv, n_ctx=n_ctx, scratch=scratch,
                           slot_bytes={la: StreamingStore.slot_bytes(self.layout, la, direct, align) for la in layers},
                           n_experts={la: self.layout.n_experts(la) for la in layers}, top_k=self.top_k,
-                          what=self.gguf.path, strict=strict, **extra)
+                          what=self.gguf.path, strict=strict, n_seqs=n_seqs, **extra)
         return plan
 
     def fit_store(self, n_ctx: int | None = None, opts: LoadOptions | None = None, logits_rows: int = 1,
-                  ubatch: int = 128) -> ExpertStore:
+                  ubatch: int = 128, n_seqs: int = 1) -> ExpertStore:
         """Make the expert store of ``opts`` (default: the load options) and set it; with a budget (streaming, no
-        ``slots``) the pools are sized by :meth:`plan_memory` for ``n_ctx`` (the plan is kept in ``memory_plan``).
-        Returns the store. Closes the store it replaces."""
+        ``slots``) the pools are sized by :meth:`plan_memory` for ``n_seqs`` KV caches of ``n_ctx`` (the plan is
+        kept in ``memory_plan``). Returns the store. Closes the store it replaces."""
         opts = opts or self.opts
         if self.store is not None:
             self.store.close()
             self.store = None  # type: ignore[assignment]
-        self.store = self.make_store(opts, n_ctx, logits_rows, ubatch)
+        self.store = self.make_store(opts, n_ctx, logits_rows, ubatch, n_seqs)
         return self.store
 
     def make_store(self, opts: LoadOptions, n_ctx: int | None = None, logits_rows: int = 1,
-                   ubatch: int = 128) -> ExpertStore:
+                   ubatch: int = 128, n_seqs: int = 1) -> ExpertStore:
         """A new expert store for ``opts`` (not set on the model: see :meth:`fit_store`)."""
         self.check_expert_types()
         if not opts.moe_stream:
@@ -744,7 +746,7 @@ class MoEModel:
         if opts.slots is not None:
             slots: int | dict[int, int] = opts.slots
         else:
-            self.memory_plan = self.plan_memory(opts, n_ctx, logits_rows, ubatch=ubatch)
+            self.memory_plan = self.plan_memory(opts, n_ctx, logits_rows, ubatch=ubatch, n_seqs=n_seqs)
             slots = self.memory_plan.slots
         return StreamingStore(self.gguf, self.layout, slots, self.top_k, opts.io_threads, opts.policy,
                               direct_io=opts.direct_io, device=self.device, pool=opts.pool,
