@@ -53,7 +53,8 @@ def _ids(model: Any, n: int, seed: int) -> torch.Tensor:
 
 
 def test_batch_equals_alone(path: str) -> None:
-    """Three sequences of 7, 5 and 4 tokens prefilled in one step, then a step in which the third joins late (its
+    """Three sequences of 7, 5 and 4 tokens prefilled in one step (once with every row's logits, once with each
+    sequence's last row's), then a step in which the third joins late (its
     prompt's other 5 tokens prefilled beside the others' decode tokens), a step of three decodes, and a step that
     the second has left: every row has the bits of its sequence run alone, streaming through top-k slots (one read
     serves every sequence of the step)."""
@@ -70,6 +71,9 @@ def test_batch_equals_alone(path: str) -> None:
                 model.forward(torch.tensor([10]), 9, caches[2])]
         left = [model.forward(torch.tensor([11]), 9, caches[0]), model.forward(torch.tensor([12]), 10, caches[2])]
 
+        # each sequence's last row only (the head on those rows), alone and together
+        alone_lasts = torch.cat([model.forward(p, 0, model.new_cache(16)) for p in firsts])
+        lasts = model.runner.step([(p, 0, model.new_cache(16)) for p in firsts])
         bc = [model.new_cache(16) for _ in prompts]
         first = model.runner.step([(p, 0, c) for p, c in zip(firsts, bc, strict=True)], logits_all=True)
         mid = model.runner.step([(torch.tensor([5]), 7, bc[0]), (torch.tensor([6]), 5, bc[1]),
@@ -77,8 +81,9 @@ def test_batch_equals_alone(path: str) -> None:
         end = model.runner.step([(torch.tensor([8]), 8, bc[0]), (torch.tensor([9]), 6, bc[1]),
                                  (torch.tensor([10]), 9, bc[2])])
         after = model.runner.step([(torch.tensor([11]), 9, bc[0]), (torch.tensor([12]), 10, bc[2])])
-    got = [first, mid, end, after]
-    want = [torch.cat([a[0] for a in alone]), torch.cat([alone[0][1], alone[1][1], alone[2][1]]), torch.cat(last),
+    got = [lasts, first, mid, end, after]
+    want = [alone_lasts, torch.cat([a[0] for a in alone]), torch.cat([alone[0][1], alone[1][1], alone[2][1]]),
+            torch.cat(last),
             torch.cat(left)]
     assert_bitwise(got, want)
     assert model.store.stats.misses > 0

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from gguf import GGMLQuantizationType
@@ -15,7 +13,7 @@ from gguf import GGMLQuantizationType
 from .. import kernels, quant
 from ..errors import GGUFError
 from ..gguf import GGUFModel, TensorInfo
-from ..ops import ELEMENTWISE_SLICE, elementwise  # noqa: F401 - the family files import them from here
+from ..ops import ELEMENTWISE_SLICE, elementwise, per_sequence, sequence_rows  # noqa: F401 - the family files import them from here
 
 
 def check_computable(info: TensorInfo) -> None:
@@ -25,36 +23,6 @@ def check_computable(info: TensorInfo) -> None:
                         f"({info.type_name}), which moestream cannot compute")
 
 
-_SEQ_ROWS = threading.local()
-
-
-@contextlib.contextmanager
-def sequence_rows(counts: list[int]) -> Iterator[None]:
-    """Within it (on this thread), a CPU matmul that torch computes (:meth:`Weight.linear` of a float32 weight: F32 in
-    the file or expanded, and ``--matmul dequant``'s) on an input of ``sum(counts)`` rows runs once per sequence's
-    rows (``counts``: each sequence's row count, in order) and concatenates the results.
-
-    Why: torch's float32 matmul changes the last bits of a row with the number of rows it is called with, so rows
-    computed together with another sequence's would not have the bits they have when their sequence runs alone.
-    Split by sequence, each call has the very shape it has alone (runtime/runner.py sets this for a step of several
-    sequences; the C kernels, which compute every row on its own, need no split)."""
-    prev = getattr(_SEQ_ROWS, "counts", None)
-    _SEQ_ROWS.counts = list(counts) if len(counts) > 1 else None
-    try:
-        yield
-    finally:
-        _SEQ_ROWS.counts = prev
-
-
-def _per_sequence(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)``, or, inside :func:`sequence_rows` for an input of its total row count on the CPU, ``fn`` of each
-    sequence's rows, concatenated (dim 0)."""
-    counts = getattr(_SEQ_ROWS, "counts", None)
-    if counts is None or x.device.type != "cpu" or x.dim() < 2 or x.shape[0] != sum(counts):
-        return fn(x)
-    return torch.cat([fn(part) for part in x.split(counts)])
-
-
 class Weight:
     """A resident dense weight, kept in the file's own ggml format unless ``expand``; ``mapped``: left in a memory
     map of the file instead of a private copy (row-lookup tables, see MoEModel.lookup_table).
@@ -62,7 +30,8 @@ class Weight:
     raw: uint8 [rows, row_bytes] (quantized types) or the float32 tensor itself (F32, or expanded).
     shape: torch order, last dim = row length. blocks: ``linear`` runs moestream's C kernels on the blocks
     (moestream/kernels.py) where they compute the type; otherwise dequantize-then-matmul (quant.linear). The
-    matmuls torch computes run per sequence within :func:`sequence_rows` (a step of several sequences).
+    matmuls torch computes run per sequence within :func:`~moestream.ops.sequence_rows` (a step of several
+    sequences).
     Raises GGUFError for a type moestream cannot compute.
     """
 
@@ -96,14 +65,14 @@ class Weight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., cols] float32 -> [..., rows] float32 (x @ W.T)."""
         if self.dense is not None:
-            return _per_sequence(lambda v: torch.nn.functional.linear(v, self.dense), x)
+            return per_sequence(lambda v: torch.nn.functional.linear(v, self.dense), x)
         if self.blocks:
             return kernels.linear(x, self.raw, self.ggml_type, self.cols)
         if self.gpu:
             from ..gpu import tkernels
             return tkernels.linear(x.reshape(-1, self.cols).contiguous(), self.raw, self.ggml_type,
                                    self.cols).view(*x.shape[:-1], self.rows)
-        return _per_sequence(lambda v: quant.linear(v, self.raw, self.ggml_type, self.cols), x)
+        return per_sequence(lambda v: quant.linear(v, self.raw, self.ggml_type, self.cols), x)
 
     def float(self) -> torch.Tensor:
         """The whole weight as float32 [shape]."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import elementwise
+
 #: llama.cpp's floor for the sum the top-k weights are divided by (the smallest normal float16)
 WEIGHT_SUM_FLOOR = 6.103515625e-5
 
@@ -29,8 +31,8 @@ def sigmoid_group_topk(router_logits: torch.Tensor, top_k: int, *, bias: torch.T
     The caller checks that ``n_group`` divides n_experts into groups of at least two and that
     ``topk_group`` <= ``n_group``. Ids are real expert ids.
     """
-    return group_topk(torch.sigmoid(router_logits), top_k, bias=bias, n_group=n_group, topk_group=topk_group,
-                      norm=norm, scale=scale)
+    return group_topk(elementwise(torch.sigmoid, router_logits), top_k, bias=bias, n_group=n_group,
+                      topk_group=topk_group, norm=norm, scale=scale)
 
 
 def group_topk(scores: torch.Tensor, top_k: int, *, bias: torch.Tensor | None = None, n_group: int = 1,

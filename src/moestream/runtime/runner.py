@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from ..models.layers import Rope, Weight, decode_keys, sequence_rows
+from ..models.layers import Rope, Weight, decode_keys
+from ..ops import sequence_rows
 from .graphs import DecodeGraphs
 from .step import Seq, Step
 
@@ -60,7 +61,7 @@ class Runner:
         sequence), their positions, caches and attention apart. Returns logits float32 [sum T_i, vocab] when
         ``logits_all``, else [len(batch), vocab] (each sequence's last token). On the CPU each row has the bits it
         has when its sequence runs alone (the C kernels compute each row on its own; the float32 matmuls torch
-        computes run per sequence: layers.sequence_rows; attention and recurrent state are per sequence;
+        computes run per sequence: ops.sequence_rows; attention and recurrent state are per sequence;
         tests/test_runner.py). On CUDA not (the Triton kernels' configuration and torch's matmuls depend on the row
         count): the same tokens as a rule, not the same bits."""
         seqs = [Seq(cache, start, int(t.shape[0])) for t, start, cache in batch]
@@ -70,7 +71,8 @@ class Runner:
 
     def run(self, step: Step, logits_all: bool = False) -> torch.Tensor:
         """The eager step: every layer in order, each MoE layer through the store (``begin_layer`` starts the
-        router lookahead's reads, when on). The matmuls torch computes run per sequence (layers.sequence_rows)."""
+        router lookahead's reads, when on). The matmuls and elementwise functions torch computes run per sequence
+        (ops.sequence_rows)."""
         with sequence_rows([s.n_tok for s in step.seqs]):
             return self._run(step, logits_all)
 
