@@ -22,9 +22,8 @@ _SEQ_ROWS = threading.local()
 @contextlib.contextmanager
 def sequence_rows(counts: list[int]) -> Iterator[None]:
     """Within it (on this thread), a CPU op that :func:`per_sequence` wraps runs once per sequence of the step on
-    that sequence's rows (``counts``: each sequence's row count, in order) when its input has ``sum(counts)`` rows,
-    once per row when it has ``len(counts)`` (each sequence's last row: the head), and the results are
-    concatenated.
+    that sequence's rows (``counts``: each sequence's row count, in order; the head of a step: one row each) when
+    its input has ``sum(counts)`` rows, and the results are concatenated.
 
     Why: torch's float32 matmul changes the last bits of a row with the number of rows it is called with, and its
     vectorized elementwise functions (sigmoid, silu, tanh, ...) compute the values past the last whole vector of a
@@ -41,16 +40,12 @@ def sequence_rows(counts: list[int]) -> Iterator[None]:
 
 
 def per_sequence(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)``, or, inside :func:`sequence_rows`, on the CPU, for an input of its total row count (or of one row
-    per sequence), ``fn`` of each sequence's rows, concatenated (dim 0)."""
+    """``fn(x)``, or, inside :func:`sequence_rows`, on the CPU, for an input of its total row count, ``fn`` of each
+    sequence's rows, concatenated (dim 0)."""
     counts = getattr(_SEQ_ROWS, "counts", None)
-    if counts is None or x.device.type != "cpu" or x.dim() < 1:
+    if counts is None or x.device.type != "cpu" or x.dim() < 1 or x.shape[0] != sum(counts):
         return fn(x)
-    if x.shape[0] == sum(counts):
-        return torch.cat([fn(part) for part in x.split(counts)])
-    if x.shape[0] == len(counts):
-        return torch.cat([fn(part) for part in x.split(1)])
-    return fn(x)
+    return torch.cat([fn(part) for part in x.split(counts)])
 
 
 def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

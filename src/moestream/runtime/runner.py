@@ -90,7 +90,10 @@ class Runner:
             else:
                 x = m.dense(i, x, step)
         m.end_step(step)
-        return m.head(x if logits_all else step.last_rows(x), step)
+        if logits_all:
+            return m.head(x, step)
+        with sequence_rows([1] * len(step.seqs)):  # the head on each sequence's last row, as alone
+            return m.head(step.last_rows(x), step)
 
     def _shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> Any:
         """Layer i's shared FFN as the MoE block's ``shared`` callable (None when the family has none)."""
