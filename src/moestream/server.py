@@ -160,6 +160,7 @@ class ServerState:
         #: why the loaded model can no longer compute (then /health and every request answer 503), or None
         self.broken: str | None = None
         self._read_faults = 0  # requests in a row that failed on an expert read
+        self._last_fault: BaseException | None = None
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.waiting = 0  # jobs queued and not started
         self.running = 0
@@ -354,6 +355,9 @@ class ServerState:
         if isinstance(e, ModelFileChanged):
             reason = str(e)
         elif isinstance(e, ExpertReadError):
+            if e is self._last_fault:  # one fault of a step that several requests shared counts once
+                return
+            self._last_fault = e
             self._read_faults += 1
             if self._read_faults < READ_FAULTS_BROKEN:
                 return
