@@ -179,6 +179,30 @@ def test_queue_beyond_n(oracle: Any) -> None:
         s.stop()
 
 
+def test_a_read_fault_shared_by_a_step_counts_once(srv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read fault in a step of three requests fails the three (500), and counts as one fault toward the limit
+    after which the model is broken (/health 503): the server stays healthy and serves the next request."""
+    from moestream.errors import ExpertReadError
+
+    runner = srv.state.loaded.model.runner
+    real, calls = runner.step, []
+
+    def failing(batch: list, logits_all: bool = False) -> Any:
+        if len(batch) >= 3 and not calls:
+            calls.append(len(batch))
+            raise ExpertReadError("default.gguf", 4096, 512, "planted read fault for the test")
+        return real(batch, logits_all)
+
+    monkeypatch.setattr(runner, "step", failing)
+    body = {"max_tokens": 40, "temperature": 0, "cache_prompt": False}
+    got = concurrently([lambda p=p: httpx.post(srv.base + "/v1/chat/completions", timeout=300, json={
+        **body, "messages": [{"role": "user", "content": p}]}) for p in PROMPTS[:3]], [0.0, 0.0, 0.0])
+    assert calls == [3] and [r.status_code for r in got] == [500] * 3
+    assert all("planted read fault" in r.json()["error"]["message"] for r in got)
+    assert httpx.get(srv.base + "/health").status_code == 200
+    assert chat(srv, PROMPTS[2], 4)["usage"]["completion_tokens"] == 4
+
+
 # ------------------------------------------------------------------------------------------------ prefix reuse
 def test_slot_choice() -> None:
     """The slot with the longest reusable prefix, else the least recently used; never the whole prompt (its last
