@@ -316,6 +316,25 @@ def test_five_turn_chat_prefills_only_the_new_tokens(srv: Any, oracle: Any) -> N
         last_ids = ids
 
 
+def test_load_generator(srv: Any, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """tools/serve_load.py against the server: every request's tokens counted, the summary's aggregate is their sum
+    over the wall time; a host that is not a loopback address is refused in one line."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import serve_load
+
+    port = int(srv.base.rsplit(":", 1)[1])
+    out = tmp_path / "load.json"
+    assert serve_load.main(["--port", str(port), "--clients", "2", "--requests", "3", "--max-tokens", "5",
+                            "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["requests"]) == 3 and all(r["tokens"] == 5 for r in res["requests"])
+    summary = res["summary"]
+    assert summary["tokens"] == 15
+    assert summary["aggregate_tps"] == pytest.approx(15 / summary["wall_seconds"])
+    assert serve_load.main(["--host", "8.8.8.8", "--port", str(port)]) == 2
+    assert "not a loopback address" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------------ a real process
 def test_sigterm_with_n_running(tmp_path: Path) -> None:
     """``moestream serve -np 3`` with three streamed requests running: SIGTERM ends the process (exit 0) within
