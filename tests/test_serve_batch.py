@@ -335,6 +335,18 @@ def test_load_generator(srv: Any, tmp_path: Path, capsys: pytest.CaptureFixture)
     assert "not a loopback address" in capsys.readouterr().err
 
 
+def test_np_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """-np out of range, and --trace with several slots: one line, exit 1, before anything listens."""
+    from moestream.cli import main
+
+    assert main(["serve", "-np", "0"]) == 1
+    assert capsys.readouterr().err.strip() == ("moestream: error: -np must be from 1 to 256 generations at a time "
+                                               "(-1: chosen from memory), got 0")
+    assert main(["serve", "-np", "2", "--trace", str(tmp_path / "t.jsonl")]) == 1
+    assert capsys.readouterr().err.strip() == ("moestream: error: --trace records one generation at a time: use -np 1 "
+                                               "with it (not -np 2)")
+
+
 # ------------------------------------------------------------------------------------------------ a real process
 def test_sigterm_with_n_running(tmp_path: Path) -> None:
     """``moestream serve -np 3`` with three streamed requests running: SIGTERM ends the process (exit 0) within
