@@ -63,7 +63,7 @@ class Runner:
         has when its sequence runs alone (the C kernels compute each row on its own; the float32 matmuls torch
         computes run per sequence: ops.sequence_rows; attention and recurrent state are per sequence;
         tests/test_runner.py). On CUDA not (the Triton kernels' configuration and torch's matmuls depend on the row
-        count): the same tokens as a rule, not the same bits."""
+        count): the logits may differ in their last bits (not measured yet)."""
         seqs = [Seq(cache, start, int(t.shape[0])) for t, start, cache in batch]
         for s in seqs:
             self.model.check_room(s.cache, s.start, s.n_tok)
