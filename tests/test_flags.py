@@ -112,9 +112,12 @@ def test_reverse_prompt_stops_the_text() -> None:
 
 
 def test_serve_parallel() -> None:
-    p = cli("serve", "-np", "4", "--port", "0")
+    """-np N and -cb are llama-server's (continuous batching: tests/test_serve_batch.py); -np 0 is one line."""
+    s = parse("serve", "-np", "4", "-cb")
+    assert (s.parallel, s.cont_batching) == (4, True)
+    p = cli("serve", "-np", "0", "--port", "0")
     assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
-    assert "-np 4" in p.stderr and "batching is not built yet" in p.stderr
+    assert "-np must be from 1 to 256" in p.stderr
 
 
 # ---------------------------------------------------------------------------------------- refused flags

@@ -89,7 +89,9 @@ class Running:
 
 @pytest.fixture(scope="module")
 def srv() -> Any:
-    s = Running(["-c", str(N_CTX), "-ub", str(UBATCH), "--slots", "16", "--alias", "tiny"])
+    # one generation at a time (-np 1): the queue and cancellation cases below count on it (tests/test_serve_batch.py
+    # has several at once)
+    s = Running(["-c", str(N_CTX), "-ub", str(UBATCH), "--slots", "16", "--alias", "tiny", "-np", "1"])
     # the socket answers before the model is loaded
     r = httpx.get(s.base + "/health", timeout=5)
     assert r.status_code in (200, 503)
@@ -226,12 +228,16 @@ def test_chat_greedy_equals_the_library(srv: Any, client: openai.OpenAI, oracle:
         [done.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(done.stats.tokens)
     timings = chunks[-1].model_extra["timings"]
-    assert timings["prompt_n"] == len(ids) and timings["predicted_n"] == len(done.stats.tokens) - 1
+    # the same prompt again: its slot's KV cache serves all but its last token (prefix reuse, cache_prompt)
+    assert timings["cache_n"] == chunks[-1].usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    assert timings["prompt_n"] + timings["cache_n"] == len(ids)
+    assert timings["predicted_n"] == len(done.stats.tokens) - 1
     assert timings["prompt_per_second"] > 0 and timings["predicted_per_second"] > 0
     after = metrics(srv)
     done_key = "moestream_requests_total{outcome=completed}"
     assert after[done_key] - before[done_key] == 2
-    assert after["moestream_prompt_tokens_total"] - before["moestream_prompt_tokens_total"] == 2 * len(ids)
+    assert sum(after[k] - before[k] for k in ("moestream_prompt_tokens_total",
+                                              "moestream_prompt_cached_tokens_total")) == 2 * len(ids)
     assert after["moestream_generated_tokens_total"] - before["moestream_generated_tokens_total"] == \
         2 * len(done.stats.tokens)
 

@@ -158,6 +158,13 @@ class MemoryPlan:
     kind: str = "memory"
     #: bytes of the host tier (--host-cache) this budget holds besides the pools
     tier: int = 0
+    #: KV caches of ``n_ctx`` tokens in ``kv`` (serve -np N: one per slot)
+    n_seqs: int = 1
+
+    @property
+    def ctx_desc(self) -> str:
+        """``"4096 tokens"`` or, with several KV caches, ``"4 x 4096 tokens"``."""
+        return f"{self.n_ctx} tokens" if self.n_seqs == 1 else f"{self.n_seqs} x {self.n_ctx} tokens"
 
     @property
     def fixed(self) -> int:
@@ -178,7 +185,7 @@ class MemoryPlan:
         fit = ", every expert fits: nothing is evicted" if self.all_fit else ""
         return (f"{self.kind} plan: {self.source} = process {self.process / GiB:.2f} + dense {self.dense / GiB:.2f} "
                 f"+ KV "
-                f"{self.kv / GiB:.2f} ({self.n_ctx} tokens) + scratch {self.scratch / GiB:.2f} + "
+                f"{self.kv / GiB:.2f} ({self.ctx_desc}) + scratch {self.scratch / GiB:.2f} + "
                 + (f"host tier {self.tier / GiB:.2f} + " if self.tier else "") + "pools "
                 f"{self.pools / GiB:.2f} GiB ({self.slots_desc()} of {self.n_experts}{fit}), "
                 f"{self.left / GiB:.2f} GiB left")
@@ -191,7 +198,7 @@ class MemoryPlan:
              f"run measures its own)" if self.kind == "memory" else
              "  process       - (the CUDA context is outside this budget: free GPU memory at start excludes it)"),
             f"  dense weights {self.dense / GiB:.3f} GiB (resident)",
-            f"  KV cache      {self.kv / GiB:.3f} GiB ({self.n_ctx} tokens)",
+            f"  KV cache      {self.kv / GiB:.3f} GiB ({self.ctx_desc})",
             f"  scratch       {self.scratch / GiB:.3f} GiB (activations of one prefill chunk, logits, kernel buffers)",
             *([f"  host tier     {self.tier / GiB:.3f} GiB (--host-cache)"] if self.tier else []),
             f"  slot pools    {self.pools / GiB:.3f} GiB: {self.slots_desc()} of {self.n_experts} experts "
@@ -205,11 +212,13 @@ class MemoryPlan:
 
 def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n_ctx: int, scratch: int,
                slot_bytes: dict[int, int], n_experts: dict[int, int], top_k: int, what: str,
-               strict: bool = True, option: str = "--mem", kind: str = "memory", tier: int = 0) -> MemoryPlan:
+               strict: bool = True, option: str = "--mem", kind: str = "memory", tier: int = 0,
+               n_seqs: int = 1) -> MemoryPlan:
     """Slots per layer for ``budget`` bytes in all (see the module docstring).
 
     slot_bytes: bytes of one slot of each MoE layer (all its expert matrices, padding included); n_experts:
-    experts of each layer. ``what``: the file, for the error. When ``top_k`` slots per layer do not fit:
+    experts of each layer. ``kv``: the bytes of ``n_seqs`` KV caches of ``n_ctx`` tokens. ``what``: the file, for
+    the error. When ``top_k`` slots per layer do not fit:
     ConfigError with the smallest budget that works, or (not ``strict``: the auto budget, which nobody asked
     for) the plan of that smallest budget, with a note saying so.
     """
@@ -227,9 +236,10 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
         # leaves room for that, so that running with it works
         margin = max(PROCESS_JITTER, minimum // 50) if process else 0
         need = _size_text(minimum + margin)
+        ctx = n_ctx if n_seqs == 1 else f"{n_seqs} x {n_ctx}"
         raise ConfigError(
             f"{what}: {source} is too small: process {process / GiB:.2f} + dense weights {dense / GiB:.2f} + KV cache "
-            f"{kv / GiB:.2f} ({n_ctx} tokens) + scratch {scratch / GiB:.2f} + "
+            f"{kv / GiB:.2f} ({ctx} tokens) + scratch {scratch / GiB:.2f} + "
             + (f"host tier {tier / GiB:.2f} + " if tier else "") + f"{top_k} slots per layer "
             f"{(minimum - fixed) / GiB:.2f} GiB = {minimum / GiB:.2f} GiB; {option} {need} works"
             + (f" (that sum and {margin // MiB} MiB of room for the process's size, which moves between starts)"
@@ -258,7 +268,7 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
     all_fit = all(slots[la] == n_experts[la] for la in layers)
     return MemoryPlan(budget=budget, source=source, process=process, dense=dense, kv=kv, n_ctx=n_ctx,
                       scratch=scratch, slots=slots, pools=used, n_experts=max(n_experts.values()), top_k=top_k,
-                      minimum=minimum, all_fit=all_fit, notes=notes, kind=kind, tier=tier)
+                      minimum=minimum, all_fit=all_fit, notes=notes, kind=kind, tier=tier, n_seqs=n_seqs)
 
 
 def _size_text(n: int) -> str:

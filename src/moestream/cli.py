@@ -168,12 +168,12 @@ def _open(args: argparse.Namespace, moe_stream: bool, streams_later: bool = Fals
     return open_model(model_path(args), opts), opts
 
 
-def _load(args: argparse.Namespace, shape, opts, n_ctx: int):  # noqa: ANN001, ANN202
-    """The model of :func:`_open`'s ``shape`` with its weights and expert store, for a context of ``n_ctx`` tokens:
-    with a budget, the memory plan is made (and a budget too small refused) before any weight is read
-    (models.base.load_model)."""
+def _load(args: argparse.Namespace, shape, opts, n_ctx: int, n_seqs: int = 1):  # noqa: ANN001, ANN202
+    """The model of :func:`_open`'s ``shape`` with its weights and expert store, for ``n_seqs`` contexts (serve's
+    slots) of ``n_ctx`` tokens: with a budget, the memory plan is made (and a budget too small refused) before any
+    weight is read (models.base.load_model)."""
     from .models.base import load_model
-    return load_model(shape, opts, n_ctx=n_ctx, ubatch=args.ubatch)
+    return load_model(shape, opts, n_ctx=n_ctx, ubatch=args.ubatch, n_seqs=n_seqs)
 
 
 def _ignored_options(args: argparse.Namespace, opts, moe_stream: bool) -> list[str]:  # noqa: ANN001
@@ -415,36 +415,39 @@ def _run_options(args: argparse.Namespace) -> tuple[str | None, int]:
 
 
 def _plan_context(args: argparse.Namespace, model, n_prompt: int, n_predict: int,  # noqa: ANN001
-                  opts=None) -> tuple[int, str, str | None]:  # noqa: ANN001
+                  opts=None, n_seqs: int = 1) -> tuple[int, str, str | None]:  # noqa: ANN001
     """The context of a run (engine.run_context: run's and inspect's alike) after the trained-context check:
     ``(n_ctx, option, warning)`` (``option`` names what set it, for messages; ``warning``: --override-ctx's, to
     print). Prints the memory-cap note on stderr. ``opts``: the LoadOptions whose budget caps a default context
-    (default: the model's)."""
-    from .engine import check_trained_context, run_context
+    (default: the model's). ``n_seqs``: KV caches of that context (serve's slots) that share the memory."""
+    from .engine import DEFAULT_CTX_MEMORY_SHARE, check_trained_context, run_context
 
     interactive = getattr(args, "interactive", False)
     unbounded = n_predict < 0 or interactive
-    n_ctx, capped_from = run_context(model, n_prompt, -1 if unbounded else n_predict, args.ctx_size, opts)
+    n_ctx, capped_from = run_context(model, n_prompt, -1 if unbounded else n_predict, args.ctx_size, opts,
+                                     DEFAULT_CTX_MEMORY_SHARE / n_seqs)
     if args.ctx_size:
         option = f"-c {args.ctx_size}"
     elif unbounded:
         option = "-n -1" if not interactive else "-cnv"
         if capped_from is not None:
+            caches = "its KV cache" if n_seqs == 1 else f"{n_seqs} KV caches (-np {n_seqs})"
             print(f"moestream: context {n_ctx} tokens: the file's {capped_from} would need more than half of the "
-                  f"memory available for its KV cache (-c sets the context)", file=sys.stderr, flush=True)
+                  f"memory available for {caches} (-c sets the context)", file=sys.stderr, flush=True)
     else:
         option = f"the {n_prompt}-token prompt + -n {n_predict}"
     return n_ctx, option, check_trained_context(model, n_ctx, option, args.override_ctx)
 
 
-def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int) -> int:  # noqa: ANN001
+def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int, n_seqs: int = 1) -> int:  # noqa: ANN001
     """The context size of a run (see the -c help) after the trained-context and memory checks (:func:`_plan_context`)
-    on :func:`_open`'s shape, before the load; prints the --override-ctx warning on stderr."""
+    on :func:`_open`'s shape, before the load (``n_seqs`` KV caches of it: serve's slots); prints the --override-ctx
+    warning on stderr."""
     from .engine import check_cache_fits
 
-    n_ctx, option, warning = _plan_context(args, model, n_prompt, n_predict)
+    n_ctx, option, warning = _plan_context(args, model, n_prompt, n_predict, n_seqs=n_seqs)
     # before anything is printed: an absurd -n or -c is refused here, not by torch's allocator
-    check_cache_fits(model, n_ctx, option)
+    check_cache_fits(model, n_ctx, option, hint="-c or -np" if n_seqs > 1 else "-n or -c", n_seqs=n_seqs)
     if warning:
         print(f"moestream: {warning}", file=sys.stderr, flush=True)
     return n_ctx
@@ -693,9 +696,11 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
     from .options import parse_sizes
     _check_common(args)  # -m, -ub, -t and the sizes: refused before the socket listens (no torch needed)
     parse_sizes(args)
-    if args.parallel not in (1, -1):  # llama-server's -np; -1: its "auto"
-        raise ConfigError(f"-np {args.parallel}: moestream serve runs one generation at a time (batching is not built "
-                          f"yet); use -np 1 or leave it out")
+    if args.parallel is not None and not (args.parallel == -1 or 1 <= args.parallel <= MAX_SLOTS):
+        raise ConfigError(f"-np must be from 1 to {MAX_SLOTS} generations at a time (-1: chosen from memory), got "
+                          f"{args.parallel}")
+    if args.trace is not None and args.parallel not in (None, -1, 1):
+        raise ConfigError(f"--trace records one generation at a time: use -np 1 with it (not -np {args.parallel})")
     template = chat_template_option(args)
     base = os.path.basename(model_path(args))
     names = [args.alias] if args.alias else list(dict.fromkeys([base.removesuffix(".gguf"), base]))
@@ -726,17 +731,44 @@ def _serve_load(args: argparse.Namespace, names: list[str], held: list,  # noqa:
     args.threads = threads
     shape, opts = _open(args, args.moe_stream)
     tok = _tokenizer(shape, template)
-    n_ctx = _context(args, shape, 0, -1)
-    model = _load(args, shape, opts, n_ctx)
+    n_slots = _serve_slots(args, shape)
+    n_ctx = _context(args, shape, 0, -1, n_seqs=n_slots)
+    model = _load(args, shape, opts, n_ctx, n_seqs=n_slots)
     held.append(model)
     print(_describe(model), file=sys.stderr, flush=True)
-    print(f"moestream: serving {names[0]}: context {n_ctx} tokens per request (prompt and reply), one "
-          f"generation at a time", file=sys.stderr, flush=True)
+    at_once = "one generation at a time" if n_slots == 1 else f"{n_slots} generations decoded together (-np)"
+    print(f"moestream: serving {names[0]}: context {n_ctx} tokens per request (prompt and reply), {at_once}"
+          + ("" if args.cache_prompt else ", prompt cache off"), file=sys.stderr, flush=True)
     trace = _open_run_trace(args, model)
     if trace is not None:
         held.append(trace)
     return Loaded(model, tok, Engine(model, args.ubatch), n_ctx,
-                  lambda: set_compute_threads(threads, args.matmul), trace)
+                  lambda: set_compute_threads(threads, args.matmul), trace, n_slots=n_slots,
+                  cache_prompt=args.cache_prompt)
+
+
+#: serve's -np when none is given (llama-server's auto is 4 too), fewer where their KV caches would not fit
+DEFAULT_SLOTS = 4
+#: the most generations serve decodes together
+MAX_SLOTS = 256
+
+
+def _serve_slots(args: argparse.Namespace, model) -> int:  # noqa: ANN001
+    """serve's slots: -np N as given; else 1 with --trace, else :data:`DEFAULT_SLOTS`, fewer when an explicit -c
+    would need more than half the memory (the --mem budget's, else the memory available) for their KV caches."""
+    from .budget import available_memory, process_rss
+    from .engine import DEFAULT_CTX_MEMORY_SHARE
+
+    if args.parallel is not None and args.parallel > 0:
+        return args.parallel
+    if args.trace is not None:
+        return 1
+    if not args.ctx_size:
+        return DEFAULT_SLOTS  # each slot's context is capped by its share of memory (_plan_context)
+    opts = model.opts
+    memory = max(opts.mem - process_rss(), 0) if opts.mem is not None and opts.budgeted else available_memory()
+    fits = int(DEFAULT_CTX_MEMORY_SHARE * memory // max(model.cache_bytes(args.ctx_size), 1))
+    return max(1, min(DEFAULT_SLOTS, fits))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -1107,8 +1139,17 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--trace", default=None, metavar="FILE",
                     help=TRACE_HELP.replace("per-token trace", "per-token trace of every request") +
                     "; the file appears when the server stops")
-    sv.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
-                    help="generations at a time: 1 (llama-server's flag; batching is not built yet)")
+    sv.add_argument("-np", "--parallel", type=int, default=None, metavar="N",
+                    help="generations decoded together, each in a slot with its own KV cache of -c tokens (continuous "
+                    "batching: one forward step for all of them, each expert read once per step); requests beyond "
+                    "N wait in a queue (llama-server's flag). Default (or -1): 4, fewer if 4 KV caches of an explicit "
+                    "-c would take more than half the memory; without -c each slot's context is capped at its "
+                    "share, half the memory / N; 1 with --trace")
+    sv.add_argument("-cb", "--cont-batching", action="store_true",
+                    help="accepted for llama-server's sake: continuous batching is always on (see -np)")
+    sv.add_argument("--cache-prompt", type=_on_off, default=True, metavar="on|off",
+                    help="a slot keeps its KV cache after a request, and the next request given to it reuses the "
+                    "longest common token prefix (on, default; a request's \"cache_prompt\": false opts out)")
     _add_chat_template(sv)
     add_refused(sv, SERVE_REFUSED)
     sv.set_defaults(func=cmd_serve)

@@ -22,18 +22,20 @@ from .models.base import MoEModel
 GiB = 2**30
 
 
-def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c", hint: str = "-n or -c") -> None:
-    """ConfigError (naming ``option``) unless ``model.new_cache(n_ctx)`` fits in the memory available now.
+def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c", hint: str = "-n or -c", n_seqs: int = 1) -> None:
+    """ConfigError (naming ``option``) unless ``n_seqs`` caches ``model.new_cache(n_ctx)`` fit in the memory
+    available now.
 
     Computed from the cache's shapes without allocating, so an absurd -n or -c is refused before anything is
     printed instead of failing in torch's allocator.
     """
     if n_ctx > MAX_TOKENS:
         raise ConfigError(f"{option}: a context of {n_ctx} tokens is more than moestream supports (2^31)")
-    need = model.cache_bytes(n_ctx)
+    need = n_seqs * model.cache_bytes(n_ctx)
     avail = available_memory()
     if need > avail:
-        raise ConfigError(f"{option}: a context of {n_ctx} tokens needs {need / GiB:.1f} GiB of KV cache for "
+        each = "" if n_seqs == 1 else f" in each of {n_seqs} slots"
+        raise ConfigError(f"{option}: a context of {n_ctx} tokens{each} needs {need / GiB:.1f} GiB of KV cache for "
                           f"{os.path.basename(model.gguf.path)}, but {avail / GiB:.1f} GiB of memory is available; "
                           f"use a smaller {hint}")
 
@@ -90,12 +92,13 @@ def default_context(model: MoEModel, share: float = DEFAULT_CTX_MEMORY_SHARE,
 
 
 def run_context(model: MoEModel, n_prompt: int, n_predict: int, ctx_size: int | None = None,
-                opts: object = None) -> tuple[int, int | None]:
+                opts: object = None, share: float = DEFAULT_CTX_MEMORY_SHARE) -> tuple[int, int | None]:
     """The context (tokens) of a run, ``run``'s and ``inspect --mem``'s alike: ``ctx_size`` when given (> 0); with
     no length to generate (``n_predict`` < 0: -n -1, interactive chat, the server) the trained context capped by
     memory (:func:`default_context`; under a ``mem`` budget, of what it leaves besides this process); else the
     prompt's ``n_prompt`` tokens + ``n_predict``. ``opts``: the LoadOptions the budget comes from (default: the
-    model's). Returns ``(n_ctx, capped_from)`` as :func:`default_context`."""
+    model's). ``share``: of that memory, what the KV cache may take (serve -np N: each slot's). Returns
+    ``(n_ctx, capped_from)`` as :func:`default_context`."""
     if ctx_size:
         return ctx_size, None
     if n_predict >= 0:
@@ -105,7 +108,7 @@ def run_context(model: MoEModel, n_prompt: int, n_predict: int, ctx_size: int | 
     if opts.mem is not None and opts.budgeted:  # the KV share comes out of --mem
         from .budget import process_rss
         memory = max(opts.mem - process_rss(), 0)
-    return default_context(model, memory=memory)
+    return default_context(model, share, memory=memory)
 
 
 def _is_number(v: object) -> bool:
@@ -372,14 +375,20 @@ class Engine:
             first = (str(e).strip().splitlines() or [""])[0][:300]
             raise ForwardError(f"{path}: the forward pass at positions {start}..{start + n_tok - 1} failed "
                                f"(internal error: {type(e).__name__}: {first})") from e
+        self.check_finite(logits, start, n_tok, logits_all)
+        return logits
+
+    def check_finite(self, logits: torch.Tensor, start: int, n_tok: int, logits_all: bool = False) -> None:
+        """NumericError naming the file and the first position whose logits (float32 [rows, vocab]: every
+        position's when ``logits_all``, else the last one's of ``n_tok`` tokens at ``start``) are not all
+        finite."""
         lo, hi = torch.aminmax(logits)  # NaN in either if any logit is NaN: one pass, no [T, vocab] mask
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             finite = torch.isfinite(logits).all(dim=-1)
             row = int((~finite).nonzero()[0])
             pos = start + row if logits_all else start + n_tok - 1
-            raise NumericError(f"{path}: non-finite logits at position {pos} (the weights or metadata produce "
-                               f"NaN/Inf)")
-        return logits
+            raise NumericError(f"{self.model.gguf.path}: non-finite logits at position {pos} (the weights or "
+                               f"metadata produce NaN/Inf)")
 
     def stream(self, tokens: list[int], n_predict: int, sampler: Callable[[torch.Tensor], int], *,
                stop_ids: Iterable[int] = (), cache: object | None = None, start: int = 0, n_ctx: int | None = None,

@@ -5,7 +5,7 @@ became ``-n gl``, ``-fa`` became ``-f a``, ``-hf REPO`` became ``-h`` (help, exi
 both argparse shortcuts -- abbreviated long options and short options joined to their value or to each other --
 so that an option is only ever the exact string it was declared as (``--name=value`` still works). Then:
 
-* flags with a moestream meaning work (``-ngl``, ``-np 1``, ``-r``, ``--jinja``, ``-no-cnv`` ..., declared in
+* flags with a moestream meaning work (``-ngl``, ``-np N``, ``-cb``, ``-r``, ``--jinja``, ``-no-cnv`` ..., declared in
   cli.py next to the options they map onto);
 * flags moestream has no use for are declared with :func:`add_refused`: given, they stop the parse with one line
   naming the flag and what to do instead, exit status 2 (:class:`FlagRefused`, printed by ``cli.main``).
@@ -99,8 +99,6 @@ REFUSED: list[tuple[tuple[str, ...], str]] = [
 
 #: serve only (llama-server's)
 SERVE_REFUSED: list[tuple[tuple[str, ...], str]] = [
-    (("-cb", "--cont-batching"), "moestream serve runs one generation at a time (batching is not built yet); "
-     "leave it out"),
     (("--api-key", "--api-key-file"), "moestream serve has no API keys: it listens on 127.0.0.1 unless --host says "
      "otherwise; put an authenticating proxy in front to expose it"),
 ]

@@ -8,8 +8,14 @@ the model is loaded, so a supervisor such as llama-swap can poll it; 503 again, 
 no longer compute -- its file's bytes changed in place, or expert reads failed :data:`READ_FAULTS_BROKEN` requests in
 a row -- so that the supervisor restarts the server); ``GET /metrics`` (Prometheus text format).
 
-One generation runs at a time, in a worker thread; requests that arrive meanwhile wait in a FIFO queue. A
-client that disconnects cancels its own request (queued: it never starts; running: the generation stops at
+Up to ``-np N`` generations run at once, each in a slot (its own KV cache), decoded together: one forward step
+of the model for all of them (continuous batching, :mod:`moestream.batching`: a request joins with its first
+prefill chunk, prefill chunks are interleaved with the others' decode tokens, a request that ends leaves at
+once); requests beyond N wait in a FIFO queue. A request's tokens do not depend on what runs beside it (on the
+CPU, bitwise: tests/test_serve_batch.py). A slot keeps its KV cache after its request: the next request given
+to it reuses the longest common token prefix (``cache_prompt``, as llama-server; the slot with the longest
+match is chosen, else the least recently used one), reported in ``usage.prompt_tokens_details.cached_tokens``.
+A client that disconnects cancels its own request (queued: it never starts; running: the generation stops at
 the next forward pass, between prefill chunks too) and no other. SIGTERM/SIGINT cancel what is queued and
 running and the process exits (uvicorn's graceful shutdown, at most :data:`GRACEFUL_SHUTDOWN_S` for open
 connections).
@@ -23,6 +29,7 @@ broken as said above: then 503 for every request).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -69,8 +76,12 @@ class Loaded:
     engine: Engine
     n_ctx: int
     thread_init: Callable[[], None] = lambda: None
-    #: --trace: a runtrace.TraceWriter recording every generation (one at a time: the worker's), or None
+    #: --trace: a runtrace.TraceWriter recording every generation (one at a time: -np 1), or None
     trace: object = None
+    #: -np: generations decoded together (slots, each with a KV cache of ``n_ctx`` positions)
+    n_slots: int = 1
+    #: --cache-prompt: a request may reuse the KV cache its slot holds (its ``cache_prompt`` says too)
+    cache_prompt: bool = True
 
 
 class APIError(Exception):
@@ -97,6 +108,10 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    #: the request's ``cache_prompt`` (may reuse its slot's KV cache)
+    cache_prompt: bool = True
+    #: prompt tokens served from the slot's KV cache (set when the generation starts)
+    cached: int = 0
 
     def put(self, item: object) -> None:
         try:
@@ -115,6 +130,9 @@ class Counters:
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_seconds: float = 0.0
+    forward_steps: int = 0
+    step_sequences: int = 0
+    cached_tokens: int = 0
     hits: int = 0
     misses: int = 0
     streamed_bytes: int = 0
@@ -142,10 +160,16 @@ class ServerState:
         #: why the loaded model can no longer compute (then /health and every request answer 503), or None
         self.broken: str | None = None
         self._read_faults = 0  # requests in a row that failed on an expert read
+        self._last_fault: BaseException | None = None
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.waiting = 0  # jobs queued and not started
         self.running = 0
-        self.current = None  # the Generation running now (its stats grow during the prefill, chunk by chunk)
+        #: the Generations running now by slot (their stats grow during the prefill, chunk by chunk)
+        self.current: dict[int, object] = {}
+        self.slots: list = []  # batching.Slot, made when the worker starts
+        self.scheduler = None  # batching.StepScheduler, made when the worker starts
+        self._used = itertools.count(1)
+        self._store_mark: tuple | None = None
         self.shutting_down = threading.Event()
         self.counters = Counters()
         self.lock = threading.Lock()
@@ -189,26 +213,41 @@ class ServerState:
         self.jobs.put(None)
 
     def _work(self) -> None:
-        assert self.loaded is not None
-        self.loaded.thread_init()
+        """The worker: admits queued jobs to free slots, runs the scheduler's steps until shutdown, then tells the
+        jobs still queued."""
+        from .batching import Slot, StepScheduler
+
+        ld = self.loaded
+        assert ld is not None
+        ld.thread_init()
+        sched = self.scheduler = StepScheduler(ld.engine)
+        sched.stats.on_step.append(self._count_step)
+        store = getattr(ld.model, "store", None)
+        if store is not None:
+            self._store_mark = (store.stats.copy(), store.bytes_read)
+        self.slots = [Slot(i) for i in range(ld.n_slots)]
+        stopping = False
         while True:
-            job = self.jobs.get()
-            if job is None:
-                break
-            with self.lock:
-                self.waiting -= 1
-            if job.cancelled.is_set() or self.shutting_down.is_set():
-                self._count("cancelled")
-                job.put(APIError(503, "the server is shutting down", "unavailable_error", code=503)
-                        if self.shutting_down.is_set() else None)
-                continue
-            with self.lock:
-                self.running = 1
-            try:
-                self._generate(job)
-            finally:
+            while not stopping and any(not s.busy for s in self.slots):
+                try:  # nothing running: wait for a job; else only take what is queued
+                    job = self.jobs.get(block=not sched.active)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    break
                 with self.lock:
-                    self.running = 0
+                    self.waiting -= 1
+                if job.cancelled.is_set() or self.shutting_down.is_set():
+                    self._count("cancelled")
+                    job.put(APIError(503, "the server is shutting down", "unavailable_error", code=503)
+                            if self.shutting_down.is_set() else None)
+                    continue
+                self._start(job)
+            if stopping and not sched.active:
+                break
+            if sched.wait_ready(0.05):
+                sched.step()
         while True:  # shutting down: tell the queued requests
             try:
                 job = self.jobs.get_nowait()
@@ -217,26 +256,59 @@ class ServerState:
             if job is not None:
                 job.put(APIError(503, "the server is shutting down", "unavailable_error", code=503))
 
-    def _generate(self, job: Job) -> None:
+    def _start(self, job: Job) -> None:
+        """Give ``job`` the free slot whose cache serves most of its prompt (batching.choose_slot) and start its
+        generation in a thread of its own."""
+        from .batching import choose_slot
+
+        ld = self.loaded
+        assert ld is not None and self.scheduler is not None
+        slot, n = choose_slot(self.slots, job.ids, ld.cache_prompt and job.cache_prompt)
+        slot.busy, slot.used = True, next(self._used)
+        job.cached = n
+        try:
+            if slot.cache is None or n == 0 and getattr(slot.cache, "pos", 0):  # recurrent state: a new one
+                slot.cache = None
+                slot.cache = ld.model.new_cache(ld.n_ctx)
+        except Exception as e:  # noqa: BLE001 - this request fails, the server goes on
+            slot.busy = False
+            self._count("error")
+            job.put(APIError(500, f"no KV cache for the request ({type(e).__name__}: {e})", "server_error", code=500))
+            return
+        slot.tokens = slot.tokens[:n]
+        with self.lock:
+            self.running += 1
+        self.scheduler.enter(slot.index)
+        threading.Thread(target=self._generate, args=(job, slot), name=f"moestream-slot-{slot.index}",
+                         daemon=True).start()
+
+    def _generate(self, job: Job, slot) -> None:  # noqa: ANN001 - batching.Slot
+        from .batching import SlotEngine
         from .engine import Sampler
 
         ld = self.loaded
-        assert ld is not None
-        tok = ld.tok
+        assert ld is not None and self.scheduler is not None
+        ld.thread_init()
+        tok, n = ld.tok, job.cached
+        gen = None
+        ok = False
         try:
-            gen = ld.engine.stream(job.ids, job.n_predict, Sampler(job.params), stop_ids=tok.eos_ids,
-                                   n_ctx=len(job.ids) + job.n_predict,
-                                   interrupted=lambda: job.cancelled.is_set() or self.shutting_down.is_set())
-            self.current = gen
+            sampler = Sampler(job.params)
+            sampler.accept(job.ids[:n])  # the penalties' window starts with the prompt, cached or not
+            gen = SlotEngine(self.scheduler, slot.index).stream(
+                job.ids[n:], job.n_predict, sampler, stop_ids=tok.eos_ids, cache=slot.cache, start=n,
+                interrupted=lambda: job.cancelled.is_set() or self.shutting_down.is_set())
+            self.current[slot.index] = gen
             events = iter(TextEvents(gen, tok, job.stop, skip_special=True))
             if ld.trace is not None:
                 self.traced += 1
                 events = ld.trace.follow_events(events, gen, tok.decode(job.ids), request=self.traced)
             for ev in events:
                 if isinstance(ev, DoneEvent):
-                    self._account(ev)
+                    self._account(ev, n)
                 job.put(ev)
             self._read_faults = 0
+            ok = True
         except MoestreamError as e:
             self._count("error")
             print(f"moestream: error: {e}", file=sys.stderr, flush=True)
@@ -247,7 +319,35 @@ class ServerState:
             print(f"moestream: error: generation failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
             job.put(APIError(500, f"generation failed ({type(e).__name__})", "server_error", code=500))
         finally:
-            self.current = None
+            self.scheduler.leave(slot.index)
+            self.current.pop(slot.index, None)
+            if ok and gen is not None:  # what the cache holds now: positions 0..gen.pos-1
+                slot.tokens = (job.ids + gen.stats.tokens)[:gen.pos]
+            else:  # a step failed part-way: the cache (a recurrent state too) may be half-written
+                slot.tokens, slot.cache = [], None
+            with self.lock:
+                self.running -= 1
+            slot.busy = False
+
+    def _count_step(self, n_seqs: int) -> None:
+        """After each step (of ``n_seqs`` sequences): the store's counters since the last step (each counted once,
+        whatever shared it)."""
+        store = getattr(self.loaded.model, "store", None) if self.loaded is not None else None
+        c = self.counters
+        with self.lock:
+            c.forward_steps += 1
+            c.step_sequences += n_seqs
+        if store is None:
+            return
+        now = (store.stats.copy(), store.bytes_read)
+        mark, self._store_mark = self._store_mark, now
+        with self.lock:
+            if mark is not None:
+                d = now[0] - mark[0]
+                c.hits += d.hits
+                c.misses += d.misses
+                c.stall_seconds += d.stall_seconds
+                c.streamed_bytes += now[1] - mark[1]
 
     def _note_fault(self, e: MoestreamError) -> None:
         """Mark the model broken after a change of its file's bytes, or the READ_FAULTS_BROKEN-th read fault in a
@@ -255,6 +355,9 @@ class ServerState:
         if isinstance(e, ModelFileChanged):
             reason = str(e)
         elif isinstance(e, ExpertReadError):
+            if e is self._last_fault:  # one fault of a step that several requests shared counts once
+                return
+            self._last_fault = e
             self._read_faults += 1
             if self._read_faults < READ_FAULTS_BROKEN:
                 return
@@ -271,19 +374,16 @@ class ServerState:
         with self.lock:
             self.counters.requests[outcome] += 1
 
-    def _account(self, done: DoneEvent) -> None:
+    def _account(self, done: DoneEvent, cached: int = 0) -> None:
         st, c = done.stats, self.counters
         with self.lock:
             c.requests["cancelled" if st.stop_reason == "interrupted" else "completed"] += 1
             c.prompt_tokens += st.n_prompt
+            c.cached_tokens += cached
             c.prompt_seconds += st.prompt_seconds
             c.generated_tokens += len(st.tokens)
             c.decode_steps += st.n_decode
             c.decode_seconds += st.decode_seconds
-            c.hits += st.hits
-            c.misses += st.misses
-            c.streamed_bytes += st.streamed_bytes
-            c.stall_seconds += st.store.stall_seconds
             if st.n_prompt:
                 c.last_prompt_tps = st.prompt_tps
             if st.n_decode:
@@ -298,24 +398,33 @@ class ServerState:
         c = self.counters
         with self.lock:
             reqs, waiting, running = dict(c.requests), self.waiting, self.running
-        current = self.current
+        current = list(self.current.values())
         n = c.hits + c.misses
         rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
             ("moestream_model_loaded", "gauge", "1 once the model is loaded and the server takes requests",
              [("", 1.0 if self.ready else 0.0)]),
             ("moestream_requests_total", "counter", "generations by outcome (rejected: refused before they "
              "started, e.g. a bad request)", [(f'{{outcome="{k}"}}', v) for k, v in reqs.items()]),
-            ("moestream_requests_processing", "gauge", "generations running now (0 or 1)", [("", running)]),
-            ("moestream_running_prompt_tokens", "gauge", "prompt tokens of the generation running now (0: none)",
-             [("", len(current.tokens) if current is not None else 0)]),
-            ("moestream_running_prefilled_tokens", "gauge", "of those, the tokens prefilled so far",
-             [("", current.stats.n_prompt if current is not None else 0)]),
-            ("moestream_queue_depth", "gauge", "requests waiting for the generation in progress", [("", waiting)]),
+            ("moestream_requests_processing", "gauge", "generations running now (0 to -np)", [("", running)]),
+            ("moestream_slots", "gauge", "generations that can run at once (-np)",
+             [("", self.loaded.n_slots if self.loaded is not None else 0)]),
+            ("moestream_running_prompt_tokens", "gauge", "prompt tokens of the generations running now (0: none)",
+             [("", sum(g.start + len(g.tokens) for g in current))]),
+            ("moestream_running_prefilled_tokens", "gauge", "of those, the tokens in their KV caches so far (from a "
+             "slot's cache, or prefilled)", [("", sum(g.start + g.stats.n_prompt for g in current))]),
+            ("moestream_queue_depth", "gauge", "requests waiting for a free slot", [("", waiting)]),
             ("moestream_prompt_tokens_total", "counter", "prompt tokens prefilled", [("", c.prompt_tokens)]),
+            ("moestream_prompt_cached_tokens_total", "counter", "prompt tokens served from a slot's KV cache "
+             "(not prefilled)", [("", c.cached_tokens)]),
+            ("moestream_forward_steps_total", "counter", "forward steps run (each for every generation running)",
+             [("", c.forward_steps)]),
+            ("moestream_step_sequences_total", "counter", "sequences those steps ran (divided by the steps: the mean "
+             "batch)", [("", c.step_sequences)]),
             ("moestream_prompt_seconds_total", "counter", "seconds spent in prefill", [("", c.prompt_seconds)]),
             ("moestream_generated_tokens_total", "counter", "tokens generated", [("", c.generated_tokens)]),
-            ("moestream_decode_steps_total", "counter", "decode forward passes (the first generated token of a "
-             "request comes from the prefill)", [("", c.decode_steps)]),
+            ("moestream_decode_steps_total", "counter", "decode forward passes of the requests, each counted (the "
+             "first generated token of a request comes from the prefill; N requests decoded in one step count N)",
+             [("", c.decode_steps)]),
             ("moestream_decode_seconds_total", "counter", "seconds spent in decode", [("", c.decode_seconds)]),
             ("moestream_prompt_tokens_per_second", "gauge", "prefill tok/s of the last request",
              [("", c.last_prompt_tps)]),
@@ -518,16 +627,21 @@ def completion_prompt(body: dict, tok, n_vocab: int) -> list[int]:  # noqa: ANN0
 
 # --- the app -----------------------------------------------------------------------------------------------------
 
-def _usage(st) -> dict:  # noqa: ANN001
+def _usage(st, cached: int = 0) -> dict:  # noqa: ANN001
+    """OpenAI's ``usage``: prompt_tokens counts the whole prompt, ``prompt_tokens_details.cached_tokens`` the
+    part served from the slot's KV cache (not prefilled)."""
     n = len(st.tokens)
-    return {"prompt_tokens": st.n_prompt, "completion_tokens": n, "total_tokens": st.n_prompt + n}
+    prompt = cached + st.n_prompt
+    return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _timings(st) -> dict:  # noqa: ANN001
-    """llama-server's ``timings`` object. prompt_*: the prefill; predicted_*: the decode steps (the first token
-    comes from the prefill's logits, so predicted_n = completion_tokens - 1 when any token was generated), the
-    same tok/s as ``moestream run``'s stats line."""
-    return {"prompt_n": st.n_prompt, "prompt_ms": 1000 * st.prompt_seconds,
+def _timings(st, cached: int = 0) -> dict:  # noqa: ANN001
+    """llama-server's ``timings`` object. cache_n: prompt tokens served from the slot's KV cache; prompt_*: the
+    prefill of the others; predicted_*: the decode steps (the first token comes from the prefill's logits, so
+    predicted_n = completion_tokens - 1 when any token was generated), the same tok/s as ``moestream run``'s stats
+    line."""
+    return {"cache_n": cached, "prompt_n": st.n_prompt, "prompt_ms": 1000 * st.prompt_seconds,
             "prompt_per_token_ms": 1000 * st.prompt_seconds / st.n_prompt if st.n_prompt else 0.0,
             "prompt_per_second": st.prompt_tps,
             "predicted_n": st.n_decode, "predicted_ms": 1000 * st.decode_seconds,
@@ -679,7 +793,8 @@ def create_app(state: ServerState):  # noqa: ANN201
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt", code="invalid_value")
         n_predict = plan(body, ids, ld, "conversation" if chat else "prompt")
-        job = Job(ids, n_predict, params, stop, asyncio.get_running_loop())
+        cache_prompt = _opt(body, "cache_prompt", lambda v: isinstance(v, bool), "true or false", True)
+        job = Job(ids, n_predict, params, stop, asyncio.get_running_loop(), cache_prompt=bool(cache_prompt))
         state.submit(job)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, name = int(time.time()), body.get("model") or state.names[0]
@@ -721,7 +836,7 @@ def create_app(state: ServerState):  # noqa: ANN201
                     if include_usage:
                         yield sse(last)
                         last = {**chunk(None, None), "choices": []}
-                    last["usage"], last["timings"] = _usage(st), _timings(st)
+                    last["usage"], last["timings"] = _usage(st, job.cached), _timings(st, job.cached)
                     yield sse(last)
                     yield "data: [DONE]\n\n"
             except APIError as e:
@@ -751,7 +866,7 @@ def create_app(state: ServerState):  # noqa: ANN201
                    "finish_reason": done.finish_reason} if chat else
                   {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason})
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": name, "choices": [choice],
-                             "usage": _usage(done.stats), "timings": _timings(done.stats)})
+                             "usage": _usage(done.stats, job.cached), "timings": _timings(done.stats, job.cached)})
 
     async def refused_counted(request: Request, chat: bool) -> object:
         try:

@@ -707,17 +707,19 @@ class MoEModel:
                              top_k=self.top_k, n_ff=n_ff, logits_rows=logits_rows)
 
     def plan_memory(self, opts: LoadOptions, n_ctx: int | None = None, logits_rows: int = 1,
-                    loaded: bool = True, ubatch: int = 128, gpu: bool | None = None):  # noqa: ANN201 - MemoryPlan
+                    loaded: bool = True, ubatch: int = 128, gpu: bool | None = None,
+                    n_seqs: int = 1):  # noqa: ANN201 - MemoryPlan
         """The memory plan for ``opts`` (its ``mem`` or the auto budget) at a context of ``n_ctx`` tokens (None:
-        ``opts.n_ctx``, else :meth:`default_ctx`). ``loaded``: the dense weights are loaded (their bytes are known
-        and in this process's resident memory); else they are estimated from the tensor table.
+        ``opts.n_ctx``, else :meth:`default_ctx`) for each of ``n_seqs`` KV caches (serve -np N: one per slot).
+        ``loaded``: the dense weights are loaded (their bytes are known and in this process's resident memory);
+        else they are estimated from the tensor table.
         ConfigError naming the file and the smallest budget that works when top-k slots per layer do not fit."""
         from ..budget import gpu_budget, plan_pools, process_rss, resolve_budget
 
         n_ctx = n_ctx or opts.n_ctx or self.default_ctx()
         cuda = self.device.type == "cuda" if gpu is None else gpu
         dense = self.dense_bytes if loaded else self.dense_estimate(mapped=not cuda)
-        kv, scratch = self.cache_bytes(n_ctx), self.scratch_estimate(n_ctx, ubatch, logits_rows)
+        kv, scratch = n_seqs * self.cache_bytes(n_ctx), self.scratch_estimate(n_ctx, ubatch + n_seqs - 1, logits_rows)
         layers = self.layout.moe_layers
         direct, align = StreamingStore.read_mode(self.layout, opts.direct_io)  # O_DIRECT slots are padded
         extra: dict[str, Any] = {}
@@ -739,21 +741,21 @@ class MoEModel:
         plan = plan_pools(budget, source, process=process, dense=dense, kv=kv, n_ctx=n_ctx, scratch=scratch,
                           slot_bytes={la: StreamingStore.slot_bytes(self.layout, la, direct, align) for la in layers},
                           n_experts={la: self.layout.n_experts(la) for la in layers}, top_k=self.top_k,
-                          what=self.gguf.path, strict=strict, **extra)
+                          what=self.gguf.path, strict=strict, n_seqs=n_seqs, **extra)
         return plan
 
     def make_store(self, opts: LoadOptions, n_ctx: int | None = None, logits_rows: int = 1,
-                   ubatch: int = 128, plan: Any = None) -> ExpertStore:
+                   ubatch: int = 128, plan: Any = None, n_seqs: int = 1) -> ExpertStore:
         """A new expert store for ``opts``, not set on the model (:func:`load_model` sets the first; verify makes a
         second). With a budget its pools have ``plan``'s slots (a budget.MemoryPlan, kept in ``memory_plan``), or
-        those of :meth:`plan_memory` for ``n_ctx`` made now when ``plan`` is None."""
+        those of :meth:`plan_memory` for ``n_seqs`` KV caches of ``n_ctx`` made now when ``plan`` is None."""
         self.check_expert_types()
         if not opts.moe_stream:
             return ResidentStore(self.gguf, self.layout, device=self.device, pool=opts.pool)
         if opts.slots is not None:
             slots: int | dict[int, int] = opts.slots
         else:
-            self.memory_plan = plan or self.plan_memory(opts, n_ctx, logits_rows, ubatch=ubatch)
+            self.memory_plan = plan or self.plan_memory(opts, n_ctx, logits_rows, ubatch=ubatch, n_seqs=n_seqs)
             slots = self.memory_plan.slots
         return StreamingStore(self.gguf, self.layout, slots, self.top_k, opts.io_threads, opts.policy,
                               direct_io=opts.direct_io, device=self.device, pool=opts.pool,
@@ -909,7 +911,7 @@ def open_model(path: str | GGUFModel, opts: LoadOptions | None = None) -> MoEMod
 
 
 def load_model(path: str | GGUFModel | MoEModel, opts: LoadOptions | None = None, n_ctx: int | None = None,
-               ubatch: int = 128, logits_rows: int = 1) -> MoEModel:
+               ubatch: int = 128, logits_rows: int = 1, n_seqs: int = 1) -> MoEModel:
     """Open ``path`` (a GGUF file, any part of a split model, an open :class:`GGUFModel`, or the shape
     :func:`open_model` made of one) and build its architecture with its weights and its expert store.
 
@@ -920,7 +922,8 @@ def load_model(path: str | GGUFModel | MoEModel, opts: LoadOptions | None = None
     then made with that plan's slots (``model.memory_plan``): the numbers ``inspect --mem`` prints for the same
     options and context. The plan's ``process`` term is this process measured before the load and its ``dense``
     term the tensor table's bytes (the load itself adds a few MiB: 5.8 MiB measured on the embedded model).
-    ``ubatch`` / ``logits_rows``: the prefill chunk and the logits rows the scratch estimate is for.
+    ``ubatch`` / ``logits_rows``: the prefill chunk and the logits rows the scratch estimate is for; ``n_seqs``: the
+    KV caches of ``n_ctx`` the plan counts (serve -np N: one per slot).
     Raises GGUFError for bad files and unsupported architectures, ConfigError for bad options or a budget too
     small (naming the smallest that works).
     """
@@ -933,7 +936,8 @@ def load_model(path: str | GGUFModel | MoEModel, opts: LoadOptions | None = None
         return shape or architecture_of(gguf)(gguf, opts)
     plan = None
     if opts.budgeted:  # the plan before the load: refused here, before a weight is read
-        plan = (shape or open_model(gguf, opts)).plan_memory(opts, n_ctx, logits_rows, loaded=False, ubatch=ubatch)
+        plan = (shape or open_model(gguf, opts)).plan_memory(opts, n_ctx, logits_rows, loaded=False, ubatch=ubatch,
+                                                             n_seqs=n_seqs)
     model = architecture_of(gguf)(gguf, opts)
     if model.store is None:
         model.store = model.make_store(opts, plan=plan)

@@ -321,11 +321,16 @@ class DeepSeek2(MoEModel):
         kv = b["kv_a"].linear(h)  # [T, r + rope]
         step.store("k", i, torch.cat((rms_norm(kv[:, :r], b["kv_a_norm"], self.eps)[:, None],
                                       step.rope(self.rope, kv[:, None, r:])), dim=-1))  # [T, 1, r + rope]
-        q_abs = torch.matmul(q[..., :nope].transpose(0, 1), b["w_kb"])  # [H, T, r]: W_kb[h]^T q_nope
-        qq = torch.cat((q_abs.transpose(0, 1), step.rope(self.rope, q[..., nope:])), dim=-1)  # [T, H, r + rope]
+        # the per-head matmuls run per sequence (torch's blocking depends on T: a sequence gets its own bits
+        # whatever else shares the step)
+        q_abs = step.per_seq(lambda _c, qn: torch.matmul(qn.transpose(0, 1), b["w_kb"]).transpose(0, 1),
+                             q[..., :nope])  # [T, H, r]: W_kb[h]^T q_nope
+        qq = torch.cat((q_abs, step.rope(self.rope, q[..., nope:])), dim=-1)  # [T, H, r + rope]
         a = step.attend(qq, i, self.kq_scale, v_dim=r)  # [T, H * r]
-        out = torch.matmul(a.view(n_tok, self.n_head, r).transpose(0, 1), b["w_vb"].transpose(1, 2))  # [H, T, dv]
-        return x + b["o"].linear(out.transpose(0, 1).reshape(n_tok, self.n_head * self.head_v))
+        out = step.per_seq(lambda _c, at: torch.matmul(at.view(-1, self.n_head, r).transpose(0, 1),
+                                                        b["w_vb"].transpose(1, 2)).transpose(0, 1),
+                           a)  # [T, H, dv]
+        return x + b["o"].linear(out.reshape(n_tok, self.n_head * self.head_v))
 
     def has_shared(self, i: int) -> bool:
         return bool(self.n_shared)

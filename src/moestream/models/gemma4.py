@@ -248,5 +248,5 @@ class Gemma4(MoEModel):
         """Final RMSNorm and output, soft-capped: x [R, hidden] -> logits [R, vocab]."""
         logits = self.output.linear(rms_norm(x, self.out_norm, self.eps))
         if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits = elementwise(torch.tanh, logits / self.softcap) * self.softcap
         return logits

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from .. import kernels, quant
 from ..errors import GGUFError
 from ..gguf import GGUFModel, TensorInfo
-from ..ops import ELEMENTWISE_SLICE, elementwise  # noqa: F401 - the family files import them from here
+from ..ops import ELEMENTWISE_SLICE, elementwise, per_sequence, sequence_rows  # noqa: F401 - the family files import them from here
 
 
 def check_computable(info: TensorInfo) -> None:
@@ -29,7 +29,9 @@ class Weight:
 
     raw: uint8 [rows, row_bytes] (quantized types) or the float32 tensor itself (F32, or expanded).
     shape: torch order, last dim = row length. blocks: ``linear`` runs moestream's C kernels on the blocks
-    (moestream/kernels.py) where they compute the type; otherwise dequantize-then-matmul (quant.linear).
+    (moestream/kernels.py) where they compute the type; otherwise dequantize-then-matmul (quant.linear). The
+    matmuls torch computes run per sequence within :func:`~moestream.ops.sequence_rows` (a step of several
+    sequences).
     Raises GGUFError for a type moestream cannot compute.
     """
 
@@ -63,14 +65,14 @@ class Weight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., cols] float32 -> [..., rows] float32 (x @ W.T)."""
         if self.dense is not None:
-            return torch.nn.functional.linear(x, self.dense)
+            return per_sequence(lambda v: torch.nn.functional.linear(v, self.dense), x)
         if self.blocks:
             return kernels.linear(x, self.raw, self.ggml_type, self.cols)
         if self.gpu:
             from ..gpu import tkernels
             return tkernels.linear(x.reshape(-1, self.cols).contiguous(), self.raw, self.ggml_type,
                                    self.cols).view(*x.shape[:-1], self.rows)
-        return quant.linear(x, self.raw, self.ggml_type, self.cols)
+        return per_sequence(lambda v: quant.linear(v, self.raw, self.ggml_type, self.cols), x)
 
     def float(self) -> torch.Tensor:
         """The whole weight as float32 [shape]."""

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
-from .layers import Rope, linear_bias, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
+from .layers import Rope, elementwise, linear_bias, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
 
 if TYPE_CHECKING:
     from ..runtime.step import Step
@@ -125,4 +125,5 @@ class Qwen2MoE(MoEModel):
     def shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The shared expert of layer i on h [T, hidden] -> [T, hidden], scaled by its sigmoid gate."""
         b = self.blocks[i]
-        return torch.sigmoid(b["sh_gate_inp"].linear(h)) * swiglu_ffn(b["sh_gate"], b["sh_up"], b["sh_down"], h)
+        gate = elementwise(torch.sigmoid, b["sh_gate_inp"].linear(h))
+        return gate * swiglu_ffn(b["sh_gate"], b["sh_up"], b["sh_down"], h)

@@ -290,4 +290,5 @@ class Qwen35MoE(MoEModel):
     def shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The shared expert of layer i on h [T, hidden] -> [T, hidden], scaled by its sigmoid gate."""
         b = self.blocks[i]
-        return torch.sigmoid(b["sh_gate_inp"].linear(h)) * swiglu_ffn(b["sh_gate"], b["sh_up"], b["sh_down"], h)
+        gate = elementwise(torch.sigmoid, b["sh_gate_inp"].linear(h))
+        return gate * swiglu_ffn(b["sh_gate"], b["sh_up"], b["sh_down"], h)

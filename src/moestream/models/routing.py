@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..ops import elementwise
 
 #: llama.cpp's floor for the sum the top-k weights are divided by (the smallest normal float16)
 WEIGHT_SUM_FLOOR = 6.103515625e-5
@@ -35,8 +36,8 @@ def sigmoid_group_topk(router_logits: torch.Tensor, top_k: int, *, bias: torch.T
     if router_logits.device.type == "cpu" and (lib := kernels.step_ops()) is not None:
         return kernels.route(router_logits, top_k, kernels.GATING_SIGMOID, bias, n_group, topk_group, norm,
                              WEIGHT_SUM_FLOOR, scale, lib=lib)
-    return group_topk(torch.sigmoid(router_logits), top_k, bias=bias, n_group=n_group, topk_group=topk_group,
-                      norm=norm, scale=scale)
+    return group_topk(elementwise(torch.sigmoid, router_logits), top_k, bias=bias, n_group=n_group,
+                      topk_group=topk_group, norm=norm, scale=scale)
 
 
 def group_topk(scores: torch.Tensor, top_k: int, *, bias: torch.Tensor | None = None, n_group: int = 1,

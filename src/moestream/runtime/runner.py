@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..models.layers import Rope, Weight, decode_keys
+from ..ops import sequence_rows
 from .graphs import DecodeGraphs
 from .step import Seq, Step
 
@@ -58,8 +59,11 @@ class Runner:
         """One step over several sequences, each ``(tokens int64 [T_i], start, cache)`` with a cache of its own:
         their tokens go through every projection, router and expert call together (one expert read serves every
         sequence), their positions, caches and attention apart. Returns logits float32 [sum T_i, vocab] when
-        ``logits_all``, else [len(batch), vocab] (each sequence's last token). Each row has the bits it has when
-        its sequence runs alone (the CPU kernels compute each row on its own; tests/test_runner.py)."""
+        ``logits_all``, else [len(batch), vocab] (each sequence's last token). On the CPU each row has the bits it
+        has when its sequence runs alone (the C kernels compute each row on its own; the float32 matmuls torch
+        computes run per sequence: ops.sequence_rows; attention and recurrent state are per sequence;
+        tests/test_runner.py). On CUDA not (the Triton kernels' configuration and torch's matmuls depend on the row
+        count): the logits may differ in their last bits (not measured yet)."""
         seqs = [Seq(cache, start, int(t.shape[0])) for t, start, cache in batch]
         for s in seqs:
             self.model.check_room(s.cache, s.start, s.n_tok)
@@ -67,7 +71,12 @@ class Runner:
 
     def run(self, step: Step, logits_all: bool = False) -> torch.Tensor:
         """The eager step: every layer in order, each MoE layer through the store (``begin_layer`` starts the
-        router lookahead's reads, when on)."""
+        router lookahead's reads, when on). The matmuls and elementwise functions torch computes run per sequence
+        (ops.sequence_rows)."""
+        with sequence_rows([s.n_tok for s in step.seqs]):
+            return self._run(step, logits_all)
+
+    def _run(self, step: Step, logits_all: bool) -> torch.Tensor:
         m = self.model
         m.begin_step(step)
         x = m.embed(step)  # [T, hidden]
@@ -81,7 +90,10 @@ class Runner:
             else:
                 x = m.dense(i, x, step)
         m.end_step(step)
-        return m.head(x if logits_all else step.last_rows(x), step)
+        if logits_all:
+            return m.head(x, step)
+        with sequence_rows([1] * len(step.seqs)):  # the head on each sequence's last row, as alone
+            return m.head(step.last_rows(x), step)
 
     def _shared(self, i: int, x: torch.Tensor, h: torch.Tensor) -> Any:
         """Layer i's shared FFN as the MoE block's ``shared`` callable (None when the family has none)."""
