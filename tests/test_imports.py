@@ -35,8 +35,8 @@ RANKS: dict[str, int] = {
     "moestream.runtime": 3,
     # 4 models: MoEModel (which owns a runner) and the families
     "moestream.models": 4,
-    # 5 engine/server: generation, chat, the server, verify, the run trace and its replay, inspect's report
-    "moestream.engine": 5, "moestream.textgen": 5, "moestream.chat": 5, "moestream.server": 5,
+    # 5 engine/server: generation, chat, the server and its batch scheduler, verify, the run trace, replay, report
+    "moestream.engine": 5, "moestream.textgen": 5, "moestream.chat": 5, "moestream.server": 5, "moestream.batching": 5,
     "moestream.verify": 5, "moestream.runtrace": 5, "moestream.replay": 5, "moestream.report": 5,
     # 6 CLI: the commands and what they share
     "moestream.options": 6, "moestream.llamaflags": 6, "moestream.chat_templates": 6,
