@@ -69,9 +69,13 @@ def inspect_model(path: str, opts: LoadOptions | None = None,
     plan = None
     n_ctx = context
     if opts.mem is not None or opts.gpu_mem is not None:
-        # this process holds what run's holds besides the model: torch, the kernels, the tokenizer
+        # this process holds what run's holds besides the model: torch, the kernels, the tokenizer (torch read
+        # once: the inspect command's stand-in imports it here, so its memory is measured as run's is)
+        import torch
+
         from . import kernels
         from .tokenizer import GGUFTokenizer
+        torch.empty(0)
         with contextlib.suppress(kernels.KernelBuildError):
             kernels.load()
         # a file without a tokenizer (run cannot tokenize a prompt for it): the default context is priced
