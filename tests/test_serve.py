@@ -808,12 +808,15 @@ def test_health_503_after_read_faults_in_a_row() -> None:
     from moestream.server import READ_FAULTS_BROKEN
 
     state = ServerState(lambda: None, ["m"])  # type: ignore[arg-type, return-value]
-    fault = ExpertReadError("/m.gguf", 4096, 512, "Input/output error")
-    state._note_fault(fault)
+
+    def fault() -> ExpertReadError:  # each request's own (one a batched step shares counts once: test_serve_batch)
+        return ExpertReadError("/m.gguf", 4096, 512, "Input/output error")
+
+    state._note_fault(fault())
     assert state.broken is None
     state._read_faults = 0  # what a request that succeeds does
     for _ in range(READ_FAULTS_BROKEN - 1):
-        state._note_fault(fault)
+        state._note_fault(fault())
     assert state.broken is None
-    state._note_fault(fault)
+    state._note_fault(fault())
     assert state.broken is not None and "/m.gguf" in state.broken and f"{READ_FAULTS_BROKEN} requests" in state.broken
