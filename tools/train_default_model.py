@@ -80,14 +80,6 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def download_sdist(dest: Path) -> Path:
     """``pip download`` the pinned sdist into ``dest`` (reused when there); returns its path; checks sha256."""
     name, version = SDIST
@@ -95,7 +87,8 @@ def download_sdist(dest: Path) -> Path:
     if not path.exists():
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", f"{name}=={version}", "--no-deps",
                         "--no-binary", ":all:", "-d", str(dest)], check=True)
-    got = _sha256(path)
+    with open(path, "rb") as f:
+        got = hashlib.file_digest(f, "sha256").hexdigest()
     if got != SDIST_SHA256:
         raise SystemExit(f"{path}: sha256 {got}, expected {SDIST_SHA256}")
     return path
