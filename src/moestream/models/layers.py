@@ -321,6 +321,15 @@ class LayerKVCache:
         return sum(t.numel() * 4 for t in self.k + self.v if t is not None)
 
 
+#: Whether the CPU computes attention with the step kernels' kernels.attention (tested bitwise against its numpy
+#: reference in tests/test_stepkern.py). Off: measured 2026-12-03 (tests/test_llamacpp.py
+#: test_blocks_match_llama_cpp_on_quantized, qwen3moe-tiny Q4_K_M through the C matmul kernels, vs llama.cpp on the
+#: same file), it moved the logits further from llama.cpp's than torch's ops: max |diff| 4.04 vs 2.55, mean 0.053 vs
+#: 0.0187 (bar 0.25 x the logit range, 3.6); the Q8_0 file was unchanged (0.192). Its arithmetic needs to come
+#: closer to ggml's before it is the default.
+C_ATTENTION = False
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of new queries over the cache, optionally limited to a sliding window.
@@ -334,13 +343,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     attends to nothing (GPT-OSS: transformers' ``s_aux``, llama.cpp's ``ggml_soft_max_add_sinks``): weights
     ``exp(s_j) / (sum_j exp(s_j) + exp(sink_h))``. Returns float32 [T, n_head * d_v].
 
-    On the CPU the step kernels compute it (kernels.attention: each (token, head) by one thread, the same bits
-    whatever the thread count or the chunk a token is in). Elsewhere, or with the step kernels off, torch: GQA
-    without copying the cache, the queries of one KV head's group are the rows of one matrix, [n_kv, group * T,
-    d], multiplied with that head's keys; a single new token (decode) sees every key it is given, so it needs no
-    mask.
+    torch: GQA without copying the cache, the queries of one KV head's group are the rows of one matrix, [n_kv,
+    group * T, d], multiplied with that head's keys; a single new token (decode) sees every key it is given, so it
+    needs no mask. With :data:`C_ATTENTION` on the CPU, the step kernels' kernels.attention instead.
     """
-    if q.device.type == "cpu" and q.dtype == torch.float32 and (lib := kernels.step_ops()) is not None:
+    if C_ATTENTION and q.device.type == "cpu" and q.dtype == torch.float32 and (lib := kernels.step_ops()):
         return kernels.attention(q, k, v, start, scale, window, sinks, lib=lib)
     n_tok, n_head, d = q.shape
     first = 0 if window is None else max(0, start - window + 1)  # keys before this are masked for every query
