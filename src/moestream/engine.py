@@ -124,14 +124,16 @@ class SamplingParams:
     """llama.cpp-style sampling. temp <= 0 is greedy. top_k 0 or -1, top_p 1, min_p 0 disable a filter;
     the most likely token always survives the filters. seed None or -1: a random seed.
 
-    Order (as llama.cpp's default chain): the penalties (:func:`penalize`, greedy included), top-k, top-p, min-p,
-    then temperature, then a draw. The penalties look at the last ``repeat_last_n`` tokens the sampler was given
-    (:meth:`Sampler.accept`: the prompt, then each sampled token; 0: off, -1: all); repeat_penalty 1 and
-    presence/frequency 0 turn them off (the default).
+    Order (as llama.cpp's default chain): ``logit_bias`` (token id -> a number added to its logit; ``-inf`` bans
+    it), the penalties (:func:`penalize`, greedy included), a grammar's mask (:class:`Sampler`'s ``constraint``),
+    top-k, top-p, min-p, then temperature, then a draw. The penalties look at the last ``repeat_last_n`` tokens
+    the sampler was given (:meth:`Sampler.accept`: the prompt, then each sampled token; 0: off, -1: all);
+    repeat_penalty 1 and presence/frequency 0 turn them off (the default).
     The one check of these values for every command and the server (:meth:`__post_init__`): OptionError naming
     the field and the value for a temperature or penalty that is not a finite number, a top-k that is not an
     integer >= -1, top-p/min-p not a number in [0, 1], a seed not an integer in [-1, 2^63), a repeat_penalty <= 0
-    or a repeat_last_n below -1. Numbers are stored as float/int.
+    or a repeat_last_n below -1, a logit_bias that is not a map of token ids >= 0 to finite numbers or -inf
+    (:meth:`check_vocab` checks the ids against a vocabulary). Numbers are stored as float/int.
     """
 
     temp: float = 0.8
@@ -143,6 +145,7 @@ class SamplingParams:
     repeat_last_n: int = 64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def penalized(self) -> bool:
@@ -177,6 +180,24 @@ class SamplingParams:
                               repeat_last_n=self.repeat_last_n)
         self.repeat_penalty = float(self.repeat_penalty)
         self.presence_penalty, self.frequency_penalty = float(self.presence_penalty), float(self.frequency_penalty)
+        if not isinstance(self.logit_bias, dict):
+            raise OptionError(f"{{logit_bias}} must map token ids to biases, got {shown(self.logit_bias)}",
+                              logit_bias=self.logit_bias)
+        for k, v in self.logit_bias.items():
+            if not (_is_int(k) and k >= 0):
+                raise OptionError(f"{{logit_bias}}: a token id must be an integer >= 0, got {shown(k)}",
+                                  logit_bias=k)
+            if not (_is_number(v) and (math.isfinite(v) or v == -math.inf)):
+                raise OptionError(f"{{logit_bias}}: the bias of token {k} must be a finite number or -inf, got "
+                                  f"{shown(v)}", logit_bias=v)
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+
+    def check_vocab(self, n_vocab: int) -> None:
+        """OptionError naming ``logit_bias`` when one of its token ids is not below ``n_vocab``."""
+        bad = next((k for k in self.logit_bias if k >= n_vocab), None)
+        if bad is not None:
+            raise OptionError(f"{{logit_bias}}: token id {bad} is not in the vocabulary (0..{n_vocab - 1})",
+                              logit_bias=bad)
 
 
 def penalize(logits: torch.Tensor, window: Iterable[int], p: SamplingParams) -> torch.Tensor:
@@ -219,13 +240,27 @@ def best_first(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return vals[:k], idx[:k]
 
 
+def bias_logits(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """float32 logits [n_vocab] + ``bias`` (token id -> number, as llama.cpp's logit-bias sampler: added, -inf
+    bans); a new tensor."""
+    out = logits.float().clone()
+    ids = torch.tensor(list(bias), dtype=torch.int64, device=out.device)
+    out[ids] += torch.tensor(list(bias.values()), dtype=torch.float32, device=out.device)
+    return out
+
+
 class Sampler:
     """Picks the next token from float32 logits [n_vocab]. Greedy is the argmax (the lowest id of equal
     maxima); otherwise the candidates are the top-k (all with top_k <= 0) largest first, equal logits in id
-    order (:func:`best_first`), then filtered and drawn as :class:`SamplingParams` says."""
+    order (:func:`best_first`), then filtered and drawn as :class:`SamplingParams` says.
 
-    def __init__(self, params: SamplingParams):
+    ``constraint``: a grammar the output must follow (:class:`moestream.structured.Constraint`, or anything with
+    ``mask(logits) -> logits`` and ``consume(token)``), applied after the penalties; it is this sequence's own (a
+    batch's sequences never share one)."""
+
+    def __init__(self, params: SamplingParams, constraint: object = None):
         self.p = params
+        self.constraint = constraint
         self.gen = torch.Generator()
         seed = params.seed if params.seed is not None and params.seed >= 0 else time.time_ns() % 2**63
         self.gen.manual_seed(seed)
@@ -239,9 +274,19 @@ class Sampler:
             self.history.extend(ids)
 
     def __call__(self, logits: torch.Tensor) -> int:
+        tok = self._pick(logits)
+        if self.constraint is not None:
+            self.constraint.consume(tok)
+        return tok
+
+    def _pick(self, logits: torch.Tensor) -> int:
         p = self.p
+        if p.logit_bias:
+            logits = bias_logits(logits, p.logit_bias)
         if p.penalized and self.history:
             logits = penalize(logits, self.history, p)
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         if p.temp <= 0:
             return int(torch.argmax(logits))  # the first of equal maxima, on the logits' own device
         logits = logits.float().cpu()
