@@ -54,7 +54,8 @@ class Segment:
 
 
 def _contents(messages: list[dict]) -> list[int]:
-    return [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]
+    """The messages whose content is text (an empty one has nothing to keep apart from the markup)."""
+    return [i for i, m in enumerate(messages) if isinstance(m.get("content"), str) and m["content"]]
 
 
 def _align(rendered: str, markup: list[str], contents: list[str], idx: list[int]) -> list[Segment] | None:

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -62,7 +63,9 @@ DISCONNECT_POLL_S = 0.25
 _NOTHING = object()
 #: Stop strings a request may give (OpenAI allows 4; llama-server any number).
 MAX_STOP_STRINGS = 16
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+#: OpenAI's range of a ``logit_bias`` value
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -112,6 +115,8 @@ class Job:
     cache_prompt: bool = True
     #: prompt tokens served from the slot's KV cache (set when the generation starts)
     cached: int = 0
+    #: the llguidance grammar the output must follow (response_format, tool_choice required), or None
+    grammar: str | None = None
 
     def put(self, item: object) -> None:
         try:
@@ -293,7 +298,11 @@ class ServerState:
         gen = None
         ok = False
         try:
-            sampler = Sampler(job.params)
+            constraint = None
+            if job.grammar is not None:
+                from .structured import Constraint
+                constraint = Constraint(job.grammar, tok, ld.model.n_vocab)
+            sampler = Sampler(job.params, constraint)
             sampler.accept(job.ids[:n])  # the penalties' window starts with the prompt, cached or not
             gen = SlotEngine(self.scheduler, slot.index).stream(
                 job.ids[n:], job.n_predict, sampler, stop_ids=tok.eos_ids, cache=slot.cache, start=n,
@@ -480,7 +489,10 @@ def _opt(body: dict, key: str, check: Callable[[object], bool], what: str, defau
 
 
 #: the request key of each option field the server takes (errors.OptionError names the field; the server says the key)
-REQUEST_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed"}
+REQUEST_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
+                "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
+                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                "logit_bias": "logit_bias"}
 
 
 def option_error(e: OptionError, keys: dict[str, str]) -> APIError:
@@ -491,18 +503,59 @@ def option_error(e: OptionError, keys: dict[str, str]) -> APIError:
     return APIError(400, e.render({f: f"'{k}'" for f, k in keys.items()}), param=key, code=code)
 
 
-def sampling_params(body: dict) -> SamplingParams:
+def sampling_params(body: dict, n_vocab: int | None = None) -> SamplingParams:
     """SamplingParams of a request's ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed`` (defaults as
-    ``moestream run`` and llama-server: 0.8, 0.95, 40, 0.05, random), checked by ``SamplingParams.__post_init__``,
+    ``moestream run`` and llama-server: 0.8, 0.95, 40, 0.05, random), llama-server's penalties
+    (``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``: off by default) and
+    ``logit_bias`` (:func:`logit_bias`; token ids below ``n_vocab``), checked by ``SamplingParams.__post_init__``,
     the CLI's check too: APIError 400 naming the key for a wrong type or range."""
     from .engine import SamplingParams
 
-    defaults = {"temp": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": -1}
-    values = {f: body.get(k) if body.get(k) is not None else defaults[f] for f, k in REQUEST_KEYS.items()}
+    defaults = {"temp": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": -1, "repeat_penalty": 1.0,
+                "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    values = {f: body.get(k) if body.get(k) is not None else defaults[f] for f, k in REQUEST_KEYS.items()
+              if f != "logit_bias"}
     try:
-        return SamplingParams(**values)
+        params = SamplingParams(**values, logit_bias=logit_bias(body))
+        if n_vocab is not None:
+            params.check_vocab(n_vocab)
+        return params
     except OptionError as e:
         raise option_error(e, REQUEST_KEYS) from None
+
+
+def logit_bias(body: dict) -> dict[int, float]:
+    """A request's ``logit_bias``: OpenAI's object of token ids (decimal strings) to a bias in [-100, 100], or
+    llama-server's list of ``[token id, bias]`` pairs (bias ``false``: the token is banned, -inf). APIError 400
+    naming ``logit_bias`` otherwise."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return {}
+
+    def bad(what: str) -> APIError:
+        return APIError(400, f"'logit_bias': {what}", param="logit_bias", code="invalid_value")
+
+    if isinstance(lb, dict):
+        pairs = []
+        for k, v in lb.items():
+            if not (isinstance(k, str) and k.strip().isdigit() and k.strip().isascii()):
+                raise bad(f"a key must be a token id (a decimal integer >= 0 as a string), got {json.dumps(k)[:40]}")
+            pairs.append((int(k), v))
+    elif isinstance(lb, list):
+        pairs = []
+        for item in lb:
+            if not (isinstance(item, list) and len(item) == 2 and _is_int(item[0])):
+                raise bad(f"a list item must be [token id, bias], got {json.dumps(item)[:40]}")
+            pairs.append((item[0], -math.inf if item[1] is False else item[1]))
+    else:
+        raise APIError(400, "'logit_bias' must be an object of token ids to biases", param="logit_bias",
+                       code="invalid_type")
+    out = {}
+    for k, v in pairs:
+        if not (_is_num(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS or v == -math.inf):
+            raise bad(f"the bias of token {k} must be a number in [-100, 100], got {json.dumps(v)[:40]}")
+        out[k] = v
+    return out
 
 
 def stop_strings(body: dict) -> list[str]:
@@ -525,8 +578,10 @@ def stop_strings(body: dict) -> list[str]:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """``messages`` as chat-template messages: role system/developer (as system)/user/assistant, content a string
-    or a list of ``{"type": "text", "text": ...}`` parts (joined)."""
+    """``messages`` as chat-template messages (transformers' convention): role system/developer (as system)/user/
+    assistant/tool, content a string or a list of ``{"type": "text", "text": ...}`` parts (joined); an assistant
+    message's ``tool_calls`` (:func:`tool_calls_of`: arguments as objects) and a tool message's ``tool_call_id``
+    and ``name`` are passed on."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError(400, "'messages' must be a non-empty list of messages", param="messages",
@@ -542,6 +597,9 @@ def chat_messages(body: dict) -> list[dict]:
             raise APIError(400, f"'{where}.role' must be one of {', '.join(ROLES)}, got {json.dumps(role)[:40]}",
                            param=f"{where}.role", code="invalid_value")
         content = m.get("content")
+        calls = tool_calls_of(m, where) if role == "assistant" and m.get("tool_calls") is not None else None
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):
             parts = []
             for j, p in enumerate(content):
@@ -554,16 +612,267 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(400, f"'{where}.content' must be a string or a list of text parts",
                            param=f"{where}.content", code="invalid_type")
-        out.append({"role": ROLES[role], "content": content})
+        msg = {"role": ROLES[role], "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None and not isinstance(m[key], str):
+                    raise APIError(400, f"'{where}.{key}' must be a string", param=f"{where}.{key}",
+                                   code="invalid_type")
+                if m.get(key) is not None:
+                    msg[key] = m[key]
+        out.append(msg)
     return out
 
 
-def chat_prompt(body: dict, tok) -> list[int]:  # noqa: ANN001
+def tool_calls_of(m: dict, where: str) -> list[dict]:
+    """An assistant message's OpenAI ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+    "arguments": JSON text of an object}}]``) in transformers' convention, the arguments parsed to an object, as
+    the templates render them. APIError 400 naming the field otherwise."""
+    calls = m.get("tool_calls")
+    if not isinstance(calls, list):
+        raise APIError(400, f"'{where}.tool_calls' must be a list of tool calls", param=f"{where}.tool_calls",
+                       code="invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        w = f"{where}.tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]
+                and c.get("type", "function") == "function"):
+            raise APIError(400, f"'{w}' must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                           f"\"arguments\": ...}}}}", param=w, code="invalid_value")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise APIError(400, f"'{w}.function.arguments' is not JSON", param=f"{w}.function.arguments",
+                               code="invalid_value") from None
+        if not isinstance(args, dict):
+            raise APIError(400, f"'{w}.function.arguments' must be a JSON object", param=f"{w}.function.arguments",
+                           code="invalid_value")
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
+#: a function name OpenAI accepts
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@dataclass
+class ToolPlan:
+    """A chat request's tools: ``tools`` (OpenAI's function tools, as given), ``fmt`` (the template's syntax,
+    :class:`moestream.toolcalls.ToolFormat`), ``forced`` (the tools one of which the reply must call: all of them
+    for ``tool_choice`` "required", the named one; empty for "auto")."""
+
+    tools: list[dict]
+    fmt: object
+    forced: list[dict]
+
+
+def tool_plan(body: dict, tok) -> ToolPlan | None:  # noqa: ANN001
+    """The request's ``tools`` and ``tool_choice`` ("none": no tools shown or parsed; "auto", the default with
+    tools; "required"; ``{"type": "function", "function": {"name": ...}}``). None without tools or with
+    "none". APIError 400 for a malformed list or choice, an unknown name, or a template that cannot take tools
+    (:func:`moestream.toolcalls.tool_format`)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice", code="invalid_value")
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, "'tools' must be a list of function tools", param="tools", code="invalid_type")
+    names = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)):
+            raise APIError(400, f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                           param=f"tools[{i}]", code="invalid_value")
+        name = fn.get("name")
+        if not (isinstance(name, str) and _FUNCTION_NAME.fullmatch(name)):
+            raise APIError(400, f"'tools[{i}].function.name' must be 1-64 letters, digits, '_', '.' or '-', got "
+                           f"{json.dumps(name)[:80]}", param=f"tools[{i}].function.name", code="invalid_value")
+        if name in names:
+            raise APIError(400, f"'tools[{i}].function.name': '{name}' is given twice", param=f"tools[{i}]",
+                           code="invalid_value")
+        names.append(name)
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise APIError(400, f"'tools[{i}].function.description' must be a string",
+                           param=f"tools[{i}].function.description", code="invalid_type")
+        params = fn.get("parameters")
+        if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
+            raise APIError(400, f"'tools[{i}].function.parameters' must be a JSON schema of an object",
+                           param=f"tools[{i}].function.parameters", code="invalid_value")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none" or not tools:
+        return None
+    if choice == "auto":
+        forced: list[dict] = []
+    elif choice == "required":
+        forced = tools
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        forced = [t for t in tools if t["function"]["name"] == name]
+        if not forced:
+            raise APIError(400, f"'tool_choice' names the function {json.dumps(name)[:80]}, which is not in "
+                           f"'tools' ({', '.join(names)})", param="tool_choice", code="invalid_value")
+    else:
+        raise APIError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                       "\"function\": {\"name\": ...}}", param="tool_choice", code="invalid_value")
+    from .toolcalls import ToolFormatError, tool_format
+
+    try:
+        fmt = tool_format(tok.chat_template)
+    except ToolFormatError as e:
+        raise APIError(400, f"'tools': {e}", param="tools", code="tools_not_supported") from None
+    return ToolPlan(tools, fmt, forced)
+
+
+def no_control_text(value: object, tok, param: str) -> None:  # noqa: ANN001
+    """APIError 400 when the text of ``value`` (tools, tool calls: rendered by the template as markup) spells a
+    control token (``<|im_end|>``...): it would be parsed as one, forging a turn."""
+    from .tokenizer import TokenType
+
+    ids = tok.encode(json.dumps(value, ensure_ascii=False), add_special=False)
+    bad = next((i for i in ids if tok.token_types[i] == TokenType.CONTROL), None)
+    if bad is not None:
+        raise APIError(400, f"'{param}' holds the text of the control token {tok.decode([bad])!r}: refused (it "
+                       f"would be read as markup)", param=param, code="invalid_value")
+
+
+def response_grammar(body: dict, tok, n_vocab: int) -> str | None:  # noqa: ANN001
+    """The llguidance grammar of ``response_format``: ``{"type": "json_object"}`` (any JSON object; llama-server's
+    ``"schema"`` beside it too) or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``; None
+    for ``{"type": "text"}`` or none. APIError 400 naming ``response_format`` for a bad shape or a schema the
+    grammar library cannot compile."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise APIError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       param="response_format", code="invalid_value")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        schema = rf.get("schema", {"type": "object"})
+    else:
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+            raise APIError(400, "'response_format.json_schema' must be {\"name\": ..., \"schema\": {...}}",
+                           param="response_format", code="invalid_value")
+        schema = js.get("schema", {})
+    from .structured import GrammarError, check_grammar, json_schema_grammar
+
+    try:
+        grammar = json_schema_grammar(schema)
+        check_grammar(grammar, tok, n_vocab)
+    except GrammarError as e:
+        raise APIError(400, f"'response_format': the JSON schema cannot be enforced: {e}", param="response_format",
+                       code="invalid_value") from None
+    return grammar
+
+
+def tools_grammar(plan: ToolPlan, tok, n_vocab: int) -> str:  # noqa: ANN001
+    """The llguidance grammar of one call, in the template's syntax, to one of ``plan.forced``. APIError 400
+    naming ``tools`` when a function's parameters cannot be enforced."""
+    from .structured import GrammarError, check_grammar, lark_grammar
+
+    try:
+        grammar = lark_grammar(plan.fmt.lark(plan.forced))
+        check_grammar(grammar, tok, n_vocab)
+    except GrammarError as e:
+        raise APIError(400, f"'tools': the functions' parameters cannot be enforced: {e}", param="tools",
+                       code="invalid_value") from None
+    return grammar
+
+
+def request_grammar(body: dict, plan: ToolPlan | None, tok, n_vocab: int) -> str | None:  # noqa: ANN001
+    """The grammar the reply must follow: ``response_format``'s (:func:`response_grammar`), or one tool call when
+    ``tool_choice`` forces one (:func:`tools_grammar`); None when neither. APIError 400 when both are asked."""
+    grammar = response_grammar(body, tok, n_vocab)
+    if plan is not None and plan.forced:
+        if grammar is not None:
+            raise APIError(400, "'response_format' and a 'tool_choice' that forces a tool call cannot both shape "
+                           "the reply", param="response_format", code="invalid_value")
+        return tools_grammar(plan, tok, n_vocab)
+    return grammar
+
+
+def split_tool_calls(plan: ToolPlan, tok, tokens: list[int]) -> tuple[str | None, list[dict] | None]:  # noqa: ANN001
+    """``(content, tool_calls)`` of a reply's generated ``tokens``: the calls in the template's syntax
+    (:meth:`ToolFormat.parse <moestream.toolcalls.ToolFormat.parse>` on the text with control tokens spelled) and
+    the text before the first (None when empty); ``(None, None)`` when it holds no call that parses."""
+    dec = tok.stream_decoder(False)
+    raw, ends = "", []
+    for t in tokens:
+        raw += dec.push(t)
+        ends.append(len(raw))
+    raw += dec.flush()
+    at = raw.find(plan.fmt.start)
+    if at < 0:
+        return None, None
+    calls = plan.fmt.parse(raw[at:], plan.tools)
+    if calls is None:
+        return None, None
+    k = sum(1 for e in ends if e <= at)
+    content = tok.decode(tokens[:k], skip_special=True)
+    if plan.fmt.name == "harmony":  # the channel header in front of "to=functions."
+        content = re.sub(r"(<\|start\|>assistant)?(<\|channel\|>)?\s*commentary\s*$", "", content)
+    return content.strip() or None, calls
+
+
+def tool_call_deltas(calls: list[dict], piece: int = 32) -> list[dict]:
+    """OpenAI's streamed ``delta.tool_calls`` items of ``calls``: per call, one with its index, id, type, name
+    and empty arguments, then the arguments in pieces of at most ``piece`` characters."""
+    out = []
+    for i, c in enumerate(calls):
+        fn = c["function"]
+        out.append({"index": i, "id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}})
+        args = fn["arguments"]
+        out += [{"index": i, "function": {"arguments": args[j:j + piece]}} for j in range(0, len(args), piece)]
+    return out
+
+
+class CallWatcher:
+    """Streamed text with tools: ``feed(token id, text)`` returns the text to send now, holding back everything
+    from where a tool call may start (the format's start text, control tokens spelled, or a beginning of it at
+    the end); :meth:`held_text` gives what is held (sent as content when no call parses)."""
+
+    def __init__(self, plan: ToolPlan, tok):  # noqa: ANN001
+        self.start = plan.fmt.start
+        self.dec = tok.stream_decoder(False)
+        self.raw = ""
+        self.held: list[str] = []
+        self.found = False
+
+    def feed(self, token: int, text: str) -> str:
+        self.raw += self.dec.push(token)
+        self.found = self.found or self.start in self.raw
+        if self.found or any(self.raw.endswith(self.start[:k]) for k in range(1, len(self.start))):
+            self.held.append(text)
+            return ""
+        out = "".join(self.held) + text
+        self.held = []
+        return out
+
+    def held_text(self) -> str:
+        out, self.held = "".join(self.held), []
+        return out
+
+
+def chat_prompt(body: dict, tok, plan: ToolPlan | None = None) -> list[int]:  # noqa: ANN001
     """Token ids of a chat request's ``messages`` rendered by the file's chat template: message text is tokenized
     as plain text, so control-token strings in it (``<|im_end|>``, ``<end_of_turn>``, an EOS string) stay
-    text; only the template's own markup becomes control tokens (:func:`moestream.chat.encode_chat`). APIError
-    400 for bad messages, a file without a template, or a template that would turn message text into control
-    tokens."""
+    text; only the template's own markup becomes control tokens (:func:`moestream.chat.encode_chat`). ``plan``:
+    the tools shown to the model (the template's ``tools``). APIError 400 for bad messages, a file without a
+    template, a template that would turn message text into control tokens, or tools / tool calls that spell a
+    control token."""
     from .chat import encode_chat
     from .tokenizer import TokenizerError
 
@@ -571,8 +880,17 @@ def chat_prompt(body: dict, tok) -> list[int]:  # noqa: ANN001
     if tok.chat_template is None:
         raise APIError(400, "the model file has no chat template (tokenizer.chat_template): use /v1/completions",
                        code="no_chat_template")
+    for i, m in enumerate(msgs):
+        if m.get("tool_calls"):
+            no_control_text(m["tool_calls"], tok, f"messages[{i}].tool_calls")
+        if m.get("name") is not None or m.get("tool_call_id") is not None:
+            no_control_text([m.get("name"), m.get("tool_call_id")], tok, f"messages[{i}]")
+    extra = {}
+    if plan is not None:
+        no_control_text(plan.tools, tok, "tools")
+        extra["tools"] = plan.tools
     try:
-        return encode_chat(tok, msgs)
+        return encode_chat(tok, msgs, **extra)
     except TokenizerError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
 
@@ -742,7 +1060,7 @@ def create_app(state: ServerState):  # noqa: ANN201
         room = ld.n_ctx - len(ids)
         return room if mt is None else min(mt, room)
 
-    def common(body: dict) -> tuple[SamplingParams, list[str], bool, bool]:
+    def common(body: dict, n_vocab: int) -> tuple[SamplingParams, list[str], bool, bool]:
         n = body.get("n")
         if n is not None and n != 1:
             raise APIError(400, "'n': one choice per request (n = 1)", param="n", code="invalid_value")
@@ -752,7 +1070,7 @@ def create_app(state: ServerState):  # noqa: ANN201
         stream = _opt(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
         so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
         usage = _opt(so, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
-        return sampling_params(body), stop_strings(body), bool(stream), bool(usage)
+        return sampling_params(body, n_vocab), stop_strings(body), bool(stream), bool(usage)
 
     async def events(request: Request, job: Job, poll: bool) -> AsyncIterator[TokenEvent | DoneEvent]:
         """The job's events, as the worker produces them; APIError from the worker is raised. The caller cancels
@@ -783,24 +1101,27 @@ def create_app(state: ServerState):  # noqa: ANN201
     async def handle(request: Request, chat: bool) -> object:
         ld = check_ready()
         body = await read_body(request)
-        params, stop, stream, include_usage = common(body)
+        params, stop, stream, include_usage = common(body, ld.model.n_vocab)
         tok = ld.tok
         _surely_too_long(body, chat, ld)
+        tplan = tool_plan(body, tok) if chat else None
         if chat:
-            ids = await asyncio.to_thread(chat_prompt, body, tok)
+            ids = await asyncio.to_thread(chat_prompt, body, tok, tplan)
         else:
             ids = await asyncio.to_thread(completion_prompt, body, tok, ld.model.n_vocab)
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt", code="invalid_value")
         n_predict = plan(body, ids, ld, "conversation" if chat else "prompt")
         cache_prompt = _opt(body, "cache_prompt", lambda v: isinstance(v, bool), "true or false", True)
-        job = Job(ids, n_predict, params, stop, asyncio.get_running_loop(), cache_prompt=bool(cache_prompt))
+        grammar = await asyncio.to_thread(request_grammar, body, tplan, tok, ld.model.n_vocab)
+        job = Job(ids, n_predict, params, stop, asyncio.get_running_loop(), cache_prompt=bool(cache_prompt),
+                  grammar=grammar)
         state.submit(job)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, name = int(time.time()), body.get("model") or state.names[0]
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            return await complete(request, job, chat, rid, created, name, obj)
+            return await complete(request, job, chat, rid, created, name, obj, tplan)
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
             if chat:
@@ -814,25 +1135,38 @@ def create_app(state: ServerState):  # noqa: ANN201
         def sse(d: dict) -> str:
             return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
 
+        watch = CallWatcher(tplan, tok) if tplan is not None else None
+
         async def body_iter() -> AsyncIterator[str]:
             try:
                 if chat:
                     yield sse(chunk(None, None, role=True))
                 async for ev in events(request, job, poll=False):
                     if isinstance(ev, TokenEvent):
-                        if ev.text:
-                            yield sse(chunk(ev.text, None))
+                        text = ev.text if watch is None else watch.feed(ev.id, ev.text)
+                        if text:
+                            yield sse(chunk(text, None))
                         continue
                     st = ev.stats
                     if ev.finish_reason == "interrupted":  # shutdown (a client that left reads nothing)
                         yield sse(APIError(503, "the server is shutting down; the generation was cancelled",
                                            "unavailable_error", code=503).body())
                         return
-                    if ev.text:
-                        yield sse(chunk(ev.text, None))
+                    finish, text = ev.finish_reason, ev.text
+                    calls = None
+                    if watch is not None:
+                        text = watch.held_text() + text
+                        _, calls = split_tool_calls(tplan, tok, ev.stats.tokens)
+                    if calls:
+                        for d in tool_call_deltas(calls):
+                            yield sse({**chunk(None, None), "choices": [
+                                {"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}]})
+                        finish = "tool_calls"
+                    elif text:
+                        yield sse(chunk(text, None))
                     # the last chunk carries usage and timings: with include_usage OpenAI's extra chunk with no
                     # choices, else the finish chunk itself (as llama-server; llama-swap reads them)
-                    last = chunk(None, ev.finish_reason)
+                    last = chunk(None, finish)
                     if include_usage:
                         yield sse(last)
                         last = {**chunk(None, None), "choices": []}
@@ -847,7 +1181,8 @@ def create_app(state: ServerState):  # noqa: ANN201
         return StreamingResponse(body_iter(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def complete(request: Request, job: Job, chat: bool, rid: str, created: int, name: str, obj: str):  # noqa: ANN202
+    async def complete(request: Request, job: Job, chat: bool, rid: str, created: int, name: str, obj: str,  # noqa: ANN202
+                       tplan: ToolPlan | None = None):
         parts, done = [], None
         try:
             async for ev in events(request, job, poll=True):
@@ -861,12 +1196,21 @@ def create_app(state: ServerState):  # noqa: ANN201
         if done.finish_reason == "interrupted":
             raise APIError(503, "the server is shutting down; the generation was cancelled", "unavailable_error",
                            code=503)
-        text = "".join(parts)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                   "finish_reason": done.finish_reason} if chat else
+        text, calls, finish = "".join(parts), None, done.finish_reason
+        if tplan is not None:
+            content, calls = split_tool_calls(tplan, ld_tok(), done.stats.tokens)
+            if calls:
+                text, finish = content, "tool_calls"
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        choice = ({"index": 0, "message": message, "logprobs": None, "finish_reason": finish} if chat else
                   {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason})
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": name, "choices": [choice],
                              "usage": _usage(done.stats, job.cached), "timings": _timings(done.stats, job.cached)})
+
+    def ld_tok():  # noqa: ANN202
+        return state.loaded.tok  # type: ignore[union-attr]
 
     async def refused_counted(request: Request, chat: bool) -> object:
         try:
