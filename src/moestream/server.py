@@ -814,7 +814,7 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int]) -> tuple[str | None
         raw += dec.push(t)
         ends.append(len(raw))
     raw += dec.flush()
-    at = raw.find(plan.fmt.start)
+    at = plan.fmt.find(raw)
     if at < 0:
         return None, None
     calls = plan.fmt.parse(raw[at:], plan.tools)
@@ -822,8 +822,6 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int]) -> tuple[str | None
         return None, None
     k = sum(1 for e in ends if e <= at)
     content = tok.decode(tokens[:k], skip_special=True)
-    if plan.fmt.name == "harmony":  # the channel header in front of "to=functions."
-        content = re.sub(r"(<\|start\|>assistant)?(<\|channel\|>)?\s*commentary\s*$", "", content)
     return content.strip() or None, calls
 
 
@@ -845,7 +843,7 @@ class CallWatcher:
     the end); :meth:`held_text` gives what is held (sent as content when no call parses)."""
 
     def __init__(self, plan: ToolPlan, tok):  # noqa: ANN001
-        self.start = plan.fmt.start
+        self.fmt = plan.fmt
         self.dec = tok.stream_decoder(False)
         self.raw = ""
         self.held: list[str] = []
@@ -853,8 +851,8 @@ class CallWatcher:
 
     def feed(self, token: int, text: str) -> str:
         self.raw += self.dec.push(token)
-        self.found = self.found or self.start in self.raw
-        if self.found or any(self.raw.endswith(self.start[:k]) for k in range(1, len(self.start))):
+        self.found = self.found or self.fmt.find(self.raw) >= 0
+        if self.found or any(self.raw.endswith(s[:k]) for s in self.fmt.starts for k in range(1, len(s))):
             self.held.append(text)
             return ""
         out = "".join(self.held) + text

@@ -42,11 +42,16 @@ def _regex_str(text: str) -> str:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """One family's tool-call syntax (see the module docstring). ``start``: the text that opens a call in the
+    """One family's tool-call syntax (see the module docstring). ``starts``: the texts that open a call in the
     model's output (control tokens as their text)."""
 
     name: str
-    start: str
+    starts: tuple[str, ...]
+
+    def find(self, raw: str) -> int:
+        """Where the first call begins in ``raw`` (-1: nowhere)."""
+        found = [i for i in (raw.find(s) for s in self.starts) if i >= 0]
+        return min(found, default=-1)
 
     # --- the grammar of one call to one of ``tools`` (OpenAI's function tools) -------------------------------
     def lark(self, tools: list[dict]) -> str:
@@ -99,7 +104,7 @@ class ToolFormat:
     # --- the parse of a reply ------------------------------------------------------------------------------
     def parse(self, raw: str, tools: list[dict]) -> list[dict] | None:
         """OpenAI's ``tool_calls`` (``[{"id", "type": "function", "function": {"name", "arguments"}}]``, the
-        arguments a JSON text) of the calls in ``raw`` (the reply from the first :attr:`start` on, control tokens
+        arguments a JSON text) of the calls in ``raw`` (the reply from the first of :attr:`starts` on, control tokens
         as their text), or None when it holds none that parse: then it is plain content."""
         names = {t["function"]["name"]: t["function"] for t in tools}
         calls: list[tuple[str, dict]] = []
@@ -162,8 +167,9 @@ def _xml_value(text: str, schema: object) -> object:
         return text
 
 
-FORMATS = {f.name: f for f in (ToolFormat("hermes", "<tool_call>"), ToolFormat("qwen-xml", "<tool_call>"),
-                               ToolFormat("glm", "<tool_call>"), ToolFormat("harmony", "to=functions."))}
+FORMATS = {f.name: f for f in (ToolFormat("hermes", ("<tool_call>",)), ToolFormat("qwen-xml", ("<tool_call>",)),
+                               ToolFormat("glm", ("<tool_call>",)),
+                               ToolFormat("harmony", ("<|channel|>commentary to=", "to=functions.")))}
 
 
 def reads_tools(source: str) -> bool:
