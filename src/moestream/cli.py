@@ -63,6 +63,10 @@ MEM_HELP = ("the memory moestream may use in all, e.g. 4GiB (K/M/G/T = KiB/MiB/G
             "default: the memory available at start less a 10%% margin (at least 256 MiB)")
 
 
+#: run's own flags that REFUSED lists for the other commands (constrained sampling)
+RUN_FLAGS = ("--grammar", "--grammar-file", "-j", "--json-schema", "--json-schema-file", "-l", "--logit-bias")
+
+
 def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file (or first part of a split model); "
                    "default: the embedded tiny Qwen3-MoE")
@@ -109,7 +113,7 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
                    "float32 and multiply with torch (slow; the float32 model of the dequantized weights)")
     p.add_argument("-ub", "--ubatch", "--ubatch-size", type=int, default=128,
                    help="prefill chunk size in tokens (default 128)")
-    add_refused(p, REFUSED)
+    add_refused(p, REFUSED, keep=RUN_FLAGS if p.prog.endswith(" run") else ())
 
 
 class _DeviceFlag(argparse.Action):
@@ -486,7 +490,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .chat import encode_chat
     from .engine import Engine, Sampler
     from .errors import ConfigError
-    from .options import sampling_params
+    from .options import flag_errors, grammar_flags, run_grammar, sampling_params
     from .textgen import StopStrings, TextEvents
 
     prompt, n_predict = _run_options(args)
@@ -506,6 +510,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     shape, opts = _open(args, args.moe_stream)
     tok = _tokenizer(shape, template)
+    with flag_errors(args):
+        params.check_vocab(tok.vocab_size)
+    if args.interactive and grammar_flags(args) is not None:
+        raise ConfigError(f"{grammar_flags(args)[0]} constrains one reply; it does not apply to -cnv")
+    grammar = run_grammar(args, tok, tok.vocab_size)
     model = None
     trace = None
     run_trace = None  # --trace: moestream/runtrace.py's writer, opened once the store exists
@@ -534,7 +543,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             trace = RoutingTrace.attach(model)
         run_trace = _open_run_trace(args, model)
         with interruptible() as interrupted:
-            gen = engine.stream(ids, n_predict, Sampler(params), stop_ids=tok.eos_ids, n_ctx=n_ctx,
+            constraint = None
+            if grammar is not None:
+                from .structured import Constraint
+                constraint = Constraint(grammar, tok, model.n_vocab)
+            gen = engine.stream(ids, n_predict, Sampler(params, constraint), stop_ids=tok.eos_ids, n_ctx=n_ctx,
                                 interrupted=interrupted)
             text = TextEvents(gen, tok, args.stop, skip_special=False)
             events = iter(text)
@@ -1015,6 +1028,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times its count among the "
                    "last --repeat-last-n from a token's logit (default 0.0: off)")
     r.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed; -1 (default) = random")
+    r.add_argument("-l", "--logit-bias", action="append", default=[], metavar="TOKEN_ID(+/-)BIAS",
+                   help="add BIAS to token TOKEN_ID's logit (repeatable; llama.cpp's form: 15043+1, 15043-1, "
+                   "15043-inf bans it)")
+    r.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
+                   help="constrain the output to JSON that follows this JSON schema ('{}': any JSON value); "
+                   "generation ends when it is complete")
+    r.add_argument("--json-schema-file", default=None, metavar="FILE", help="--json-schema read from FILE")
+    r.add_argument("--grammar", default=None, metavar="GBNF",
+                   help="constrain the output to this grammar (llama.cpp's GBNF, or a Lark grammar)")
+    r.add_argument("--grammar-file", default=None, metavar="FILE", help="--grammar read from FILE")
     r.add_argument("--trace", default=None, metavar="FILE", help=TRACE_HELP)
     r.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop string (repeatable): the text ends before its first occurrence, which is not "

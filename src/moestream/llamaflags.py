@@ -93,8 +93,9 @@ REFUSED: list[tuple[tuple[str, ...], str]] = [
     (("--typical",), _SAMPLERS),
     (("--xtc-probability",), _SAMPLERS),
     (("--dry-multiplier",), _SAMPLERS),
-    (("--grammar", "--grammar-file"), "moestream has no grammar-constrained sampling"),
-    (("-j", "--json-schema"), "moestream has no grammar-constrained sampling"),
+    (("--grammar", "--grammar-file"), "only moestream run takes a grammar (serve: a request's response_format)"),
+    (("-j", "--json-schema", "--json-schema-file"), "only moestream run takes a JSON schema (serve: a request's "
+     "response_format)"),
 ]
 
 #: serve only (llama-server's)
@@ -104,10 +105,11 @@ SERVE_REFUSED: list[tuple[tuple[str, ...], str]] = [
 ]
 
 
-def add_refused(p: argparse.ArgumentParser, table: list[tuple[tuple[str, ...], str]]) -> None:
+def add_refused(p: argparse.ArgumentParser, table: list[tuple[tuple[str, ...], str]],
+                keep: tuple[str, ...] = ()) -> None:
     """Declare each flag of ``table`` on ``p`` as refused (hidden from --help), skipping any ``p`` already has
-    (bench's own ``-p``, ``-r`` ...)."""
-    have = set(p._option_string_actions)  # noqa: SLF001 - the option strings argparse already knows
+    (bench's own ``-p``, ``-r`` ...) and those of ``keep`` (flags the command declares later)."""
+    have = set(p._option_string_actions) | set(keep)  # noqa: SLF001 - the option strings argparse already knows
     for flags, why in table:
         free = [f for f in flags if f not in have]
         if free:

@@ -91,7 +91,7 @@ FLAGS = {
     "gpu_mem": "--gpu-mem", "host_cache": "--host-cache",
     "temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed",
     "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "presence_penalty": "--presence-penalty",
-    "frequency_penalty": "--frequency-penalty",
+    "frequency_penalty": "--frequency-penalty", "logit_bias": "--logit-bias",
     "n_predict": "-n", "steps": "--steps", "n_prompt": "-p", "n_gen": "-n", "ubatch": "--ubatch",
     "override_ctx": "--override-ctx",
 }
@@ -179,4 +179,70 @@ def sampling_params(args: argparse.Namespace):  # noqa: ANN201
 
     return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          logit_bias=logit_bias_flags(getattr(args, "logit_bias", None) or []))
+
+
+def logit_bias_flags(values: list[str]) -> dict[int, float]:
+    """``-l/--logit-bias TOKEN_ID(+/-)BIAS`` values (llama.cpp's form: ``15043+1``, ``15043-0.5``, ``15043-inf``)
+    as token id -> bias (the last one given for an id wins). ConfigError naming the flag and the value."""
+    import math
+    import re
+
+    out: dict[int, float] = {}
+    for v in values:
+        m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(inf|\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+)\s*", v)
+        if m is None:
+            raise ConfigError(f"--logit-bias {v}: expected TOKEN_ID+BIAS or TOKEN_ID-BIAS (e.g. 15043+1, 15043-inf)")
+        bias = math.inf if m.group(3) == "inf" else float(m.group(3))
+        out[int(m.group(1))] = -bias if m.group(2) == "-" else bias
+    return out
+
+
+def grammar_flags(args: argparse.Namespace) -> tuple[str, str, str] | None:
+    """``(flag, kind, text)`` of run's ``--json-schema`` / ``--json-schema-file`` (kind ``"json_schema"``) or
+    ``--grammar`` / ``--grammar-file`` (kind ``"grammar"``: GBNF or Lark), or None. ConfigError when more than one
+    is given or a file cannot be read."""
+    given = [(f, k, getattr(args, d)) for f, k, d in (("--json-schema", "json_schema", "json_schema"),
+                                                      ("--json-schema-file", "json_schema", "json_schema_file"),
+                                                      ("--grammar", "grammar", "grammar"),
+                                                      ("--grammar-file", "grammar", "grammar_file"))
+             if getattr(args, d, None) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ConfigError(f"{given[0][0]} and {given[1][0]} both constrain the output: give one")
+    flag, kind, value = given[0]
+    if flag.endswith("-file"):
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{flag} {value}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    return flag, kind, value
+
+
+def run_grammar(args: argparse.Namespace, tok, n_vocab: int) -> str | None:  # noqa: ANN001
+    """The llguidance grammar of run's constraint flags (:func:`grammar_flags`), checked against the vocabulary;
+    None without one. ConfigError naming the flag: a schema that is not JSON, a grammar that does not compile."""
+    import json
+
+    got = grammar_flags(args)
+    if got is None:
+        return None
+    flag, kind, text = got
+    from .structured import GrammarError, check_grammar, json_schema_grammar, text_grammar
+
+    try:
+        if kind == "json_schema":
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise ConfigError(f"{flag}: not JSON ({e})") from None
+            grammar = json_schema_grammar(schema)
+        else:
+            grammar = text_grammar(text)
+        check_grammar(grammar, tok, n_vocab)
+    except GrammarError as e:
+        raise ConfigError(f"{flag}: {e}") from None
+    return grammar

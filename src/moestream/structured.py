@@ -107,6 +107,16 @@ def lark_grammar(lark: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
+def text_grammar(text: str) -> str:
+    """The llguidance grammar of a GBNF (llama.cpp's) or Lark grammar text. GrammarError when it cannot be read."""
+    import llguidance
+
+    try:
+        return llguidance.grammar_from("grammar", text)
+    except ValueError as e:
+        raise GrammarError(str(e).splitlines()[0] if str(e) else "the grammar cannot be read") from None
+
+
 def json_lark(schema: dict) -> str:
     """``%json {...}``: a JSON schema inside a Lark grammar (llguidance's JSON options as :data:`JSON_OPTIONS`)."""
     schema = dict(schema)
