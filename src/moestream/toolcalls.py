@@ -80,7 +80,10 @@ class ToolFormat:
         parts = []
         for j, key in enumerate(required):
             sub = props[key] if isinstance(props[key], dict) else {}
-            if sub.get("type") == "string" and not any(k in sub for k in ("enum", "const", "pattern", "format")):
+            choices = sub.get("enum", [sub["const"]] if "const" in sub else None)
+            if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
+                rules.append(f"v_{i}_{j}: " + " | ".join(_lark_str(c) for c in choices))  # written bare
+            elif sub.get("type") == "string":  # bare text up to the closing tag (a pattern or format is not enforced)
                 most = int(sub.get("maxLength", 256))
                 least = int(sub.get("minLength", 1))
                 rules.append(f"v_{i}_{j}: /[^<\\n]{{{least},{most}}}/")
@@ -159,7 +162,8 @@ class ToolFormat:
 
 def _xml_value(text: str, schema: object) -> object:
     """An XML-style argument value: a string where the schema says string (or the text is no JSON), else its JSON."""
-    if isinstance(schema, dict) and schema.get("type") == "string":
+    if isinstance(schema, dict) and (schema.get("type") == "string" or isinstance(schema.get("enum"), list)
+                                     and all(isinstance(c, str) for c in schema["enum"])):
         return text
     try:
         return json.loads(text)
