@@ -17,7 +17,7 @@ import torch
 
 from helpers import cli
 from moestream.chat_templates import CHAT_TEMPLATES
-from moestream.cli import build_parser
+from moestream.cli import RUN_FLAGS, build_parser
 from moestream.engine import Engine, Sampler, SamplingParams, penalize
 from moestream.llamaflags import REFUSED, SERVE_REFUSED
 
@@ -120,10 +120,67 @@ def test_serve_parallel() -> None:
     assert "-np must be from 1 to 256" in p.stderr
 
 
+@pytest.mark.parametrize("how", ["-j", "--json-schema-file"])
+def test_run_json_schema(how: str, tmp_path: Path) -> None:
+    """run -j SCHEMA / --json-schema-file FILE (llama-cli's): the text after the prompt is JSON that follows the
+    schema (jsonschema checks it), and generation ends there although -n leaves room."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    value = json.dumps(schema)
+    if how != "-j":
+        (tmp_path / "s.json").write_text(value)
+        value = str(tmp_path / "s.json")
+    p = cli("run", "-n", "80", "--temp", "0", "-p", "Once", how, value)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("Once") and p.stdout.endswith("\n")
+    jsonschema.validate(json.loads(p.stdout[len("Once"):]), schema)
+
+
+def test_run_grammar_and_logit_bias() -> None:
+    """--grammar (llama.cpp's GBNF) picks one of its strings; -l ID+100 makes every greedy token that token, as
+    the library's Sampler with the same logit_bias; -l ID-inf bans the token greedy would pick."""
+    from moestream.tokenizer import GGUFTokenizer
+
+    p = cli("run", "-n", "20", "--temp", "0", "-p", "Once", "--grammar", 'root ::= "yes" | "no" | "maybe"')
+    assert p.returncode == 0, p.stderr
+    assert p.stdout[len("Once"):-1] in ("yes", "no", "maybe"), p.stdout
+    tok = GGUFTokenizer.from_gguf(str(DEFAULT_GGUF))
+    the = tok.encode(" the", add_special=False)[0]
+    p = cli("run", "-n", "5", "--temp", "0", "-p", "Once", "-l", f"{the}+100")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "Once" + tok.decode([the] * 5) + "\n"
+    free = cli("run", "-n", "1", "--temp", "0", "-p", "Once").stdout[len("Once"):-1]
+    first = tok.encode(free, add_special=False)[0]
+    banned = cli("run", "-n", "1", "--temp", "0", "-p", "Once", "-l", f"{first}-inf").stdout[len("Once"):-1]
+    assert banned and tok.encode(banned, add_special=False)[0] != first
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("-l", "abc"), "--logit-bias abc: expected TOKEN_ID+BIAS"),
+    (("-l", "999999999+1"), "--logit-bias: token id 999999999 is not in the vocabulary"),
+    (("-j", "{not json"), "--json-schema: not JSON"),
+    (("-j", '{"type": "nonsense"}'), "--json-schema: "),
+    (("--grammar", "root ::= missing"), "--grammar: "),
+    (("--json-schema-file", "/nonexistent/s.json"), "--json-schema-file /nonexistent/s.json: cannot read it"),
+    (("-j", "{}", "--grammar", 'root ::= "a"'), "both constrain the output"),
+    (("-j", "{}", "-cnv"), "does not apply to -cnv"),
+])
+def test_run_constraint_refusals_are_one_line(argv: tuple[str, ...], says: str) -> None:
+    p = cli("run", "-n", "4", "-p", "Once", *argv)
+    assert p.returncode == 1 and p.stdout == "" and p.stderr.count("\n") == 1, p.stderr
+    assert says in p.stderr, p.stderr
+
+
 # ---------------------------------------------------------------------------------------- refused flags
 def _refused_cases() -> list[tuple[str, str]]:
-    cases = [(cmd, flags[0]) for flags, _ in REFUSED for cmd in ("run", "serve")]
-    cases += [(cmd, flags[-1]) for flags, _ in REFUSED for cmd in ("run",)]
+    cases = [(cmd, flags[0]) for flags, _ in REFUSED for cmd in ("run", "serve")
+             if not (cmd == "run" and flags[0] in RUN_FLAGS)]
+    cases += [(cmd, flags[-1]) for flags, _ in REFUSED for cmd in ("run",) if flags[-1] not in RUN_FLAGS]
     cases += [("serve", flags[0]) for flags, _ in SERVE_REFUSED]
     cases += [("bench", "-fa"), ("bench", "-ot"), ("bench", "-ncmoe"), ("inspect", "-hf"), ("verify", "--cpu-moe")]
     return cases
