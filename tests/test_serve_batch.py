@@ -129,6 +129,30 @@ def test_batched_equals_alone(srv: Any, oracle: Any, params: dict) -> None:
     assert [g["usage"]["completion_tokens"] for g in got] == n_gen
 
 
+def test_batched_equals_alone_with_grammars_and_penalties(srv: Any, oracle: Any) -> None:
+    """Each request's grammar (response_format) and penalty window are its own: four requests, two constrained to
+    different JSON schemas, one penalized and biased, one free, give alone and together the same replies; the
+    constrained ones are JSON of their schemas (jsonschema)."""
+    import jsonschema
+
+    schemas = [{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}},
+                "required": ["a"], "additionalProperties": False},
+               {"type": "object", "properties": {"b": {"enum": ["x", "y", "z"]}, "c": {"type": "boolean"}},
+                "required": ["b", "c"], "additionalProperties": False}]
+    extras = [{"response_format": {"type": "json_schema", "json_schema": {"name": "s0", "schema": schemas[0]}}},
+              {"repeat_penalty": 1.4, "frequency_penalty": 0.5, "logit_bias": {"13": -100}},
+              {"response_format": {"type": "json_schema", "json_schema": {"name": "s1", "schema": schemas[1]}}},
+              {"seed": 99, "temperature": 0.9}]
+    n_gen = [30, 12, 30, 10]
+    alone = [chat(srv, p, n, **e)["text"] for p, n, e in zip(PROMPTS, n_gen, extras, strict=True)]
+    jsonschema.validate(json.loads(alone[0]), schemas[0])
+    jsonschema.validate(json.loads(alone[2]), schemas[1])
+    got = concurrently([lambda p=p, n=n, e=e, i=i: chat(srv, p, n, stream=i % 2 == 1, **e)
+                        for i, (p, n, e) in enumerate(zip(PROMPTS, n_gen, extras, strict=True))],
+                       [0.0, 0.02, 0.04, 0.06])
+    assert [g["text"] for g in got] == alone
+
+
 def test_disconnect_with_n_running_cancels_only_its_own(srv: Any, oracle: Any) -> None:
     """Three streamed requests run together; the second's client goes away mid-way: it is cancelled, the others
     finish with their text alone."""
