@@ -341,3 +341,28 @@ def test_template_without_a_known_tool_syntax_is_refused(tmp_path: Path) -> None
     with pytest.raises(APIError) as e:
         tool_plan({"tools": TOOLS}, tok)
     assert e.value.status == 400 and e.value.param == "tools" and "Gemma 4" in e.value.message
+
+
+def test_forced_call_writes_control_markup_as_the_control_token(oracle: Any) -> None:
+    """Where the vocabulary holds a syntax's markup as a control token (GLM's ``<tool_call>`` is one in GLM's
+    own vocabulary), the forced call writes that token, not its text in pieces, and the call parses back."""
+    from moestream.engine import Engine, Sampler, SamplingParams
+    from moestream.server import split_tool_calls, tools_grammar
+    from moestream.structured import Constraint
+
+    model, _ = oracle
+    tok = tokenizer_with("glm4.6")
+    tok.token_types = list(tok.token_types)
+    call_id = tok.token_to_id("<tool_call>")
+    tok.token_types[call_id] = TokenType.CONTROL
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+    plan = tool_plan(body, tok)
+    ids = chat_prompt(body, tok, plan)
+    constraint = Constraint(tools_grammar(plan, tok, model.n_vocab), tok, model.n_vocab)
+    gen = Engine(model, 8).stream(ids, 120, Sampler(SamplingParams(temp=0), constraint), stop_ids=tok.eos_ids,
+                                  n_ctx=len(ids) + 120)
+    out = list(gen)
+    assert gen.stats.stop_reason == "eos" and out[0] == call_id
+    content, calls = split_tool_calls(plan, tok, out)
+    assert content is None and len(calls) == 1
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMAS[calls[0]["function"]["name"]])

@@ -782,9 +782,13 @@ def tools_grammar(plan: ToolPlan, tok, n_vocab: int) -> str:  # noqa: ANN001
     """The llguidance grammar of one call, in the template's syntax, to one of ``plan.forced``. APIError 400
     naming ``tools`` when a function's parameters cannot be enforced."""
     from .structured import GrammarError, check_grammar, lark_grammar
+    from .tokenizer import TokenType
+    from .toolcalls import MARKUP
 
+    control = {t: i for t in MARKUP
+               if (i := tok.token_to_id(t)) is not None and tok.token_types[i] == TokenType.CONTROL}
     try:
-        grammar = lark_grammar(plan.fmt.lark(plan.forced))
+        grammar = lark_grammar(plan.fmt.lark(plan.forced, control))
         check_grammar(grammar, tok, n_vocab)
     except GrammarError as e:
         raise APIError(400, f"'tools': the functions' parameters cannot be enforced: {e}", param="tools",

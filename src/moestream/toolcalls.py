@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .structured import json_lark
@@ -36,8 +37,10 @@ def _lark_str(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _regex_str(text: str) -> str:
-    return re.escape(text)
+#: the markup of the syntaxes that a vocabulary may hold as one token (a control token, if it is one, is named by
+#: its id in the grammar: text never matches a control token)
+MARKUP = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<|channel|>",
+          "<|constrain|>", "<|message|>")
 
 
 @dataclass(frozen=True)
@@ -54,26 +57,43 @@ class ToolFormat:
         return min(found, default=-1)
 
     # --- the grammar of one call to one of ``tools`` (OpenAI's function tools) -------------------------------
-    def lark(self, tools: list[dict]) -> str:
+    def lark(self, tools: list[dict], control: dict[str, int] | None = None) -> str:
         """A Lark grammar (llguidance's dialect) of one call to any of ``tools`` whose arguments follow the
-        function's ``parameters`` schema."""
+        function's ``parameters`` schema. ``control``: markup text -> id of the vocabulary's control token that
+        spells it (written ``<[id]>``: a control token is never matched by text)."""
+        control = control or {}
+        if control:
+            pat = re.compile("|".join(re.escape(t) for t in sorted(control, key=len, reverse=True)))
+
+            def lit(text: str) -> str:
+                parts, p = [], 0
+                for m in pat.finditer(text):
+                    if m.start() > p:
+                        parts.append(_lark_str(text[p:m.start()]))
+                    parts.append(f"<[{control[m.group()]}]>")
+                    p = m.end()
+                if p < len(text):
+                    parts.append(_lark_str(text[p:]))
+                return " ".join(parts)
+        else:
+            lit = _lark_str
         rules, alts = [], []
         for i, t in enumerate(tools):
             fn = t["function"]
             schema = dict(fn.get("parameters") or {"type": "object", "properties": {}})
             schema.setdefault("additionalProperties", False)  # the declared parameters only (OpenAI's strict mode)
             alts.append(f"call_{i}")
-            rules.append(f"call_{i}: {self._call_rule(fn['name'], schema, i, rules)}")
+            rules.append(f"call_{i}: {self._call_rule(fn['name'], schema, i, rules, lit)}")
         return "start: " + " | ".join(alts) + "\n" + "\n".join(rules) + "\n"
 
-    def _call_rule(self, name: str, schema: dict, i: int, rules: list[str]) -> str:
+    def _call_rule(self, name: str, schema: dict, i: int, rules: list[str], lit: Callable[[str], str]) -> str:
         if self.name == "hermes":
             rules.append(f"args_{i}: {json_lark(schema)}")
-            return (_lark_str('<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ')
-                    + f" args_{i} " + _lark_str("}\n</tool_call>"))
+            return (lit('<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ')
+                    + f" args_{i} " + lit("}\n</tool_call>"))
         if self.name == "harmony":
             rules.append(f"args_{i}: {json_lark(schema)}")
-            return _lark_str(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>") + f" args_{i}"
+            return lit(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>") + f" args_{i}"
         # the XML styles: one element per property, the required ones first, in the schema's order
         props = schema.get("properties") or {}
         required = [k for k in schema.get("required") or [] if k in props]
@@ -90,9 +110,9 @@ class ToolFormat:
             else:
                 rules.append(f"v_{i}_{j}: {json_lark(sub)}")
             open_, close = self._param(key)
-            parts.append(f"{_lark_str(open_)} v_{i}_{j} {_lark_str(close)}")
+            parts.append(f"{lit(open_)} v_{i}_{j} {lit(close)}")
         head, tail = self._call_ends(name)
-        return " ".join([_lark_str(head), *parts, _lark_str(tail)])
+        return " ".join([lit(head), *parts, lit(tail)])
 
     def _param(self, key: str) -> tuple[str, str]:
         if self.name == "qwen-xml":
