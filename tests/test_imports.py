@@ -38,6 +38,8 @@ RANKS: dict[str, int] = {
     # 5 engine/server: generation, chat, the server and its batch scheduler, verify, the run trace, replay, report
     "moestream.engine": 5, "moestream.textgen": 5, "moestream.chat": 5, "moestream.server": 5, "moestream.batching": 5,
     "moestream.verify": 5, "moestream.runtrace": 5, "moestream.replay": 5, "moestream.report": 5,
+    # constrained sampling (llguidance) and the tool-call syntaxes: used by the server and run
+    "moestream.structured": 5, "moestream.toolcalls": 5,
     # 6 CLI: the commands and what they share
     "moestream.options": 6, "moestream.llamaflags": 6, "moestream.chat_templates": 6,
     "moestream.bench": 6, "moestream.cli": 6, "moestream.__main__": 6,
