@@ -279,6 +279,7 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", None),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", None),
     ({"tool_choice": "required"}, "tool_choice", None),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice", None),
     ({"tools": TOOLS}, "tools", "tools_not_supported"),  # the embedded model's template shows no tools
     ({"response_format": {"type": "xml"}}, "response_format", None),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},

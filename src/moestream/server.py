@@ -680,9 +680,11 @@ def tool_plan(body: dict, tok) -> ToolPlan | None:  # noqa: ANN001
     "none". APIError 400 for a malformed list or choice, an unknown name, or a template that cannot take tools
     (:func:`moestream.toolcalls.tool_format`)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if tools is None:
+    if not tools:
         if choice not in (None, "none", "auto"):
             raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice", code="invalid_value")
+        if tools is not None and not isinstance(tools, list):
+            raise APIError(400, "'tools' must be a list of function tools", param="tools", code="invalid_type")
         return None
     if not isinstance(tools, list):
         raise APIError(400, "'tools' must be a list of function tools", param="tools", code="invalid_type")
