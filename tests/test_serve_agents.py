@@ -367,3 +367,30 @@ def test_forced_call_writes_control_markup_as_the_control_token(oracle: Any) -> 
     content, calls = split_tool_calls(plan, tok, out)
     assert content is None and len(calls) == 1
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMAS[calls[0]["function"]["name"]])
+
+
+@pytest.mark.parametrize("family", list(TEMPLATES))
+def test_a_call_as_the_template_renders_it_parses_back(family: str) -> None:
+    """What the family's template (rendered by transformers) writes for an assistant tool call is parsed back into
+    that call, whole and streamed through CallWatcher (which sends nothing of the call as content)."""
+    from moestream.server import CallWatcher, split_tool_calls
+
+    tok = tokenizer_with(family)
+    args = {"city": "Rio de Janeiro", "days": 3}
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    head = transformers_rendering(tok, ASK, TOOLS)
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=copy.copy(tok.backend), bos_token=tok.decode([tok.bos_id]),
+                                 eos_token=tok.decode([tok.eos_id]))
+    whole = hf.apply_chat_template([*ASK, {"role": "assistant", "content": "", "tool_calls": [call]}], tools=TOOLS,
+                                   tokenize=False, chat_template=tok.chat_template)
+    assert whole.startswith(head), (head[-80:], whole[len(head) - 80:])
+    tokens = tok.encode(whole[len(head):], add_special=False)
+    plan = tool_plan({"tools": TOOLS}, tok)
+    _, calls = split_tool_calls(plan, tok, tokens)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_weather", args)]
+    watch = CallWatcher(plan, tok)
+    dec = tok.stream_decoder(True)
+    sent = "".join(watch.feed(t, dec.push(t)) for t in tokens)
+    assert "get_weather" not in sent and "Rio" not in sent
