@@ -79,14 +79,15 @@ def tokenizer_with(family: str) -> GGUFTokenizer:
     return tok
 
 
-def transformers_rendering(tok: GGUFTokenizer, messages: list[dict], tools: list[dict]) -> str:
+def transformers_rendering(tok: GGUFTokenizer, messages: list[dict], tools: list[dict],
+                           add_generation_prompt: bool = True) -> str:
     """transformers' rendering of ``messages`` with ``tools`` by ``tok``'s template (tool-call arguments as
     objects, transformers' convention)."""
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(tokenizer_object=copy.copy(tok.backend), bos_token=tok.decode([tok.bos_id]),
                                  eos_token=tok.decode([tok.eos_id]))
-    return hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+    return hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
                                   chat_template=tok.chat_template)
 
 
@@ -379,12 +380,8 @@ def test_a_call_as_the_template_renders_it_parses_back(family: str) -> None:
     args = {"city": "Rio de Janeiro", "days": 3}
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
     head = transformers_rendering(tok, ASK, TOOLS)
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(tokenizer_object=copy.copy(tok.backend), bos_token=tok.decode([tok.bos_id]),
-                                 eos_token=tok.decode([tok.eos_id]))
-    whole = hf.apply_chat_template([*ASK, {"role": "assistant", "content": "", "tool_calls": [call]}], tools=TOOLS,
-                                   tokenize=False, chat_template=tok.chat_template)
+    whole = transformers_rendering(tok, [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]}], TOOLS,
+                                   add_generation_prompt=False)
     assert whole.startswith(head), (head[-80:], whole[len(head) - 80:])
     tokens = tok.encode(whole[len(head):], add_special=False)
     plan = tool_plan({"tools": TOOLS}, tok)
