@@ -157,12 +157,12 @@ def _open(args: argparse.Namespace, moe_stream: bool, streams_later: bool = Fals
     the context and the memory plan are computed from it before :func:`_load`), and its LoadOptions
     (options.load_options); ``streams_later``: verify, whose resident model is run streaming too (the streaming
     options are used, so no note says they are ignored)."""
-    from .models.base import open_model
     from .options import load_options
     _check_common(args)
+    opts = load_options(args, moe_stream)  # every load option checked before torch is imported
+    from .models.base import open_model
     threads = args.threads if args.threads is not None else default_threads()
     set_compute_threads(threads, getattr(args, "matmul", "blocks"))
-    opts = load_options(args, moe_stream)
     for ignored in _ignored_options(args, opts, moe_stream or streams_later):
         print(f"moestream: note: {ignored}", file=sys.stderr, flush=True)
     return open_model(model_path(args), opts), opts
@@ -483,8 +483,6 @@ def _open_run_trace(args: argparse.Namespace, model):  # noqa: ANN001, ANN202
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .chat import encode_chat
-    from .engine import Engine, Sampler
     from .errors import ConfigError
     from .options import sampling_params
     from .textgen import StopStrings, TextEvents
@@ -504,7 +502,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .output import check_distinct_outputs
     check_distinct_outputs([("--routing-trace", args.routing_trace), ("--trace", args.trace)])
     params = sampling_params(args)
-    shape, opts = _open(args, args.moe_stream)
+    shape, opts = _open(args, args.moe_stream)  # the load options checked before it imports torch
+    from .chat import encode_chat
+    from .engine import Engine, Sampler
+
     tok = _tokenizer(shape, template)
     model = None
     trace = None
@@ -866,13 +867,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .engine import check_cache_fits, check_trained_context
     from .errors import ConfigError
-    from .verify import verify
 
     _check_prompt(args.prompt)
     _check_common(args)
     check_tokens(args.steps, "steps", minimum=1)
+    from .engine import check_cache_fits, check_trained_context  # torch: after the option checks
+    from .verify import verify
+
     shape, opts = _open(args, moe_stream=False, streams_later=True)
     tok = _tokenizer(shape)
     ids = tok.encode(args.prompt, add_special=True)

@@ -24,18 +24,10 @@ import torch
 
 from ..errors import ConfigError, ExpertReadError, OptionError
 from ..gguf import GGUFModel
+from ..params import check_pool
 from .layout import ExpertLayout, ExpertMatrix
 from .policy import POLICIES, CachePolicy, SlotMap, check_policy
 from .reader import ExpertReader, ReadJob, Ticket, dio_alignment, stderr_note
-
-#: where a GPU's slot pools live (LoadOptions.pool)
-POOL_PLACES = ("device", "host")
-
-
-def check_pool(pool: object) -> None:
-    """OptionError (field ``pool``) unless ``pool`` is one of :data:`POOL_PLACES`."""
-    if pool not in POOL_PLACES:
-        raise OptionError(f"{{pool}}: unknown place {pool!r}; choose one of {', '.join(POOL_PLACES)}", pool=pool)
 
 
 @dataclass
