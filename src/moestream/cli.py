@@ -757,8 +757,8 @@ MAX_SLOTS = 256
 def _serve_slots(args: argparse.Namespace, model) -> int:  # noqa: ANN001
     """serve's slots: -np N as given; else 1 with --trace, else :data:`DEFAULT_SLOTS`, fewer when an explicit -c
     would need more than half the memory (the --mem budget's, else the memory available) for their KV caches."""
-    from .budget import available_memory, process_rss
-    from .engine import DEFAULT_CTX_MEMORY_SHARE
+    from .budget import available_memory
+    from .engine import DEFAULT_CTX_MEMORY_SHARE, kv_memory
 
     if args.parallel is not None and args.parallel > 0:
         return args.parallel
@@ -766,8 +766,8 @@ def _serve_slots(args: argparse.Namespace, model) -> int:  # noqa: ANN001
         return 1
     if not args.ctx_size:
         return DEFAULT_SLOTS  # each slot's context is capped by its share of memory (_plan_context)
-    opts = model.opts
-    memory = max(opts.mem - process_rss(), 0) if opts.mem is not None and opts.budgeted else available_memory()
+    memory = kv_memory(model.opts)
+    memory = available_memory() if memory is None else memory
     fits = int(DEFAULT_CTX_MEMORY_SHARE * memory // max(model.cache_bytes(args.ctx_size), 1))
     return max(1, min(DEFAULT_SLOTS, fits))
 

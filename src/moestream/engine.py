@@ -103,12 +103,17 @@ def run_context(model: MoEModel, n_prompt: int, n_predict: int, ctx_size: int | 
         return ctx_size, None
     if n_predict >= 0:
         return n_prompt + n_predict, None
-    opts = opts or model.opts
-    memory = None
+    return default_context(model, share, memory=kv_memory(opts or model.opts))
+
+
+def kv_memory(opts: object) -> int | None:
+    """The memory (bytes) that KV caches are sized against under LoadOptions ``opts``: with a ``mem`` budget,
+    what it leaves besides this process (its RSS now); else None (the memory available, :func:`default_context`).
+    The one place of this arithmetic for run's context and serve's slot count."""
     if opts.mem is not None and opts.budgeted:  # the KV share comes out of --mem
         from .budget import process_rss
-        memory = max(opts.mem - process_rss(), 0)
-    return default_context(model, share, memory=memory)
+        return max(opts.mem - process_rss(), 0)
+    return None
 
 
 def penalize(logits: torch.Tensor, window: Iterable[int], p: SamplingParams) -> torch.Tensor:
