@@ -37,7 +37,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from moestream.chat import encode_chat
-from moestream.cli import build_parser, main, serve_loader
+from moestream.cli import api_keys, build_parser, main, serve_loader
 from moestream.engine import Engine, Sampler, SamplingParams
 from moestream.models.base import LoadOptions, load_model
 from moestream.runtrace import TraceWriter, read_trace
@@ -59,7 +59,7 @@ class Running:
         args = build_parser().parse_args(["serve", *argv])
         self.names, load, self.held = serve_loader(args)
         self.state = ServerState(load, self.names)
-        self.server = make_server(self.state)
+        self.server = make_server(self.state, api_keys=api_keys(args))
         sock = listen("127.0.0.1", 0)
         self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.thread = threading.Thread(target=lambda: asyncio.run(run_server(self.server, self.state, sock)),
