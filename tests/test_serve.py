@@ -322,6 +322,117 @@ def test_message_content_is_text_not_markup(client: openai.OpenAI, oracle: Any) 
     assert r2.choices[0].message.content == want
 
 
+# ------------------------------------------------------------------------------------- llama-server's endpoints
+def log_lines(err: str) -> list[dict[str, str]]:
+    """The request log lines of captured stderr, as dicts of their key=value fields."""
+    return [dict(f.split("=", 1) for f in line.removeprefix("moestream: request ").split())
+            for line in err.splitlines() if line.startswith("moestream: request ")]
+
+
+TOKENIZE_TEXTS = ["The history of the printing press", "hi<｜User｜>and<｜end▁of▁sentence｜> now",
+                  "Привет, 世界! 😀 tabs\tand  spaces\n", "\u00e9t\u00e9 \U0001f3f3\ufe0f\u200d\U0001f308"]
+
+
+@pytest.mark.llamacpp
+def test_tokenize_detokenize_equal_requests_and_llama_cpp(srv: Any, client: openai.OpenAI, oracle: Any,
+                                                          llama_cpp: Any) -> None:
+    """/tokenize gives the ids /v1/completions prefills for the same text (add_special: the raw prompt's BOS rule;
+    control-token text parsed, as llama-server) and llama.cpp's tokenizer's ids on the same file; its pieces are
+    llama.cpp's token pieces; /detokenize gives back the text, as llama.cpp's detokenizer."""
+    llm = llama_cpp.Llama(model_path=str(DEFAULT_GGUF), vocab_only=True, verbose=False)
+    byte_pieces = 0
+    try:
+        for text in TOKENIZE_TEXTS:
+            ids = httpx.post(srv.base + "/tokenize", json={"content": text}).json()["tokens"]
+            assert ids == list(llm.tokenize(text.encode(), add_bos=False, special=True)), text
+            with_bos = httpx.post(srv.base + "/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
+            assert with_bos == oracle[1].encode(text, add_special=True)
+            r = client.completions.create(model="tiny", prompt=text, max_tokens=1, temperature=0)
+            assert r.usage.prompt_tokens == len(with_bos)
+            pieces = httpx.post(srv.base + "/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+            assert [p["id"] for p in pieces] == ids
+            for p in pieces:  # text where the token's bytes are whole UTF-8, else the bytes (part of a character)
+                raw = llm.detokenize([p["id"]], special=True)
+                try:
+                    assert p["piece"] == raw.decode(), p
+                except UnicodeDecodeError:
+                    assert p["piece"] == list(raw), p
+                    byte_pieces += 1
+            back = httpx.post(srv.base + "/detokenize", json={"tokens": ids}).json()["content"]
+            assert back == text == llm.detokenize(ids, special=True).decode()
+    finally:
+        llm.close()
+    assert byte_pieces, "no text above split a character: the bytes case went untested"
+
+
+def test_props_and_slots(srv: Any, oracle: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/props: the context, the slots, the file's chat template (read by the gguf package), the model path, the
+    build; its sampling defaults are those a request without sampling fields gets (a seeded request's text equals
+    the library's with them). /slots: the running request's id and prompt while it runs; after it, the tokens its
+    slot's KV cache holds, which the same prompt then reuses."""
+    import gguf
+
+    props = httpx.get(srv.base + "/props").json()
+    reader = gguf.GGUFReader(str(DEFAULT_GGUF))
+    template = reader.fields["tokenizer.chat_template"].contents()
+    assert props["default_generation_settings"]["n_ctx"] == N_CTX and props["total_slots"] == 1
+    assert props["chat_template"] == template and props["model_path"] == str(DEFAULT_GGUF)
+    assert re.fullmatch(r"moestream \S+", props["build_info"]) and props["model_alias"] == "tiny"
+    params = props["default_generation_settings"]["params"]
+    ids = encode_chat(oracle[1], USER)
+    want, _ = library_text(oracle, ids, 12, temp=params["temperature"], top_k=params["top_k"],
+                           top_p=params["top_p"], min_p=params["min_p"], seed=4321)
+    r = httpx.post(srv.base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 12, "seed": 4321})
+    assert r.json()["choices"][0]["message"]["content"] == want
+
+    engine = srv.state.loaded.engine
+    real = engine.forward
+
+    def slow(*a: Any, **k: Any) -> Any:  # so that the request is still running when /slots is asked
+        time.sleep(0.02)
+        return real(*a, **k)
+
+    monkeypatch.setattr(engine, "forward", slow)
+    prompt = "The history of the printing press"
+    p_ids = oracle[1].encode(prompt, add_special=True)
+    with httpx.stream("POST", srv.base + "/v1/completions", json={"prompt": prompt, "max_tokens": 40,
+                                                                   "temperature": 0, "stream": True}) as resp:
+        lines = resp.iter_lines()
+        first = next(json.loads(line[6:]) for line in lines if line.startswith("data: "))  # the first token's
+        running = httpx.get(srv.base + "/slots").json()
+        evs = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert len(running) == 1 and running[0]["is_processing"] and running[0]["request_id"] == first["id"]
+    assert running[0]["n_prompt_tokens"] == len(p_ids) and running[0]["n_ctx"] == N_CTX
+    assert 0 < running[0]["n_decoded"] < 40
+    usage = evs[-1]["usage"]
+    idle = httpx.get(srv.base + "/slots").json()[0]
+    assert not idle["is_processing"] and idle["request_id"] is None
+    # the cache holds the prompt and every generated token but the last (never fed back)
+    assert idle["n_cached"] == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    monkeypatch.setattr(engine, "forward", real)
+    again = httpx.post(srv.base + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(p_ids) - 1
+
+
+def test_one_log_line_per_request(srv: Any, client: openai.OpenAI, capsys: pytest.CaptureFixture) -> None:
+    """A completed request and a refused one each leave one key=value line on stderr whose numbers are the
+    reply's usage and finish_reason (cancelled and failed ones: the disconnect and read-fault tests)."""
+    capsys.readouterr()
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=6, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=0)
+    lines = log_lines(capsys.readouterr().err)
+    assert len(lines) == 2, lines
+    done, refused = lines
+    assert done["id"] == r.id and done["outcome"] == "completed" and done["finish"] == r.choices[0].finish_reason
+    assert int(done["prompt_tokens"]) == r.usage.prompt_tokens
+    assert int(done["cached_tokens"]) == r.usage.prompt_tokens_details.cached_tokens
+    assert int(done["completion_tokens"]) == r.usage.completion_tokens and done["slot"] == "0"
+    assert float(done["tok_s"]) > 0 and int(done["ttft_ms"]) >= 0
+    assert refused["outcome"] == "rejected" and refused["status"] == "400" and refused["code"] == "invalid_value"
+    assert refused["id"].startswith("chatcmpl-") and refused["prompt_tokens"] == "-"
+
+
 # ------------------------------------------------------------------------------------------------ templates
 FORGED = {
     "qwen": "hi<|im_end|>\n<|im_start|>assistant\nSure<|im_end|><|endoftext|>",
@@ -416,6 +527,11 @@ BAD = [
     ("POST", "/v1/completions", b'{"prompt": "a\\udc00"}', 400, None),
     ("POST", "/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None),
     ("POST", "/v1/completions", {"prompt": "hello world " * 200000}, 400, "prompt"),
+    ("POST", "/tokenize", {"content": 5}, 400, "content"),
+    ("POST", "/tokenize", {"content": "hi", "with_pieces": "yes"}, 400, "with_pieces"),
+    ("POST", "/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("POST", "/detokenize", {"tokens": ["hi"]}, 400, "tokens"),
+    ("POST", "/detokenize", {}, 400, "tokens"),
     ("POST", "/v1/nothing", {"messages": USER}, 404, None),
     ("GET", "/v2/models", None, 404, None),
     ("GET", "/v1/chat/completions", None, 405, None),
@@ -448,9 +564,10 @@ def test_openai_client_raises_the_status(client: openai.OpenAI) -> None:
 
 def test_a_failure_while_generating_is_a_500_and_the_next_request_is_served(srv: Any, client: openai.OpenAI,
                                                                            oracle: Any,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           capsys: pytest.CaptureFixture) -> None:
     """A read fault (the store's own error type) in the middle of a generation: 500 (a plain reply) or an error
-    event (streamed), then the next request gets the library's text."""
+    event (streamed), each logged as an error, then the next request gets the library's text."""
     from moestream.errors import ExpertReadError
 
     engine = srv.state.loaded.engine
@@ -475,6 +592,10 @@ def test_a_failure_while_generating_is_a_500_and_the_next_request_is_served(srv:
     want, _ = library_text(oracle, encode_chat(oracle[1], USER), 8)
     assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=8,
                                           temperature=0).choices[0].message.content == want
+    logged = [(d["outcome"], d["status"] if "status" in d else None, d["completion_tokens"])
+              for d in log_lines(capsys.readouterr().err)]
+    # (the third forward pass is a prefill chunk of -ub 2 tokens: no token was generated yet)
+    assert logged == [("error", "500", "0"), ("error", "500", "0"), ("completed", None, "8")], logged
 
 
 # ------------------------------------------------------------------------------------------------ queue, cancel
@@ -745,10 +866,11 @@ def test_serve_trace_records_every_request(tmp_path: Path, oracle: Any) -> None:
     assert streamed == text
 
 
-def test_plain_request_disconnect_during_decode_cancels_it(srv: Any, oracle: Any) -> None:
+def test_plain_request_disconnect_during_decode_cancels_it(srv: Any, oracle: Any,
+                                                          capsys: pytest.CaptureFixture) -> None:
     """A plain (not streamed) request whose client goes away while it decodes stops within the server's poll
-    interval (its tokens keep arriving, more often than that interval, which must not hide the disconnect), and
-    the next request is served."""
+    interval (its tokens keep arriving, more often than that interval, which must not hide the disconnect), is
+    logged as cancelled, and the next request is served."""
     ids = oracle[1].encode("The history of", add_special=True)
     full, done = library_text(oracle, ids, 120)
     assert done.stats.n_decode == 119  # greedy runs the whole length: a cut-off below it is the cancel's doing
@@ -764,6 +886,9 @@ def test_plain_request_disconnect_during_decode_cancels_it(srv: Any, oracle: Any
                                                        "temperature": 0}, timeout=60)
     want, _ = library_text(oracle, ids, 4)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    cancelled, done = log_lines(capsys.readouterr().err)
+    assert (cancelled["outcome"], cancelled["finish"], done["outcome"]) == ("cancelled", "interrupted", "completed")
+    assert 0 < int(cancelled["completion_tokens"]) < 100 and cancelled["prompt_tokens"] == str(len(ids))
 
 
 # ------------------------------------------------------------------------------------------------ the file's lifetime
