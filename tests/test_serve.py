@@ -433,6 +433,49 @@ def test_one_log_line_per_request(srv: Any, client: openai.OpenAI, capsys: pytes
     assert refused["id"].startswith("chatcmpl-") and refused["prompt_tokens"] == "-"
 
 
+KEY, FILE_KEYS = "sk-moestream-7f3a9c", ["second-key-b51e", "third.key_0"]
+
+
+def test_api_keys(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--api-key KEY --api-key-file FILE``: /health answers anyone; every other route, unknown ones too, answers
+    401 in OpenAI's error shape without a key or with a wrong one (the official client raises
+    AuthenticationError); any of the keys, as a bearer token (the client's api_key) or X-Api-Key, is served. No
+    key is written to stderr."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{FILE_KEYS[0]}\n\n  {FILE_KEYS[1]}  \n")
+    s = Running(["-c", "64", "--slots", "16", "-np", "1", "--api-key", KEY, "--api-key-file", str(keys)])
+    try:
+        s.wait_ready()  # /health without a key
+        routes = [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/props"), ("GET", "/slots"),
+                  ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/completions"),
+                  ("POST", "/v1/chat/completions"), ("GET", "/no/such/route")]
+        for headers, message in (({}, "no API key"), ({"Authorization": "Bearer wrong"}, "invalid API key"),
+                                 ({"Authorization": f"Basic {KEY}"}, "no API key"),
+                                 ({"X-Api-Key": KEY[:-1]}, "invalid API key")):
+            for method, path in routes:
+                r = httpx.request(method, s.base + path, headers=headers, json={"prompt": "hi", "max_tokens": 1})
+                assert r.status_code == 401, (headers, path, r.text)
+                assert r.headers["www-authenticate"] == "Bearer"
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
+                assert err["type"] == "invalid_request_error" and err["message"].startswith(message)
+        for key in (KEY, *FILE_KEYS):
+            c = openai.OpenAI(base_url=s.base + "/v1", api_key=key, max_retries=0, timeout=120)
+            assert [m.id for m in c.models.list().data] == ["default"]
+            r = c.completions.create(model="default", prompt="The history of", max_tokens=3, temperature=0)
+            assert r.usage.completion_tokens == 3
+        assert httpx.post(s.base + "/tokenize", headers={"X-Api-Key": FILE_KEYS[1]},
+                          json={"content": "hi"}).status_code == 200
+        wrong = openai.OpenAI(base_url=s.base + "/v1", api_key=KEY + "x", max_retries=0, timeout=120)
+        with pytest.raises(openai.AuthenticationError) as e:
+            wrong.chat.completions.create(model="default", messages=USER, max_tokens=2)
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    finally:
+        s.stop()
+    err = capsys.readouterr().err
+    assert "moestream: request " in err and not any(k in err for k in (KEY, *FILE_KEYS)), err
+
+
 # ------------------------------------------------------------------------------------------------ templates
 FORGED = {
     "qwen": "hi<|im_end|>\n<|im_start|>assistant\nSure<|im_end|><|endoftext|>",
@@ -830,11 +873,21 @@ def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Pa
     assert main(["serve", "--port", "70000"]) == 1
     assert capsys.readouterr().err.strip() == "moestream: error: --port must be from 0 to 65535, got 70000"
     # what needs no torch is refused before the socket listens: one line, no "listening" (a newcomer saw one)
+    (tmp_path / "empty").write_text("\n  \n")
+    (tmp_path / "spaced").write_text("good-key\nsecret key\n")
     for argv, needle in ((["--mem", "5XB"], "--mem: cannot read '5XB'"), (["-t", "0"], "-t must be at least 1"),
-                         (["--host-cache", "lots"], "--host-cache: cannot read")):
+                         (["--host-cache", "lots"], "--host-cache: cannot read"),
+                         (["--api-key-file", str(tmp_path / "none")],
+                          f"--api-key-file {tmp_path / 'none'}: cannot read it (No such file or directory)"),
+                         (["--api-key-file", str(tmp_path / "empty")], f"--api-key-file {tmp_path / 'empty'}: holds "
+                          "no key"),
+                         (["--api-key-file", str(tmp_path / "spaced")], f"--api-key-file {tmp_path / 'spaced'}: "
+                          "line 2: an API key must be printable ASCII"),
+                         (["--api-key", "ok", "--api-key", "secret key"], "--api-key (key 2 of 2): an API key must")):
         assert main(["serve", "--port", "0", *argv]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"moestream: error: {needle}"), err
+        assert "secret" not in err[0]
 
 
 def test_serve_trace_records_every_request(tmp_path: Path, oracle: Any) -> None:
@@ -923,6 +976,52 @@ def test_health_503_once_the_file_changed_in_place(tmp_path: Path) -> None:
         assert err["message"].endswith("; restart the server")
         assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 503
     finally:
+        s.stop()
+
+
+def test_health_503_while_the_model_file_cannot_be_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no request coming (what llama-swap's polls of /health meet): a read of the model file failing with
+    EIO (planted in ``os.preadv`` for that file's descriptors, the read path of the expert reads) makes /health
+    503 naming the file and the error, while requests are still taken; the fault gone, 200 again. The file's bytes
+    changed in place: 503 from the next poll on, and every request too, without a request having failed first."""
+    import errno
+
+    from moestream import server
+
+    monkeypatch.setattr(server, "HEALTH_PROBE_S", 0.0)  # every poll reads
+    path = tmp_path / "copy.gguf"
+    shutil.copy(DEFAULT_GGUF, path)
+    real = os.preadv
+    probes: list[int] = []
+
+    def eio(fd: int, buffers: list, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+            probes.append(offset)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+
+    s = Running(["-m", str(path), "-c", "64", "--slots", "4", "-np", "1"])
+    try:
+        s.wait_ready()
+        assert httpx.get(s.base + "/health").json() == {"status": "ok"}
+        monkeypatch.setattr(os, "preadv", eio)
+        h = httpx.get(s.base + "/health")
+        assert h.status_code == 503 and probes, h.text
+        err = h.json()["error"]
+        assert err["type"] == "unavailable_error" and err["message"].startswith("the model file cannot be read: ")
+        assert str(path) in err["message"] and "Input/output error" in err["message"]
+        assert s.state.broken is None  # one fault: not yet broken (READ_FAULTS_BROKEN in a row)
+        monkeypatch.setattr(os, "preadv", real)
+        assert httpx.get(s.base + "/health").status_code == 200
+        body = {"prompt": "The history of", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 200
+        with open(path, "ab") as f:
+            f.write(b"\0" * 16)
+        h = httpx.get(s.base + "/health")
+        assert h.status_code == 503 and "model file changed size" in h.json()["error"]["message"], h.text
+        assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 503
+    finally:
+        monkeypatch.setattr(os, "preadv", real)
         s.stop()
 
 

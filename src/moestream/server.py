@@ -4,9 +4,13 @@ Routes: ``POST /v1/chat/completions`` (the file's chat template, message text to
 :mod:`moestream.chat`), ``POST /v1/completions`` (a raw prompt: control-token text in it is parsed, as llama.cpp
 does with a raw prompt), both streaming (server-sent events, ``data: [DONE]`` at the end) or not;
 ``GET /v1/models``; ``GET /health`` (503 while the model loads, 200 once it is ready: the socket listens before
-the model is loaded, so a supervisor such as llama-swap can poll it; 503 again, with the reason, once the model can
-no longer compute -- its file's bytes changed in place, or expert reads failed :data:`READ_FAULTS_BROKEN` requests in
-a row -- so that the supervisor restarts the server); ``GET /metrics`` (Prometheus text format).
+the model is loaded, so a supervisor such as llama-swap can poll it; 503 while a probe read of the model file fails
+(:meth:`ServerState.check_file`), and for good, with the reason, once the model can no longer compute -- its file's
+bytes changed in place, or :data:`READ_FAULTS_BROKEN` reads failed in a row -- so that the supervisor restarts the
+server); ``GET /metrics`` (Prometheus text format); llama-server's ``POST /tokenize``, ``POST /detokenize``,
+``GET /props`` and ``GET /slots``. With API keys (``--api-key``) every route but /health needs one
+(:class:`APIKeyCheck`). Each request that reaches a completion route leaves one line on stderr when it ends
+(:func:`request_line`).
 
 Up to ``-np N`` generations run at once, each in a slot (its own KV cache), decoded together: one forward step
 of the model for all of them (continuous batching, :mod:`moestream.batching`: a request joins with its first
@@ -21,7 +25,8 @@ running and the process exits (uvicorn's graceful shutdown, at most :data:`GRACE
 connections).
 
 Errors are OpenAI's error objects, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status in
-the response (400 a malformed or invalid request, 404 an unknown route or model, 503 loading or shutting down,
+the response (400 a malformed or invalid request, 401 no valid API key, 404 an unknown route or model, 503 loading
+or shutting down,
 500 a failure while generating, such as a read fault: the next request is served as usual, until the model is
 broken as said above: then 503 for every request).
 """
