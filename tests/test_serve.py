@@ -864,6 +864,14 @@ def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Pa
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("moestream: listening on http://127.0.0.1:")
     assert len(err) == 2 and err[1].startswith(f"moestream: error: {bad}") and "Traceback" not in err[1]
+    # bound beyond loopback without --api-key: a note says that anyone who can connect can use it
+    assert main(["serve", "-m", str(bad), "--host", "0.0.0.0", "--port", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and err[1] == ("moestream: note: 0.0.0.0 is reachable from other machines and no --api-key "
+                                        "is set: anyone who can connect can use the server"), err
+    assert main(["serve", "-m", str(bad), "--host", "0.0.0.0", "--port", "0", "--api-key", "k"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "an API key is needed on every route but /health" in err[0], err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
