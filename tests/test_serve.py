@@ -1022,6 +1022,25 @@ def test_health_503_while_the_model_file_cannot_be_read(tmp_path: Path, monkeypa
         assert s.state.broken is None  # one fault: not yet broken (READ_FAULTS_BROKEN in a row)
         monkeypatch.setattr(os, "preadv", real)
         assert httpx.get(s.base + "/health").status_code == 200
+        # a read that does not return (a hung network share): 503 after the probe's timeout, at once after that
+        release = threading.Event()
+
+        def hang(fd: int, buffers: list, offset: int) -> int:
+            if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                release.wait(60)
+            return real(fd, buffers, offset)
+
+        monkeypatch.setattr(server, "HEALTH_PROBE_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(os, "preadv", hang)
+        for _ in range(2):
+            h = httpx.get(s.base + "/health")
+            assert h.status_code == 503 and "has not returned after 0.5 s" in h.json()["error"]["message"], h.text
+        release.set()
+        monkeypatch.setattr(os, "preadv", real)
+        end = time.monotonic() + 30  # the hung read returns; a later poll reads again
+        while (code := httpx.get(s.base + "/health").status_code) != 200 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert code == 200
         body = {"prompt": "The history of", "max_tokens": 2, "temperature": 0}
         assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 200
         with open(path, "ab") as f:

@@ -26,9 +26,8 @@ connections).
 
 Errors are OpenAI's error objects, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status in
 the response (400 a malformed or invalid request, 401 no valid API key, 404 an unknown route or model, 503 loading
-or shutting down,
-500 a failure while generating, such as a read fault: the next request is served as usual, until the model is
-broken as said above: then 503 for every request).
+or shutting down, 500 a failure while generating, such as a read fault: the next request is served as usual, until
+the model is broken as said above: then 503 for every request).
 """
 
 from __future__ import annotations
@@ -427,8 +426,9 @@ class ServerState:
         if probe is None or probe.done() and time.monotonic() - self._probe_at >= HEALTH_PROBE_S:
             self._probe_at = time.monotonic()
             probe = self._probe = asyncio.ensure_future(asyncio.to_thread(self._probe_file))
-        try:
-            why = await asyncio.wait_for(asyncio.shield(probe), HEALTH_PROBE_TIMEOUT_S)
+        try:  # a probe that hangs is waited for once: later polls answer at once
+            why = await asyncio.wait_for(asyncio.shield(probe),
+                                         max(0.0, self._probe_at + HEALTH_PROBE_TIMEOUT_S - time.monotonic()))
         except TimeoutError:
             raise APIError(503, f"a read of the model file has not returned after {HEALTH_PROBE_TIMEOUT_S:g} s",
                            "unavailable_error", code=503) from None
@@ -446,7 +446,8 @@ class ServerState:
             if probe is not None:
                 probe()
         except MoestreamError as e:
-            self._note_fault(e)
+            if isinstance(e, (ExpertReadError, ModelFileChanged)):
+                self._note_fault(e)
             return str(e)
         return None
 
