@@ -14,6 +14,7 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 
+from . import version
 from .chat_templates import CHAT_TEMPLATES
 from .limits import MAX_IO_THREADS, MAX_TOKENS, check_tokens
 from .llamaflags import REFUSED, SERVE_REFUSED, FlagRefused, Parser, add_refused, gpu_layers_device
@@ -35,17 +36,6 @@ TRACE_HELP = ("write a per-token trace to FILE (JSON lines: a header, then per t
 DIRECT_IO_HELP = ("read experts with O_DIRECT, bypassing the page cache, so that the slot pools are the only cache "
                   "(default: on where the file system allows it; where it refuses, e.g. tmpfs, reads go through "
                   "the page cache, with a note when on was asked for); off: buffered reads")
-
-
-def version() -> str:
-    """The installed package's version (``pyproject.toml``)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("moestream")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 def _on_off(v: str) -> bool:
@@ -772,6 +762,43 @@ def _serve_slots(args: argparse.Namespace, model) -> int:  # noqa: ANN001
     return max(1, min(DEFAULT_SLOTS, fits))
 
 
+#: The most bytes of an --api-key-file read (a key file is a few lines; this bounds what a device file makes us read)
+MAX_KEY_FILE_BYTES = 1 << 20
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """serve's API keys: each ``--api-key KEY``, then each line of ``--api-key-file FILE`` (blank lines skipped;
+    spaces around a key are not part of it). A key is printable ASCII without spaces (what an HTTP header carries
+    unchanged). ConfigError, naming the flag, the file and the line but never a key, for a missing, unreadable or
+    empty file and a bad key; before the socket listens."""
+    from .errors import ConfigError
+
+    def check(key: str, where: str) -> str:
+        if not key or not all(33 <= ord(c) < 127 for c in key):
+            raise ConfigError(f"{where}: an API key must be printable ASCII without spaces, at least one character")
+        return key
+
+    keys = [check(k, f"--api-key (key {i + 1} of {len(args.api_key)})") for i, k in enumerate(args.api_key or [])]
+    if args.api_key_file is not None:
+        path = args.api_key_file
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_KEY_FILE_BYTES + 1)
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {path}: cannot read it ({e.strerror or e})") from None
+        if len(data) > MAX_KEY_FILE_BYTES:
+            raise ConfigError(f"--api-key-file {path}: more than {MAX_KEY_FILE_BYTES} bytes: not a file of keys")
+        try:
+            lines = data.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise ConfigError(f"--api-key-file {path}: not UTF-8 text (one key per line)") from None
+        found = [check(k.strip(), f"--api-key-file {path}: line {n}") for n, k in enumerate(lines, 1) if k.strip()]
+        if not found:
+            raise ConfigError(f"--api-key-file {path}: holds no key (one key per line)")
+        keys += found
+    return keys
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """``moestream serve``: the OpenAI-compatible server (moestream.server) on one model. The socket listens first
     (GET /health answers 503 at once); the option checks that need torch and the load run in the server's loader
@@ -780,8 +807,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     names, load, held = serve_loader(args)
+    keys = api_keys(args)
     try:
-        return serve(load, names, args.host, args.port)
+        return serve(load, names, args.host, args.port, keys)
     finally:
         for obj in held:
             if isinstance(obj, TraceWriter):
@@ -1152,6 +1180,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--cache-prompt", type=_on_off, default=True, metavar="on|off",
                     help="a slot keeps its KV cache after a request, and the next request given to it reuses the "
                     "longest common token prefix (on, default; a request's \"cache_prompt\": false opts out)")
+    sv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                    help="require this key on every route but /health: 'Authorization: Bearer KEY' (OpenAI's "
+                    "clients' api_key) or 'X-Api-Key: KEY'; else 401 (repeat for more keys; other users of the "
+                    "machine can read a command line: prefer --api-key-file)")
+    sv.add_argument("--api-key-file", default=None, metavar="FILE",
+                    help="require one of the keys in FILE (one per line) as --api-key does")
     _add_chat_template(sv)
     add_refused(sv, SERVE_REFUSED)
     sv.set_defaults(func=cmd_serve)

@@ -99,8 +99,8 @@ REFUSED: list[tuple[tuple[str, ...], str]] = [
 
 #: serve only (llama-server's)
 SERVE_REFUSED: list[tuple[tuple[str, ...], str]] = [
-    (("--api-key", "--api-key-file"), "moestream serve has no API keys: it listens on 127.0.0.1 unless --host says "
-     "otherwise; put an authenticating proxy in front to expose it"),
+    (("--no-slots",), "moestream serve's /slots endpoint is always on (it shows token counts and request ids, no "
+     "prompt text; --api-key guards it); moestream's --slots N is the expert slots per MoE layer"),
 ]
 
 
