@@ -656,8 +656,9 @@ def routing_note(mode: str, calibration: dict | None, llama: bool) -> str:
                f"(experts/synthetic.py, fit to {c.get('model')}: zipf {c.get('zipf')}, cutoff {c.get('cutoff')}, reuse "
                f"{c.get('reuse')}; the same seeded sequence in every row), the router's weights kept."]
     else:
-        out = ["Routing: model. Each row's own router picks the experts (a random-weight model does not route like "
-               "a trained one; --routing calibrated gives every row routing fitted to a trained model's hit rates)."]
+        out = ["Routing: model. Each row's own router picks the experts for the test's random token ids (a "
+               "random-weight model's router, or a trained one's on random ids, does not route as a trained model "
+               "does on text; --routing calibrated gives every row routing fitted to a trained model's hit rates)."]
     if llama:
         out.append("Note: llama.cpp's rows always route with the model's own router (their expert ids cannot be "
                    "replaced)" + (", so they do not see the calibrated routing." if mode == "calibrated" else "."))

@@ -17,7 +17,16 @@ from collections.abc import Callable, Iterator
 from . import version
 from .chat_templates import CHAT_TEMPLATES
 from .limits import MAX_IO_THREADS, MAX_TOKENS, check_tokens
-from .llamaflags import REFUSED, SERVE_REFUSED, FlagRefused, Parser, add_refused, gpu_layers_device
+from .llamaflags import (
+    LOG_REFUSED,
+    REFUSED,
+    RUN_REFUSED,
+    SERVE_REFUSED,
+    FlagRefused,
+    Parser,
+    add_refused,
+    gpu_layers_device,
+)
 from .options import default_threads, max_threads, model_path, set_compute_threads
 from .output import write_stdout
 
@@ -100,6 +109,7 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
     p.add_argument("-ub", "--ubatch", "--ubatch-size", type=int, default=128,
                    help="prefill chunk size in tokens (default 128)")
     add_refused(p, REFUSED)
+    add_refused(p, LOG_REFUSED)
 
 
 class _DeviceFlag(argparse.Action):
@@ -1031,6 +1041,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "turn prefills only its new tokens); /exit or end of input ends it; Ctrl-C stops a reply")
     r.add_argument("-no-cnv", "--no-conversation", dest="interactive", action="store_false",
                    help="not interactive (the default; llama.cpp's flag)")
+    add_refused(r, RUN_REFUSED)
     _add_chat_template(r)
     r.add_argument("--temp", type=float, default=0.8, help="temperature; <= 0 = greedy (default 0.8)")
     r.add_argument("--top-k", type=int, default=40)
@@ -1060,6 +1071,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print the model's layout and memory needs")
     i.add_argument("-m", "--model", default=None)
     add_refused(i, REFUSED)
+    add_refused(i, LOG_REFUSED)
     i.add_argument("--slots", type=int, default=None, help="price pools of this many slots per layer")
     i.add_argument("--mem", default=None, metavar="SIZE", help="print the memory plan run --mem SIZE makes: slots "
                    "per layer, pool GiB, what is left")
@@ -1151,6 +1163,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "KiB/MiB/GiB/TiB are powers of 2 (4G = 4GiB), KB/MB/GB/TB powers of 10, no unit = bytes; "
                         "at least 64MiB")
     add_refused(b, REFUSED)
+    add_refused(b, LOG_REFUSED)
     b.set_defaults(func=cmd_bench)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming)")
