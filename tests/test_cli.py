@@ -328,3 +328,27 @@ def test_refused_options_import_no_torch():
         want = cli(*argv)
         assert rc == want.returncode == 1 and err == want.stderr.strip() and "moestream: error:" in err, (argv, err)
         assert not torch_loaded, (argv, err)
+
+
+def test_ctrl_c_lost_in_a_finalizer_still_ends_with_130():
+    """A Ctrl-C whose KeyboardInterrupt Python loses (raised while a finalizer runs: printed as 'Exception ignored',
+    then execution goes on) still ends the command with status 130 and 'moestream: interrupted' (a newcomer saw a
+    run go on to exit 0 after one). A real process: the command is replaced by one whose finalizer receives the
+    SIGINT, and it returns 0."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, time\n"
+            "import moestream.cli as c\n"
+            "class Fin:\n"
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        time.sleep(0.05)\n"
+            "def cmd(args):\n"
+            "    Fin()\n"
+            "    return 0\n"
+            "c.cmd_inspect = cmd\n"
+            "sys.exit(c.main(['inspect']))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "Exception ignored" in p.stderr and "KeyboardInterrupt" in p.stderr, p.stderr  # the loss happened
+    assert p.returncode == 130 and p.stderr.rstrip().endswith("moestream: interrupted"), (p.returncode, p.stderr)

@@ -363,12 +363,26 @@ def _read_text_file(option: str, path: str) -> str:
         raise ConfigError(f"{option} {name}: not valid UTF-8 (bad byte at offset {e.start})") from None
 
 
+#: set by :func:`_on_sigint` (main's SIGINT handler outside :func:`interruptible`): a Ctrl-C was received. Python
+#: loses a KeyboardInterrupt raised while a finalizer runs ("Exception ignored in ..."), so the flag, not the
+#: exception alone, decides that the command ends with status 130.
+_SIGINT_SEEN: list[bool] = []
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    _SIGINT_SEEN.append(True)
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def interruptible() -> Iterator[Callable[[], bool]]:
     """While inside, the first SIGINT (Ctrl-C) only sets a flag -- yields the function that reads it, for a
-    Generation to stop between forward passes -- and a second one raises KeyboardInterrupt as usual."""
+    Generation to stop between forward passes -- and a second one raises KeyboardInterrupt as usual. A Ctrl-C
+    received before (whose KeyboardInterrupt may have been lost in a finalizer) raises KeyboardInterrupt here."""
     import signal
 
+    if _SIGINT_SEEN:
+        raise KeyboardInterrupt
     count = 0
 
     def handler(signum: int, frame: object) -> None:
@@ -1252,10 +1266,23 @@ def main(argv: list[str] | None = None) -> int:
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "verify_moe_stream", None) is not None:
         sub.error("--moe-stream does not apply to verify: it always runs streaming off, then on, and compares them")
+    import signal
+    import threading
+
     from .options import flag_errors
+
+    old_sigint = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is \
+            signal.default_int_handler:
+        _SIGINT_SEEN.clear()
+        old_sigint = signal.signal(signal.SIGINT, _on_sigint)
     try:
         with flag_errors(args):  # a library error names an option's field: say the flag
-            return args.func(args)
+            rc = args.func(args)
+        if _SIGINT_SEEN and rc == 0:  # a Ctrl-C whose KeyboardInterrupt was lost: still an interrupted command
+            print("moestream: interrupted", file=sys.stderr)
+            return 130
+        return rc
     except MoestreamError as e:
         if isinstance(e, OutputError):
             _silence_stdout()
@@ -1267,6 +1294,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return 0
+    finally:
+        if old_sigint is not None:
+            signal.signal(signal.SIGINT, old_sigint)
 
 
 if __name__ == "__main__":
