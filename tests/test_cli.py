@@ -297,3 +297,58 @@ def test_inspect_imports_no_torch(fixtures_tool):
     p = subprocess.run([sys.executable, "-c", code, "inspect", "--mem", "4GiB"], capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0 and "memory plan" in p.stdout and p.stderr.splitlines()[-1] == "torch loaded: True"
+
+
+def test_refused_options_import_no_torch():
+    """Every option of run, verify and bench is checked before torch is imported (issue 27: a refusal in a fraction
+    of a second, not after torch's ~1.2 s): one real process runs each refusal through ``cli.main`` in turn and
+    records, per command, its exit code, its message and whether torch._C was loaded. The messages are the ones the
+    in-process commands give (the checks did not change, only when torch comes)."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import cli
+
+    cases = [["run", "-n", "-5"], ["run", "--top-k=-5"], ["run", "--temp", "nan"], ["run", "--slots", "0"],
+             ["run", "--io-threads", "0"], ["run", "--policy", "x"], ["run", "--pool", "x"], ["run", "--mem", "abc"],
+             ["run", "--mem", "1GiB", "--slots", "4"], ["run", "--repeat-penalty", "0"], ["verify", "--steps", "0"],
+             ["bench", "--slots", "abc"], ["bench", "--io-threads", "0"], ["bench", "-r", "0"],
+             ["bench", "--overlap", "maybe"]]
+    code = ("import contextlib, io, json, sys; from moestream.cli import main; out = []\n"
+            "for argv in json.loads(sys.argv[1]):\n"
+            "    err = io.StringIO()\n"
+            "    with contextlib.redirect_stderr(err):\n"
+            "        rc = main(argv)\n"
+            "    out.append([rc, err.getvalue().strip(), 'torch._C' in sys.modules])\n"
+            "print(json.dumps(out))")
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    for argv, (rc, err, torch_loaded) in zip(cases, json.loads(p.stdout), strict=True):
+        want = cli(*argv)
+        assert rc == want.returncode == 1 and err == want.stderr.strip() and "moestream: error:" in err, (argv, err)
+        assert not torch_loaded, (argv, err)
+
+
+def test_ctrl_c_lost_in_a_finalizer_still_ends_with_130():
+    """A Ctrl-C whose KeyboardInterrupt Python loses (raised while a finalizer runs: printed as 'Exception ignored',
+    then execution goes on) still ends the command with status 130 and 'moestream: interrupted' (a newcomer saw a
+    run go on to exit 0 after one). A real process: the command is replaced by one whose finalizer receives the
+    SIGINT, and it returns 0."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, time\n"
+            "import moestream.cli as c\n"
+            "class Fin:\n"
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        time.sleep(0.05)\n"
+            "def cmd(args):\n"
+            "    Fin()\n"
+            "    return 0\n"
+            "c.cmd_inspect = cmd\n"
+            "sys.exit(c.main(['inspect']))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "Exception ignored" in p.stderr and "KeyboardInterrupt" in p.stderr, p.stderr  # the loss happened
+    assert p.returncode == 130 and p.stderr.rstrip().endswith("moestream: interrupted"), (p.returncode, p.stderr)

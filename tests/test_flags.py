@@ -19,7 +19,7 @@ from helpers import cli
 from moestream.chat_templates import CHAT_TEMPLATES
 from moestream.cli import RUN_FLAGS, build_parser
 from moestream.engine import Engine, Sampler, SamplingParams, penalize
-from moestream.llamaflags import REFUSED, SERVE_REFUSED
+from moestream.llamaflags import LOG_REFUSED, REFUSED, RUN_REFUSED, SERVE_REFUSED
 
 DEFAULT_GGUF = Path(__file__).resolve().parents[1] / "src" / "moestream" / "data" / "default.gguf"
 
@@ -182,6 +182,8 @@ def _refused_cases() -> list[tuple[str, str]]:
              if not (cmd == "run" and flags[0] in RUN_FLAGS)]
     cases += [(cmd, flags[-1]) for flags, _ in REFUSED for cmd in ("run",) if flags[-1] not in RUN_FLAGS]
     cases += [("serve", flags[0]) for flags, _ in SERVE_REFUSED]
+    cases += [("run", f) for flags, _ in RUN_REFUSED for f in flags]
+    cases += [(cmd, flags[0]) for flags, _ in LOG_REFUSED for cmd in ("run", "serve", "verify", "bench", "inspect")]
     cases += [("bench", "-fa"), ("bench", "-ot"), ("bench", "-ncmoe"), ("inspect", "-hf"), ("verify", "--cpu-moe")]
     return cases
 
@@ -197,7 +199,8 @@ def test_refused_in_one_line(cmd: str, flag: str) -> None:
 
 @pytest.mark.parametrize("flag, says", [
     ("-hf", "-m FILE"), ("-fa", "leave it out"), ("-ot", "--mem"), ("--cpu-moe", "--mem"), ("-ncmoe", "--mem"),
-    ("--n-cpu-moe", "streamed"), ("-b", "-ub"), ("-tb", "-t"), ("-dev", "--device"),
+    ("--n-cpu-moe", "streamed"), ("-b", "-ub"), ("-tb", "-t"), ("-dev", "--device"), ("-np", "serve -np"),
+    ("--log-disable", "2>/dev/null"),
 ])
 def test_refusal_says_what_to_do(flag: str, says: str) -> None:
     p = cli("run", flag, "1")

@@ -29,6 +29,8 @@ RANKS: dict[str, int] = {
     "moestream.tokenizer": 0, "moestream.output": 0, "moestream.budget": 0, "moestream.limits": 0,
     # 1 experts: layout, slot pools, policies, reader, the grouped MoE call, routing traces
     "moestream.experts": 1,
+    # the options' values and their one check (LoadOptions, SamplingParams): the experts' checks below them
+    "moestream.params": 1,
     # 2 the models' shared parts: weights, norms, RoPE, attention, KV caches, routing functions
     "moestream.models.layers": 2, "moestream.models.routing": 2,
     # 3 runtime: the step runner (steps over batches of sequences, CUDA graphs); calls the families' methods

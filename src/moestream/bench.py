@@ -656,8 +656,9 @@ def routing_note(mode: str, calibration: dict | None, llama: bool) -> str:
                f"(experts/synthetic.py, fit to {c.get('model')}: zipf {c.get('zipf')}, cutoff {c.get('cutoff')}, reuse "
                f"{c.get('reuse')}; the same seeded sequence in every row), the router's weights kept."]
     else:
-        out = ["Routing: model. Each row's own router picks the experts (a random-weight model does not route like "
-               "a trained one; --routing calibrated gives every row routing fitted to a trained model's hit rates)."]
+        out = ["Routing: model. Each row's own router picks the experts for the test's random token ids (a "
+               "random-weight model's router, or a trained one's on random ids, does not route as a trained model "
+               "does on text; --routing calibrated gives every row routing fitted to a trained model's hit rates)."]
     if llama:
         out.append("Note: llama.cpp's rows always route with the model's own router (their expert ids cannot be "
                    "replaced)" + (", so they do not see the calibrated routing." if mode == "calibrated" else "."))
@@ -677,11 +678,9 @@ def _limit(test: dict, bandwidth: float | None) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Entry point of ``moestream bench`` (see cli.py for the flags)."""
-    from .experts.pool import check_pool
     from .gguf import GGUFModel
     from .limits import check_tokens
-    from .models.base import architecture_of
-    from .options import default_threads, load_options, model_path
+    from .options import check_pool, default_threads, load_options, model_path
 
     device = str(getattr(args, "device", "cpu") or "cpu").strip().lower()
     # the options every row shares, checked once here (a CPU build of torch asked for CUDA: one line, not one per
@@ -703,6 +702,19 @@ def run_bench(args: argparse.Namespace) -> int:
             raise ConfigError(f"{opt}: the value is empty" + (" (e.g. 4GiB); without a cap, leave --mem-cap out"
                                                                if opt == "--mem-cap" else ""))
     model = model_path(args)
+    # the lists every row takes, read before the file and torch (a refused value is answered at once)
+    from .experts.reader import check_io_threads
+    if args.slots is not None:
+        _list(args.slots, int, "--slots")
+    for n in _list(args.io_threads, int, "--io-threads") if args.io_threads is not None else []:
+        check_io_threads(n)
+    for flag, value in (("--moe-stream", args.moe_stream), ("--overlap", args.overlap),
+                        ("--direct-io", args.direct_io), ("--prefetch", args.prefetch)):
+        if value is not None:
+            _on_off_list(value, flag)
+    if args.repetitions < 1:
+        raise ConfigError(f"-r must be at least 1, got {args.repetitions}")
+    from .models.base import architecture_of
     g = GGUFModel(model)  # validates the file up front: one clear error instead of one per row
     architecture_of(g)
     top_k = int(g.arch_get("expert_used_count", 0))
@@ -713,8 +725,6 @@ def run_bench(args: argparse.Namespace) -> int:
     if trace_path is not None:
         check_json_path(trace_path, g.paths, option="--trace", what="the trace")
     check_distinct_outputs([("--json", args.json), ("--trace", trace_path)])
-    if args.repetitions < 1:
-        raise ConfigError(f"-r must be at least 1, got {args.repetitions}")
     routing = str(getattr(args, "routing", "model")).strip().lower()
     if routing not in ROUTING_MODES:
         raise ConfigError(f"--routing: expected model or calibrated, got {getattr(args, 'routing', None)!r}")

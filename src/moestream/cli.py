@@ -14,9 +14,19 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 
+from . import version
 from .chat_templates import CHAT_TEMPLATES
 from .limits import MAX_IO_THREADS, MAX_TOKENS, check_tokens
-from .llamaflags import REFUSED, SERVE_REFUSED, FlagRefused, Parser, add_refused, gpu_layers_device
+from .llamaflags import (
+    LOG_REFUSED,
+    REFUSED,
+    RUN_REFUSED,
+    SERVE_REFUSED,
+    FlagRefused,
+    Parser,
+    add_refused,
+    gpu_layers_device,
+)
 from .options import default_threads, max_threads, model_path, set_compute_threads
 from .output import write_stdout
 
@@ -35,17 +45,6 @@ TRACE_HELP = ("write a per-token trace to FILE (JSON lines: a header, then per t
 DIRECT_IO_HELP = ("read experts with O_DIRECT, bypassing the page cache, so that the slot pools are the only cache "
                   "(default: on where the file system allows it; where it refuses, e.g. tmpfs, reads go through "
                   "the page cache, with a note when on was asked for); off: buffered reads")
-
-
-def version() -> str:
-    """The installed package's version (``pyproject.toml``)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("moestream")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 def _on_off(v: str) -> bool:
@@ -114,6 +113,7 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
     p.add_argument("-ub", "--ubatch", "--ubatch-size", type=int, default=128,
                    help="prefill chunk size in tokens (default 128)")
     add_refused(p, REFUSED, keep=RUN_FLAGS if p.prog.endswith(" run") else ())
+    add_refused(p, LOG_REFUSED)
 
 
 class _DeviceFlag(argparse.Action):
@@ -161,12 +161,12 @@ def _open(args: argparse.Namespace, moe_stream: bool, streams_later: bool = Fals
     the context and the memory plan are computed from it before :func:`_load`), and its LoadOptions
     (options.load_options); ``streams_later``: verify, whose resident model is run streaming too (the streaming
     options are used, so no note says they are ignored)."""
-    from .models.base import open_model
     from .options import load_options
     _check_common(args)
+    opts = load_options(args, moe_stream)  # every load option checked before torch is imported
+    from .models.base import open_model
     threads = args.threads if args.threads is not None else default_threads()
     set_compute_threads(threads, getattr(args, "matmul", "blocks"))
-    opts = load_options(args, moe_stream)
     for ignored in _ignored_options(args, opts, moe_stream or streams_later):
         print(f"moestream: note: {ignored}", file=sys.stderr, flush=True)
     return open_model(model_path(args), opts), opts
@@ -367,12 +367,26 @@ def _read_text_file(option: str, path: str) -> str:
         raise ConfigError(f"{option} {name}: not valid UTF-8 (bad byte at offset {e.start})") from None
 
 
+#: set by :func:`_on_sigint` (main's SIGINT handler outside :func:`interruptible`): a Ctrl-C was received. Python
+#: loses a KeyboardInterrupt raised while a finalizer runs ("Exception ignored in ..."), so the flag, not the
+#: exception alone, decides that the command ends with status 130.
+_SIGINT_SEEN: list[bool] = []
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    _SIGINT_SEEN.append(True)
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def interruptible() -> Iterator[Callable[[], bool]]:
     """While inside, the first SIGINT (Ctrl-C) only sets a flag -- yields the function that reads it, for a
-    Generation to stop between forward passes -- and a second one raises KeyboardInterrupt as usual."""
+    Generation to stop between forward passes -- and a second one raises KeyboardInterrupt as usual. A Ctrl-C
+    received before (whose KeyboardInterrupt may have been lost in a finalizer) raises KeyboardInterrupt here."""
     import signal
 
+    if _SIGINT_SEEN:
+        raise KeyboardInterrupt
     count = 0
 
     def handler(signum: int, frame: object) -> None:
@@ -487,8 +501,6 @@ def _open_run_trace(args: argparse.Namespace, model):  # noqa: ANN001, ANN202
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .chat import encode_chat
-    from .engine import Engine, Sampler
     from .errors import ConfigError
     from .options import flag_errors, grammar_flags, run_grammar, sampling_params
     from .textgen import StopStrings, TextEvents
@@ -508,7 +520,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .output import check_distinct_outputs
     check_distinct_outputs([("--routing-trace", args.routing_trace), ("--trace", args.trace)])
     params = sampling_params(args)
-    shape, opts = _open(args, args.moe_stream)
+    shape, opts = _open(args, args.moe_stream)  # the load options checked before it imports torch
+    from .chat import encode_chat
+    from .engine import Engine, Sampler
+
     tok = _tokenizer(shape, template)
     with flag_errors(args):
         params.check_vocab(tok.vocab_size)
@@ -769,8 +784,8 @@ MAX_SLOTS = 256
 def _serve_slots(args: argparse.Namespace, model) -> int:  # noqa: ANN001
     """serve's slots: -np N as given; else 1 with --trace, else :data:`DEFAULT_SLOTS`, fewer when an explicit -c
     would need more than half the memory (the --mem budget's, else the memory available) for their KV caches."""
-    from .budget import available_memory, process_rss
-    from .engine import DEFAULT_CTX_MEMORY_SHARE
+    from .budget import available_memory
+    from .engine import DEFAULT_CTX_MEMORY_SHARE, kv_memory
 
     if args.parallel is not None and args.parallel > 0:
         return args.parallel
@@ -778,10 +793,47 @@ def _serve_slots(args: argparse.Namespace, model) -> int:  # noqa: ANN001
         return 1
     if not args.ctx_size:
         return DEFAULT_SLOTS  # each slot's context is capped by its share of memory (_plan_context)
-    opts = model.opts
-    memory = max(opts.mem - process_rss(), 0) if opts.mem is not None and opts.budgeted else available_memory()
+    memory = kv_memory(model.opts)
+    memory = available_memory() if memory is None else memory
     fits = int(DEFAULT_CTX_MEMORY_SHARE * memory // max(model.cache_bytes(args.ctx_size), 1))
     return max(1, min(DEFAULT_SLOTS, fits))
+
+
+#: The most bytes of an --api-key-file read (a key file is a few lines; this bounds what a device file makes us read)
+MAX_KEY_FILE_BYTES = 1 << 20
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """serve's API keys: each ``--api-key KEY``, then each line of ``--api-key-file FILE`` (blank lines skipped;
+    spaces around a key are not part of it). A key is printable ASCII without spaces (what an HTTP header carries
+    unchanged). ConfigError, naming the flag, the file and the line but never a key, for a missing, unreadable or
+    empty file and a bad key; before the socket listens."""
+    from .errors import ConfigError
+
+    def check(key: str, where: str) -> str:
+        if not key or not all(33 <= ord(c) < 127 for c in key):
+            raise ConfigError(f"{where}: an API key must be printable ASCII without spaces, at least one character")
+        return key
+
+    keys = [check(k, f"--api-key (key {i + 1} of {len(args.api_key)})") for i, k in enumerate(args.api_key or [])]
+    if args.api_key_file is not None:
+        path = args.api_key_file
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_KEY_FILE_BYTES + 1)
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {path}: cannot read it ({e.strerror or e})") from None
+        if len(data) > MAX_KEY_FILE_BYTES:
+            raise ConfigError(f"--api-key-file {path}: more than {MAX_KEY_FILE_BYTES} bytes: not a file of keys")
+        try:
+            lines = data.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise ConfigError(f"--api-key-file {path}: not UTF-8 text (one key per line)") from None
+        found = [check(k.strip(), f"--api-key-file {path}: line {n}") for n, k in enumerate(lines, 1) if k.strip()]
+        if not found:
+            raise ConfigError(f"--api-key-file {path}: holds no key (one key per line)")
+        keys += found
+    return keys
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -792,8 +844,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     names, load, held = serve_loader(args)
+    keys = api_keys(args)
     try:
-        return serve(load, names, args.host, args.port)
+        return serve(load, names, args.host, args.port, keys)
     finally:
         for obj in held:
             if isinstance(obj, TraceWriter):
@@ -879,13 +932,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .engine import check_cache_fits, check_trained_context
     from .errors import ConfigError
-    from .verify import verify
 
     _check_prompt(args.prompt)
     _check_common(args)
     check_tokens(args.steps, "steps", minimum=1)
+    from .engine import check_cache_fits, check_trained_context  # torch: after the option checks
+    from .verify import verify
+
     shape, opts = _open(args, moe_stream=False, streams_later=True)
     tok = _tokenizer(shape)
     ids = tok.encode(args.prompt, add_special=True)
@@ -1014,6 +1068,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "turn prefills only its new tokens); /exit or end of input ends it; Ctrl-C stops a reply")
     r.add_argument("-no-cnv", "--no-conversation", dest="interactive", action="store_false",
                    help="not interactive (the default; llama.cpp's flag)")
+    add_refused(r, RUN_REFUSED)
     _add_chat_template(r)
     r.add_argument("--temp", type=float, default=0.8, help="temperature; <= 0 = greedy (default 0.8)")
     r.add_argument("--top-k", type=int, default=40)
@@ -1053,6 +1108,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print the model's layout and memory needs")
     i.add_argument("-m", "--model", default=None)
     add_refused(i, REFUSED)
+    add_refused(i, LOG_REFUSED)
     i.add_argument("--slots", type=int, default=None, help="price pools of this many slots per layer")
     i.add_argument("--mem", default=None, metavar="SIZE", help="print the memory plan run --mem SIZE makes: slots "
                    "per layer, pool GiB, what is left")
@@ -1144,6 +1200,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "KiB/MiB/GiB/TiB are powers of 2 (4G = 4GiB), KB/MB/GB/TB powers of 10, no unit = bytes; "
                         "at least 64MiB")
     add_refused(b, REFUSED)
+    add_refused(b, LOG_REFUSED)
     b.set_defaults(func=cmd_bench)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming)")
@@ -1173,6 +1230,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--cache-prompt", type=_on_off, default=True, metavar="on|off",
                     help="a slot keeps its KV cache after a request, and the next request given to it reuses the "
                     "longest common token prefix (on, default; a request's \"cache_prompt\": false opts out)")
+    sv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                    help="require this key on every route but /health: 'Authorization: Bearer KEY' (OpenAI's "
+                    "clients' api_key) or 'X-Api-Key: KEY'; else 401 (repeat for more keys; other users of the "
+                    "machine can read a command line: prefer --api-key-file)")
+    sv.add_argument("--api-key-file", default=None, metavar="FILE",
+                    help="require one of the keys in FILE (one per line) as --api-key does")
     _add_chat_template(sv)
     add_refused(sv, SERVE_REFUSED)
     sv.set_defaults(func=cmd_serve)
@@ -1226,10 +1289,23 @@ def main(argv: list[str] | None = None) -> int:
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "verify_moe_stream", None) is not None:
         sub.error("--moe-stream does not apply to verify: it always runs streaming off, then on, and compares them")
+    import signal
+    import threading
+
     from .options import flag_errors
+
+    old_sigint = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is \
+            signal.default_int_handler:
+        _SIGINT_SEEN.clear()
+        old_sigint = signal.signal(signal.SIGINT, _on_sigint)
     try:
         with flag_errors(args):  # a library error names an option's field: say the flag
-            return args.func(args)
+            rc = args.func(args)
+        if _SIGINT_SEEN and rc == 0:  # a Ctrl-C whose KeyboardInterrupt was lost: still an interrupted command
+            print("moestream: interrupted", file=sys.stderr)
+            return 130
+        return rc
     except MoestreamError as e:
         if isinstance(e, OutputError):
             _silence_stdout()
@@ -1241,6 +1317,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return 0
+    finally:
+        if old_sigint is not None:
+            signal.signal(signal.SIGINT, old_sigint)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import math
 import os
 import resource
 import time
@@ -14,10 +13,11 @@ import psutil
 import torch
 
 from .budget import available_memory
-from .errors import ConfigError, ForwardError, NumericError, OptionError, shown
+from .errors import ConfigError, ForwardError, NumericError, OptionError
 from .experts.pool import StoreStats
 from .limits import MAX_TOKENS
 from .models.base import MoEModel
+from .params import SamplingParams  # the one check of sampling values, torch-free (refused before torch loads)
 
 GiB = 2**30
 
@@ -103,101 +103,17 @@ def run_context(model: MoEModel, n_prompt: int, n_predict: int, ctx_size: int | 
         return ctx_size, None
     if n_predict >= 0:
         return n_prompt + n_predict, None
-    opts = opts or model.opts
-    memory = None
+    return default_context(model, share, memory=kv_memory(opts or model.opts))
+
+
+def kv_memory(opts: object) -> int | None:
+    """The memory (bytes) that KV caches are sized against under LoadOptions ``opts``: with a ``mem`` budget,
+    what it leaves besides this process (its RSS now); else None (the memory available, :func:`default_context`).
+    The one place of this arithmetic for run's context and serve's slot count."""
     if opts.mem is not None and opts.budgeted:  # the KV share comes out of --mem
         from .budget import process_rss
-        memory = max(opts.mem - process_rss(), 0)
-    return default_context(model, share, memory=memory)
-
-
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-@dataclass
-class SamplingParams:
-    """llama.cpp-style sampling. temp <= 0 is greedy. top_k 0 or -1, top_p 1, min_p 0 disable a filter;
-    the most likely token always survives the filters. seed None or -1: a random seed.
-
-    Order (as llama.cpp's default chain): ``logit_bias`` (token id -> a number added to its logit; ``-inf`` bans
-    it), the penalties (:func:`penalize`, greedy included), a grammar's mask (:class:`Sampler`'s ``constraint``),
-    top-k, top-p, min-p, then temperature, then a draw. The penalties look at the last ``repeat_last_n`` tokens
-    the sampler was given (:meth:`Sampler.accept`: the prompt, then each sampled token; 0: off, -1: all);
-    repeat_penalty 1 and presence/frequency 0 turn them off (the default).
-    The one check of these values for every command and the server (:meth:`__post_init__`): OptionError naming
-    the field and the value for a temperature or penalty that is not a finite number, a top-k that is not an
-    integer >= -1, top-p/min-p not a number in [0, 1], a seed not an integer in [-1, 2^63), a repeat_penalty <= 0
-    or a repeat_last_n below -1, a logit_bias that is not a map of token ids >= 0 to finite numbers or -inf
-    (:meth:`check_vocab` checks the ids against a vocabulary). Numbers are stored as float/int.
-    """
-
-    temp: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    seed: int | None = None
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def penalized(self) -> bool:
-        """Whether the penalties change anything (llama.cpp's early return)."""
-        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
-                                            or self.frequency_penalty != 0.0)
-
-    def __post_init__(self) -> None:
-        if not (_is_number(self.temp) and math.isfinite(self.temp)):
-            raise OptionError(f"{{temp}} must be a finite number (<= 0: greedy), got {shown(self.temp)}",
-                              temp=self.temp)
-        if not (_is_int(self.top_k) and self.top_k >= -1):
-            raise OptionError(f"{{top_k}} must be an integer >= -1 (0 or -1: off), got {shown(self.top_k)}",
-                              top_k=self.top_k)
-        for name in ("top_p", "min_p"):
-            v = getattr(self, name)
-            if not (_is_number(v) and 0.0 <= v <= 1.0):
-                raise OptionError(f"{{{name}}} must be a number in [0, 1], got {shown(v)}", **{name: v})
-        if self.seed is not None and not (_is_int(self.seed) and -1 <= self.seed < 2**63):
-            raise OptionError(f"{{seed}} must be -1 (random) or in [0, 2^63), got {shown(self.seed)}",
-                              seed=self.seed)
-        self.temp, self.top_p, self.min_p = float(self.temp), float(self.top_p), float(self.min_p)
-        for name in ("repeat_penalty", "presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not (_is_number(v) and math.isfinite(v)):
-                raise OptionError(f"{{{name}}} must be a finite number, got {shown(v)}", **{name: v})
-        if self.repeat_penalty <= 0:
-            raise OptionError(f"{{repeat_penalty}} must be above 0 (1: off), got {shown(self.repeat_penalty)}",
-                              repeat_penalty=self.repeat_penalty)
-        if not (_is_int(self.repeat_last_n) and self.repeat_last_n >= -1):
-            raise OptionError(f"{{repeat_last_n}} must be -1 (all), 0 (off) or more, got {shown(self.repeat_last_n)}",
-                              repeat_last_n=self.repeat_last_n)
-        self.repeat_penalty = float(self.repeat_penalty)
-        self.presence_penalty, self.frequency_penalty = float(self.presence_penalty), float(self.frequency_penalty)
-        if not isinstance(self.logit_bias, dict):
-            raise OptionError(f"{{logit_bias}} must map token ids to biases, got {shown(self.logit_bias)}",
-                              logit_bias=self.logit_bias)
-        for k, v in self.logit_bias.items():
-            if not (_is_int(k) and k >= 0):
-                raise OptionError(f"{{logit_bias}}: a token id must be an integer >= 0, got {shown(k)}",
-                                  logit_bias=k)
-            if not (_is_number(v) and (math.isfinite(v) or v == -math.inf)):
-                raise OptionError(f"{{logit_bias}}: the bias of token {k} must be a finite number or -inf, got "
-                                  f"{shown(v)}", logit_bias=v)
-        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-
-    def check_vocab(self, n_vocab: int) -> None:
-        """OptionError naming ``logit_bias`` when one of its token ids is not below ``n_vocab``."""
-        bad = next((k for k in self.logit_bias if k >= n_vocab), None)
-        if bad is not None:
-            raise OptionError(f"{{logit_bias}}: token id {bad} is not in the vocabulary (0..{n_vocab - 1})",
-                              logit_bias=bad)
+        return max(opts.mem - process_rss(), 0)
+    return None
 
 
 def penalize(logits: torch.Tensor, window: Iterable[int], p: SamplingParams) -> torch.Tensor:

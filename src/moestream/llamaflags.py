@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["FlagRefused", "Parser", "REFUSED", "SERVE_REFUSED", "add_refused", "gpu_layers_device"]
+__all__ = ["LOG_REFUSED", "REFUSED", "RUN_REFUSED", "SERVE_REFUSED", "FlagRefused", "Parser", "add_refused",
+           "gpu_layers_device"]
 
 
 class FlagRefused(Exception):
@@ -100,8 +101,27 @@ REFUSED: list[tuple[tuple[str, ...], str]] = [
 
 #: serve only (llama-server's)
 SERVE_REFUSED: list[tuple[tuple[str, ...], str]] = [
-    (("--api-key", "--api-key-file"), "moestream serve has no API keys: it listens on 127.0.0.1 unless --host says "
-     "otherwise; put an authenticating proxy in front to expose it"),
+    (("--no-slots",), "moestream serve's /slots endpoint is always on (it shows token counts and request ids, no "
+     "prompt text; --api-key guards it); moestream's --slots N is the expert slots per MoE layer"),
+]
+
+
+#: run only (llama-cli's habits that have no place in a one-prompt run)
+RUN_REFUSED: list[tuple[tuple[str, ...], str]] = [
+    (("-np", "--parallel"), "moestream run generates for one prompt; to decode several requests together use "
+     "moestream serve -np N"),
+    (("-st", "--single-turn"), "moestream run without -cnv answers one prompt and exits (add --chat to wrap it in "
+     "the chat template)"),
+    (("-e", "--escape"), "moestream takes -p as typed (no escape processing): let the shell write the characters, "
+     "e.g. -p $'line one\\nline two', or use -f FILE"),
+]
+
+#: every command that loads a model: cosmetic or logging switches of llama.cpp's
+LOG_REFUSED: list[tuple[tuple[str, ...], str]] = [
+    (("--color", "-co"), "moestream prints plain text (the generated text on stdout, status lines on stderr); "
+     "leave it out"),
+    (("--log-disable",), "moestream's status lines go to stderr: redirect it (2>/dev/null) to hide them"),
+    (("--no-warmup",), "moestream runs no warm-up pass: leave it out"),
 ]
 
 

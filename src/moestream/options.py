@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from importlib import resources
 
 from .errors import ConfigError, OptionError
+from .params import LoadOptions, SamplingParams, check_pool  # noqa: F401 - the commands take them from here
 
 
 def max_threads() -> int:
@@ -149,7 +150,6 @@ def load_options(args: argparse.Namespace, moe_stream: bool | None = None, **fie
     import sys
 
     from .budget import warn_over_available
-    from .models.base import LoadOptions
 
     def source(name: str, flag: str) -> str | None:
         text = getattr(args, name, None)
@@ -175,8 +175,6 @@ def sampling_params(args: argparse.Namespace):  # noqa: ANN201
     """SamplingParams of ``--temp``, ``--top-k``, ``--top-p``, ``--min-p``, ``--seed`` and llama.cpp's penalties
     (``--repeat-penalty``, ``--repeat-last-n``, ``--presence-penalty``, ``--frequency-penalty``; checked by
     ``SamplingParams.__post_init__``, the server's check too)."""
-    from .engine import SamplingParams
-
     return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,

@@ -4,9 +4,13 @@ Routes: ``POST /v1/chat/completions`` (the file's chat template, message text to
 :mod:`moestream.chat`), ``POST /v1/completions`` (a raw prompt: control-token text in it is parsed, as llama.cpp
 does with a raw prompt), both streaming (server-sent events, ``data: [DONE]`` at the end) or not;
 ``GET /v1/models``; ``GET /health`` (503 while the model loads, 200 once it is ready: the socket listens before
-the model is loaded, so a supervisor such as llama-swap can poll it; 503 again, with the reason, once the model can
-no longer compute -- its file's bytes changed in place, or expert reads failed :data:`READ_FAULTS_BROKEN` requests in
-a row -- so that the supervisor restarts the server); ``GET /metrics`` (Prometheus text format).
+the model is loaded, so a supervisor such as llama-swap can poll it; 503 while a probe read of the model file fails
+(:meth:`ServerState.check_file`), and for good, with the reason, once the model can no longer compute -- its file's
+bytes changed in place, or :data:`READ_FAULTS_BROKEN` reads failed in a row -- so that the supervisor restarts the
+server); ``GET /metrics`` (Prometheus text format); llama-server's ``POST /tokenize``, ``POST /detokenize``,
+``GET /props`` and ``GET /slots``. With API keys (``--api-key``) every route but /health needs one
+(:class:`APIKeyCheck`). Each request that reaches a completion route leaves one line on stderr when it ends
+(:func:`request_line`).
 
 Up to ``-np N`` generations run at once, each in a slot (its own KV cache), decoded together: one forward step
 of the model for all of them (continuous batching, :mod:`moestream.batching`: a request joins with its first
@@ -21,14 +25,16 @@ running and the process exits (uvicorn's graceful shutdown, at most :data:`GRACE
 connections).
 
 Errors are OpenAI's error objects, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status in
-the response (400 a malformed or invalid request, 404 an unknown route or model, 503 loading or shutting down,
-500 a failure while generating, such as a read fault: the next request is served as usual, until the model is
-broken as said above: then 503 for every request).
+the response (400 a malformed or invalid request, 401 no valid API key, 404 an unknown route or model, 503 loading
+or shutting down, 500 a failure while generating, such as a read fault: the next request is served as usual, until
+the model is broken as said above: then 503 for every request).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import itertools
 import json
 import math
@@ -61,6 +67,8 @@ GRACEFUL_SHUTDOWN_S = 3.0
 #: Seconds between two checks of a plain (not streamed) request's connection while it generates
 DISCONNECT_POLL_S = 0.25
 _NOTHING = object()
+#: The most UTF-8 bytes of text /tokenize takes (a bound on the thread it holds, as _surely_too_long for prompts)
+MAX_TOKENIZE_BYTES = 8 << 20
 #: Stop strings a request may give (OpenAI allows 4; llama-server any number).
 MAX_STOP_STRINGS = 16
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -117,6 +125,13 @@ class Job:
     cached: int = 0
     #: the llguidance grammar the output must follow (response_format, tool_choice required), or None
     grammar: str | None = None
+    #: the response's id (``chatcmpl-...`` / ``cmpl-...``): the request log's and /slots' name for it
+    rid: str = ""
+    #: time.monotonic() when the request was queued, and when its first token came (None before)
+    t_queued: float = field(default_factory=time.monotonic)
+    t_first: float | None = None
+    #: the slot it runs in (None while queued)
+    slot: int | None = None
 
     def put(self, item: object) -> None:
         try:
@@ -146,6 +161,13 @@ class Counters:
     last_decode_tps: float = 0.0
 
 
+#: Seconds during which /health answers with its last probe of the model file rather than read it again
+HEALTH_PROBE_S = 1.0
+#: Seconds /health waits for its probe read (a hung network file system): then 503 while it has not returned
+HEALTH_PROBE_TIMEOUT_S = 5.0
+#: Routes that answer without an API key (--api-key): what a supervisor polls
+OPEN_ROUTES = frozenset({"/health"})
+
 #: Requests in a row whose generation failed on an expert read (ExpertReadError) after which the model counts as
 #: broken (/health 503): one or two may be a passing fault that the next request does not meet (the pool stays
 #: consistent, and the server goes on)
@@ -171,6 +193,8 @@ class ServerState:
         self.running = 0
         #: the Generations running now by slot (their stats grow during the prefill, chunk by chunk)
         self.current: dict[int, object] = {}
+        #: the Job each busy slot serves (for /slots)
+        self.serving: dict[int, Job] = {}
         self.slots: list = []  # batching.Slot, made when the worker starts
         self.scheduler = None  # batching.StepScheduler, made when the worker starts
         self._used = itertools.count(1)
@@ -180,6 +204,8 @@ class ServerState:
         self.lock = threading.Lock()
         self.created = int(time.time())
         self.traced = 0  # generations recorded by --trace (the records' "request" number)
+        self._probe: asyncio.Future | None = None  # /health's read of the model file (check_file)
+        self._probe_at = 0.0
         self.worker = threading.Thread(target=self._work, name="moestream-generate", daemon=True)
         self.loader = threading.Thread(target=self._load, name="moestream-load", daemon=True)
 
@@ -245,6 +271,7 @@ class ServerState:
                     self.waiting -= 1
                 if job.cancelled.is_set() or self.shutting_down.is_set():
                     self._count("cancelled")
+                    self.log_request(job, "cancelled")
                     job.put(APIError(503, "the server is shutting down", "unavailable_error", code=503)
                             if self.shutting_down.is_set() else None)
                     continue
@@ -259,6 +286,7 @@ class ServerState:
             except queue.Empty:
                 break
             if job is not None:
+                self.log_request(job, "cancelled")
                 job.put(APIError(503, "the server is shutting down", "unavailable_error", code=503))
 
     def _start(self, job: Job) -> None:
@@ -278,9 +306,13 @@ class ServerState:
         except Exception as e:  # noqa: BLE001 - this request fails, the server goes on
             slot.busy = False
             self._count("error")
-            job.put(APIError(500, f"no KV cache for the request ({type(e).__name__}: {e})", "server_error", code=500))
+            err = APIError(500, f"no KV cache for the request ({type(e).__name__}: {e})", "server_error", code=500)
+            self.log_request(job, "error", status=500)
+            job.put(err)
             return
         slot.tokens = slot.tokens[:n]
+        job.slot = slot.index
+        self.serving[slot.index] = job
         with self.lock:
             self.running += 1
         self.scheduler.enter(slot.index)
@@ -315,6 +347,10 @@ class ServerState:
             for ev in events:
                 if isinstance(ev, DoneEvent):
                     self._account(ev, n)
+                    self.log_request(job, "cancelled" if ev.finish_reason == "interrupted" else "completed",
+                                     ev.stats, ev.finish_reason)
+                elif job.t_first is None:
+                    job.t_first = time.monotonic()
                 job.put(ev)
             self._read_faults = 0
             ok = True
@@ -322,14 +358,17 @@ class ServerState:
             self._count("error")
             print(f"moestream: error: {e}", file=sys.stderr, flush=True)
             self._note_fault(e)
+            self.log_request(job, "error", gen.stats if gen is not None else None, status=500)
             job.put(APIError(500, str(e), "server_error", code=500))
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             self._count("error")
             print(f"moestream: error: generation failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+            self.log_request(job, "error", gen.stats if gen is not None else None, status=500)
             job.put(APIError(500, f"generation failed ({type(e).__name__})", "server_error", code=500))
         finally:
             self.scheduler.leave(slot.index)
             self.current.pop(slot.index, None)
+            self.serving.pop(slot.index, None)
             if ok and gen is not None:  # what the cache holds now: positions 0..gen.pos-1
                 slot.tokens = (job.ids + gen.stats.tokens)[:gen.pos]
             else:  # a step failed part-way: the cache (a recurrent state too) may be half-written
@@ -378,6 +417,48 @@ class ServerState:
             self.broken = reason
             print("moestream: error: the model can no longer compute; GET /health answers 503 from now on (restart "
                   "the server)", file=sys.stderr, flush=True)
+
+    def log_request(self, job: Job, outcome: str, stats=None, finish: str | None = None,  # noqa: ANN001 - GenStats
+                    status: int | None = None) -> None:
+        """Print :func:`request_line` of a request that ended (the worker's side: completed, cancelled, failed)."""
+        print(request_line(job.rid, outcome, job=job, stats=stats, finish=finish, status=status), file=sys.stderr,
+              flush=True)
+
+    async def check_file(self) -> None:
+        """/health's check that the loaded model can still read its file: the descriptors' fstat (bytes changed in
+        place: the model is broken from then on) and a probe read of each expert file (``store.probe``: through
+        O_DIRECT where the expert reads use it, so a failing disk or a vanished network share answers, not the
+        page cache), at most once per :data:`HEALTH_PROBE_S` (polls in between get the last answer). A failed read
+        counts as one of the :data:`READ_FAULTS_BROKEN` read faults in a row. APIError 503 naming the file and the
+        error while it fails, or while a read has not returned after :data:`HEALTH_PROBE_TIMEOUT_S`."""
+        probe = self._probe
+        if probe is None or probe.done() and time.monotonic() - self._probe_at >= HEALTH_PROBE_S:
+            self._probe_at = time.monotonic()
+            probe = self._probe = asyncio.ensure_future(asyncio.to_thread(self._probe_file))
+        try:  # a probe that hangs is waited for once: later polls answer at once
+            why = await asyncio.wait_for(asyncio.shield(probe),
+                                         max(0.0, self._probe_at + HEALTH_PROBE_TIMEOUT_S - time.monotonic()))
+        except TimeoutError:
+            raise APIError(503, f"a read of the model file has not returned after {HEALTH_PROBE_TIMEOUT_S:g} s",
+                           "unavailable_error", code=503) from None
+        if why is not None:
+            raise APIError(503, f"the model file cannot be read: {why}", "unavailable_error", code=503)
+
+    def _probe_file(self) -> str | None:
+        """check_file's work (a thread): None, or why the file cannot be read (then counted by _note_fault)."""
+        model = self.loaded.model if self.loaded is not None else None
+        if model is None:
+            return None
+        try:
+            model.gguf.check_unchanged()
+            probe = getattr(getattr(model, "store", None), "probe", None)
+            if probe is not None:
+                probe()
+        except MoestreamError as e:
+            if isinstance(e, (ExpertReadError, ModelFileChanged)):
+                self._note_fault(e)
+            return str(e)
+        return None
 
     def _count(self, outcome: str) -> None:
         with self.lock:
@@ -461,6 +542,44 @@ class ServerState:
             out.append(f"# TYPE {name} {kind}")
             out += [f"{name}{labels} {_num(v)}" for labels, v in samples]
         return "\n".join(out) + "\n"
+
+
+def request_line(rid: str, outcome: str, job: Job | None = None, stats=None, finish: str | None = None,  # noqa: ANN001
+                 status: int | None = None, code: object = None) -> str:
+    """The log line of one request, ``key=value`` separated by spaces (``-``: does not apply)::
+
+        moestream: request id=chatcmpl-... slot=0 prompt_tokens=12 cached_tokens=11 completion_tokens=20
+        tok_s=35.20 ttft_ms=140 finish=length outcome=completed
+
+    ``prompt_tokens``: the whole prompt (``cached_tokens`` of it served from the slot's KV cache);
+    ``completion_tokens``: tokens generated (GenStats ``stats``: none before the generation started); ``tok_s``:
+    decode tokens per second (timings' ``predicted_per_second``); ``ttft_ms``: milliseconds from the request's
+    arrival in the queue to its first token; ``finish``: the reply's finish_reason (``interrupted``: cancelled);
+    ``outcome``: completed, cancelled (client gone, shutdown), error (failed while generating) or rejected
+    (refused before it started), with the HTTP ``status`` and error ``code`` when it failed. It holds no prompt or
+    reply text and no header (so never an API key)."""
+    def dash(v: object) -> str:
+        return "-" if v is None else str(v)
+
+    n_gen = len(stats.tokens) if stats is not None else (0 if job is not None else None)
+    tps = f"{stats.decode_tps:.2f}" if stats is not None and stats.n_decode else None
+    ttft = f"{1000 * (job.t_first - job.t_queued):.0f}" if job is not None and job.t_first is not None else None
+    fields = [("id", rid or "-"), ("slot", job.slot if job is not None else None),
+              ("prompt_tokens", len(job.ids) if job is not None else None),
+              ("cached_tokens", job.cached if job is not None else None), ("completion_tokens", n_gen),
+              ("tok_s", tps), ("ttft_ms", ttft), ("finish", finish), ("outcome", outcome)]
+    if status is not None:
+        fields += [("status", status), ("code", code)]
+    return "moestream: request " + " ".join(f"{k}={dash(v)}" for k, v in fields)
+
+
+def _piece(b: bytes) -> str | list[int]:
+    """A token's piece for /tokenize: its text, or its bytes as ints where they are not whole UTF-8 (a byte
+    token, half a character), as llama-server."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(b)
 
 
 def _num(v: float) -> str:
@@ -971,9 +1090,56 @@ def _timings(st, cached: int = 0) -> dict:  # noqa: ANN001
             "predicted_per_second": st.decode_tps}
 
 
-def create_app(state: ServerState):  # noqa: ANN201
-    """The FastAPI application over ``state``."""
+class APIKeyCheck:
+    """ASGI middleware: every route but :data:`OPEN_ROUTES` needs one of ``keys``, sent as ``Authorization: Bearer
+    KEY`` (OpenAI's clients) or ``X-Api-Key: KEY`` (llama-server's other header); without it the answer is 401 in
+    OpenAI's error shape (code ``invalid_api_key``), before the request is read. The given key is compared with
+    every key, each comparison on SHA-256 digests by ``hmac.compare_digest``, so the time taken tells neither
+    which key nor how much of one matched, nor their lengths. Keys are never logged or echoed."""
+
+    def __init__(self, app, keys: list[str]):  # noqa: ANN001 - an ASGI app
+        self.app = app
+        self.digests = [hashlib.sha256(k.encode("utf-8")).digest() for k in keys]
+
+    def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool | None:
+        """True for a valid key, False for a wrong one, None when no key was sent."""
+        given = []
+        for name, value in headers:
+            name = name.lower()
+            if name == b"authorization":
+                scheme, _, key = value.strip().partition(b" ")
+                if scheme.lower() == b"bearer":
+                    given.append(key.strip())
+            elif name == b"x-api-key":
+                given.append(value.strip())
+        if not given:
+            return None
+        ok = False
+        for key in given:
+            digest = hashlib.sha256(key).digest()
+            for d in self.digests:
+                ok |= hmac.compare_digest(digest, d)
+        return ok
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] != "http" or scope["path"] in OPEN_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        ok = self.allowed(scope["headers"])
+        if ok:
+            await self.app(scope, receive, send)
+            return
+        e = APIError(401, "invalid API key" if ok is False else "no API key: send the header 'Authorization: "
+                     "Bearer KEY' (or 'X-Api-Key: KEY')", code="invalid_api_key")
+        await JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
+    """The FastAPI application over ``state``; with ``api_keys``, every route but /health needs one
+    (:class:`APIKeyCheck`)."""
     app = FastAPI(title="moestream", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_keys:
+        app.add_middleware(APIKeyCheck, keys=list(api_keys))
 
     def error(e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -1008,6 +1174,7 @@ def create_app(state: ServerState):  # noqa: ANN201
     async def health() -> JSONResponse:
         try:
             check_ready()
+            await state.check_file()
         except APIError as e:
             return error(e)
         return JSONResponse({"status": "ok"})
@@ -1020,6 +1187,88 @@ def create_app(state: ServerState):  # noqa: ANN201
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
             {"id": state.names[0], "object": "model", "created": state.created, "owned_by": "moestream"}]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """llama-server's /tokenize: ``content`` as token ids, by the tokenizer /v1/completions uses (a raw
+        prompt: ``add_special`` adds BOS as the file says, default false; ``parse_special``, default true, turns
+        control-token text into its ids); ``with_pieces``: ``[{"id", "piece"}]``, the piece a string, or its
+        bytes as a list of ints where they are not whole UTF-8."""
+        ld = check_ready()
+        body = await read_body(request)
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise APIError(400, "'content' must be a string", param="content",
+                           code="invalid_type" if content is not None else "missing_required_parameter")
+        flags = [bool(_opt(body, k, lambda v: isinstance(v, bool), "true or false", d))
+                 for k, d in (("add_special", False), ("parse_special", True), ("with_pieces", False))]
+        add_special, parse_special, with_pieces = flags
+        if len(content.encode("utf-8")) > MAX_TOKENIZE_BYTES:
+            raise APIError(400, f"'content' has more than {MAX_TOKENIZE_BYTES} bytes", param="content",
+                           code="invalid_value")
+        tok = ld.tok
+        ids = await asyncio.to_thread(tok.encode, content, add_special, parse_special)
+        if not with_pieces:
+            return JSONResponse({"tokens": ids})
+        return JSONResponse({"tokens": [{"id": i, "piece": _piece(tok.token_bytes(i))} for i in ids]})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        """llama-server's /detokenize: ``tokens`` (ids) as text, control tokens written out."""
+        ld = check_ready()
+        body = await read_body(request)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise APIError(400, "'tokens' must be a list of token ids (integers)", param="tokens",
+                           code="invalid_type" if ids is not None else "missing_required_parameter")
+        n = ld.tok.vocab_size
+        bad = next((t for t in ids if not 0 <= t < n), None)
+        if bad is not None:
+            raise APIError(400, f"'tokens': token id {bad} is not in the vocabulary (0..{n - 1})", param="tokens",
+                           code="invalid_value")
+        return JSONResponse({"content": await asyncio.to_thread(ld.tok.decode, ids)})
+
+    @app.get("/props")
+    async def props() -> JSONResponse:
+        """llama-server's /props: the context per slot and the sampling defaults a request starts from, the
+        slots, the chat template, the model file, the build."""
+        from dataclasses import asdict
+
+        from . import version
+
+        ld = check_ready()
+        tok = ld.tok
+        params = {REQUEST_KEYS.get(k, k): v for k, v in asdict(sampling_params({})).items()}
+        params |= {"n_predict": -1, "cache_prompt": ld.cache_prompt}
+
+        def text(i: int | None) -> str:
+            return "" if i is None else tok.decode([i])
+
+        return JSONResponse({
+            "default_generation_settings": {"n_ctx": ld.n_ctx, "params": params},
+            "total_slots": ld.n_slots, "model_path": ld.model.gguf.path, "model_alias": state.names[0],
+            "chat_template": tok.chat_template or "", "bos_token": text(tok.bos_id), "eos_token": text(tok.eos_id),
+            "modalities": {"vision": False, "audio": False}, "build_info": f"moestream {version()}"})
+
+    @app.get("/slots")
+    async def slots() -> JSONResponse:
+        """What each slot holds: ``id``, ``n_ctx``, ``is_processing``, ``request_id`` (the response id of the
+        request it serves, None when idle), ``n_cached`` (tokens its KV cache holds: while idle, what the next
+        request may reuse; while busy, what it has filled so far) and, while busy, ``n_prompt_tokens``,
+        ``n_prompt_tokens_cache`` (of those, served from the cache it had) and ``n_decoded``. No prompt or reply
+        text (llama-server's /slots shows the prompt)."""
+        ld = check_ready()
+        out = []
+        for slot in list(state.slots):
+            job, gen = state.serving.get(slot.index), state.current.get(slot.index)
+            d = {"id": slot.index, "n_ctx": ld.n_ctx, "is_processing": job is not None,
+                 "request_id": job.rid if job is not None else None,
+                 "n_cached": gen.pos if gen is not None else job.cached if job is not None else len(slot.tokens)}
+            if job is not None:
+                d |= {"n_prompt_tokens": len(job.ids), "n_prompt_tokens_cache": job.cached,
+                      "n_decoded": len(gen.stats.tokens) if gen is not None else 0}
+            out.append(d)
+        return JSONResponse(out)
 
     async def read_body(request: Request) -> dict:
         raw = await request.body()
@@ -1102,7 +1351,7 @@ def create_app(state: ServerState):  # noqa: ANN201
             if isinstance(item, DoneEvent):
                 return
 
-    async def handle(request: Request, chat: bool) -> object:
+    async def handle(request: Request, chat: bool, rid: str) -> object:
         ld = check_ready()
         body = await read_body(request)
         params, stop, stream, include_usage = common(body, ld.model.n_vocab)
@@ -1118,10 +1367,10 @@ def create_app(state: ServerState):  # noqa: ANN201
         n_predict = plan(body, ids, ld, "conversation" if chat else "prompt")
         cache_prompt = _opt(body, "cache_prompt", lambda v: isinstance(v, bool), "true or false", True)
         grammar = await asyncio.to_thread(request_grammar, body, tplan, tok, ld.model.n_vocab)
-        job = Job(ids, n_predict, params, stop, asyncio.get_running_loop(), cache_prompt=bool(cache_prompt),
+        job = Job(ids, n_predict, params, stop, asyncio.get_running_loop(), cache_prompt=bool(cache_prompt), rid=rid,
                   grammar=grammar)
         state.submit(job)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        request.state.job = job
         created, name = int(time.time()), body.get("model") or state.names[0]
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
@@ -1217,11 +1466,14 @@ def create_app(state: ServerState):  # noqa: ANN201
         return state.loaded.tok  # type: ignore[union-attr]
 
     async def refused_counted(request: Request, chat: bool) -> object:
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
-            return await handle(request, chat=chat)
+            return await handle(request, chat, rid)
         except APIError as e:
             if e.status < 500:  # refused before it started (a failure while generating counts as an error)
                 state._count("rejected")
+            if getattr(request.state, "job", None) is None:  # not queued: the worker did not log it
+                print(request_line(rid, "rejected", status=e.status, code=e.code), file=sys.stderr, flush=True)
             raise
 
     @app.post("/v1/chat/completions")
@@ -1235,9 +1487,9 @@ def create_app(state: ServerState):  # noqa: ANN201
     return app
 
 
-def make_server(state: ServerState, log_level: str = "warning"):  # noqa: ANN201
-    """A uvicorn server for ``state``'s app whose exit (SIGTERM/SIGINT, or ``handle_exit``) first cancels the
-    generations. Run it with :func:`run_server` on a bound socket."""
+def make_server(state: ServerState, log_level: str = "warning", api_keys: list[str] = ()):  # noqa: ANN201
+    """A uvicorn server for ``state``'s app (``api_keys``: see :func:`create_app`) whose exit (SIGTERM/SIGINT, or
+    ``handle_exit``) first cancels the generations. Run it with :func:`run_server` on a bound socket."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -1245,7 +1497,7 @@ def make_server(state: ServerState, log_level: str = "warning"):  # noqa: ANN201
             state.shutdown()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(create_app(state), log_level=log_level, access_log=False,
+    config = uvicorn.Config(create_app(state, api_keys), log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off")
     return Server(config)
 
@@ -1287,15 +1539,16 @@ async def run_server(server, state: ServerState, sock, on_started: Callable[[], 
     await server.shutdown(sockets=[sock])
 
 
-def serve(load: Callable[[], Loaded], names: list[str], host: str, port: int) -> int:
+def serve(load: Callable[[], Loaded], names: list[str], host: str, port: int, api_keys: list[str] = ()) -> int:
     """Listen on ``host:port`` at once, load the model in a thread (``load``), serve until SIGTERM/SIGINT
-    (which cancel the generations; the process then exits 0). Returns 1 when the model failed to load (one line
-    on stderr). ConfigError when the address cannot be bound."""
+    (which cancel the generations; the process then exits 0); ``api_keys``: see :func:`create_app`. Returns 1
+    when the model failed to load (one line on stderr). ConfigError when the address cannot be bound."""
+    import ipaddress
     import signal
 
     failed: list[str] = []
     state = ServerState(load, names)
-    server = make_server(state)
+    server = make_server(state, api_keys=api_keys)
 
     def load_failed(message: str) -> None:
         failed.append(message)
@@ -1307,8 +1560,12 @@ def serve(load: Callable[[], Loaded], names: list[str], host: str, port: int) ->
     bound = sock.getsockname()[1]
 
     def started() -> None:
-        print(f"moestream: listening on http://{host}:{bound} (GET /health is 503 until the model is loaded)",
+        keyed = "; an API key is needed on every route but /health" if api_keys else ""
+        print(f"moestream: listening on http://{host}:{bound} (GET /health is 503 until the model is loaded{keyed})",
               file=sys.stderr, flush=True)
+        if not api_keys and not ipaddress.ip_address(sock.getsockname()[0].split("%")[0]).is_loopback:
+            print(f"moestream: note: {host} is reachable from other machines and no --api-key is set: anyone who "
+                  f"can connect can use the server", file=sys.stderr, flush=True)
 
     handlers = {}
     for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn's own capture re-raises the signal at the end

@@ -15,6 +15,7 @@ Both expose the same ``prepare`` / ``wait`` / ``matrix`` / ``lead`` calls, so th
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
@@ -24,18 +25,10 @@ import torch
 
 from ..errors import ConfigError, ExpertReadError, OptionError
 from ..gguf import GGUFModel
+from ..params import check_pool
 from .layout import ExpertLayout, ExpertMatrix
 from .policy import POLICIES, CachePolicy, SlotMap, check_policy
 from .reader import ExpertReader, ReadJob, Ticket, dio_alignment, stderr_note
-
-#: where a GPU's slot pools live (LoadOptions.pool)
-POOL_PLACES = ("device", "host")
-
-
-def check_pool(pool: object) -> None:
-    """OptionError (field ``pool``) unless ``pool`` is one of :data:`POOL_PLACES`."""
-    if pool not in POOL_PLACES:
-        raise OptionError(f"{{pool}}: unknown place {pool!r}; choose one of {', '.join(POOL_PLACES)}", pool=pool)
 
 
 @dataclass
@@ -313,6 +306,7 @@ class StreamingStore(ExpertStore):
             raise
         self.direct = bool(direct_paths)
         self._direct_paths = direct_paths
+        self._probe_buf: memoryview | None = None  # probe()'s block, made at its first call
         self.align = max(aligns) if not self.direct or align is None else max(max(aligns), align)
         self.n_slots = n_slots
         self.slots: dict[int, SlotMap] = {}
@@ -372,6 +366,22 @@ class StreamingStore(ExpertStore):
         paths = sorted({m.path for mats in layout.layers.values() for m in mats.values()})
         aligns = [a for a in (dio_alignment(p) for p in paths) if a is not None]
         return (True, max(aligns)) if aligns else (False, 1)
+
+    def probe(self) -> int:
+        """Read one block (the direct-IO alignment, at least 4 KiB) at a random aligned offset of each expert file,
+        through the descriptors the expert reads use: with O_DIRECT where they use it, so that the device answers
+        rather than the page cache. For a health check: raises ExpertReadError (an OS error such as EIO, a short
+        read) or ModelFileChanged as an expert read would; returns the bytes read."""
+        block = max(self.align, 4096)
+        if self._probe_buf is None:
+            self._probe_buf = memoryview(_aligned_pool(1, block, block, False)[0].numpy())
+        done = 0
+        for path in sorted({m.path for mats in self.layout.layers.values() for m in mats.values()}):
+            size = self.model.identity[path][2]
+            offset = random.randrange(max(size // block, 1)) * block
+            done += self.reader.read_now(ReadJob(path, offset, self._probe_buf, 0, min(block, size - offset),
+                                                 path in self._direct_paths))
+        return done
 
     @staticmethod
     def slot_bytes(layout: ExpertLayout, layer: int, direct: bool = False, align: int = 1) -> int:

@@ -303,6 +303,12 @@ class ExpertReader:
                                   f"short read: got {got} bytes, the file ends early (truncated?)")
         return done
 
+    def read_now(self, job: ReadJob) -> int:
+        """Run one read in the calling thread, not the pool (a health probe: it does not wait behind expert reads
+        and is not counted in ``bytes_read``); returns the bytes read. Raises what a pool read raises at ``wait``:
+        ExpertReadError naming the file, offset and size; ModelFileChanged."""
+        return self._read(job)
+
     def submit(self, jobs: list[ReadJob]) -> Ticket:
         """Start the reads; returns at once. An empty job list gives an empty ticket."""
         if not jobs:

@@ -11,21 +11,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import GGUFError, OptionError, shown
+from ..errors import GGUFError
 from ..experts.layout import _EXPS_RE as EXPERT_TENSOR
 from ..experts.layout import ExpertLayout
 from ..experts.moe import MoE
-from ..experts.policy import check_policy
-from ..experts.pool import ExpertStore, ResidentStore, StreamingStore, check_pool
-from ..experts.reader import check_io_threads
+from ..experts.pool import ExpertStore, ResidentStore, StreamingStore
 from ..gguf import GGUFModel
+from ..params import LoadOptions  # checked there, torch-free: a refused option is answered before torch loads
 from ..runtime.runner import Runner
 from .layers import KVArena, KVCache, Weight, check_computable, rms_norm, swiglu_ffn
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
-
-#: --matmul modes: kernels on the ggml blocks, or dequantize-then-matmul (see LoadOptions)
-MATMUL_MODES = ("blocks", "dequant")
 
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
 
@@ -39,121 +35,6 @@ def register(arch: str) -> Callable[[type[MoEModel]], type[MoEModel]]:
         cls.arch = arch
         return cls
     return deco
-
-
-@dataclass
-class LoadOptions:
-    """How to load a model.
-
-    moe_stream: stream routed experts through slot pools (True) or address them in a memory map (False).
-    slots: slots per MoE layer; None: sized by a memory budget (moestream/budget.py): ``mem`` bytes in all, or
-    when None the memory available at start less a margin. mem_source: how ``mem`` was given, for messages
-    (e.g. ``"--mem 4GiB"``). n_ctx: the context (tokens) whose KV cache the budget reserves (None: the file's
-    trained context, at most 4096). io_threads: reader threads.
-    policy: slot replacement policy name. expand_dense: dequantize dense weights to float32 at load.
-    overlap: compute while expert reads are in flight (the shared/dense FFN, the hits, the previous prefill
-    tile; see experts/moe.py) instead of reading, then computing. device: torch device string.
-    matmul: ``"blocks"`` (default): matmuls run moestream's C kernels on the file's ggml blocks, activations
-    quantized to 8-bit blocks as llama.cpp's CPU backend does (moestream/kernels.py; CPU only, a CUDA device
-    uses ``"dequant"``); ``"dequant"``: each weight is dequantized to float32 and multiplied by torch (exactly
-    the float32 model of the dequantized weights: the oracle path).
-    metadata_only: read and check the hyperparameters against the tensor table (shapes, ggml types) and stop:
-    no weight is read and no expert store is made (``inspect`` uses it to refuse what ``run`` would refuse).
-    prefetch: router lookahead (streaming only; ignored with ``moe_stream`` off): as soon as the residual stream
-    entering an MoE layer exists, that layer's router predicts its experts and their reads start
-    (:meth:`MoEModel.lookahead`); the real router still decides what is computed.
-    direct_io: expert reads bypass the page cache with O_DIRECT (True), go through it (False), or None (auto,
-    the default): O_DIRECT where the file system allows it. Where it refuses, reads are buffered (True: with
-    a note on stderr). Ignored when ``moe_stream`` is False. See experts/pool.py StreamingStore.
-    """
-
-    moe_stream: bool = True
-    slots: int | None = None
-    io_threads: int = 8
-    policy: str = "lfu"
-    expand_dense: bool = False
-    overlap: bool = True
-    device: str = "cpu"
-    metadata_only: bool = False
-    matmul: str = "blocks"
-    mem: int | None = None
-    mem_source: str | None = None
-    n_ctx: int | None = None
-    prefetch: bool = False
-    direct_io: bool | None = None
-    pool: str = "device"
-    gpu_mem: int | None = None
-    gpu_mem_source: str | None = None
-    host_cache: int = 0
-
-    def __post_init__(self) -> None:
-        """Every field checked, once, here: OptionError naming the field and its value (a command renders it in its
-        own terms: cli.py with its flags). ``device`` is resolved (``auto`` -> ``cpu`` or ``cuda``)."""
-        for name in ("moe_stream", "expand_dense", "overlap", "metadata_only", "prefetch"):
-            if not isinstance(getattr(self, name), bool):
-                raise OptionError(f"{{{name}}}: expected on or off (a bool), got {shown(getattr(self, name))}",
-                                  **{name: getattr(self, name)})
-        self.device = resolve_device(self.device)
-        check_pool(self.pool)
-        if self.direct_io is not None and not isinstance(self.direct_io, bool):
-            raise OptionError(f"{{direct_io}}: expected on or off, got {self.direct_io!r}", direct_io=self.direct_io)
-        if self.matmul not in MATMUL_MODES:
-            raise OptionError(f"{{matmul}}: unknown mode {self.matmul!r}; choose one of {', '.join(MATMUL_MODES)}",
-                              matmul=self.matmul)
-        check_policy(self.policy)
-        check_io_threads(self.io_threads)
-        for name, least in (("slots", 1), ("n_ctx", 1), ("mem", 1), ("gpu_mem", 1)):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
-                raise OptionError(f"{{{name}}} must be a positive number, got {shown(v)}", **{name: v})
-        if isinstance(self.host_cache, bool) or not isinstance(self.host_cache, int) or self.host_cache < 0:
-            raise OptionError(f"{{host_cache}} must be 0 (off) or a size in bytes, got {shown(self.host_cache)}",
-                              host_cache=self.host_cache)
-        if self.host_cache and self.prefetch:
-            raise OptionError("{host_cache} and {prefetch} on cannot be combined yet (a prefetch's reads could take "
-                              "host-tier rows still in use); give one of them", host_cache=self.host_cache,
-                              prefetch=self.prefetch)
-        if self.gpu_mem is not None and self.slots is not None and self.cuda:
-            raise OptionError("{gpu_mem=} and {slots=} both size the slot pools: give one of them",
-                              gpu_mem=self.gpu_mem, slots=self.slots)
-        if self.mem is not None and self.slots is not None:
-            raise OptionError("{mem=} and {slots=} both size the slot pools: give one of them", mem=self.mem,
-                              slots=self.slots)
-
-    @property
-    def cuda(self) -> bool:
-        """Computes on a CUDA device."""
-        return self.device.startswith("cuda")
-
-    @property
-    def budgeted(self) -> bool:
-        """The pools are sized by a memory budget (streaming, no --slots)."""
-        return self.moe_stream and self.slots is None
-
-
-DEVICES = ("cpu", "cuda", "auto")
-
-
-def resolve_device(name: str) -> str:
-    """A device name: "cpu", "cuda" (or "cuda:N"), or "auto" (CUDA when torch sees a GPU, else the CPU) -> the
-    torch device string. OptionError (field ``device``) for another name, or CUDA asked for where torch sees no GPU
-    (a CPU build of torch, no driver, or no device)."""
-    name = str(name).strip().lower()
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return name
-    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
-        if not torch.cuda.is_available():
-            why = "this torch is a CPU build" if torch.version.cuda is None else "torch sees no CUDA device"
-            raise OptionError(f"{{device=}}: {why} (torch {torch.__version__}); leave {{device}} out to compute on "
-                              f"the CPU", device=name)
-        idx = int(name[5:]) if ":" in name else 0
-        if idx >= torch.cuda.device_count():
-            raise OptionError(f"{{device=}}: torch sees {torch.cuda.device_count()} CUDA device(s)", device=name)
-        return name
-    raise OptionError(f"{{device}}: unknown device {name!r}; choose one of {', '.join(DEVICES)} (or cuda:N)",
-                      device=name)
 
 
 @dataclass(frozen=True)
