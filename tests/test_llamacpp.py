@@ -237,8 +237,8 @@ def test_quantized_matches_llama_cpp_on_f32_twin(qcase: QuantCase, prompt_ids: l
 # 0.0026 / 0, Q6_K 1.63 / 0.021 / 5, Q8_0 0.192 / 0.0047 / 2, Q4_0 3.16 / 0.081 / 5, IQ4_XS 3.8e-6 / 2e-7 / 0
 # (docs/testing.md: which ops are not yet llama.cpp's bits). Bounds (ratios of the logit range ~14.3): mean |diff|
 # below 1% (measured <= 0.57%; the dequant path's 0.75-1.2%; a wrong kernel decorrelates the logits, ~12%), max
-# below 25% (router flips; was 60%), and wherever llama.cpp's top token leads its runner-up by more than BLOCKS_LEAD, moestream's top token
-# is the same.
+# below 25% (router flips; was 60%), and wherever llama.cpp's top token leads its runner-up by more than
+# BLOCKS_LEAD, moestream's top token is the same.
 BLOCKS_MAX_REL_TOL = 0.25
 BLOCKS_MEAN_REL_TOL = 0.01
 BLOCKS_LEAD = 0.5
