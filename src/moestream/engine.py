@@ -343,8 +343,13 @@ class Engine:
         """NumericError naming the file and the first position whose logits (float32 [rows, vocab]: every
         position's when ``logits_all``, else the last one's of ``n_tok`` tokens at ``start``) are not all
         finite."""
-        lo, hi = torch.aminmax(logits)  # NaN in either if any logit is NaN: one pass, no [T, vocab] mask
-        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        if logits.device.type == "cpu":  # numpy's single-threaded min/max: torch's parallel reduction over one
+            a = logits.detach().numpy()  # row costs more than a tiny model's step when the cores are busy
+            finite = math.isfinite(a.min()) and math.isfinite(a.max())  # NaN in either if any logit is NaN
+        else:
+            lo, hi = torch.aminmax(logits)  # one pass, no [T, vocab] mask
+            finite = bool(torch.isfinite(lo) & torch.isfinite(hi))
+        if not finite:
             finite = torch.isfinite(logits).all(dim=-1)
             row = int((~finite).nonzero()[0])
             pos = start + row if logits_all else start + n_tok - 1

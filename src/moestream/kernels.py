@@ -396,9 +396,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     d_v], cache rows from position 0 (views with unit stride along their last dim; v may be a view of k: MLA's
     K = V). window: keys j with pos - window < j <= pos (None: all j <= pos); sinks: float32 [n_head] logits in
     the softmax's denominator; softcap > 0: scores become softcap * tanh(score / softcap). Returns float32
-    [T, n_head * d_v]. Arithmetic (csrc/stepkern.c): dot products in 8 partial sums, scores times scale,
-    expf of score - max, the sum in double, probabilities divided by it, values summed in key order.
-    Each (token, head) by one thread. MemoryError when the score buffer cannot grow."""
+    [T, n_head * d_v]. Arithmetic: llama.cpp's CPU attention (ggml AVX2, F32 cache, no flash attention), bit for
+    bit (csrc/stepkern.c spells it out): ggml_vec_dot_f32 scores (fused multiply-adds in 32 lanes) times scale,
+    ggml's expf polynomial of score - max, its sum in blocks of 8 keys (float, then double), probabilities times
+    (float)(1 / sum), values by ggml_vec_dot_f32 over the keys for one token (T = 1) or by 8 fused lanes for a
+    chunk. Each (token, head) by one thread. MemoryError when the score buffer cannot grow."""
     _float32_cpu("attention", q, k, v, sinks)
     if q.stride(-1) != 1:
         q = q.contiguous()

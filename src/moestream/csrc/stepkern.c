@@ -115,23 +115,86 @@ void ms_rope(int T, int heads, int d, int n_rot, int interleaved, const float *x
 }
 
 /* ------------------------------------------------------------------------------------------------------ */
-/* Attention of T new queries (positions start..start+T-1) over the cache rows 0..start+T-1.                */
-/*   score_j = dot8(q, k_j) * scale, dot8: 8 partial sums acc[i % 8] += q_i * k_i in index order, then      */
-/*             ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));                                           */
-/*   softcap > 0: score_j = softcap * tanhf(score_j / softcap);                                             */
-/*   m = max(scores, sink); e_j = expf(score_j - m); sum = (double) sum of e_j in key order, then the       */
-/*   sink's expf(sink - m); p_j = e_j / (float)sum;                                                         */
-/*   out = sum_j p_j * v_j, each output dim summed in key order from 0.0f.                                  */
-/* Query head h reads KV head h / (n_head / n_kv); query t sees keys j <= pos_t and, with window > 0, j >   */
-/* pos_t - window.                                                                                         */
+/* Attention of T new queries (positions start..start+T-1) over the cache rows 0..start+T-1, in the arithmetic  */
+/* of llama.cpp's CPU attention (ggml's AVX2 build, F32 KV cache, flash attention off: ggml_mul_mat for the     */
+/* scores, ggml_soft_max_ext, ggml_mul_mat for the values), every step rounded as it rounds there:             */
+/*   score_j = vdot(k_j, q) * scale; vdot = ggml_vec_dot_f32: 32 float lanes, lane c accumulating             */
+/*             fmaf(k_i, q_i, .) over the dims i = c mod 32 below d & ~31, in order; lanes folded               */
+/*             x_r = (L_r + L_{16+r}) + (L_{8+r} + L_{24+r}), t_r = x_r + x_{4+r} (r < 4, r < 8),                */
+/*             (t_0 + t_1) + (t_2 + t_3); the dims past d & ~31 then added one by one (product, sum);          */
+/*   softcap > 0: score_j = softcap * tanhf(score_j / softcap);                                                */
+/*   m = max(scores, sink); e_j = gexpf(score_j - m), gexpf = ggml_v_expf (the AVX2 polynomial, one lane);     */
+/*   sum = the double sum, block after block of keys 8b..8b+7 (masked keys count 0), of each block's float    */
+/*         hsum8 ((e0 + e4) + (e2 + e6)) + ((e1 + e5) + (e3 + e7)); plus (double)expf(sink - m);               */
+/*   p_j = e_j * (float)(1.0 / sum);                                                                            */
+/*   out_i: T = 1 (decode): vdot over the keys (v_ji, p_j), lanes by key index j mod 32 (ggml's sgemm refuses */
+/*          one column); T > 1 (prefill): 8 lanes by j mod 8 of fmaf(v_ji, p_j, .), then hsum8 (llamafile's    */
+/*          tinyBLAS).                                                                                          */
+/* Keys are indexed from cache row 0 (a masked key's term is an exact +0 and is skipped). Query head h reads KV */
+/* head h / (n_head / n_kv); query t sees keys j <= pos_t and, with window > 0, j > pos_t - window.             */
+/* fmaf is the fused multiply-add of the ISA (one rounding; the C library's on the portable build: the same     */
+/* bits). Measured 2026-12-03 on llama.cpp's own q/k/v (qwen3moe-tiny Q4_K_M, 4 layers x 64 positions): every  */
+/* output bit equal to llama.cpp's kqv_out.                                                                    */
 
-/* 8 float lanes as a GCC/clang vector: each lane's multiply and add rounded on its own (no contraction), on
- * any ISA (the portable build lowers it to SSE pairs or scalars: the same bits). */
+#if defined(MS_ISA_AVX2) || defined(MS_ISA_AVX512)
+#include <immintrin.h>
+#endif
+
 typedef float v8f __attribute__((vector_size(32)));
 
 static inline v8f ld8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
 static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-static inline float hsum8(v8f a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+static inline v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(MS_ISA_AVX2) || defined(MS_ISA_AVX512)
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    v8f r;
+    for (int i = 0; i < 8; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+}
+
+static inline float hsum8(const float *a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+/* ggml_vec_dot_f32's fold of its 32 lanes (4 vectors of 8) */
+static inline float fold32(const v8f *l) {
+    const v8f x = (l[0] + l[2]) + (l[1] + l[3]);
+    const float t0 = x[0] + x[4], t1 = x[1] + x[5], t2 = x[2] + x[6], t3 = x[3] + x[7];
+    return (t0 + t1) + (t2 + t3);
+}
+
+/* ggml_vdot: ggml_vec_dot_f32 of x, y [n] */
+static inline float vdot(const float *x, const float *y, int n) {
+    const int n32 = n & ~31;
+    v8f l[4] = {{0}, {0}, {0}, {0}};
+    for (int i = 0; i < n32; i += 32)
+        for (int u = 0; u < 4; u++) l[u] = fma8(ld8(x + i + 8 * u), ld8(y + i + 8 * u), l[u]);
+    float s = fold32(l);
+    for (int i = n32; i < n; i++) s = s + x[i] * y[i];
+    return s;
+}
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* ggml_v_expf (ggml-cpu/vec.h, AVX2 + FMA), one lane: max error 1.45 + 0.5 ulp; flushes to 0 below -103.97 */
+static inline float gexpf(float x) {
+    const float r = 0x1.8p23f;
+    const float z = fmaf(x, 0x1.715476p+0f, r);
+    const float n = z - r;
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+    const uint32_t e = f2u(z) << 23;
+    const float k = u2f(e + f2u(1.0f));
+    const float u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
+                         0x1.ffffecp-1f * b);
+    if (!(fabsf(n) > 126.0f)) return fmaf(k, j, k);
+    const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
+    const float s1 = u2f(g + 0x7f000000u), s2 = u2f(e - g);
+    if (fabsf(n) > 192.0f) return s1 * s1;
+    return fmaf(s2, j, s2) * s1;
+}
 
 static _Thread_local float *tl_buf;
 static _Thread_local long tl_cap;
@@ -148,7 +211,7 @@ static float *scratch(long n) {
     return tl_buf;
 }
 
-#define MAX_HC 16 /* query heads of one KV head computed together (each on its own: the bits do not depend on it) */
+#define MAX_HC 16 /* query heads of one KV head computed by one item (each on its own: the bits do not depend on it) */
 
 typedef struct {
     int T, n_head, n_kv, d, dv, hc, n_chunks;
@@ -162,76 +225,41 @@ typedef struct {
     int failed;
 } attn_ctx;
 
-/* The scores of one query against keys k_j (row stride ks) for j < n, into s: four keys at a time (four
- * independent sums in flight), each key's sum in the order of dot8. */
-static void scores_row(const attn_ctx *c, const float *q, const float *k, long ks, int n, float *s) {
-    const int d = c->d, d8 = d & ~7;
-    int j = 0;
-    for (; j + 4 <= n; j += 4) {
-        const float *k0 = k + (long)j * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int i = 0; i < d8; i += 8) {
-            const v8f qv = ld8(q + i);
-            a0 += qv * ld8(k0 + i);
-            a1 += qv * ld8(k1 + i);
-            a2 += qv * ld8(k2 + i);
-            a3 += qv * ld8(k3 + i);
+/* The values of one (token, head): p [keys lo..hi-1 at p[j - lo]] -> o [dv]. acc: 32 * dv8 floats of scratch
+ * (dv8 = dv rounded up to 8), lane c of dim i at acc[c * dv8 + i]. */
+static void weighted_values(const float *p, const float *v, long vs, int lo, int hi, int dv, int lanes, float *acc,
+                            float *o) {
+    const int dv8 = (dv + 7) & ~7;
+    memset(acc, 0, (size_t)lanes * dv8 * sizeof(float));
+    float tail[8];
+    for (int j = lo; j < hi; j++) {
+        const float pj = p[j - lo];
+        const v8f pb = {pj, pj, pj, pj, pj, pj, pj, pj};
+        const float *vj = v + (long)j * vs;
+        float *a = acc + (long)(j % lanes) * dv8;
+        int i = 0;
+        for (; i + 8 <= dv; i += 8) st8(a + i, fma8(ld8(vj + i), pb, ld8(a + i)));
+        if (i < dv) { /* the last dims: padded with zeros in a copy */
+            memset(tail, 0, sizeof tail);
+            memcpy(tail, vj + i, (size_t)(dv - i) * sizeof(float));
+            st8(a + i, fma8(ld8(tail), pb, ld8(a + i)));
         }
-        for (int i = d8; i < d; i++) {
-            a0[i - d8] += q[i] * k0[i];
-            a1[i - d8] += q[i] * k1[i];
-            a2[i - d8] += q[i] * k2[i];
-            a3[i - d8] += q[i] * k3[i];
+    }
+    for (int i = 0; i < dv; i++) {
+        if (lanes == 8) {
+            float l[8];
+            for (int r = 0; r < 8; r++) l[r] = acc[(long)r * dv8 + i];
+            o[i] = hsum8(l);
+        } else {
+            v8f l[4];
+            for (int u = 0; u < 4; u++)
+                for (int r = 0; r < 8; r++) l[u][r] = acc[(long)(8 * u + r) * dv8 + i];
+            o[i] = fold32(l);
         }
-        s[j] = hsum8(a0) * c->scale;
-        s[j + 1] = hsum8(a1) * c->scale;
-        s[j + 2] = hsum8(a2) * c->scale;
-        s[j + 3] = hsum8(a3) * c->scale;
-    }
-    for (; j < n; j++) {
-        const float *kj = k + (long)j * ks;
-        v8f a = {0};
-        for (int i = 0; i < d8; i += 8) a += ld8(q + i) * ld8(kj + i);
-        for (int i = d8; i < d; i++) a[i - d8] += q[i] * kj[i];
-        s[j] = hsum8(a) * c->scale;
-    }
-    if (c->softcap > 0.0f)
-        for (j = 0; j < n; j++) s[j] = c->softcap * tanhf(s[j] / c->softcap);
-}
-
-/* o[i] += sum_j p_j * v_j[i] for i < dv, j < n, in key order (o holds the sum over the keys before these);
- * 64 dims at a time in registers. */
-static void weighted_values(const float *p, const float *v, long vs, int n, int dv, float *o) {
-    int i0 = 0;
-    for (; i0 + 64 <= dv; i0 += 64) {
-        v8f a[8];
-        for (int u = 0; u < 8; u++) a[u] = ld8(o + i0 + 8 * u);
-        for (int j = 0; j < n; j++) {
-            const float *vj = v + (long)j * vs + i0;
-            const v8f pb = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
-            for (int u = 0; u < 8; u++) a[u] += pb * ld8(vj + 8 * u);
-        }
-        for (int u = 0; u < 8; u++) st8(o + i0 + 8 * u, a[u]);
-    }
-    for (; i0 + 8 <= dv; i0 += 8) {
-        v8f a = ld8(o + i0);
-        for (int j = 0; j < n; j++) {
-            const v8f pb = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
-            a += pb * ld8(v + (long)j * vs + i0);
-        }
-        st8(o + i0, a);
-    }
-    for (; i0 < dv; i0++) {
-        float a = o[i0];
-        for (int j = 0; j < n; j++) a = a + p[j] * v[(long)j * vs + i0];
-        o[i0] = a;
     }
 }
 
-#define KEY_BLOCK 64 /* keys whose rows stay in L1 while every query head of an item reads them */
-
-/* item: token t, KV head g, query heads h0..h0+nh-1 of its group; each query head's arithmetic is that of the
- * block comment above whatever the item holds (the heads share only the loads of key and value rows). */
+/* item: token t, KV head g, query heads h0..h0+nh-1 of its group */
 static void attn_item(void *vc, int item) {
     attn_ctx *c = vc;
     const int per_t = c->n_kv * c->n_chunks;
@@ -241,40 +269,40 @@ static void attn_item(void *vc, int item) {
     const int nh = h0 + c->hc <= (g + 1) * group ? c->hc : (g + 1) * group - h0;
     const int pos = c->start + t;
     const int lo = c->window > 0 && pos - c->window + 1 > 0 ? pos - c->window + 1 : 0;
-    const int n = pos + 1 - lo;
-    float *s = scratch((long)nh * n);
+    const int hi = pos + 1, n = hi - lo;
+    const int lanes = c->T == 1 ? 32 : 8;
+    const int dv8 = (c->dv + 7) & ~7;
+    float *s = scratch((long)n + (long)lanes * dv8);
     if (!s) { c->failed = 1; return; }
-    const float *k = c->k + (long)lo * c->ks_p + (long)g * c->ks_h;
-    const float *v = c->v + (long)lo * c->vs_p + (long)g * c->vs_h;
-    const float *q = c->q + (long)t * c->qs_t;
+    float *acc = s + n;
+    const float *k = c->k + (long)g * c->ks_h;
+    const float *v = c->v + (long)g * c->vs_h;
     float *o = c->out + (long)t * c->os_t;
-    for (int j0 = 0; j0 < n; j0 += KEY_BLOCK) {
-        const int nb = n - j0 < KEY_BLOCK ? n - j0 : KEY_BLOCK;
-        for (int hh = 0; hh < nh; hh++)
-            scores_row(c, q + (long)(h0 + hh) * c->qs_h, k + (long)j0 * c->ks_p, c->ks_p, nb, s + (long)hh * n + j0);
-    }
     for (int hh = 0; hh < nh; hh++) {
         const int h = h0 + hh;
-        float *sh = s + (long)hh * n;
+        const float *q = c->q + (long)t * c->qs_t + (long)h * c->qs_h;
         float m = -INFINITY;
-        for (int j = 0; j < n; j++) if (sh[j] > m) m = sh[j];
+        for (int j = lo; j < hi; j++) {
+            float sc = vdot(k + (long)j * c->ks_p, q, c->d) * c->scale;
+            if (c->softcap > 0.0f) sc = c->softcap * tanhf(sc / c->softcap);
+            s[j - lo] = sc;
+            if (sc > m) m = sc;
+        }
         const float sink = c->sinks ? c->sinks[h] : 0.0f;
         if (c->sinks && sink > m) m = sink;
         double sum = 0.0;
-        for (int j = 0; j < n; j++) {
-            sh[j] = expf(sh[j] - m);
-            sum += (double)sh[j];
+        for (int b0 = lo & ~7; b0 < hi; b0 += 8) { /* blocks of 8 keys from key 0; masked keys count 0 */
+            float e8[8];
+            for (int r = 0; r < 8; r++) {
+                const int j = b0 + r;
+                e8[r] = j >= lo && j < hi ? (s[j - lo] = gexpf(s[j - lo] - m)) : 0.0f;
+            }
+            sum += (double)hsum8(e8);
         }
         if (c->sinks) sum += (double)expf(sink - m);
-        const float den = (float)sum;
-        for (int j = 0; j < n; j++) sh[j] = sh[j] / den;
-        memset(o + (long)h * c->dv, 0, (size_t)c->dv * sizeof(float));
-    }
-    for (int j0 = 0; j0 < n; j0 += KEY_BLOCK) {
-        const int nb = n - j0 < KEY_BLOCK ? n - j0 : KEY_BLOCK;
-        for (int hh = 0; hh < nh; hh++)
-            weighted_values(s + (long)hh * n + j0, v + (long)j0 * c->vs_p, c->vs_p, nb, c->dv,
-                            o + (long)(h0 + hh) * c->dv);
+        const float inv = (float)(1.0 / sum);
+        for (int j = 0; j < n; j++) s[j] = s[j] * inv;
+        weighted_values(s, v, c->vs_p, lo, hi, c->dv, lanes, acc, o + (long)h * c->dv);
     }
 }
 

@@ -87,13 +87,22 @@ class Weight:
         return quant.dequantize(self.raw[ids], self.ggml_type, self.cols)
 
 
+#: Whether the CPU computes RMSNorm with the step kernels' kernels.rms_norm (ggml's arithmetic: the squares summed
+#: in double; bit for bit llama.cpp's, tests/test_llamacpp.py) instead of torch.rms_norm. See docs/how-it-works.md.
+C_RMS_NORM = True
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | float, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim (float32; weight: [x.shape[-1]], or 1.0 for none).
 
-    torch.rms_norm (pow, mean, add, rsqrt, mul, mul in one C++ call). Not the step kernels' kernels.rms_norm
-    (ggml's arithmetic, squares summed in double): measured 2026-12-03, it moved the deepseek2 fixture's F32 logits
-    from 8.0e-5 to 1.18e-4 of transformers' (the bar is 1e-4; everything else in C left it at 8.03e-5)."""
-    return torch.rms_norm(x, (x.shape[-1],), None if isinstance(weight, float) else weight, eps)
+    On the CPU with :data:`C_RMS_NORM` (the default) the step kernels' kernels.rms_norm: ggml_rms_norm's arithmetic
+    (each square rounded to float32, summed in double in index order; mean and 1/sqrtf(mean + eps) in float32; x
+    times that, times the weight), the same bits as llama.cpp's CPU backend. Elsewhere torch.rms_norm (pow, mean,
+    add, rsqrt, mul, mul in one C++ call)."""
+    w = None if isinstance(weight, float) else weight
+    if C_RMS_NORM and x.device.type == "cpu" and x.dtype == torch.float32 and (lib := kernels.step_ops()) is not None:
+        return kernels.rms_norm(x, w, eps, lib=lib)
+    return torch.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def rope_inv_freq(base: float, n_rot: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -321,12 +330,13 @@ class LayerKVCache:
         return sum(t.numel() * 4 for t in self.k + self.v if t is not None)
 
 
-#: Whether the CPU computes attention with the step kernels' kernels.attention (tested bitwise against its numpy
-#: reference in tests/test_stepkern.py). Off: measured 2026-12-03 (tests/test_llamacpp.py
-#: test_blocks_match_llama_cpp_on_quantized, qwen3moe-tiny Q4_K_M through the C matmul kernels, vs llama.cpp on the
-#: same file), it moved the logits further from llama.cpp's than torch's ops: max |diff| 4.04 vs 2.55, mean 0.053 vs
-#: 0.0187 (bar 0.25 x the logit range, 3.6); the Q8_0 file was unchanged (0.192). Its arithmetic needs to come
-#: closer to ggml's before it is the default.
+#: Whether the CPU computes attention with the step kernels' kernels.attention (llama.cpp's CPU arithmetic, bit for
+#: bit: tests/test_llamacpp.py; its numpy reference: tests/test_stepkern.py) instead of torch's ops below. Off:
+#: measured 2026-12-03, it moves the deepseek2 fixture's F32 prompt logits to 1.11e-4 of transformers' (bar 1e-4;
+#: torch's ops 7.8e-5), though against the float64 run of the same transformers model it is the closest (7.0e-5,
+#: torch's ops 1.10e-4, transformers' float32 run 1.11e-4): YaRN's sharpened softmax puts that bar at float32's
+#: noise. And on qwen3moe-tiny Q4_K_M through the C matmul kernels it is max |diff| 4.03 from llama.cpp (bar 3.6)
+#: unless RMSNorm runs in C too (2.55): a rounding flip somewhere else, not the attention (docs/testing.md).
 C_ATTENTION = False
 
 
