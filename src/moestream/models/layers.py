@@ -88,8 +88,11 @@ class Weight:
 
 
 #: Whether the CPU computes RMSNorm with the step kernels' kernels.rms_norm (ggml's arithmetic: the squares summed
-#: in double; bit for bit llama.cpp's, tests/test_llamacpp.py) instead of torch.rms_norm. See docs/how-it-works.md.
-C_RMS_NORM = True
+#: in double; bit for bit llama.cpp's, tests/test_llamacpp.py) instead of torch.rms_norm. Off: the full suite on
+#: 2026-12-03 (22:02 UTC) put the deepseek2 fixture's F32 logits past their 1e-4 bar against transformers with it on
+#: (test_std_f32_matches_transformers, both modes), the bar sitting at float32's noise for that YaRN model (see
+#: docs/how-it-works.md); it waits, with C_ATTENTION, for that oracle to be run in float64. See docs/how-it-works.md.
+C_RMS_NORM = False
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | float, eps: float) -> torch.Tensor:
