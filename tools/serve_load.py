@@ -49,12 +49,15 @@ def loopback(host: str) -> bool:
         return False
 
 
-def one(base: str, prompt: str | list[dict], max_tokens: int, cache_prompt: bool) -> dict:
+def one(base: str, prompt: str | list[dict], max_tokens: int, cache_prompt: bool, temperature: float = 0.0,
+        seed: int | None = None) -> dict:
     """One streamed chat request (``prompt``: a user message, or the whole list of messages): its TTFT (s),
     generated tokens, decode tok/s, wall seconds, the reply's text, prompt tokens and cached prompt tokens."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": cache_prompt}
+    if seed is not None:
+        body["seed"] = seed
     t0 = time.perf_counter()
     first = None
     usage, timings = None, {}
@@ -185,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="requests in all (default: 2 per client)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--cache-prompt", action="store_true", help="let the server reuse slots' KV caches")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (default 0: greedy); above 0 request i is sent with seed --seed + i. "
+                    "Greedy decoding of a random-weight model soon repeats one token, whose routing then repeats "
+                    "too: sampling gives the varied routing of real text")
+    ap.add_argument("--seed", type=int, default=1000, help="first request's seed when --temperature > 0")
     ap.add_argument("--turns", type=int, default=0, metavar="T",
                     help="instead: one conversation of T turns (each request the previous messages, the previous "
                     "reply and a new user message; cache_prompt on); per turn: prompt, cached and prefilled tokens, "
@@ -238,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                 i = todo.pop(0)
             prompt = f"Write a few sentences about {TOPICS[i % len(TOPICS)]} (request {i}, client {c})."
             try:
-                r = one(base, prompt, a.max_tokens, a.cache_prompt)
+                r = one(base, prompt, a.max_tokens, a.cache_prompt, a.temperature,
+                        a.seed + i if a.temperature > 0 else None)
             except (RuntimeError, httpx.HTTPError) as e:
                 with lock:
                     failures.append(f"request {i}: {e}")
@@ -264,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     tokens = sum(r["tokens"] for r in results)
     ttft = sorted(r["ttft"] for r in results)
-    summary = {"clients": a.clients, "requests": n_req, "max_tokens": a.max_tokens, "wall_seconds": wall,
+    summary = {"clients": a.clients, "requests": n_req, "max_tokens": a.max_tokens, "temperature": a.temperature,
+               "wall_seconds": wall,
                "tokens": tokens, "aggregate_tps": tokens / wall,
                "ttft_p50": statistics.median(ttft), "ttft_p95": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))],
                "decode_tps_median": statistics.median(r["decode_tps"] for r in results)}
