@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 import socket
 import statistics
 import sys
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= a.turns <= 64:
             print("serve_load: error: --turns must be 1-64", file=sys.stderr)
             return 2
+        load0 = os.getloadavg()[0]
         try:
             res = turns(base, a.turns, a.max_tokens, True)
         except (RuntimeError, httpx.HTTPError) as e:
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({ratio:.2f}x)")
         if a.json:
             with open(a.json, "w", encoding="utf-8") as f:
-                json.dump({"summary": {"turns": a.turns, "max_tokens": a.max_tokens, "ttft_last_over_first": ratio},
+                json.dump({"summary": {"turns": a.turns, "max_tokens": a.max_tokens, "ttft_last_over_first": ratio,
+                                       "loadavg_1min_start": load0, "loadavg_1min_end": os.getloadavg()[0]},
                            "requests": res}, f, indent=1)
         return 0
     poller = MetricsPoller(base, a.clients) if a.metrics else None
@@ -258,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             with lock:
                 results.append(r)
 
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(a.clients)]
     for t in threads:
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(r["tokens"] for r in results)
     ttft = sorted(r["ttft"] for r in results)
     summary = {"clients": a.clients, "requests": n_req, "max_tokens": a.max_tokens, "temperature": a.temperature,
-               "wall_seconds": wall,
+               "wall_seconds": wall, "loadavg_1min_start": load0, "loadavg_1min_end": os.getloadavg()[0],
                "tokens": tokens, "aggregate_tps": tokens / wall,
                "ttft_p50": statistics.median(ttft), "ttft_p95": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))],
                "decode_tps_median": statistics.median(r["decode_tps"] for r in results)}
