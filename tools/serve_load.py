@@ -160,9 +160,11 @@ class MetricsPoller(threading.Thread):
         return out
 
 
-def turns(base: str, n_turns: int, max_tokens: int, cache_prompt: bool) -> list[dict]:
+def turns(base: str, n_turns: int, max_tokens: int, cache_prompt: bool, temperature: float = 0.0,
+          seed: int = 0) -> list[dict]:
     """One conversation of ``n_turns`` requests, each the previous messages, the previous reply (as the server
-    sent it) and a new user message; one result per turn."""
+    sent it) and a new user message; one result per turn (turn k sampled with ``seed + k`` when
+    ``temperature`` > 0)."""
     # a first request of another conversation, not counted: the server's first call pays one-off costs (kernels
     # compiled or loaded, buffers allocated) that would otherwise land on turn 1
     one(base, "Say something about the weather (warm-up).", max_tokens, False)
@@ -171,7 +173,7 @@ def turns(base: str, n_turns: int, max_tokens: int, cache_prompt: bool) -> list[
     for k in range(n_turns):
         messages.append({"role": "user", "content": f"Turn {k + 1}: now tell me about {TOPICS[k % len(TOPICS)]}, "
                                                      "in a few sentences."})
-        r = one(base, messages, max_tokens, cache_prompt)
+        r = one(base, messages, max_tokens, cache_prompt, temperature, seed + k if temperature > 0 else None)
         r["turn"] = k + 1
         print(f"turn {k + 1}: prompt {r['prompt_tokens']} tokens, cached {r['cached_tokens']}, prefilled "
               f"{r['prompt_n']}, {r['tokens']} generated, ttft {r['ttft']:.2f} s, decode {r['decode_tps']:.2f} tok/s",
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         load0 = os.getloadavg()[0]
         try:
-            res = turns(base, a.turns, a.max_tokens, True)
+            res = turns(base, a.turns, a.max_tokens, True, a.temperature, a.seed)
         except (RuntimeError, httpx.HTTPError) as e:
             print(f"serve_load: error: {e}", file=sys.stderr)
             return 1
@@ -229,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({ratio:.2f}x)")
         if a.json:
             with open(a.json, "w", encoding="utf-8") as f:
-                json.dump({"summary": {"turns": a.turns, "max_tokens": a.max_tokens, "ttft_last_over_first": ratio,
+                json.dump({"summary": {"turns": a.turns, "max_tokens": a.max_tokens, "temperature": a.temperature,
+                                       "ttft_last_over_first": ratio,
                                        "loadavg_1min_start": load0, "loadavg_1min_end": os.getloadavg()[0]},
                            "requests": res}, f, indent=1)
         return 0
