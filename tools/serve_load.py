@@ -168,11 +168,14 @@ def turns(base: str, n_turns: int, max_tokens: int, cache_prompt: bool, temperat
     # a first request of another conversation, not counted: the server's first call pays one-off costs (kernels
     # compiled or loaded, buffers allocated) that would otherwise land on turn 1
     one(base, "Say something about the weather (warm-up).", max_tokens, False)
+    tag = time.strftime("%H:%M:%S")
     messages: list[dict] = []
     out = []
     for k in range(n_turns):
-        messages.append({"role": "user", "content": f"Turn {k + 1}: now tell me about {TOPICS[k % len(TOPICS)]}, "
-                                                     "in a few sentences."})
+        # the first message names the conversation (the time it started), so that no slot holds its start already
+        opening = f"Conversation {tag}. " if k == 0 else ""
+        messages.append({"role": "user", "content": f"{opening}Turn {k + 1}: now tell me about "
+                                                     f"{TOPICS[k % len(TOPICS)]}, in a few sentences."})
         r = one(base, messages, max_tokens, cache_prompt, temperature, seed + k if temperature > 0 else None)
         r["turn"] = k + 1
         print(f"turn {k + 1}: prompt {r['prompt_tokens']} tokens, cached {r['cached_tokens']}, prefilled "
