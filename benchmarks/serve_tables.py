@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         sd = (s.get("metrics") or {}).get("steady_decode") or {}
         bpt = sd.get("bytes_per_token")
         steady = (f"{sd['tokens_per_second']:.2f} | {bpt / 2**20:.1f} | {100 * sd['hit_rate']:.1f}% | "
-                  + (f"{a.disk_mbps * 1e6 / bpt:.0f}" if a.disk_mbps and bpt else "-")) if bpt else "- | - | - | -"
+                  + (f"{a.disk_mbps * 1e6 / bpt:.0f}" if a.disk_mbps and bpt else "-")) if bpt is not None \
+            else "- | - | - | -"
         load = (f"{s['loadavg_1min_start']:.1f}-{s['loadavg_1min_end']:.1f}" if "loadavg_1min_start" in s else "-")
         print(f"| {server} | {clients} | {s['aggregate_tps']:.2f} | {s['ttft_p50']:.2f} / {s['ttft_p95']:.2f} | "
               f"{s['decode_tps_median']:.2f} | {load} | {steady} |")
