@@ -368,9 +368,14 @@ def tools_dir() -> Path:
     return cache_root() / "llama-tools" / f"llama.cpp-{VERSION}-{tools_key()}"
 
 
+def server_key() -> str:
+    """As :func:`tools_key`, for the llama-server build."""
+    return _cmake_key(SERVER_CMAKE_ARGS, SERVER_TARGETS, SERVER_RECIPE)
+
+
 def server_dir() -> Path:
     """``$MOESTREAM_CACHE/llama-tools/llama-server-<version>-<key>``: ``bin/llama-server``, ``build-info.json``."""
-    return cache_root() / "llama-tools" / f"llama-server-{VERSION}-{_cmake_key(SERVER_CMAKE_ARGS, SERVER_TARGETS, SERVER_RECIPE)}"
+    return cache_root() / "llama-tools" / f"llama-server-{VERSION}-{server_key()}"
 
 
 def _tools_ready(d: Path, targets: tuple[str, ...] = TOOL_TARGETS) -> bool:
@@ -496,8 +501,8 @@ def ensure_tools(*, force: bool = False) -> Path:
 def ensure_server(*, force: bool = False) -> Path:
     """Return the directory of the cached ``llama-server`` build (``bin/llama-server``), building it first if
     needed, as :func:`ensure_tools` does, with :data:`SERVER_CMAKE_ARGS`."""
-    return _ensure_cmake(server_dir(), SERVER_TARGETS, SERVER_CMAKE_ARGS, SERVER_RECIPE,
-                         _cmake_key(SERVER_CMAKE_ARGS, SERVER_TARGETS, SERVER_RECIPE), ".tmp-server-", force=force)
+    return _ensure_cmake(server_dir(), SERVER_TARGETS, SERVER_CMAKE_ARGS, SERVER_RECIPE, server_key(),
+                         ".tmp-server-", force=force)
 
 
 def tool(name: str) -> Path:

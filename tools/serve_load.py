@@ -117,16 +117,21 @@ class MetricsPoller(threading.Thread):
         self.last: dict[str, float] | None = None
         self.error: str | None = None
 
+    def sample(self) -> dict[str, float]:
+        """One scrape (its time in "t"), kept as the last sample (and the first, if none yet)."""
+        m = scrape(self.base)
+        m["t"] = time.perf_counter()
+        self.first = self.first or m
+        self.last = m
+        return m
+
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                m = scrape(self.base)
+                m = self.sample()
             except (httpx.HTTPError, ValueError) as e:
                 self.error = str(e)
                 return
-            m["t"] = time.perf_counter()
-            self.first = self.first or m
-            self.last = m
             if (m.get("moestream_requests_processing") == self.batch and not m.get("moestream_queue_depth")
                     and m.get("moestream_running_prefilled_tokens") == m.get("moestream_running_prompt_tokens")):
                 self.steady.append(m)
@@ -241,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     poller = MetricsPoller(base, a.clients) if a.metrics else None
     if poller is not None:
+        try:
+            poller.sample()  # before the first request: the whole run's counters start here
+        except (httpx.HTTPError, ValueError) as e:
+            print(f"serve_load: error: --metrics: {base}/metrics: {e}", file=sys.stderr)
+            return 1
         poller.start()
     todo = list(range(n_req))
     lock = threading.Lock()
@@ -278,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     if poller is not None:
         poller.stop.set()
         poller.join()
+        if poller.error is None:
+            try:
+                poller.sample()  # after the last reply
+            except (httpx.HTTPError, ValueError) as e:
+                poller.error = str(e)
     if failures:
         print(f"serve_load: error: {failures[0]}", file=sys.stderr)
         return 1
