@@ -362,6 +362,30 @@ def test_load_generator(srv: Any, tmp_path: Path, capsys: pytest.CaptureFixture)
     assert "not a loopback address" in capsys.readouterr().err
 
 
+def test_load_generator_turns_and_metrics(srv: Any, tmp_path: Path) -> None:
+    """serve_load --turns: one conversation, each turn's prompt = cached + prefilled tokens, the later turns served
+    partly from the cache; --metrics: the run's expert counters and steps from /metrics, sampled (--temperature)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import serve_load
+
+    port = int(srv.base.rsplit(":", 1)[1])
+    out = tmp_path / "turns.json"
+    assert serve_load.main(["--port", str(port), "--turns", "3", "--max-tokens", "4", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["turn"] for r in res["requests"]] == [1, 2, 3]
+    for r in res["requests"]:
+        assert r["prompt_tokens"] == r["cached_tokens"] + r["prompt_n"]
+    assert all(r["cached_tokens"] > 0 for r in res["requests"][1:])
+    assert res["summary"]["ttft_last_over_first"] > 0
+    out = tmp_path / "metrics.json"
+    assert serve_load.main(["--port", str(port), "--clients", "2", "--requests", "2", "--max-tokens", "6",
+                            "--temperature", "1", "--metrics", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["temperature"] == 1 and summary["tokens"] == 12
+    run = summary["metrics"]["run"]
+    assert run["step_sequences"] >= 12 - 2 and run["forward_steps"] >= 6 - 1
+
+
 def test_np_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """-np out of range, and --trace with several slots: one line, exit 1, before anything listens."""
     from moestream.cli import main

@@ -27,6 +27,7 @@ Command line::
     python tools/llamacpp.py install      # ... and install it into this interpreter's environment
     python tools/llamacpp.py quantize SRC.gguf DST.gguf Q4_K_M   # llama.cpp's quantizer (needs install)
     python tools/llamacpp.py tools        # build llama-imatrix + llama-quantize once (CMake, -j2), print bin/
+    python tools/llamacpp.py server       # build llama-server once (same source and flags), print bin/
 """
 
 from __future__ import annotations
@@ -330,6 +331,17 @@ TOOLS_JOBS = 2
 #: Bump when the tools recipe changes in a way the values above do not show.
 TOOLS_RECIPE = 1
 
+#: llama-server (the serving comparison, tools/serve_load.py): the tools' flags with the server switched on. Its
+#: web UI is neither built (npm) nor fetched (a download at build time): the server answers the API only.
+SERVER_TARGETS: tuple[str, ...] = ("llama-server",)
+SERVER_CMAKE_ARGS: tuple[str, ...] = (
+    *(a for a in TOOLS_CMAKE_ARGS if not a.startswith("-DLLAMA_BUILD_SERVER=")),
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+)
+SERVER_RECIPE = 1
+
 
 def _cmake_version() -> str:
     proc = subprocess.run(["cmake", "--version"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -338,13 +350,17 @@ def _cmake_version() -> str:
     return proc.stdout.splitlines()[0].strip()
 
 
+def _cmake_key(cmake_args: tuple[str, ...], targets: tuple[str, ...], recipe: int) -> str:
+    spec = {"project": PROJECT, "version": VERSION, "sdist": SDIST_SHA256, "cmake": cmake_args,
+            "targets": targets, "recipe": recipe, "machine": platform.machine(),
+            "system": platform.system(), "cmake_version": _cmake_version()}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def tools_key() -> str:
     """Hash of everything that determines the tool binaries: the pinned sdist, the CMake flags and targets,
     the recipe, the machine and the cmake version."""
-    spec = {"project": PROJECT, "version": VERSION, "sdist": SDIST_SHA256, "cmake": TOOLS_CMAKE_ARGS,
-            "targets": TOOL_TARGETS, "recipe": TOOLS_RECIPE, "machine": platform.machine(),
-            "system": platform.system(), "cmake_version": _cmake_version()}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return _cmake_key(TOOLS_CMAKE_ARGS, TOOL_TARGETS, TOOLS_RECIPE)
 
 
 def tools_dir() -> Path:
@@ -352,8 +368,18 @@ def tools_dir() -> Path:
     return cache_root() / "llama-tools" / f"llama.cpp-{VERSION}-{tools_key()}"
 
 
-def _tools_ready(d: Path) -> bool:
-    return (d / "build-info.json").is_file() and all(os.access(d / "bin" / t, os.X_OK) for t in TOOL_TARGETS)
+def server_key() -> str:
+    """As :func:`tools_key`, for the llama-server build."""
+    return _cmake_key(SERVER_CMAKE_ARGS, SERVER_TARGETS, SERVER_RECIPE)
+
+
+def server_dir() -> Path:
+    """``$MOESTREAM_CACHE/llama-tools/llama-server-<version>-<key>``: ``bin/llama-server``, ``build-info.json``."""
+    return cache_root() / "llama-tools" / f"llama-server-{VERSION}-{server_key()}"
+
+
+def _tools_ready(d: Path, targets: tuple[str, ...] = TOOL_TARGETS) -> bool:
+    return (d / "build-info.json").is_file() and all(os.access(d / "bin" / t, os.X_OK) for t in targets)
 
 
 def sdist() -> Path:
@@ -394,28 +420,25 @@ def sdist_member(rel: str) -> bytes:
         return f.read()
 
 
-def ensure_tools(*, force: bool = False) -> Path:
-    """Return the directory of the cached ``llama-imatrix``/``llama-quantize`` build (``bin/`` inside),
-    building it first if needed: the pinned sdist's vendored llama.cpp, ``cmake`` with
-    :data:`TOOLS_CMAKE_ARGS`, ``cmake --build -j TOOLS_JOBS --target`` :data:`TOOL_TARGETS` only. Built in a
-    temporary directory and renamed into place under a file lock; the build time is logged and recorded in
-    ``build-info.json``."""
+def _ensure_cmake(final: Path, targets: tuple[str, ...], cmake_args: tuple[str, ...], recipe: int, key: str,
+                  tmp_prefix: str, *, force: bool = False) -> Path:
+    """Build ``targets`` of the pinned sdist's vendored llama.cpp with ``cmake_args`` into ``final`` (``bin/``
+    inside) unless already there; see :func:`ensure_tools`."""
     import tarfile
 
-    final = tools_dir()
-    if _tools_ready(final) and not force:
+    if _tools_ready(final, targets) and not force:
         return final
     with _lock(".llamacpp-tools.lock"):
-        if _tools_ready(final) and not force:
+        if _tools_ready(final, targets) and not force:
             return final
         parent = final.parent
         parent.mkdir(parents=True, exist_ok=True)
-        for p in parent.glob(".tmp-tools-*"):  # leftovers of killed builds (we hold the lock)
+        for p in parent.glob(tmp_prefix + "*"):  # leftovers of killed builds (we hold the lock)
             shutil.rmtree(p, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-tools-", dir=parent))
+        tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=parent))
         tmp.chmod(0o755)
         try:
-            log(f"building {', '.join(TOOL_TARGETS)} of {PROJECT}=={VERSION}'s vendored llama.cpp into {final} "
+            log(f"building {', '.join(targets)} of {PROJECT}=={VERSION}'s vendored llama.cpp into {final} "
                 f"(once; -j{TOOLS_JOBS})")
             t0 = time.monotonic()
             with tarfile.open(sdist()) as tf:
@@ -432,8 +455,8 @@ def ensure_tools(*, force: bool = False) -> Path:
             for var in ("CMAKE_ARGS", "CMAKE_GENERATOR_PLATFORM", "CUDACXX", "CC_LD"):
                 env.pop(var, None)
             with open(log_file, "w") as logf:
-                for cmd in (["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *TOOLS_CMAKE_ARGS],
-                            ["cmake", "--build", str(build), "-j", str(TOOLS_JOBS), "--target", *TOOL_TARGETS]):
+                for cmd in (["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *cmake_args],
+                            ["cmake", "--build", str(build), "-j", str(TOOLS_JOBS), "--target", *targets]):
                     t1 = time.monotonic()
                     log("$ " + " ".join(cmd))
                     logf.write("$ " + " ".join(cmd) + "\n")
@@ -446,23 +469,40 @@ def ensure_tools(*, force: bool = False) -> Path:
                         raise LlamaCppError(f"building llama.cpp's tools failed (exit {rc}); full log: "
                                             f"{log_file}\n  " + "\n  ".join(tail))
             (tmp / "bin").mkdir()
-            for t in TOOL_TARGETS:
+            for t in targets:
                 shutil.copy2(build / "bin" / t, tmp / "bin" / t)
             seconds = round(time.monotonic() - t0, 1)
             info = {"project": PROJECT, "version": VERSION, "sdist_sha256": SDIST_SHA256,
-                    "cmake_args": TOOLS_CMAKE_ARGS, "targets": TOOL_TARGETS, "jobs": TOOLS_JOBS,
-                    "recipe": TOOLS_RECIPE, "key": tools_key(), "cmake": _cmake_version(),
+                    "cmake_args": cmake_args, "targets": targets, "jobs": TOOLS_JOBS,
+                    "recipe": recipe, "key": key, "cmake": _cmake_version(),
                     "download_extract_seconds": round(t_src, 1), "build_seconds": seconds,
                     "machine": platform.machine(), "cpus": os.cpu_count()}
             shutil.rmtree(build)
             shutil.rmtree(tmp / "src")
             (tmp / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")  # written last
-            _move_into_place(tmp, final, ".tmp-tools-old-")
-            log(f"built {', '.join(TOOL_TARGETS)} in {seconds:.0f}s (download and unpack {t_src:.0f}s)")
+            _move_into_place(tmp, final, tmp_prefix + "old-")
+            log(f"built {', '.join(targets)} in {seconds:.0f}s (download and unpack {t_src:.0f}s)")
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return final
+
+
+def ensure_tools(*, force: bool = False) -> Path:
+    """Return the directory of the cached ``llama-imatrix``/``llama-quantize`` build (``bin/`` inside),
+    building it first if needed: the pinned sdist's vendored llama.cpp, ``cmake`` with
+    :data:`TOOLS_CMAKE_ARGS`, ``cmake --build -j TOOLS_JOBS --target`` :data:`TOOL_TARGETS` only. Built in a
+    temporary directory and renamed into place under a file lock; the build time is logged and recorded in
+    ``build-info.json``."""
+    return _ensure_cmake(tools_dir(), TOOL_TARGETS, TOOLS_CMAKE_ARGS, TOOLS_RECIPE, tools_key(), ".tmp-tools-",
+                         force=force)
+
+
+def ensure_server(*, force: bool = False) -> Path:
+    """Return the directory of the cached ``llama-server`` build (``bin/llama-server``), building it first if
+    needed, as :func:`ensure_tools` does, with :data:`SERVER_CMAKE_ARGS`."""
+    return _ensure_cmake(server_dir(), SERVER_TARGETS, SERVER_CMAKE_ARGS, SERVER_RECIPE, server_key(),
+                         ".tmp-server-", force=force)
 
 
 def tool(name: str) -> Path:
@@ -504,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--force", action="store_true", help="reinstall even if that wheel is installed")
     t = sub.add_parser("tools", help="build llama-imatrix and llama-quantize if needed; print their folder")
     t.add_argument("--force", action="store_true", help="rebuild even if cached")
+    sv = sub.add_parser("server", help="build llama-server if needed; print its folder")
+    sv.add_argument("--force", action="store_true", help="rebuild even if cached")
     q = sub.add_parser("quantize", help="llama.cpp's quantizer: SRC DST FTYPE (e.g. Q4_K_M)")
     q.add_argument("src")
     q.add_argument("dst")
@@ -517,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
             print(install(force=args.force))
         elif args.cmd == "tools":
             print(ensure_tools(force=args.force) / "bin")
+        elif args.cmd == "server":
+            print(ensure_server(force=args.force) / "bin")
         else:
             quantize(args.src, args.dst, args.ftype, nthread=args.nthread)
     except LlamaCppError as e:
