@@ -146,7 +146,6 @@ class Constraint:
         self.matcher = llguidance.LLMatcher(self.llt, grammar, log_level=0)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
-        self._words = (self.llt.vocab_size + 31) // 32
         self.eos = sorted(tok.eos_ids)
 
     def allowed(self) -> torch.Tensor:
