@@ -10,6 +10,8 @@
 # then, on the GPU machine (logs and JSON under $OUT):
 #   bash benchmarks/gpu_run.sh tests   # llama.cpp's CUDA build started behind; bench model; tests/test_cuda.py;
 #                                      # gpu_profile.py (graphs on, then off)
+#   bash benchmarks/gpu_run.sh ptests  # the same tests, one process per fixture file at once (NO_DEFAULT=1: not the
+#                                      # embedded model); llama.cpp's build and both bench models behind them
 #   bash benchmarks/gpu_run.sh bench   # the GPU table of docs/benchmarks.md (the same machine, right after: /tmp kept)
 #   bash benchmarks/gpu_run.sh ab      # streaming and resident rows with CUDA graphs on and off, side by side
 #   bash benchmarks/gpu_run.sh runner  # every expert in VRAM, graphs on and off, beside llama.cpp all-GPU and
@@ -22,8 +24,11 @@ OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 BUNDLE=${BUNDLE:-build/gpu}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  "$BUNDLE"/*.whl || exit 1
+if ls "$BUNDLE"/*.whl >/dev/null 2>&1; then  # once per machine: later calls may carry fixtures only
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$BUNDLE"/*.whl || exit 1
+fi
+[ -d /tmp/site ] || { echo "no wheels installed on this machine: carry a bundle with *.whl first" >&2; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
 M=/tmp/q32.gguf
 LLB=/tmp/llb/build/bin/llama-bench
@@ -53,6 +58,38 @@ tests)
   grep "^==" "$OUT/profile-eager.txt"
   tail -3 /tmp/llb.log
   ;;
+ptests)
+  # tests/test_cuda.py with one pytest process per file of $BUNDLE/fix (and one for the embedded model), all at
+  # once on the one GPU: Triton's compiles and the CPU references are what takes the time, and 16 cores share them
+  nvidia-smi -L; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  if [ -f "$BUNDLE"/llama.cpp-cuda-slim.tar.xz ] && [ ! -e /tmp/llb.log ]; then  # once per machine
+    setsid nohup python3 tools/llamacpp_cuda.py build "$BUNDLE"/llama.cpp-cuda-slim.tar.xz /tmp/llb -j6 \
+      > /tmp/llb.log 2>&1 < /dev/null &
+  fi
+  if [ -f "$BUNDLE"/tok.gguf.xz ] && [ ! -e /tmp/bm.log ]; then  # the bench models, behind the tests
+    xz -dc "$BUNDLE"/tok.gguf.xz > /tmp/tok.gguf
+    setsid nohup bash -c "python3 tools/make_bench_model.py --type Q4_K_M --layers 32 -o /tmp/q32.gguf \
+      --tokenizer-from /tmp/tok.gguf; python3 tools/make_bench_model.py --arch gemma4 --type Q4_0 --layers 6 \
+      -o /tmp/g6.gguf --tokenizer-from /tmp/tok.gguf; touch /tmp/bm.done" > /tmp/bm.log 2>&1 < /dev/null &
+  fi
+  pids=""
+  if [ -z "${NO_DEFAULT:-}" ]; then
+    timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py ${PYTEST_ARGS:-} \
+      > "$OUT/test_cuda-default.log" 2>&1 &
+    pids="$pids $!"
+  fi
+  for f in "$BUNDLE"/fix/*.gguf; do
+    n=$(basename "$f" .gguf); d=/tmp/fx/$n; mkdir -p $d; cp -f "$f" $d/
+    MOESTREAM_GPU_FIXTURES=$d timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/test_cuda.py -k "not default" --deselect tests/test_cuda.py::test_cli_cuda ${PYTEST_ARGS:-} \
+      > "$OUT/test_cuda-$n.log" 2>&1 &
+    pids="$pids $!"
+  done
+  for p in $pids; do wait $p; done
+  for l in "$OUT"/test_cuda-*.log; do echo "== $l"; grep -E "passed|failed|error" "$l" | tail -2; done
+  grep -h -E "^(FAILED|ERROR)" "$OUT"/test_cuda-*.log | cut -c1-300
+  tail -2 /tmp/llb.log /tmp/bm.log 2>/dev/null
+  ;;
 bench)
   for i in $(seq 1 60); do [ -x $LLB ] && break; sleep 5; done
   tail -2 /tmp/llb.log
@@ -68,6 +105,9 @@ bench)
   tail -5 "$OUT"/*.err
   ;;
 runner)
+  if [ -e /tmp/bm.log ]; then  # ptests is making them
+    for i in $(seq 1 60); do [ -e /tmp/bm.done ] && break; sleep 5; done
+  fi
   [ "${RUNNER_MODELS:-q32 g6}" != "g6" ] && bench_model
   G=/tmp/g6.gguf
   [ -f /tmp/tok.gguf ] || xz -dc "$BUNDLE"/tok.gguf.xz > /tmp/tok.gguf
@@ -96,6 +136,6 @@ ab)
   done
   ;;
 *)
-  echo "usage: benchmarks/gpu_run.sh tests|bench|ab|runner" >&2; exit 2
+  echo "usage: benchmarks/gpu_run.sh tests|ptests|bench|ab|runner" >&2; exit 2
   ;;
 esac
