@@ -293,12 +293,15 @@ class MoE:
         """Whether :meth:`resident_step` can compute this layer: Triton kernels, every expert addressed by the GPU
         in place (a ResidentStore on CUDA: VRAM or pinned host pools), no synthetic routing."""
         return (self.gpu and self.routing is None and getattr(store, "trace", None) is None
-                and isinstance(store, ResidentStore) and store.device.type == "cuda")
+                and (isinstance(store, ResidentStore) or getattr(store, "plan", None) is not None)
+                and store.device.type == "cuda")
 
     def resident_step(self, store: ExpertStore, x: torch.Tensor, ids: torch.Tensor,
                       weights: torch.Tensor) -> torch.Tensor:
         """One decode token's routed experts with nothing on the host: x float32 [1, hidden], ids int64 [1, top_k]
         real expert ids (= slot ids: every expert is resident), weights float32 [1, top_k] -> [1, hidden].
+        With a device-planned store (experts/devplan.py: its host tier holds every expert) the pool rows come from
+        the device table instead, the misses copied from the tier into scratch rows first (``store.plan.rows``).
 
         No synchronisation and no host-dependent shapes, so a CUDA graph can capture it (models/graphs.py). The
         pairs stay in top-k order, one tile each; every pair's row is computed by the same kernel configuration
@@ -312,7 +315,8 @@ class MoE:
         const = getattr(self, "_dev_const", None)
         if const is None or const[0] != key:
             names = ["gate_up"] if self.merged else ["gate", "up"]
-            lead = {n: torch.from_numpy(store.lead(self.layer, n)).to(dev) for n in [*names, "down"]}
+            lead = ({} if getattr(store, "plan", None) is not None else
+                    {n: torch.from_numpy(store.lead(self.layer, n)).to(dev) for n in [*names, "down"]})
             tiles = torch.from_numpy(tkernels.plan_tiles(np.arange(top_k + 1), 1)).to(dev)
             const = self._dev_const = (key, lead, tiles, torch.zeros(top_k, dtype=torch.int32, device=dev),
                                        torch.arange(top_k, dtype=torch.int32, device=dev))
@@ -321,10 +325,13 @@ class MoE:
             weights = weights * self.expert_scale[ids]  # real ids (= slot ids here), as in __call__
         flat = ids.reshape(-1)
         x = x.contiguous()
+        plan = getattr(store, "plan", None)
+        at_row = flat if plan is None else plan.rows(self.layer, flat)  # each pair's row of the pool
 
         def mm(name: str, v: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
             mat, pool = self.mats[name], store.matrix(self.layer, name)
-            offs = flat * pool.stride(0) + lead[name].index_select(0, flat)
+            at = lead[name].index_select(0, flat) if plan is None else plan.lead(self.layer, name, flat)
+            offs = at_row * pool.stride(0) + at
             y = torch.empty((top_k, mat.rows), dtype=torch.float32, device=dev)
             y = tkernels.grouped_planned(v, pool, offs, tiles, src, mat.ggml_type, mat.rows, mat.cols, 1, y)
             return self._add_bias(name, y, flat)

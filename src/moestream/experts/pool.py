@@ -15,6 +15,7 @@ Both expose the same ``prepare`` / ``wait`` / ``matrix`` / ``lead`` calls, so th
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -323,6 +324,29 @@ class StreamingStore(ExpertStore):
         self._leads: dict[int, dict[str, np.ndarray]] = {}
         self._direct: dict[int, dict[str, bool]] = {}
         widest = 1
+        # the device-planned step (experts/devplan.py): the tier holds every expert, the layers' pools of one matrix
+        # share one tensor with top-k scratch rows after them
+        strides = {la: {name: slot_stride(m, self.align if m.path in direct_paths else 1) for name, m in mats.items()}
+                   for la, mats in layout.layers.items()}
+        planned = self._plannable(layout, strides, per_layer, host_cache, min_slots, gpu)
+        if planned:  # one stride per matrix, the widest of the layers', in whole 64-byte lines (a multiple of the
+            # direct-IO alignment still): the scratch copies move aligned 32-bit words
+            widest_of = {name: max(sts[name] for sts in strides.values()) for name in strides[layout.moe_layers[0]]}
+            strides = {la: {name: -(-widest_of[name] // 64) * 64 for name in sts} for la, sts in strides.items()}
+        big: dict[str, torch.Tensor] = {}
+        base: dict[int, int] = {}
+        if planned:
+            names = list(next(iter(strides.values())))
+            rows = 0
+            for la in layout.layers:
+                base[la] = rows
+                rows += min(per_layer[la], layout.n_experts(la))
+            for name in names:
+                stride = strides[layout.moe_layers[0]][name]
+                if self.place == "device":
+                    big[name] = torch.empty((rows + min_slots, stride), dtype=torch.uint8, device=self.device)
+                else:
+                    big[name] = _aligned_pool(rows + min_slots, stride, self.align, pin_memory)
         for layer, mats in layout.layers.items():
             n_exp = layout.n_experts(layer)
             n = min(per_layer[layer], n_exp)
@@ -333,9 +357,14 @@ class StreamingStore(ExpertStore):
             self._expert_bytes[layer] = sum(m.bytes_per_expert for m in mats.values())
             for name, m in mats.items():
                 direct = m.path in direct_paths
-                stride = slot_stride(m, self.align if direct else 1)
+                stride = strides[layer][name]
                 widest = max(widest, stride)
-                if self.place == "device":
+                if planned:
+                    pool = big[name][base[layer]:base[layer] + n]
+                    self.pools[layer][name] = pool
+                    self._views[layer][name] = ([] if self.place == "device" else
+                                                [memoryview(pool[s].numpy()) for s in range(n)])
+                elif self.place == "device":
                     self.pools[layer][name] = torch.empty((n, stride), dtype=torch.uint8, device=self.device)
                     self._views[layer][name] = []
                 else:
@@ -354,6 +383,34 @@ class StreamingStore(ExpertStore):
         self.tier: HostTier | None = None
         if host_cache:
             self.tier = HostTier(self, host_cache, policy)
+        #: the device-planned decode step's tables (experts/devplan.py), or None
+        self.plan = None
+        if planned:
+            from .devplan import DevicePlan
+            self.tier.fill(model)
+            self.plan = DevicePlan(self, big, base, min_slots)
+
+    @staticmethod
+    def _plannable(layout: ExpertLayout, strides: dict[int, dict[str, int]], per_layer: dict[int, int],
+                   host_cache: int, top_k: int, gpu: bool) -> bool:
+        """Whether the device-planned step applies: a GPU (or Triton's interpreter), a host tier large enough for
+        every expert of every layer, the same matrices and strides in every MoE layer, MOESTREAM_DEVICE_PLAN not
+        0."""
+        from .devplan import enabled
+
+        if not host_cache or not enabled() or not layout.moe_layers:
+            return False
+        if not gpu and os.environ.get("TRITON_INTERPRET") != "1":
+            return False
+        first = strides[layout.moe_layers[0]]
+        if any(set(s) != set(first) for s in strides.values()):
+            return False
+        if any(min(per_layer[la], layout.n_experts(la)) < top_k for la in layout.layers):
+            return False
+        # HostTier's rows per layer: host_cache // (one slot of every layer); every expert needs n_experts rows
+        per_slot = sum(sum(-(-max(sts[n] for sts in strides.values()) // 64) * 64 for n in first)
+                       for _ in strides)
+        return host_cache // max(per_slot, 1) >= max(layout.n_experts(la) for la in layout.layers)
 
     @staticmethod
     def read_mode(layout: ExpertLayout, direct_io: bool | None) -> tuple[bool, int]:
@@ -425,6 +482,9 @@ class StreamingStore(ExpertStore):
         tile needs is then read again by that tile)."""
         if self.trace is not None:
             self.trace.append((layer, tuple(experts), tuple(pinned)))
+        if self.plan is not None:  # the device-planned step's promotions done; its table rebuilt before the next
+            self.plan.flush()
+            self.plan.dirty = True
         self._settle(layer)
         slots, pending = self.slots[layer], self._pending[layer]
         if pending:
@@ -698,6 +758,8 @@ class StreamingStore(ExpertStore):
         return self.reader.bytes_read
 
     def close(self) -> None:
+        if self.plan is not None:
+            self.plan.close()
         self.reader.close()
         if self.place == "device":
             self._sinks.stream.synchronize()
@@ -749,6 +811,36 @@ class HostTier:
             self.events[la] = {}  # (row, matrix name) -> the event after the last copy out of it
         self.nbytes = sum(t.numel() for mats in self.pools.values() for t in mats.values())
         self.hits = self.misses = self.bytes_copied = 0
+        self._store = store
+        #: per layer and matrix: int64 [n_experts], the lead of each expert in a row (and a slot): its file offset
+        #: modulo the alignment for direct reads, else 0
+        self.leads: dict[int, dict[str, np.ndarray]] = {}
+        for la, mats in layout.layers.items():
+            self.leads[la] = {}
+            for name, m in mats.items():
+                offs = m.offset + np.arange(m.n_experts, dtype=np.int64) * m.bytes_per_expert
+                self.leads[la][name] = offs % store.align if store._direct[la][name] else np.zeros_like(offs)
+
+    def fill(self, model: GGUFModel) -> None:
+        """Read every expert into the tier, row = real expert id (the tier must hold every expert): the
+        device-planned step's source (experts/devplan.py). Reads through the model's memory map of the file."""
+        store = self._store
+        for la, mats in store.layout.layers.items():
+            sm = self.slots[la]
+            if sm.n_slots < sm.n_experts:
+                raise ValueError(f"layer {la}: the tier holds {sm.n_slots} of {sm.n_experts} experts")
+            for name, m in mats.items():
+                info = model.tensors[f"blk.{la}.ffn_{name}_exps.weight"]
+                src = model.mapped(info).numpy().reshape(m.n_experts, m.bytes_per_expert)
+                dst = self.pools[la][name].numpy()
+                lead = self.leads[la][name]
+                if not lead.any():
+                    dst[:, :m.bytes_per_expert] = src
+                else:
+                    for e in range(m.n_experts):
+                        dst[e, lead[e]:lead[e] + m.bytes_per_expert] = src[e]
+            sm.slot_of[:] = np.arange(sm.n_experts)
+            sm.expert_of[:] = np.arange(sm.n_experts)
 
     def plan(self, layer: int, experts: list[int], pinned: list[int] = ()) -> tuple[dict[int, int], set[int]]:
         """Rows for ``experts`` (misses of the pools, distinct real ids): (expert -> row, the experts the tier

@@ -147,19 +147,31 @@ class Runner:
         seq = Seq(cache, start, 1)
         m.begin_step(Step(tokens, [seq]))
         store = m.store
+        plan = getattr(store, "plan", None)  # the device-planned step (experts/devplan.py)
         out = None
-        if self.graphable():
+        graphable = self.graphable()
+        if graphable:
             n_moe = len(m.layout.moe_layers)
 
             def count() -> None:  # the hits a replay does not count: top_k distinct experts per MoE layer
-                store.stats.hits += n_moe * m.top_k
+                if plan is None:
+                    store.stats.hits += n_moe * m.top_k
+                else:  # the step's ids to the host; the previous step's counted, the policy run
+                    plan.after_step()
 
+            if plan is not None:
+                plan.before_step()
             out = self.graphs.step(self.body, tokens, start, n_keys, cache, store, key, count)
         elif not m.opts.prefetch and self.graphs.off_reason is None:
             out = self._segmented(tokens, start, n_keys, cache, key)
         if out is None:
             pos = torch.full((1,), start, dtype=torch.int64, device=m.device)
-            out = self.body(tokens, pos, n_keys, cache, eager=True)
+            if plan is not None and graphable:  # graphs off: the same device-planned step, eagerly
+                plan.before_step()
+                out = self.body(tokens, pos, n_keys, cache)
+                plan.after_step()
+            else:
+                out = self.body(tokens, pos, n_keys, cache, eager=True)
         m.end_step(Step(tokens, [seq]))
         return out
 

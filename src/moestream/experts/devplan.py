@@ -1,0 +1,305 @@
+"""The device-planned decode step: when the host tier holds every expert, the GPU decides hits and misses itself.
+
+A streaming decode step normally sends each MoE layer's router top-k to the host, which plans the slots, starts
+the copies and launches the expert kernels: a round trip per layer (runtime/graphs.py cuts the step there). When
+``--host-cache`` holds every expert of every MoE layer in pinned host memory, nothing the step needs comes from the
+disk, and the step stays on the GPU (issue 24, item 1):
+
+- per MoE layer a device table ``slot_of`` (int32 [n_experts]: the expert's pool slot, -1 for none) that the
+  router's top-k indexes on the device;
+- every selected expert without a slot is copied from its pinned tier row (the GPU reads the pinned memory over
+  PCIe through its device address) into one of ``top_k`` scratch rows that every layer shares, by a small Triton
+  copy kernel that skips the hits (:func:`gather_misses`);
+- the expert matmuls address the pool through the resulting rows (slot or scratch), with the same kernels and
+  configuration as the resident step (``MoE.resident_step``), so the bits equal every other path's.
+
+The whole decode step is then one CUDA graph replay. The slot policy stays on the host, off the critical path: the
+step's expert ids of every layer go to the host in one asynchronous copy; after the *next* step is enqueued the
+host counts that step's hits and misses, runs the policy (the store's own ``SlotMap`` and LFU/LRU policy), marks
+evicted experts absent in the device table at once (before the step after it), and copies each admitted expert
+from its tier row into its new slot on a copy stream that first waits for the enqueued step (which may still read
+the evicted expert). An admitted expert appears in the device table only once its copy has finished (an event
+queried on a later step), so no step ever reads a slot being written. The counters therefore lag one step behind
+the replays; :meth:`DevicePlan.flush` brings them up to date (prepare(), close()).
+
+Pools: every MoE layer's pool of one matrix is a view of one tensor per matrix name (the layers' strides must be
+equal), with the ``top_k`` scratch rows after the last layer's slots, so the expert kernels reach a scratch row from
+any layer's pool at a positive offset.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+try:  # triton is optional: the CPU engine never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+
+def enabled() -> bool:
+    """False when ``MOESTREAM_DEVICE_PLAN`` is ``0``/``off``/``false``/``no`` (default: on where it applies)."""
+    return os.environ.get("MOESTREAM_DEVICE_PLAN", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+if triton is not None:
+    @triton.jit
+    def _gather_kernel(src, dst, ids, slot_of, dst_row0, n_words, BLOCK: tl.constexpr):
+        """Program (k, c): words [c * BLOCK, (c + 1) * BLOCK) of tier row ``ids[k]`` (src int32 [rows, n_words])
+        into row ``dst_row0 + k`` of dst (int32 [rows, n_words]) when ``slot_of[ids[k]] < 0``; nothing otherwise."""
+        k = tl.program_id(0)
+        c = tl.program_id(1)
+        e = tl.load(ids + k)
+        s = tl.load(slot_of + e)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        m = (offs < n_words) & (s < 0)
+        v = tl.load(src + e * n_words + offs, mask=m)
+        tl.store(dst + (dst_row0 + k) * n_words + offs, v, mask=m)
+
+
+_GATHER_BLOCK = 2048  # int32 words per program: 8 KiB
+
+
+def gather_misses(tier: torch.Tensor, big: torch.Tensor, ids: torch.Tensor, slot_of: torch.Tensor,
+                  dst_row0: int) -> None:
+    """Copy tier row ``ids[k]`` to row ``dst_row0 + k`` of ``big`` for every k whose expert has no slot
+    (``slot_of[ids[k]] < 0``), on the device, with no host synchronisation (CUDA-graph capturable).
+
+    tier: uint8 [n_experts, stride] (pinned host memory seen through its device address, or any device tensor);
+    big: uint8 [rows, stride] on the device; ids: int64 [k]; slot_of: int32 [n_experts]; stride a multiple of 4.
+    """
+    stride = tier.shape[1]
+    if stride % 4 or big.shape[1] != stride:
+        raise ValueError(f"gather_misses: strides {stride} and {big.shape[1]} must be equal multiples of 4")
+    n_words = stride // 4
+    grid = (ids.shape[0], triton.cdiv(n_words, _GATHER_BLOCK))
+    _gather_kernel[grid](tier.view(torch.int32), big.view(torch.int32), ids, slot_of, dst_row0, n_words,
+                         BLOCK=_GATHER_BLOCK)
+
+
+def mapped(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on ``device`` over pinned host tensor ``t``'s memory (unified addressing: the GPU reads it over
+    PCIe through the same address); ``t`` itself on a CPU device. The caller keeps ``t`` alive."""
+    if device.type != "cuda":
+        return t
+
+    class _Interface:  # the CUDA array interface (numba's protocol), which torch.as_tensor takes
+        __cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": "|u1", "data": (t.data_ptr(), False),
+                                    "version": 3, "strides": None}
+
+    if not t.is_contiguous() or t.dtype != torch.uint8:
+        raise ValueError("mapped: a contiguous uint8 tensor is needed")
+    return torch.as_tensor(_Interface(), device=device)
+
+
+class DevicePlan:
+    """The device tables, the scratch rows and the host bookkeeping of the device-planned step for ``store`` (a
+    StreamingStore whose host tier holds every expert and whose pools are views of ``big``, see the module).
+
+    big: {matrix name: uint8 [sum of the layers' slots + top_k, stride]}; base: {layer: its first row in big};
+    top_k: experts per token (the scratch rows)."""
+
+    def __init__(self, store: Any, big: dict[str, torch.Tensor], base: dict[int, int], top_k: int):
+        self.store = store
+        self.big, self.base, self.top_k = big, base, top_k
+        self.layers = list(store.pools)
+        self.index = {la: i for i, la in enumerate(self.layers)}
+        dev = store.device
+        self.device = dev
+        n_exp = max(store.layout.n_experts(la) for la in self.layers)
+        self.scratch_row = next(iter(big.values())).shape[0] - top_k  # first scratch row of big
+        tier = store.tier
+        #: per layer and matrix: the pinned tier rows as the GPU addresses them (row = real expert id)
+        self.tier_dev = {la: {n: mapped(t, dev) for n, t in tier.pools[la].items()} for la in self.layers}
+        #: int32 [layers, n_experts]: each expert's slot in its layer's pool as the device sees it (-1: none)
+        self.host_table = np.full((len(self.layers), n_exp), -1, dtype=np.int32)
+        self.slot_dev = torch.full((len(self.layers), n_exp), -1, dtype=torch.int32, device=dev)
+        #: int64 [layers, top_k]: the rows of each layer's scratch relative to the layer's pool
+        rel = np.array([[self.scratch_row - base[la] + k for k in range(top_k)] for la in self.layers], np.int64)
+        self.scratch_dev = torch.from_numpy(rel).to(dev)
+        #: per matrix: int64 [layers, n_experts], each expert's lead in its tier row (= in a slot or scratch row)
+        self.lead_dev = {}
+        for name in big:
+            lead = np.zeros((len(self.layers), n_exp), dtype=np.int64)
+            for i, la in enumerate(self.layers):
+                lead[i, :store.layout.n_experts(la)] = tier.leads[la][name]
+            self.lead_dev[name] = torch.from_numpy(lead).to(dev)
+        #: int64 [layers, top_k]: the step's top-k ids of every layer, written on the device by each step
+        self.ids_dev = torch.zeros((len(self.layers), top_k), dtype=torch.int64, device=dev)
+        gpu = dev.type == "cuda"
+        self._ids_host = [torch.zeros((len(self.layers), top_k), dtype=torch.int64, pin_memory=gpu)
+                          for _ in range(2)]
+        self._flip = 0
+        self._prev: tuple | None = None  # (host ids, event) of the step not yet counted
+        self._pending: list[tuple[int, int, int, Any]] = []  # (layer index, expert, slot, copy event)
+        self._copy = torch.cuda.Stream(dev) if gpu else None
+        self.dirty = True  # host_table must be rebuilt from the slot maps and uploaded before the next step
+        self.steps = 0
+        #: promotions started (tier row -> slot copies) and bytes they copied
+        self.promotions = 0
+        self.bytes_promoted = 0
+
+    # --- on the device, inside the step -------------------------------------------------------------------
+    def rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """ids int64 [top_k] (one token's real expert ids) -> int64 [top_k]: the row of each in ``layer``'s pool
+        (its slot, or a scratch row the miss was just copied into). Device work only: capturable."""
+        i = self.index[layer]
+        self.ids_dev[i].copy_(ids)
+        table = self.slot_dev[i]
+        for name, t in self.tier_dev[layer].items():
+            gather_misses(t, self.big[name], ids, table, self.scratch_row)
+        s = table.index_select(0, ids)
+        return torch.where(s >= 0, s.to(torch.int64), self.scratch_dev[i])
+
+    def lead(self, layer: int, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """int64 [top_k]: the lead of each expert of ``ids`` (the same in its tier row, slot and scratch row)."""
+        return self.lead_dev[name][self.index[layer]].index_select(0, ids)
+
+    # --- on the host, between steps -----------------------------------------------------------------------
+    def before_step(self) -> None:
+        """Before a device step is enqueued: the device table brought up to date when something else (prepare(),
+        a prefill) moved experts, and the promotions whose copies finished published."""
+        changed = self._publish(block=False)
+        if self.dirty:
+            self.flush()
+            self._rebuild()
+            changed = True
+        if changed:
+            self._upload()
+
+    def after_step(self) -> None:
+        """Right after a device step was enqueued: its ids go to the host (asynchronously); the previous step's
+        ids are counted and drive the policy (evictions, promotions), and the table changes are uploaded for the
+        next step."""
+        self.steps += 1
+        buf = self._ids_host[self._flip]
+        self._flip ^= 1
+        if self.device.type == "cuda":
+            buf.copy_(self.ids_dev, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+        else:
+            buf.copy_(self.ids_dev)
+            ev = None
+        prev, self._prev = self._prev, (buf, ev)
+        changed = self._publish(block=False)
+        if prev is not None:
+            changed |= self._book(prev, after=ev)
+        if changed:
+            self._upload()
+
+    def flush(self) -> None:
+        """Count the last step's ids (waits for that step) and finish every promotion copy."""
+        prev, self._prev = self._prev, None
+        changed = prev is not None and self._book(prev, after=None)
+        if self._copy is not None:
+            self._copy.synchronize()
+        changed |= self._publish(block=True)
+        if changed and not self.dirty:
+            self._upload()
+
+    def _book(self, prev: tuple, after: Any) -> bool:
+        """Count one step's ids and run the policy; evicted experts leave the device table now, admitted ones get
+        their copy started (after ``after``, the event of the step enqueued since, which may still read an evicted
+        expert's slot). Returns whether the host table changed."""
+        buf, ev = prev
+        if ev is not None:
+            ev.synchronize()
+        ids = buf.numpy()
+        store = self.store
+        changed = False
+        for i, la in enumerate(self.layers):
+            experts = list(dict.fromkeys(ids[i].tolist()))
+            sm = store.slots[la]
+            held = int((sm.slot_of[np.asarray(experts)] >= 0).sum())
+            store.stats.hits += held
+            store.stats.misses += len(experts) - held
+            store.layer_counts[la][0] += held
+            store.layer_counts[la][1] += len(experts) - held
+            if held == len(experts):
+                store.policies[la].plan(sm, experts)  # counts the uses (LFU) and the clock
+                continue
+            old = sm.expert_of.copy()
+            plan = store.policies[la].plan(sm, experts)
+            for e, s in plan.loads:
+                o = int(old[s])
+                if o >= 0:
+                    self.host_table[i, o] = -1
+                self.host_table[i, e] = -1
+                changed = True
+                self._promote(i, la, e, s, after)
+        return changed
+
+    def _promote(self, i: int, layer: int, e: int, s: int, after: Any) -> None:
+        """Copy expert ``e``'s tier row into slot ``s`` of ``layer``'s pool (after ``after``, on the copy stream)."""
+        store = self.store
+        row = int(store.tier.slots[layer].slot_of[e])
+        gpu = self._copy is not None
+        if gpu:
+            if after is not None:
+                self._copy.wait_event(after)
+            ctx = torch.cuda.stream(self._copy)
+        else:
+            ctx = _nullcontext()
+        with ctx:
+            for name, pool in store.pools[layer].items():
+                src = store.tier.pools[layer][name][row]
+                pool[s].copy_(src, non_blocking=gpu)
+                store._leads[layer][name][s] = store.tier.leads[layer][name][e]
+                self.bytes_promoted += src.numel()
+            done = None
+            if gpu:
+                done = torch.cuda.Event()
+                done.record(self._copy)
+        self.promotions += 1
+        self._pending.append((i, e, s, done))
+
+    def _publish(self, block: bool) -> bool:
+        """Promotions whose copies finished enter the host table (when their slot still holds them)."""
+        changed = False
+        keep = []
+        for i, e, s, done in self._pending:
+            if done is not None and not block and not done.query():
+                keep.append((i, e, s, done))
+                continue
+            if done is not None and block:
+                done.synchronize()
+            if int(self.store.slots[self.layers[i]].slot_of[e]) == s:
+                self.host_table[i, e] = s
+                changed = True
+        self._pending = keep
+        return changed
+
+    def _rebuild(self) -> None:
+        """The host table from the slot maps (every copy into a slot joined: after flush and a prepare())."""
+        self.host_table[:] = -1
+        for i, la in enumerate(self.layers):
+            sm = self.store.slots[la]
+            self.host_table[i, :sm.n_experts] = sm.slot_of.astype(np.int32)
+        self.dirty = False
+
+    def _upload(self) -> None:
+        """The host table to the device table, in stream order (the next step reads it)."""
+        if self.device.type == "cuda":
+            from ..gpu.tkernels import _upload
+            self.slot_dev.copy_(_upload(self.host_table, self.device))
+        else:
+            self.slot_dev.copy_(torch.from_numpy(self.host_table))
+
+    def close(self) -> None:
+        if self._copy is not None:
+            self._copy.synchronize()
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
