@@ -209,6 +209,18 @@ def test_health_models_metrics(srv: Any) -> None:
     assert m["moestream_model_loaded"] == 1 and m["moestream_resident_memory_bytes"] > 0
 
 
+def test_peak_memory_is_never_below_the_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ru_maxrss (the peak) and psutil's rss (now) are read apart: a peak read lower than now is shown as now."""
+    from moestream import engine
+
+    monkeypatch.setattr(engine, "peak_rss_bytes", lambda: 4096)
+    state = ServerState(lambda: None, ["m"])  # type: ignore[arg-type, return-value]
+    m = {s.name: s.value for fam in text_string_to_metric_families(state.metrics_text()) for s in fam.samples}
+    assert m["moestream_resident_memory_bytes"] > 4096
+    assert m["moestream_peak_resident_memory_bytes"] >= m["moestream_resident_memory_bytes"]
+    assert m["moestream_model_loaded"] == 0
+
+
 def test_chat_greedy_equals_the_library(srv: Any, client: openai.OpenAI, oracle: Any) -> None:
     ids = encode_chat(oracle[1], USER)
     want, done = library_text(oracle, ids, 20)
@@ -983,7 +995,12 @@ def test_health_503_once_the_file_changed_in_place(tmp_path: Path) -> None:
         assert err["type"] == "unavailable_error"
         assert err["message"].startswith(f"the model can no longer compute: {path}: model file changed size")
         assert err["message"].endswith("; restart the server")
+        rejected = metrics(s)['moestream_requests_total{outcome=rejected}']
         assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 503
+        # /metrics agrees with /health and the request's log line (outcome=rejected status=503)
+        m = metrics(s)
+        assert m["moestream_model_loaded"] == 0
+        assert m['moestream_requests_total{outcome=rejected}'] == rejected + 1
     finally:
         s.stop()
 

@@ -490,11 +490,14 @@ class ServerState:
             reqs, waiting, running = dict(c.requests), self.waiting, self.running
         current = list(self.current.values())
         n = c.hits + c.misses
+        # ru_maxrss and psutil's rss are read apart (and round differently): the peak is never shown below now
+        rss = psutil.Process().memory_info().rss
         rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
-            ("moestream_model_loaded", "gauge", "1 once the model is loaded and the server takes requests",
-             [("", 1.0 if self.ready else 0.0)]),
+            ("moestream_model_loaded", "gauge", "1 once the model is loaded and the server takes requests (0 again "
+             "once it can no longer compute: /health 503)", [("", 1.0 if self.ready and self.broken is None else 0.0)]),
             ("moestream_requests_total", "counter", "generations by outcome (rejected: refused before they "
-             "started, e.g. a bad request)", [(f'{{outcome="{k}"}}', v) for k, v in reqs.items()]),
+             "started: a bad request, or a 503 while loading, broken or shutting down)",
+             [(f'{{outcome="{k}"}}', v) for k, v in reqs.items()]),
             ("moestream_requests_processing", "gauge", "generations running now (0 to -np)", [("", running)]),
             ("moestream_slots", "gauge", "generations that can run at once (-np)",
              [("", self.loaded.n_slots if self.loaded is not None else 0)]),
@@ -527,10 +530,9 @@ class ServerState:
             ("moestream_streamed_bytes_total", "counter", "expert bytes read into slots", [("", c.streamed_bytes)]),
             ("moestream_io_wait_seconds_total", "counter", "seconds the compute thread waited for expert reads",
              [("", c.stall_seconds)]),
-            ("moestream_resident_memory_bytes", "gauge", "resident set size of the process now",
-             [("", psutil.Process().memory_info().rss)]),
-            ("moestream_peak_resident_memory_bytes", "gauge", "peak resident set size of the process",
-             [("", peak_rss_bytes())]),
+            ("moestream_resident_memory_bytes", "gauge", "resident set size of the process now", [("", rss)]),
+            ("moestream_peak_resident_memory_bytes", "gauge", "peak resident set size of the process (never below "
+             "the size now)", [("", max(peak_rss_bytes(), rss))]),
         ]
         store = getattr(self.loaded.model, "store", None) if self.loaded is not None else None
         if store is not None:
@@ -1470,9 +1472,10 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         try:
             return await handle(request, chat, rid)
         except APIError as e:
-            if e.status < 500:  # refused before it started (a failure while generating counts as an error)
+            # not queued: refused before it started, whatever the status (400 a bad request, 503 loading, broken
+            # or shutting down); a queued one the worker counted and logged (cancelled, error)
+            if getattr(request.state, "job", None) is None:
                 state._count("rejected")
-            if getattr(request.state, "job", None) is None:  # not queued: the worker did not log it
                 print(request_line(rid, "rejected", status=e.status, code=e.code), file=sys.stderr, flush=True)
             raise
 
