@@ -74,6 +74,7 @@ class Running:
                 return
             assert r.status_code == 503, r.text
             assert r.json()["error"]["type"] == "unavailable_error"
+            assert r.json()["error"]["code"] == "model_loading"  # a string, as OpenAI's codes (not llama-server's 503)
             time.sleep(0.2)
         raise AssertionError("the server did not become ready")
 
@@ -995,8 +996,10 @@ def test_health_503_once_the_file_changed_in_place(tmp_path: Path) -> None:
         assert err["type"] == "unavailable_error"
         assert err["message"].startswith(f"the model can no longer compute: {path}: model file changed size")
         assert err["message"].endswith("; restart the server")
+        assert err["code"] == "model_unavailable"
         rejected = metrics(s)['moestream_requests_total{outcome=rejected}']
-        assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 503
+        refused = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_unavailable", refused.text
         # /metrics agrees with /health and the request's log line (outcome=rejected status=503)
         m = metrics(s)
         assert m["moestream_model_loaded"] == 0
@@ -1035,6 +1038,7 @@ def test_health_503_while_the_model_file_cannot_be_read(tmp_path: Path, monkeypa
         assert h.status_code == 503 and probes, h.text
         err = h.json()["error"]
         assert err["type"] == "unavailable_error" and err["message"].startswith("the model file cannot be read: ")
+        assert err["code"] == "model_file_unreadable"
         assert str(path) in err["message"] and "Input/output error" in err["message"]
         assert s.state.broken is None  # one fault: not yet broken (READ_FAULTS_BROKEN in a row)
         monkeypatch.setattr(os, "preadv", real)

@@ -99,12 +99,23 @@ class APIError(Exception):
     """An OpenAI-style error response: HTTP ``status``, ``message``, ``type``, ``param``, ``code``."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",  # noqa: A002
-                 param: str | None = None, code: str | int | None = None):
+                 param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def unavailable(message: str, code: str) -> APIError:
+    """A 503 (``unavailable_error``): loading, shutting down, the model file unreadable or the model broken. Its
+    ``code`` is a string, as every code here (OpenAI's ``code`` is a string or null; llama-server puts the HTTP
+    status there)."""
+    return APIError(503, message, "unavailable_error", code=code)
+
+
+#: the 503 of a request that shutdown cancels (queued, or while it ran)
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass
@@ -272,7 +283,7 @@ class ServerState:
                 if job.cancelled.is_set() or self.shutting_down.is_set():
                     self._count("cancelled")
                     self.log_request(job, "cancelled")
-                    job.put(APIError(503, "the server is shutting down", "unavailable_error", code=503)
+                    job.put(unavailable(SHUTTING_DOWN, "server_shutting_down")
                             if self.shutting_down.is_set() else None)
                     continue
                 self._start(job)
@@ -287,7 +298,7 @@ class ServerState:
                 break
             if job is not None:
                 self.log_request(job, "cancelled")
-                job.put(APIError(503, "the server is shutting down", "unavailable_error", code=503))
+                job.put(unavailable(SHUTTING_DOWN, "server_shutting_down"))
 
     def _start(self, job: Job) -> None:
         """Give ``job`` the free slot whose cache serves most of its prompt (batching.choose_slot) and start its
@@ -306,7 +317,8 @@ class ServerState:
         except Exception as e:  # noqa: BLE001 - this request fails, the server goes on
             slot.busy = False
             self._count("error")
-            err = APIError(500, f"no KV cache for the request ({type(e).__name__}: {e})", "server_error", code=500)
+            err = APIError(500, f"no KV cache for the request ({type(e).__name__}: {e})", "server_error",
+                           code="generation_failed")
             self.log_request(job, "error", status=500)
             job.put(err)
             return
@@ -359,12 +371,12 @@ class ServerState:
             print(f"moestream: error: {e}", file=sys.stderr, flush=True)
             self._note_fault(e)
             self.log_request(job, "error", gen.stats if gen is not None else None, status=500)
-            job.put(APIError(500, str(e), "server_error", code=500))
+            job.put(APIError(500, str(e), "server_error", code="generation_failed"))
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             self._count("error")
             print(f"moestream: error: generation failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
             self.log_request(job, "error", gen.stats if gen is not None else None, status=500)
-            job.put(APIError(500, f"generation failed ({type(e).__name__})", "server_error", code=500))
+            job.put(APIError(500, f"generation failed ({type(e).__name__})", "server_error", code="generation_failed"))
         finally:
             self.scheduler.leave(slot.index)
             self.current.pop(slot.index, None)
@@ -439,10 +451,10 @@ class ServerState:
             why = await asyncio.wait_for(asyncio.shield(probe),
                                          max(0.0, self._probe_at + HEALTH_PROBE_TIMEOUT_S - time.monotonic()))
         except TimeoutError:
-            raise APIError(503, f"a read of the model file has not returned after {HEALTH_PROBE_TIMEOUT_S:g} s",
-                           "unavailable_error", code=503) from None
+            raise unavailable(f"a read of the model file has not returned after {HEALTH_PROBE_TIMEOUT_S:g} s",
+                              "model_file_unreadable") from None
         if why is not None:
-            raise APIError(503, f"the model file cannot be read: {why}", "unavailable_error", code=503)
+            raise unavailable(f"the model file cannot be read: {why}", "model_file_unreadable")
 
     def _probe_file(self) -> str | None:
         """check_file's work (a thread): None, or why the file cannot be read (then counted by _note_fault)."""
@@ -1154,7 +1166,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         if exc.status_code == 405:
             return error(APIError(405, f"{request.method} is not allowed on {request.url.path}",
                                   "invalid_request_error", code="method_not_allowed"))
-        return error(APIError(exc.status_code, str(exc.detail), "invalid_request_error", code=exc.status_code))
+        return error(APIError(exc.status_code, str(exc.detail), "invalid_request_error", code=None))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -1162,14 +1174,15 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
 
     def check_ready() -> Loaded:
         if state.shutting_down.is_set():
-            raise APIError(503, "the server is shutting down", "unavailable_error", code=503)
+            raise unavailable(SHUTTING_DOWN, "server_shutting_down")
         if state.load_error is not None:
-            raise APIError(500, f"the model failed to load: {state.load_error}", "server_error", code=500)
+            raise APIError(500, f"the model failed to load: {state.load_error}", "server_error",
+                           code="model_load_failed")
         if state.broken is not None:
-            raise APIError(503, f"the model can no longer compute: {state.broken}; restart the server",
-                           "unavailable_error", code=503)
+            raise unavailable(f"the model can no longer compute: {state.broken}; restart the server",
+                              "model_unavailable")
         if not state.ready:
-            raise APIError(503, "Loading model", "unavailable_error", code=503)
+            raise unavailable("Loading model", "model_loading")
         return state.loaded  # type: ignore[return-value]
 
     @app.get("/health")
@@ -1404,8 +1417,8 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
                         continue
                     st = ev.stats
                     if ev.finish_reason == "interrupted":  # shutdown (a client that left reads nothing)
-                        yield sse(APIError(503, "the server is shutting down; the generation was cancelled",
-                                           "unavailable_error", code=503).body())
+                        yield sse(unavailable(f"{SHUTTING_DOWN}; the generation was cancelled",
+                                              "server_shutting_down").body())
                         return
                     finish, text = ev.finish_reason, ev.text
                     calls = None
@@ -1449,8 +1462,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         if done is None:  # the client went away
             return JSONResponse({}, status_code=499)
         if done.finish_reason == "interrupted":
-            raise APIError(503, "the server is shutting down; the generation was cancelled", "unavailable_error",
-                           code=503)
+            raise unavailable(f"{SHUTTING_DOWN}; the generation was cancelled", "server_shutting_down")
         text, calls, finish = "".join(parts), None, done.finish_reason
         if tplan is not None:
             content, calls = split_tool_calls(tplan, ld_tok(), done.stats.tokens)
