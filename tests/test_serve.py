@@ -990,12 +990,15 @@ def test_health_503_once_the_file_changed_in_place(tmp_path: Path) -> None:
             f.write(b"\0" * 16)
         failed = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
         assert failed.status_code == 500 and "model file changed size" in failed.text and str(path) in failed.text
+        # the server goes on (answering 503): it does not say it stops
+        assert failed.json()["error"]["message"].endswith(" while in use; the model can no longer compute: every "
+                                                          "request answers 503 from now on"), failed.text
         h = httpx.get(s.base + "/health")
         assert h.status_code == 503, h.text
         err = h.json()["error"]
         assert err["type"] == "unavailable_error"
         assert err["message"].startswith(f"the model can no longer compute: {path}: model file changed size")
-        assert err["message"].endswith("; restart the server")
+        assert err["message"].endswith("while in use; restart the server")
         assert err["code"] == "model_unavailable"
         rejected = metrics(s)['moestream_requests_total{outcome=rejected}']
         refused = httpx.post(s.base + "/v1/completions", json=body, timeout=120)

@@ -1276,7 +1276,7 @@ def _silence_stdout() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import MoestreamError, OutputError
+    from .errors import ModelFileChanged, MoestreamError, OutputError
 
     ap = build_parser()
     try:
@@ -1309,7 +1309,7 @@ def main(argv: list[str] | None = None) -> int:
     except MoestreamError as e:
         if isinstance(e, OutputError):
             _silence_stdout()
-        print(f"moestream: error: {e}", file=sys.stderr)
+        print(f"moestream: error: {e}{'; stopping' if isinstance(e, ModelFileChanged) else ''}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("moestream: interrupted", file=sys.stderr)

@@ -371,7 +371,8 @@ class ServerState:
             print(f"moestream: error: {e}", file=sys.stderr, flush=True)
             self._note_fault(e)
             self.log_request(job, "error", gen.stats if gen is not None else None, status=500)
-            job.put(APIError(500, str(e), "server_error", code="generation_failed"))
+            then = "; the model can no longer compute: every request answers 503 from now on" if self.broken else ""
+            job.put(APIError(500, f"{e}{then}", "server_error", code="generation_failed"))
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             self._count("error")
             print(f"moestream: error: generation failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
