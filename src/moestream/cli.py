@@ -1036,11 +1036,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+class _TopParser(Parser):
+    """The ``moestream`` parser: its command is checked after the parse, so that ``moestream --bogus`` says
+    ``unrecognized arguments: --bogus`` (as ``moestream run --bogus`` does) rather than that the command is
+    missing (argparse checks required arguments before it reports unknown ones)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's own signature
+        ns, extra = super().parse_known_args(args, namespace)
+        if ns.command is None:
+            self.error(f"unrecognized arguments: {' '.join(extra)}" if extra else
+                       "the following arguments are required: command")
+        return ns, extra
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="moestream", description="Run MoE GGUF models with routed experts "
-                                 "streamed from disk into per-layer slot caches.")
+    ap = _TopParser(prog="moestream", description="Run MoE GGUF models with routed experts "
+                                     "streamed from disk into per-layer slot caches.")
     ap.add_argument("--version", action="version", version=f"moestream {version()}")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", parser_class=Parser)  # required: _TopParser checks it
 
     r = sub.add_parser("run", help="generate text")
     _add_model_args(r)
