@@ -114,6 +114,12 @@ def unavailable(message: str, code: str) -> APIError:
     return APIError(503, message, "unavailable_error", code=code)
 
 
+#: what to do when the template cannot take tools (the 400 tools_not_supported says it after why)
+TOOLS_HINT = ("to use tools, start the server with --chat-template-file FILE holding a chat template that takes "
+              "them in a syntax moestream parses (Qwen 3 / 2.5's hermes <tool_call> JSON, Qwen 3.5's XML, GLM's, "
+              "gpt-oss' harmony: docs/serving.md, 'Structured output and tools') for a model trained on it, or send "
+              "the request without 'tools'")
+
 #: the 503 of a request that shutdown cancels (queued, or while it ran)
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -865,7 +871,7 @@ def tool_plan(body: dict, tok) -> ToolPlan | None:  # noqa: ANN001
     try:
         fmt = tool_format(tok.chat_template)
     except ToolFormatError as e:
-        raise APIError(400, f"'tools': {e}", param="tools", code="tools_not_supported") from None
+        raise APIError(400, f"'tools': {e}; {TOOLS_HINT}", param="tools", code="tools_not_supported") from None
     return ToolPlan(tools, fmt, forced)
 
 
