@@ -872,7 +872,7 @@ def test_llama_swap_config_from_the_docs(capsys: pytest.CaptureFixture) -> None:
 def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """A model that fails to load (after the socket listened) and a port that is taken: one line, exit 1."""
     bad = tmp_path / "bad.gguf"
-    bad.write_bytes(b"not a gguf file at all")
+    bad.write_bytes(b"GGUF" + b"\xff" * 20)  # GGUF's magic: refused only by the load (a corrupt header)
     assert main(["serve", "-m", str(bad), "--port", "0"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("moestream: listening on http://127.0.0.1:")
@@ -897,7 +897,14 @@ def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Pa
     # what needs no torch is refused before the socket listens: one line, no "listening" (a newcomer saw one)
     (tmp_path / "empty").write_text("\n  \n")
     (tmp_path / "spaced").write_text("good-key\nsecret key\n")
+    (tmp_path / "text.gguf").write_text("not a gguf file at all")
     for argv, needle in ((["--mem", "5XB"], "--mem: cannot read '5XB'"), (["-t", "0"], "-t must be at least 1"),
+                         (["-m", str(tmp_path / "none.gguf")], f"{tmp_path / 'none.gguf'}: no such file"),
+                         (["-m", str(tmp_path / "text.gguf")], f"{tmp_path / 'text.gguf'}: not a GGUF file"),
+                         (["-m", str(tmp_path)], f"{tmp_path}: is a directory"),
+                         (["--slots", "0"], "--slots must be a positive number, got 0"),
+                         (["--io-threads", "0"], "--io-threads must be at least 1, got 0"),
+                         (["--mem", "1G", "--slots", "3"], "--mem 1G and --slots 3 both size the slot pools"),
                          (["--host-cache", "lots"], "--host-cache: cannot read"),
                          (["--api-key-file", str(tmp_path / "none")],
                           f"--api-key-file {tmp_path / 'none'}: cannot read it (No such file or directory)"),

@@ -710,8 +710,10 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
     """``(names, load, held)`` of ``moestream serve``'s options: the model names it answers to (``--alias``, or the
     file name without and with ``.gguf``), the function that checks the options, loads the model as ``run`` does
     and returns a :class:`moestream.server.Loaded` (run in the server's loader thread), and the list it appends the
-    loaded model to (for closing its store). ConfigError for a bad --port, -c, --alias, -m, -ub, -t or size (all
-    before the socket listens)."""
+    loaded model to (for closing its store). ConfigError (OptionError for a load option) for a bad --port, -c,
+    --alias, -ub, -t, size, load option (--slots, --io-threads ...: LoadOptions' checks, the device's left to the
+    load: a GPU one imports torch) or -m (missing, unreadable, not a regular file, empty or not GGUF), all before
+    the socket listens: only what needs the model read is refused after (the server answers /health meanwhile)."""
     from .errors import ConfigError
     from .server import Loaded
 
@@ -724,6 +726,10 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
     from .options import parse_sizes
     _check_common(args)  # -m, -ub, -t and the sizes: refused before the socket listens (no torch needed)
     parse_sizes(args)
+    from .options import load_options
+    load_options(args, args.moe_stream, warn=False, device="cpu")  # the load's own call warns and checks the device
+    from .gguf import open_model_file
+    os.close(open_model_file(model_path(args)))  # exists, can be read, is GGUF: its magic (4 bytes) read
     if args.parallel is not None and not (args.parallel == -1 or 1 <= args.parallel <= MAX_SLOTS):
         raise ConfigError(f"-np must be from 1 to {MAX_SLOTS} generations at a time (-1: chosen from memory), got "
                           f"{args.parallel}")
