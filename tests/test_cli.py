@@ -117,6 +117,15 @@ def test_version():
     assert p.returncode == 0 and p.stdout.strip() == f"moestream {importlib.metadata.version('moestream')}"
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--bogus"], "unrecognized arguments: --bogus"), (["--bogus", "-x"], "unrecognized arguments: --bogus -x"),
+    ([], "the following arguments are required: command")])
+def test_top_level_unknown_option_is_named(argv, said):
+    """``moestream --bogus`` names the option, as ``moestream run --bogus`` does (not a missing command)."""
+    p = cli(*argv)
+    assert p.returncode == 2 and p.stderr.splitlines()[-1] == f"moestream: error: {said}", p.stderr
+
+
 def test_prompt_from_file_and_stdin(tmp_path):
     """-f FILE and -f - give the prompt without one trailing newline: the same run as -p with that text."""
     text = "The printing press\nand its history"

@@ -74,6 +74,7 @@ class Running:
                 return
             assert r.status_code == 503, r.text
             assert r.json()["error"]["type"] == "unavailable_error"
+            assert r.json()["error"]["code"] == "model_loading"  # a string, as OpenAI's codes (not llama-server's 503)
             time.sleep(0.2)
         raise AssertionError("the server did not become ready")
 
@@ -207,6 +208,18 @@ def test_health_models_metrics(srv: Any) -> None:
                  "moestream_running_prefilled_tokens"):
         assert name in m, name
     assert m["moestream_model_loaded"] == 1 and m["moestream_resident_memory_bytes"] > 0
+
+
+def test_peak_memory_is_never_below_the_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ru_maxrss (the peak) and psutil's rss (now) are read apart: a peak read lower than now is shown as now."""
+    from moestream import engine
+
+    monkeypatch.setattr(engine, "peak_rss_bytes", lambda: 4096)
+    state = ServerState(lambda: None, ["m"])  # type: ignore[arg-type, return-value]
+    m = {s.name: s.value for fam in text_string_to_metric_families(state.metrics_text()) for s in fam.samples}
+    assert m["moestream_resident_memory_bytes"] > 4096
+    assert m["moestream_peak_resident_memory_bytes"] >= m["moestream_resident_memory_bytes"]
+    assert m["moestream_model_loaded"] == 0
 
 
 def test_chat_greedy_equals_the_library(srv: Any, client: openai.OpenAI, oracle: Any) -> None:
@@ -859,7 +872,7 @@ def test_llama_swap_config_from_the_docs(capsys: pytest.CaptureFixture) -> None:
 def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """A model that fails to load (after the socket listened) and a port that is taken: one line, exit 1."""
     bad = tmp_path / "bad.gguf"
-    bad.write_bytes(b"not a gguf file at all")
+    bad.write_bytes(b"GGUF" + b"\xff" * 20)  # GGUF's magic: refused only by the load (a corrupt header)
     assert main(["serve", "-m", str(bad), "--port", "0"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("moestream: listening on http://127.0.0.1:")
@@ -884,7 +897,14 @@ def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Pa
     # what needs no torch is refused before the socket listens: one line, no "listening" (a newcomer saw one)
     (tmp_path / "empty").write_text("\n  \n")
     (tmp_path / "spaced").write_text("good-key\nsecret key\n")
+    (tmp_path / "text.gguf").write_text("not a gguf file at all")
     for argv, needle in ((["--mem", "5XB"], "--mem: cannot read '5XB'"), (["-t", "0"], "-t must be at least 1"),
+                         (["-m", str(tmp_path / "none.gguf")], f"{tmp_path / 'none.gguf'}: no such file"),
+                         (["-m", str(tmp_path / "text.gguf")], f"{tmp_path / 'text.gguf'}: not a GGUF file"),
+                         (["-m", str(tmp_path)], f"{tmp_path}: is a directory"),
+                         (["--slots", "0"], "--slots must be a positive number, got 0"),
+                         (["--io-threads", "0"], "--io-threads must be at least 1, got 0"),
+                         (["--mem", "1G", "--slots", "3"], "--mem 1G and --slots 3 both size the slot pools"),
                          (["--host-cache", "lots"], "--host-cache: cannot read"),
                          (["--api-key-file", str(tmp_path / "none")],
                           f"--api-key-file {tmp_path / 'none'}: cannot read it (No such file or directory)"),
@@ -977,13 +997,23 @@ def test_health_503_once_the_file_changed_in_place(tmp_path: Path) -> None:
             f.write(b"\0" * 16)
         failed = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
         assert failed.status_code == 500 and "model file changed size" in failed.text and str(path) in failed.text
+        # the server goes on (answering 503): it does not say it stops
+        assert failed.json()["error"]["message"].endswith(" while in use; the model can no longer compute: every "
+                                                          "request answers 503 from now on"), failed.text
         h = httpx.get(s.base + "/health")
         assert h.status_code == 503, h.text
         err = h.json()["error"]
         assert err["type"] == "unavailable_error"
         assert err["message"].startswith(f"the model can no longer compute: {path}: model file changed size")
-        assert err["message"].endswith("; restart the server")
-        assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 503
+        assert err["message"].endswith("while in use; restart the server")
+        assert err["code"] == "model_unavailable"
+        rejected = metrics(s)['moestream_requests_total{outcome=rejected}']
+        refused = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_unavailable", refused.text
+        # /metrics agrees with /health and the request's log line (outcome=rejected status=503)
+        m = metrics(s)
+        assert m["moestream_model_loaded"] == 0
+        assert m['moestream_requests_total{outcome=rejected}'] == rejected + 1
     finally:
         s.stop()
 
@@ -1018,6 +1048,7 @@ def test_health_503_while_the_model_file_cannot_be_read(tmp_path: Path, monkeypa
         assert h.status_code == 503 and probes, h.text
         err = h.json()["error"]
         assert err["type"] == "unavailable_error" and err["message"].startswith("the model file cannot be read: ")
+        assert err["code"] == "model_file_unreadable"
         assert str(path) in err["message"] and "Input/output error" in err["message"]
         assert s.state.broken is None  # one fault: not yet broken (READ_FAULTS_BROKEN in a row)
         monkeypatch.setattr(os, "preadv", real)

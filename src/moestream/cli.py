@@ -710,8 +710,10 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
     """``(names, load, held)`` of ``moestream serve``'s options: the model names it answers to (``--alias``, or the
     file name without and with ``.gguf``), the function that checks the options, loads the model as ``run`` does
     and returns a :class:`moestream.server.Loaded` (run in the server's loader thread), and the list it appends the
-    loaded model to (for closing its store). ConfigError for a bad --port, -c, --alias, -m, -ub, -t or size (all
-    before the socket listens)."""
+    loaded model to (for closing its store). ConfigError (OptionError for a load option) for a bad --port, -c,
+    --alias, -ub, -t, size, load option (--slots, --io-threads ...: LoadOptions' checks, the device's left to the
+    load: a GPU one imports torch) or -m (missing, unreadable, not a regular file, empty or not GGUF), all before
+    the socket listens: only what needs the model read is refused after (the server answers /health meanwhile)."""
     from .errors import ConfigError
     from .server import Loaded
 
@@ -724,6 +726,10 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
     from .options import parse_sizes
     _check_common(args)  # -m, -ub, -t and the sizes: refused before the socket listens (no torch needed)
     parse_sizes(args)
+    from .options import load_options
+    load_options(args, args.moe_stream, warn=False, device="cpu")  # the load's own call warns and checks the device
+    from .gguf import open_model_file
+    os.close(open_model_file(model_path(args)))  # exists, can be read, is GGUF: its magic (4 bytes) read
     if args.parallel is not None and not (args.parallel == -1 or 1 <= args.parallel <= MAX_SLOTS):
         raise ConfigError(f"-np must be from 1 to {MAX_SLOTS} generations at a time (-1: chosen from memory), got "
                           f"{args.parallel}")
@@ -1036,11 +1042,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+class _TopParser(Parser):
+    """The ``moestream`` parser: its command is checked after the parse, so that ``moestream --bogus`` says
+    ``unrecognized arguments: --bogus`` (as ``moestream run --bogus`` does) rather than that the command is
+    missing (argparse checks required arguments before it reports unknown ones)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's own signature
+        ns, extra = super().parse_known_args(args, namespace)
+        if ns.command is None:
+            self.error(f"unrecognized arguments: {' '.join(extra)}" if extra else
+                       "the following arguments are required: command")
+        return ns, extra
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="moestream", description="Run MoE GGUF models with routed experts "
-                                 "streamed from disk into per-layer slot caches.")
+    ap = _TopParser(prog="moestream", description="Run MoE GGUF models with routed experts "
+                                     "streamed from disk into per-layer slot caches.")
     ap.add_argument("--version", action="version", version=f"moestream {version()}")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", parser_class=Parser)  # required: _TopParser checks it
 
     r = sub.add_parser("run", help="generate text")
     _add_model_args(r)
@@ -1276,7 +1295,7 @@ def _silence_stdout() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import MoestreamError, OutputError
+    from .errors import ModelFileChanged, MoestreamError, OutputError
 
     ap = build_parser()
     try:
@@ -1309,7 +1328,7 @@ def main(argv: list[str] | None = None) -> int:
     except MoestreamError as e:
         if isinstance(e, OutputError):
             _silence_stdout()
-        print(f"moestream: error: {e}", file=sys.stderr)
+        print(f"moestream: error: {e}{'; stopping' if isinstance(e, ModelFileChanged) else ''}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("moestream: interrupted", file=sys.stderr)

@@ -75,7 +75,8 @@ class ExpertReadError(MoestreamError):
 
 
 class ModelFileChanged(MoestreamError):
-    """The model file was truncated or replaced while the model was in use."""
+    """The model file was truncated or replaced while the model was in use. The message names the file and the
+    change, not what follows (the CLI stops; the server goes on answering 503): each caller says its own."""
 
 
 class NumericError(MoestreamError):

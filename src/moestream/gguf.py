@@ -660,7 +660,7 @@ class GGUFModel:
             st = os.fstat(fd)
             now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             if now != ident:
-                raise ModelFileChanged(f"{p}: model file {describe_change(ident, now)} while in use; stopping")
+                raise ModelFileChanged(f"{p}: model file {describe_change(ident, now)} while in use")
 
     @property
     def identity(self) -> dict[str, tuple[int, int, int, int]]:

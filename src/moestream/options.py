@@ -140,13 +140,15 @@ def parse_sizes(args: argparse.Namespace) -> tuple[int | None, int | None, int |
     return size("mem", "--mem"), size("gpu_mem", "--gpu-mem"), size("host_cache", "--host-cache")
 
 
-def load_options(args: argparse.Namespace, moe_stream: bool | None = None, **fields: object):  # noqa: ANN201
+def load_options(args: argparse.Namespace, moe_stream: bool | None = None, warn: bool = True,  # noqa: ANN201
+                 **fields: object):
     """The one place a LoadOptions is made from parsed arguments (run, chat, serve, verify, inspect; bench's rows
     are ``dataclasses.replace`` of its base): the sizes parsed (``--mem``, ``--gpu-mem``, ``--host-cache``), every
     option a command does not have at its default, ``fields`` (e.g. ``metadata_only``) over the arguments, and every
     value checked by ``LoadOptions.__post_init__`` (OptionError naming the field: see :func:`flag_errors`).
     ``moe_stream`` None: ``args.moe_stream`` (default on). Prints the --mem warning when it is more than the memory
-    available now. ConfigError naming the flag for a size that cannot be read."""
+    available now (``warn``: a check before the real call says nothing). ConfigError naming the flag for a size that
+    cannot be read."""
     import sys
 
     from .budget import warn_over_available
@@ -164,7 +166,7 @@ def load_options(args: argparse.Namespace, moe_stream: bool | None = None, **fie
     opts = LoadOptions(**{**values, "moe_stream": stream, "mem": mem, "mem_source": source("mem", "--mem"),
                           "gpu_mem": gpu_mem, "gpu_mem_source": source("gpu_mem", "--gpu-mem"),
                           "host_cache": host_cache or defaults["host_cache"].default, **fields})
-    if mem is not None:
+    if mem is not None and warn:
         warning = warn_over_available(mem)
         if warning:
             print(f"moestream: {warning}", file=sys.stderr, flush=True)

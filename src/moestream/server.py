@@ -99,12 +99,29 @@ class APIError(Exception):
     """An OpenAI-style error response: HTTP ``status``, ``message``, ``type``, ``param``, ``code``."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",  # noqa: A002
-                 param: str | None = None, code: str | int | None = None):
+                 param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def unavailable(message: str, code: str) -> APIError:
+    """A 503 (``unavailable_error``): loading, shutting down, the model file unreadable or the model broken. Its
+    ``code`` is a string, as every code here (OpenAI's ``code`` is a string or null; llama-server puts the HTTP
+    status there)."""
+    return APIError(503, message, "unavailable_error", code=code)
+
+
+#: what to do when the template cannot take tools (the 400 tools_not_supported says it after why)
+TOOLS_HINT = ("to use tools, start the server with --chat-template-file FILE holding a chat template that takes "
+              "them in a syntax moestream parses (Qwen 3 / 2.5's hermes <tool_call> JSON, Qwen 3.5's XML, GLM's, "
+              "gpt-oss' harmony: docs/serving.md, 'Structured output and tools') for a model trained on it, or send "
+              "the request without 'tools'")
+
+#: the 503 of a request that shutdown cancels (queued, or while it ran)
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass
@@ -272,7 +289,7 @@ class ServerState:
                 if job.cancelled.is_set() or self.shutting_down.is_set():
                     self._count("cancelled")
                     self.log_request(job, "cancelled")
-                    job.put(APIError(503, "the server is shutting down", "unavailable_error", code=503)
+                    job.put(unavailable(SHUTTING_DOWN, "server_shutting_down")
                             if self.shutting_down.is_set() else None)
                     continue
                 self._start(job)
@@ -287,7 +304,7 @@ class ServerState:
                 break
             if job is not None:
                 self.log_request(job, "cancelled")
-                job.put(APIError(503, "the server is shutting down", "unavailable_error", code=503))
+                job.put(unavailable(SHUTTING_DOWN, "server_shutting_down"))
 
     def _start(self, job: Job) -> None:
         """Give ``job`` the free slot whose cache serves most of its prompt (batching.choose_slot) and start its
@@ -306,7 +323,8 @@ class ServerState:
         except Exception as e:  # noqa: BLE001 - this request fails, the server goes on
             slot.busy = False
             self._count("error")
-            err = APIError(500, f"no KV cache for the request ({type(e).__name__}: {e})", "server_error", code=500)
+            err = APIError(500, f"no KV cache for the request ({type(e).__name__}: {e})", "server_error",
+                           code="generation_failed")
             self.log_request(job, "error", status=500)
             job.put(err)
             return
@@ -359,12 +377,13 @@ class ServerState:
             print(f"moestream: error: {e}", file=sys.stderr, flush=True)
             self._note_fault(e)
             self.log_request(job, "error", gen.stats if gen is not None else None, status=500)
-            job.put(APIError(500, str(e), "server_error", code=500))
+            then = "; the model can no longer compute: every request answers 503 from now on" if self.broken else ""
+            job.put(APIError(500, f"{e}{then}", "server_error", code="generation_failed"))
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             self._count("error")
             print(f"moestream: error: generation failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
             self.log_request(job, "error", gen.stats if gen is not None else None, status=500)
-            job.put(APIError(500, f"generation failed ({type(e).__name__})", "server_error", code=500))
+            job.put(APIError(500, f"generation failed ({type(e).__name__})", "server_error", code="generation_failed"))
         finally:
             self.scheduler.leave(slot.index)
             self.current.pop(slot.index, None)
@@ -439,10 +458,10 @@ class ServerState:
             why = await asyncio.wait_for(asyncio.shield(probe),
                                          max(0.0, self._probe_at + HEALTH_PROBE_TIMEOUT_S - time.monotonic()))
         except TimeoutError:
-            raise APIError(503, f"a read of the model file has not returned after {HEALTH_PROBE_TIMEOUT_S:g} s",
-                           "unavailable_error", code=503) from None
+            raise unavailable(f"a read of the model file has not returned after {HEALTH_PROBE_TIMEOUT_S:g} s",
+                              "model_file_unreadable") from None
         if why is not None:
-            raise APIError(503, f"the model file cannot be read: {why}", "unavailable_error", code=503)
+            raise unavailable(f"the model file cannot be read: {why}", "model_file_unreadable")
 
     def _probe_file(self) -> str | None:
         """check_file's work (a thread): None, or why the file cannot be read (then counted by _note_fault)."""
@@ -490,11 +509,14 @@ class ServerState:
             reqs, waiting, running = dict(c.requests), self.waiting, self.running
         current = list(self.current.values())
         n = c.hits + c.misses
+        # ru_maxrss and psutil's rss are read apart (and round differently): the peak is never shown below now
+        rss = psutil.Process().memory_info().rss
         rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
-            ("moestream_model_loaded", "gauge", "1 once the model is loaded and the server takes requests",
-             [("", 1.0 if self.ready else 0.0)]),
+            ("moestream_model_loaded", "gauge", "1 once the model is loaded and the server takes requests (0 again "
+             "once it can no longer compute: /health 503)", [("", 1.0 if self.ready and self.broken is None else 0.0)]),
             ("moestream_requests_total", "counter", "generations by outcome (rejected: refused before they "
-             "started, e.g. a bad request)", [(f'{{outcome="{k}"}}', v) for k, v in reqs.items()]),
+             "started: a bad request, or a 503 while loading, broken or shutting down)",
+             [(f'{{outcome="{k}"}}', v) for k, v in reqs.items()]),
             ("moestream_requests_processing", "gauge", "generations running now (0 to -np)", [("", running)]),
             ("moestream_slots", "gauge", "generations that can run at once (-np)",
              [("", self.loaded.n_slots if self.loaded is not None else 0)]),
@@ -527,10 +549,9 @@ class ServerState:
             ("moestream_streamed_bytes_total", "counter", "expert bytes read into slots", [("", c.streamed_bytes)]),
             ("moestream_io_wait_seconds_total", "counter", "seconds the compute thread waited for expert reads",
              [("", c.stall_seconds)]),
-            ("moestream_resident_memory_bytes", "gauge", "resident set size of the process now",
-             [("", psutil.Process().memory_info().rss)]),
-            ("moestream_peak_resident_memory_bytes", "gauge", "peak resident set size of the process",
-             [("", peak_rss_bytes())]),
+            ("moestream_resident_memory_bytes", "gauge", "resident set size of the process now", [("", rss)]),
+            ("moestream_peak_resident_memory_bytes", "gauge", "peak resident set size of the process (never below "
+             "the size now)", [("", max(peak_rss_bytes(), rss))]),
         ]
         store = getattr(self.loaded.model, "store", None) if self.loaded is not None else None
         if store is not None:
@@ -850,7 +871,7 @@ def tool_plan(body: dict, tok) -> ToolPlan | None:  # noqa: ANN001
     try:
         fmt = tool_format(tok.chat_template)
     except ToolFormatError as e:
-        raise APIError(400, f"'tools': {e}", param="tools", code="tools_not_supported") from None
+        raise APIError(400, f"'tools': {e}; {TOOLS_HINT}", param="tools", code="tools_not_supported") from None
     return ToolPlan(tools, fmt, forced)
 
 
@@ -1152,7 +1173,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         if exc.status_code == 405:
             return error(APIError(405, f"{request.method} is not allowed on {request.url.path}",
                                   "invalid_request_error", code="method_not_allowed"))
-        return error(APIError(exc.status_code, str(exc.detail), "invalid_request_error", code=exc.status_code))
+        return error(APIError(exc.status_code, str(exc.detail), "invalid_request_error", code=None))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -1160,14 +1181,15 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
 
     def check_ready() -> Loaded:
         if state.shutting_down.is_set():
-            raise APIError(503, "the server is shutting down", "unavailable_error", code=503)
+            raise unavailable(SHUTTING_DOWN, "server_shutting_down")
         if state.load_error is not None:
-            raise APIError(500, f"the model failed to load: {state.load_error}", "server_error", code=500)
+            raise APIError(500, f"the model failed to load: {state.load_error}", "server_error",
+                           code="model_load_failed")
         if state.broken is not None:
-            raise APIError(503, f"the model can no longer compute: {state.broken}; restart the server",
-                           "unavailable_error", code=503)
+            raise unavailable(f"the model can no longer compute: {state.broken}; restart the server",
+                              "model_unavailable")
         if not state.ready:
-            raise APIError(503, "Loading model", "unavailable_error", code=503)
+            raise unavailable("Loading model", "model_loading")
         return state.loaded  # type: ignore[return-value]
 
     @app.get("/health")
@@ -1402,8 +1424,8 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
                         continue
                     st = ev.stats
                     if ev.finish_reason == "interrupted":  # shutdown (a client that left reads nothing)
-                        yield sse(APIError(503, "the server is shutting down; the generation was cancelled",
-                                           "unavailable_error", code=503).body())
+                        yield sse(unavailable(f"{SHUTTING_DOWN}; the generation was cancelled",
+                                              "server_shutting_down").body())
                         return
                     finish, text = ev.finish_reason, ev.text
                     calls = None
@@ -1447,8 +1469,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         if done is None:  # the client went away
             return JSONResponse({}, status_code=499)
         if done.finish_reason == "interrupted":
-            raise APIError(503, "the server is shutting down; the generation was cancelled", "unavailable_error",
-                           code=503)
+            raise unavailable(f"{SHUTTING_DOWN}; the generation was cancelled", "server_shutting_down")
         text, calls, finish = "".join(parts), None, done.finish_reason
         if tplan is not None:
             content, calls = split_tool_calls(tplan, ld_tok(), done.stats.tokens)
@@ -1470,9 +1491,10 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         try:
             return await handle(request, chat, rid)
         except APIError as e:
-            if e.status < 500:  # refused before it started (a failure while generating counts as an error)
+            # not queued: refused before it started, whatever the status (400 a bad request, 503 loading, broken
+            # or shutting down); a queued one the worker counted and logged (cancelled, error)
+            if getattr(request.state, "job", None) is None:
                 state._count("rejected")
-            if getattr(request.state, "job", None) is None:  # not queued: the worker did not log it
                 print(request_line(rid, "rejected", status=e.status, code=e.code), file=sys.stderr, flush=True)
             raise
 

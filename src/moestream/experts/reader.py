@@ -244,7 +244,7 @@ class ExpertReader:
         now = _identity(os.fstat(fd))
         was = self._identity.setdefault(path, now)
         if now != was:
-            raise ModelFileChanged(f"{path}: model file {describe_change(was, now)} while in use; stopping")
+            raise ModelFileChanged(f"{path}: model file {describe_change(was, now)} while in use")
 
     def _refuse(self, path: str, cause: str) -> None:
         with self._lock:
