@@ -260,9 +260,11 @@ def test_cuda_graphs_across_key_counts(graphed) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("pool", ["device", "host"])
-def test_cuda_graph_segments_streaming(graphed, pool: str) -> None:  # noqa: ANN001
+def test_cuda_graph_segments_streaming(graphed, pool: str, monkeypatch) -> None:  # noqa: ANN001
     """Streaming decode replays one graph per segment between MoE layers (the experts eager between them): the
-    same bits as the resident whole-step graph, at top-k slots (misses every step) and with the host tier."""
+    same bits as the resident whole-step graph, at top-k slots (misses every step) and with the host tier (the
+    device-planned step, which a tier holding every expert turns on, off here: test_device_planned_step)."""
+    monkeypatch.setenv("MOESTREAM_DEVICE_PLAN", "0")
     for opts in (LoadOptions(slots=graphed.top_k, device="cuda", pool=pool),
                  LoadOptions(slots=graphed.top_k, device="cuda", pool=pool, host_cache=256 << 20)):
         before = graphed.runner.graphs.segment_replays
@@ -271,3 +273,31 @@ def test_cuda_graph_segments_streaming(graphed, pool: str) -> None:  # noqa: ANN
         assert res.streamed_bytes > 0 and graphed.runner.graphs.off_reason is None
         assert graphed.runner.graphs.segment_replays - before >= 7 * len(graphed.runner.segments()), \
             "streaming ran eagerly"
+
+
+@pytest.mark.parametrize("pool", ["device", "host"])
+def test_device_planned_step(graphed, pool: str) -> None:  # noqa: ANN001
+    """A host tier holding every expert makes the decode step device-planned (experts/devplan.py): one graph replay
+    per step, the misses copied from the pinned tier on the GPU, the slot policy run between steps. The same bits as
+    the resident whole-step graph (verify), nothing read from the file after the fill, and after the last step's
+    bookkeeping the device table equals the slot maps."""
+    _whole_step(graphed)
+    opts = LoadOptions(slots=graphed.top_k, device="cuda", pool=pool, host_cache=256 << 20)
+    res = verify(graphed, _ids(graphed), 8, opts, ubatch=5)
+    assert res.identical, res.first_diff
+    store = graphed.make_store(opts)
+    assert store.plan is not None
+    saved = graphed.store
+    graphed.set_store(store)
+    try:
+        replays = graphed.runner.graphs.replays
+        logits_of(graphed, _ids(graphed), 6, 5)
+        assert graphed.runner.graphs.replays - replays == 6 and store.plan.steps == 6
+        store.plan.flush()
+        assert store.stats.misses > 0 and store.bytes_read == 0
+        for i, la in enumerate(store.plan.layers):
+            sm = store.slots[la]
+            assert (store.plan.slot_dev[i][:sm.n_experts].cpu().numpy() == sm.slot_of).all(), la
+    finally:
+        graphed.set_store(saved)
+        store.close()

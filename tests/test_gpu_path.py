@@ -78,8 +78,13 @@ def _decode_on_device_path(model, ids: list[int], steps: int, eager: bool) -> li
     for i in range(steps):
         pos = len(ids) + i
         with torch.inference_mode():
+            plan = getattr(model.store, "plan", None)  # the device-planned step: the runner's hooks around it
+            if plan is not None:
+                plan.before_step()
             logits = model.runner.body(torch.tensor([tok]), torch.tensor([pos]), decode_keys(pos, cache.n_ctx),
                                         cache, eager=eager)
+            if plan is not None:
+                plan.after_step()
         out.append(logits)
         tok = int(logits[0].argmax())
     return out
@@ -101,6 +106,37 @@ def test_graphed_decode_step_equals_streaming_step() -> None:
     for g, w in zip(graphed[1:], want[1:], strict=True):
         assert int(g.argmax()) == int(w.argmax())
         assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
+
+
+def test_device_planned_step_equals_resident_step() -> None:
+    """The device-planned step (experts/devplan.py: the host tier holds every expert; hits found in the device table,
+    misses copied from the tier into shared scratch rows by the gather kernel, all inside the step) gives the bits of
+    the resident step through 4 slots of 64 (misses every step, and promotions between steps); after the last
+    step's bookkeeping the device table equals the store's slot maps, every slot holds the bytes of the expert its
+    map names, and the tier served every miss (nothing read from the file after the fill)."""
+    model, _ = _grouped_model(4)
+    opts = LoadOptions(slots=4, matmul="dequant", host_cache=1 << 30)
+    store = model.make_store(opts)
+    assert store.plan is not None, "a tier holding every expert makes the store device-planned"
+    model.set_store(store)
+    plan = store.plan
+    planned = _decode_on_device_path(model, IDS, 3, eager=False)
+    plan.flush()
+    assert plan.steps == 3 and plan.promotions > 0 and store.stats.misses > 0
+    for i, la in enumerate(plan.layers):
+        sm = store.slots[la]
+        assert (plan.slot_dev[i][:sm.n_experts].numpy() == sm.slot_of).all(), la
+        for slot, e in enumerate(sm.expert_of.tolist()):
+            for name, pool in store.pools[la].items():
+                lead, n = int(store.tier.leads[la][name][e]), model.layout[la][name].bytes_per_expert
+                info = model.gguf.tensors[f"blk.{la}.ffn_{name}_exps.weight"]
+                want = model.gguf.mapped(info)[e * n:(e + 1) * n]
+                assert torch.equal(pool[slot, lead:lead + n], want), (la, slot, e, name)
+    assert store.bytes_read == 0
+    model.set_store(ResidentStore(model.gguf, model.layout))
+    resident = _decode_on_device_path(model, IDS, 3, eager=False)
+    assert_bitwise(planned[1:], resident[1:])
+    store.close()
 
 
 def test_grouped_path_adds_expert_biases_by_real_id(fixtures_tool) -> None:

@@ -165,6 +165,8 @@ def run_row(cfg: dict) -> dict:
     gpu = sampler()  # None without nvidia-ml-py or a GPU
 
     def snapshot() -> tuple[int, int, int, int, float, object]:
+        if getattr(store, "plan", None) is not None:  # the device-planned step counts one step behind: catch up
+            store.plan.flush()
         st = store.stats
         return st.hits, st.misses, store.bytes_read, disk_read_bytes(), st.stall_seconds, st.copy()
 

@@ -29,6 +29,7 @@ any layer's pool at a positive offset.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -215,7 +216,9 @@ class DevicePlan:
         store = self.store
         changed = False
         for i, la in enumerate(self.layers):
-            experts = list(dict.fromkeys(ids[i].tolist()))
+            experts = sorted(set(ids[i].tolist()))  # distinct, ascending: as the MoE layer asks prepare()
+            if store.trace is not None:  # the routing trace (bench's Belady column) as prepare() records it
+                store.trace.append((la, tuple(experts), ()))
             sm = store.slots[la]
             held = int((sm.slot_of[np.asarray(experts)] >= 0).sum())
             store.stats.hits += held
@@ -246,7 +249,7 @@ class DevicePlan:
                 self._copy.wait_event(after)
             ctx = torch.cuda.stream(self._copy)
         else:
-            ctx = _nullcontext()
+            ctx = contextlib.nullcontext()
         with ctx:
             for name, pool in store.pools[layer].items():
                 src = store.tier.pools[layer][name][row]
@@ -295,11 +298,3 @@ class DevicePlan:
     def close(self) -> None:
         if self._copy is not None:
             self._copy.synchronize()
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None

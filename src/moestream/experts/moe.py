@@ -291,10 +291,11 @@ class MoE:
 
     def on_device(self, store: ExpertStore) -> bool:
         """Whether :meth:`resident_step` can compute this layer: Triton kernels, every expert addressed by the GPU
-        in place (a ResidentStore on CUDA: VRAM or pinned host pools), no synthetic routing."""
-        return (self.gpu and self.routing is None and getattr(store, "trace", None) is None
-                and (isinstance(store, ResidentStore) or getattr(store, "plan", None) is not None)
-                and store.device.type == "cuda")
+        in place (a ResidentStore on CUDA: VRAM or pinned host pools, no routing trace) or a device-planned store
+        (experts/devplan.py), no synthetic routing."""
+        planned = getattr(store, "plan", None) is not None  # records its routing trace itself (devplan.py)
+        return (self.gpu and self.routing is None and store.device.type == "cuda"
+                and (planned or (isinstance(store, ResidentStore) and getattr(store, "trace", None) is None)))
 
     def resident_step(self, store: ExpertStore, x: torch.Tensor, ids: torch.Tensor,
                       weights: torch.Tensor) -> torch.Tensor:
