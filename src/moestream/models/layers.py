@@ -162,7 +162,12 @@ class Rope:
     i + n_rot/2); the angle of pair i at position p is p * inv_freq[i] (llama.cpp's ggml_rope_ext; with
     freq_factors, inv_freq = theta_i / freq_factor_i). Tables, float32 [n_pos, n_rot] for positions
     0..n_pos-1: ``cos`` = [cos a | cos a], ``sin`` = [-sin a | sin a] (a: the n_rot/2 angles of the position),
-    grown (never shrunk) when a call reaches past them, so a decode step only slices them.
+    grown (never shrunk) when a call reaches past them, so a decode step only slices them. Each entry is computed
+    in float64 (angle p * inv_freq[i], its cos or sin, times ``scale``) and rounded once to float32: the
+    correctly rounded value but for float64's own rounding. In float32, as transformers and llama.cpp compute
+    them, the angle alone is off by up to p * 2^-24 radians (3e-3 at p = 50,000), the largest rounding of a
+    float32 forward pass here: it put the deepseek2 fixture's logits (YaRN) 1.0e-4 from the float64 model with
+    the C step kernels, 6.8e-5 with these tables (tests/test_deepseek2.py).
 
     The tables are computed in fixed blocks of ``block`` positions (at most 16384 angles, below torch's
     parallel grain size), each block on its own: a position's cos/sin are the same bits whatever the order the
@@ -196,10 +201,11 @@ class Rope:
         cos, sin = [self.cos], [self.sin]
         for b0 in range(have, want, self.block):
             pos = torch.arange(b0, b0 + self.block, dtype=torch.int64, device=self.inv_freq.device)
-            ang = pos.float()[:, None] * self.inv_freq[None, :]  # [block, n_rot/2]
+            ang = pos.double()[:, None] * self.inv_freq.double()[None, :]  # [block, n_rot/2], exact in double
             c, s = ang.cos(), ang.sin()
             if self.scale != 1.0:
                 c, s = c * self.scale, s * self.scale
+            c, s = c.to(self.inv_freq.dtype), s.to(self.inv_freq.dtype)
             if self.interleaved:
                 cos.append(torch.stack((c, c), dim=-1).flatten(-2))
                 sin.append(torch.stack((-s, s), dim=-1).flatten(-2))
