@@ -88,11 +88,9 @@ class Weight:
 
 
 #: Whether the CPU computes RMSNorm with the step kernels' kernels.rms_norm (ggml's arithmetic: the squares summed
-#: in double; bit for bit llama.cpp's, tests/test_llamacpp.py) instead of torch.rms_norm. Off: the full suite on
-#: 2026-12-03 (22:02 UTC) put the deepseek2 fixture's F32 logits past their 1e-4 bar against transformers with it on
-#: (test_std_f32_matches_transformers, both modes), the bar sitting at float32's noise for that YaRN model (see
-#: docs/how-it-works.md); it waits, with C_ATTENTION, for that oracle to be run in float64. See docs/how-it-works.md.
-C_RMS_NORM = False
+#: in double; bit for bit llama.cpp's, tests/test_llamacpp.py) instead of torch.rms_norm. See docs/how-it-works.md
+#: for what it and :data:`C_ATTENTION` do to the oracle tests.
+C_RMS_NORM = True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | float, eps: float) -> torch.Tensor:
@@ -340,13 +338,10 @@ class LayerKVCache:
 
 
 #: Whether the CPU computes attention with the step kernels' kernels.attention (llama.cpp's CPU arithmetic, bit for
-#: bit: tests/test_llamacpp.py; its numpy reference: tests/test_stepkern.py) instead of torch's ops below. Off:
-#: measured 2026-12-03, it moves the deepseek2 fixture's F32 prompt logits to 1.11e-4 of transformers' (bar 1e-4;
-#: torch's ops 7.8e-5), though against the float64 run of the same transformers model it is the closest (7.0e-5,
-#: torch's ops 1.10e-4, transformers' float32 run 1.11e-4): YaRN's sharpened softmax puts that bar at float32's
-#: noise. And on qwen3moe-tiny Q4_K_M through the C matmul kernels it is max |diff| 4.03 from llama.cpp (bar 3.6)
-#: unless RMSNorm runs in C too (2.55): a rounding flip somewhere else, not the attention (docs/testing.md).
-C_ATTENTION = False
+#: bit: tests/test_llamacpp.py; its numpy reference: tests/test_stepkern.py) instead of torch's ops below. On
+#: qwen3moe-tiny Q4_K_M through the C matmul kernels it is max |diff| 4.03 from llama.cpp (bar 3.6) unless RMSNorm
+#: runs in C too (2.55): a rounding flip somewhere else, not the attention (docs/testing.md).
+C_ATTENTION = True
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
