@@ -1,8 +1,9 @@
 """The bars every architecture meets, as one call: ``standard_tests(globals(), Family(...))`` in a family's test
 module defines its fixtures and these tests there (pytest collects them from the module):
 
-- F32 file vs transformers on the source checkpoint: logits within ``hf_tol`` over the prompt, resident and
-  streaming, and 32 greedy tokens equal (transformers: a full forward pass per step);
+- F32 file vs transformers on the source checkpoint run in float64 (helpers.hf_model says why): logits within
+  ``hf_tol`` over the prompt, resident and streaming, and 32 greedy tokens equal (transformers: a full forward
+  pass per step);
 - F32 file vs llama.cpp on the same file (f32 KV cache, flash attention off; FIELD-NOTES): llama.cpp's greedy
   tokens fed back (teacher forcing), logits within ``llama_tol`` (the family states why that bound), the same
   top token at every position;
@@ -32,6 +33,7 @@ from helpers import (
     expert_slots,
     hf_greedy,
     hf_logits,
+    hf_model,
     llama_greedy,
     load,
     ours_forced,
@@ -98,12 +100,9 @@ def standard_tests(ns: dict[str, Any], fam: Family) -> None:
 
     @pytest.fixture(scope="module")
     def fam_hf(fam_files):
-        from transformers import AutoModelForCausalLM
-
-        m = AutoModelForCausalLM.from_pretrained(fam_files["ckpt"], dtype=torch.float32,
-                                                 attn_implementation="eager")
+        m = hf_model(fam_files["ckpt"])
         assert type(m).__name__ == fam.hf_class
-        return m.eval()
+        return m
 
     @pytest.fixture(scope="module")
     def fam_hf_ref(fam_hf, fam_prompt) -> tuple[torch.Tensor, list[int]]:

@@ -5,7 +5,8 @@ assertion rewriting).
 * :func:`llama_cpp_template` -- a chat template from llama.cpp's own collection.
 * :func:`load` -- a model resident or streaming through a small pool; :func:`ours_greedy` -- its logits over a
   prompt and its greedy continuation.
-* transformers reference runs: :func:`hf_logits`, :func:`hf_greedy`.
+* transformers reference runs: :func:`hf_model` (the checkpoint in float64, the oracle), :func:`hf_logits`,
+  :func:`hf_greedy`.
 * llama.cpp reference runs (llama-cpp-python, f32 KV cache, flash attention off; see tests/test_llamacpp.py):
   :func:`llama_model`, :func:`llama_tokenize`, :func:`llama_greedy`; and moestream teacher-forced on a run's
   tokens, :func:`ours_forced`. Both give a :class:`Run`.
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,10 +99,70 @@ def ours_greedy(model: MoEModel, ids: list[int], n: int) -> tuple[torch.Tensor, 
 
 
 # ------------------------------------------------------------------------------------------------ transformers
+def hf_model(ckpt: Path | str, config: Any = None, cls: Any = None) -> Any:  # noqa: ANN401
+    """transformers' model of the checkpoint directory ``ckpt``, in float64: the oracle of the logit tests.
+
+    Why float64. moestream and transformers run float32 in different orders of summation, so their distance is
+    the sum of two rounding errors, and transformers' own can be as large as the bar: on the deepseek2 fixture
+    (YaRN's sharpened softmax amplifies rounding) transformers' float32 run is 1.1e-4 from this model, past the
+    project's 1e-4, and a change that brought moestream closer to the exact model could fail the float32
+    comparison. Against float64 the distance is moestream's error alone (the weights are float32 numbers, exact
+    in float64; every operation then rounds 2^-29 times finer).
+
+    transformers keeps some operations in float32 whatever the model's dtype (RMSNorm's variance, the attention
+    softmax, routers, ``x.float()`` in RoPE and elsewhere: ``torch.float32`` written in the modeling code). The
+    forward of the returned model runs them in float64 too: while it runs, the modeling modules of the model's
+    classes see a ``torch`` whose ``float32`` and ``float`` are ``torch.float64``, and ``Tensor.float`` leaves a
+    float64 tensor as it is. (RoPE's inverse frequencies are computed in float32 when the model is built, by
+    moestream the same way: part of the model's definition.) Experts run transformers' eager loop
+    (``grouped_mm`` has no float64), attention its eager path. ``config``: a transformers config to use
+    instead of the checkpoint's; ``cls``: the class (default ``AutoModelForCausalLM``). Eval mode."""
+    if cls is None:
+        from transformers import AutoModelForCausalLM as cls
+    kw = {} if config is None else {"config": config}
+    model = cls.from_pretrained(str(ckpt), dtype=torch.float64, attn_implementation="eager",
+                                experts_implementation="eager", **kw).eval()
+    mods = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__module__.startswith("transformers.")}
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        with float64_inside(mods):
+            return inner(*args, **kwargs)
+
+    model.forward = forward
+    return model
+
+
+@contextlib.contextmanager
+def float64_inside(modules: set[types.ModuleType]) -> Iterator[None]:
+    """While in the block, the Python ``modules`` (modeling code that imported ``torch``) see a ``torch`` whose
+    ``float32`` and ``float`` are ``torch.float64``, and ``Tensor.float`` (everywhere) leaves a float64 tensor as
+    it is: their explicit float32 operations run in float64 (see :func:`hf_model`)."""
+    torch64 = types.ModuleType("torch")
+    torch64.__dict__.update(torch.__dict__)
+    torch64.float32 = torch64.float = torch.float64
+    to_float = torch.Tensor.float
+
+    def float_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # noqa: ANN401
+        return self if self.dtype == torch.float64 else to_float(self, *args, **kwargs)
+
+    patched = [m for m in modules if getattr(m, "torch", None) is torch]
+    try:
+        for m in patched:
+            m.torch = torch64
+        torch.Tensor.float = float_
+        yield
+    finally:
+        torch.Tensor.float = to_float
+        for m in patched:
+            m.torch = torch
+
+
 def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
-    """transformers' float32 logits [len(ids), vocab] over ``ids``."""
+    """transformers' logits [len(ids), vocab] over ``ids``, in the model's dtype (float64 from :func:`hf_model`)."""
     with torch.inference_mode():
-        return hf(torch.tensor([ids])).logits[0].float()
+        return hf(torch.tensor([ids])).logits[0]
 
 
 def hf_greedy(hf: Any, ids: list[int], n: int) -> list[int]:

@@ -29,6 +29,7 @@ from helpers import (
     expert_slots,
     hf_greedy,
     hf_logits,
+    hf_model,
     llama_greedy,
     load,
     moestream,
@@ -66,10 +67,8 @@ def prompt_ids(gemma4_tiny: dict) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hf(gemma4_tiny: dict) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(gemma4_tiny["ckpt"], dtype=torch.float32, attn_implementation="eager")
-    return m.eval()
+    """transformers on the checkpoint, in float64 (helpers.hf_model)."""
+    return hf_model(gemma4_tiny["ckpt"])
 
 
 @pytest.fixture(scope="module")

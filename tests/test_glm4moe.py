@@ -26,7 +26,7 @@ import torch
 
 from family import Family, standard_tests
 from ggufedit import rewrite
-from helpers import assert_bitwise, llama_model, logits_of
+from helpers import assert_bitwise, hf_model, llama_model, logits_of
 from moestream.errors import GGUFError
 from moestream.experts.pool import StreamingStore
 from moestream.models.base import LoadOptions, load_model
@@ -315,14 +315,12 @@ def qk_files(fixtures_tool):
 def test_qknorm_variant_matches_transformers(qk_files, fam_prompt):
     """GLM-4.5-shaped file (per-head q/k RMSNorm, routed scale 2.5, three dense layers, no group limit): F32
     logits within 1e-4 of transformers over the prompt."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(qk_files["ckpt"], dtype=torch.float32, attn_implementation="eager")
+    hf = hf_model(qk_files["ckpt"])
     model = load_model(str(qk_files["f32"]), LoadOptions(moe_stream=False, matmul="dequant"))
     assert model.has("blk.0.attn_q_norm.weight") and model.n_dense == 3 and model.routed_scale == 2.5
     assert model.n_group == 1 and model.layout.moe_layers == [3, 4]
     got = _ours(qk_files["f32"], fam_prompt)
-    diff = (got - _hf(hf.eval(), fam_prompt)).abs().max().item()
+    diff = (got - _hf(hf, fam_prompt)).abs().max().item()
     print(f"glm4moe-qknorm f32 vs transformers: max |logit diff| {diff:.3g} over {len(fam_prompt)} positions")
     assert diff < TOL
 

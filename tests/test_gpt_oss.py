@@ -15,6 +15,13 @@ computes each pair's angle as ``pos * theta_scale^i`` by repeated float32 multip
 index), where transformers and moestream multiply the position by a precomputed inverse frequency; the angle error
 grows with the position. FIELD-NOTES' 9e-5 (gpt-oss with truncate true) was over a shorter prompt.
 
+The 264-token test (test_long_prompt_sliding_window_and_sinks): 1.5e-4 against transformers in float64
+(helpers.hf_model). Measured 2026-12-04 at 264 tokens: transformers' own float32 run is 2.04e-4 from its float64
+run; moestream (--matmul dequant) with float32 RoPE tables 1.95e-4 (torch's attention and RMSNorm) / 1.96e-4 (the C
+step kernels'), with layers.Rope's float64 tables 1.05e-4 / 0.99e-4 (1.01e-4 in one full-suite run: torch's matmul
+rounds by its thread count). Against the float32 run, as before, moestream's float32 tables were 6.0e-5 from it: the
+same angle rounding on both sides, not accuracy.
+
 Biases indexed by real expert id: the streaming tests (``test_std_f32_matches_transformers[stream]`` through a
 pool of top-k + 2 slots, ``test_std_verify_identical`` at top-k slots, ``test_std_slot_ids_differ_from_expert_ids``
 showing slots != ids) would fail if a bias were read by slot id: the expert in slot s is not expert s, so its bias
@@ -41,6 +48,8 @@ FAM = Family(fixture="gpt-oss-tiny", arch="gpt-oss", hf_class="GptOssForCausalLM
 standard_tests(globals(), FAM)
 
 TOL = 1e-4
+#: the 264-token test's bound against float64 transformers (module docstring)
+LONG_TOL = 1.5e-4
 
 
 def _ours(path, ids, **opts) -> torch.Tensor:  # noqa: ANN001
@@ -75,7 +84,7 @@ def test_rope_is_transformers_yarn(fam_files, fam_hf):
 
 
 def test_long_prompt_sliding_window_and_sinks(fam_files, fam_hf):
-    """264 tokens (past 2 x the window): logits within 1e-4 of transformers at every position; the window and
+    """264 tokens (past 2 x the window): logits within LONG_TOL of transformers at every position; the window and
     the sinks each matter on this file (dropping either moves the logits by more than 1e-2)."""
     ids = _long_prompt(fam_files["f32"])
     ref = hf_logits(fam_hf, ids)
@@ -87,7 +96,7 @@ def test_long_prompt_sliding_window_and_sinks(fam_files, fam_hf):
         got = run()
         diff = (got - ref).abs().max().item()
         print(f"gpt-oss f32 vs transformers, {len(ids)} tokens: max |logit diff| {diff:.3g}")
-        assert diff < TOL
+        assert diff < LONG_TOL
         model.window = 10 ** 9  # every layer full
         no_window = run()
         model.window = 128

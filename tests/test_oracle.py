@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import hf_greedy, hf_logits, load, ours_greedy
+from helpers import hf_greedy, hf_logits, hf_model, load, ours_greedy
 from moestream.tokenizer import GGUFTokenizer
 
 PROMPT = ("In 1450 Johannes Gutenberg built a printing press with movable metal type; within fifty years "
@@ -15,12 +15,8 @@ N_GREEDY = 32
 
 @pytest.fixture(scope="module")
 def hf(qwen3moe_tiny):
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(qwen3moe_tiny["ckpt"], dtype=torch.float32,
-                                             attn_implementation="eager")
-    m.eval()
-    return m
+    """transformers on the checkpoint, in float64 (helpers.hf_model)."""
+    return hf_model(qwen3moe_tiny["ckpt"])
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +62,13 @@ def gguf_to_hf_name(name: str) -> str | None:
 
 
 def hf_twin(ckpt: str, gguf_path: str, out_dir) -> object:
-    """transformers model whose weights are the `gguf` package's reference dequantization of ``gguf_path``."""
+    """transformers model whose weights are the `gguf` package's reference dequantization of ``gguf_path``, run in
+    float64 (helpers.hf_model)."""
     import shutil
 
     import numpy as np
     from gguf.quants import dequantize
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
     from ggufedit import read as GGUFReader
 
@@ -91,14 +87,13 @@ def hf_twin(ckpt: str, gguf_path: str, out_dir) -> object:
         if __import__("os").path.exists(src):
             shutil.copy(src, out_dir / f)
     save_file(state, str(out_dir / "model.safetensors"))
-    m = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32, attn_implementation="eager")
-    return m.eval()
+    return hf_model(out_dir)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "q8_0"])
 def test_lossy_formats_match_transformers_on_the_same_weights(qwen3moe_tiny, prompt_ids, fmt, tmp_path):
     """The strict check for lossy files: transformers run on the file's own weights, dequantized by the
-    `gguf` package, is the same model in float32, so the 1e-4 bar of the F32 test applies -- to moestream's
+    `gguf` package, is the same model (run in float64), so the 1e-4 bar of the F32 test applies -- to moestream's
     ``--matmul dequant`` path, which is that float32 model (the default C kernels quantize activations to 8
     bits as llama.cpp does: tests/test_llamacpp.py holds them to llama.cpp on the quantized files)."""
     twin = hf_twin(qwen3moe_tiny["ckpt"], qwen3moe_tiny[fmt], tmp_path)

@@ -28,10 +28,9 @@ from typing import Any
 
 import gguf
 import pytest
-import torch
 
 from conftest import load_tool
-from helpers import hf_greedy, hf_logits, load, moestream, ours_greedy, verify_identical
+from helpers import hf_greedy, hf_logits, hf_model, load, moestream, ours_greedy, verify_identical
 from moestream.tokenizer import GGUFTokenizer, TokenType
 from test_tokenizer import FRAGMENTS, HARD_STRINGS, N_RANDOM, llama_decode
 
@@ -186,9 +185,8 @@ def test_every_id_detokenizes_like_llama_cpp(pub: dict[str, Any], tok: GGUFToken
 # ------------------------------------------------------------------------------------------------ the model
 @pytest.fixture(scope="module")
 def hf(pub: dict[str, Any]) -> Any:  # noqa: ANN401
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(pub["ckpt"], dtype=torch.float32, attn_implementation="eager").eval()
+    """transformers on the checkpoint, in float64 (helpers.hf_model)."""
+    return hf_model(pub["ckpt"])
 
 
 @pytest.mark.slow

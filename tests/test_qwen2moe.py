@@ -70,7 +70,7 @@ def test_router_matches_transformers(fam_files, fam_hf):
     h = torch.randn(32, model.n_embd, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ids, w = model.gate(model.blocks[0], h)
-        _, ref_w, ref_ids = fam_hf.model.layers[0].mlp.gate(h)
+        _, ref_w, ref_ids = fam_hf.model.layers[0].mlp.gate(h.double())  # fam_hf is float64
     assert not fam_hf.config.norm_topk_prob
     assert torch.equal(ids, ref_ids)
     assert (w - ref_w).abs().max().item() < 1e-6

@@ -33,6 +33,7 @@ from helpers import (
     expert_slots,
     hf_greedy,
     hf_logits,
+    hf_model,
     llama_greedy,
     load,
     logits_of,
@@ -67,11 +68,10 @@ def prompt_ids(q35) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hf(q35):
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(q35["ckpt"], dtype=torch.float32, attn_implementation="eager")
+    """transformers on the checkpoint, in float64 (helpers.hf_model)."""
+    m = hf_model(q35["ckpt"])
     assert type(m).__name__ == "Qwen3_5MoeForCausalLM"
-    return m.eval()
+    return m
 
 
 @pytest.fixture(scope="module")

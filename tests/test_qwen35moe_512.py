@@ -54,11 +54,11 @@ def test_every_expert_index_is_reachable(fam_files, fam_hf) -> None:  # noqa: AN
         for layer in model.layout.moe_layers:
             b, hf_moe = model.blocks[layer], fam_hf.model.layers[layer].mlp
             rows = hf_moe.gate.weight.detach()  # [512, hidden]
-            x = 2.0 * rows / rows.norm(dim=1, keepdim=True)  # [512, hidden]: input e along router row e
+            x = (2.0 * rows / rows.norm(dim=1, keepdim=True)).float()  # [512, hidden]: input e along router row e
             ids, w = model.gate(b, x)
-            with torch.inference_mode():
-                _, hf_w, hf_ids = hf_moe.gate(x)
-                want = hf_moe.experts(x, hf_ids, hf_w)
+            with torch.inference_mode():  # fam_hf is float64 (helpers.hf_model)
+                _, hf_w, hf_ids = hf_moe.gate(x.double())
+                want = hf_moe.experts(x.double(), hf_ids, hf_w)
             assert torch.equal(ids, hf_ids), f"layer {layer}: router ids differ from transformers'"
             assert float((w - hf_w).abs().max()) < 1e-6
             assert set(ids.reshape(-1).tolist()) == set(range(FAM.n_experts)), f"layer {layer}: ids unreached"

@@ -1,8 +1,10 @@
 """RoPE pieces against transformers: YaRN's inverse frequencies and attention factor
-(``modeling_rope_utils._compute_yarn_parameters``) and the rotary tables of a model that uses them, bitwise;
-the RoPE-scaling metadata reader's defaults and refusals."""
+(``modeling_rope_utils._compute_yarn_parameters``) and the rotary tables of a model that uses them (computed in
+float64 and rounded to float32), bitwise; the RoPE-scaling metadata reader's defaults and refusals."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from transformers import Qwen3MoeConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 
+from helpers import float64_inside
 from moestream.models.layers import Rope, yarn_attention_factor, yarn_inv_freq
 
 # (rope_theta, head_dim, rope_parameters): gpt-oss-20b's (truncated: the only form a GGUF carries), DeepSeek-V3's,
@@ -47,12 +50,18 @@ def test_yarn_matches_transformers(theta: float, head_dim: int, params: dict) ->
 
 @pytest.mark.parametrize("theta,head_dim,params", CASES[:2])
 def test_yarn_tables_match_transformers_rotary(theta: float, head_dim: int, params: dict) -> None:
-    """cos/sin with the attention factor applied (Rope(scale=)) equal transformers' rotary embedding bitwise."""
+    """cos/sin with the attention factor applied (Rope(scale=)) equal transformers' rotary embedding run in float64
+    (helpers.float64_inside: the angles, cos, sin and the factor in float64), rounded to float32, bitwise; and
+    differ from its float32 run (the angles rounded to float32) at some positions."""
     cfg = _config(theta, head_dim, params)
     rot = Qwen3MoeRotaryEmbedding(cfg)
     n_pos = 300
     pos = torch.arange(n_pos)[None]
-    cos, sin = rot(torch.zeros(1, n_pos, head_dim), pos)
+    with float64_inside({sys.modules[type(rot).__module__]}):
+        cos64, sin64 = rot(torch.zeros(1, n_pos, head_dim, dtype=torch.float64), pos)
+    assert cos64.dtype == torch.float64
+    cos, sin = cos64.float(), sin64.float()
+    assert not torch.equal(cos, rot(torch.zeros(1, n_pos, head_dim), pos)[0])
     inv = yarn_inv_freq(theta, head_dim, params["factor"], params["original_max_position_embeddings"],
                         params.get("beta_fast", 32.0), params.get("beta_slow", 1.0))
     rope = Rope(inv, scale=yarn_attention_factor(params["factor"], params.get("mscale", 0.0),

@@ -24,7 +24,7 @@ from gguf import GGUFValueType
 
 from ggufedit import read as GGUFReader
 from ggufedit import rewrite
-from helpers import cli, hf_logits
+from helpers import cli, hf_logits, hf_model
 from moestream.errors import GGUFError
 from moestream.models.base import LoadOptions, load_model
 from moestream.tokenizer import GGUFTokenizer
@@ -100,15 +100,14 @@ def test_what_the_family_cannot_compute_is_refused(fixtures_tool, name, tmp_path
 @pytest.mark.parametrize("name", [n for n, f in sorted(FAMILIES.items()) if f[2] and n not in FLIP_TESTED_ELSEWHERE])
 def test_norm_key_flipped_against_transformers(fixtures_tool, name, tmp_path):
     """A file that sets ``expert_weights_norm`` against the published value computes what transformers computes
-    with ``norm_topk_prob`` flipped; the two settings differ far beyond the tolerance."""
-    from transformers import AutoModelForCausalLM
-
+    with ``norm_topk_prob`` flipped (transformers in float64: helpers.hf_model); the two settings differ far beyond
+    the tolerance."""
     arch, norm, _, _ = FAMILIES[name]
     files = _files(fixtures_tool, name)
     flipped = _variant(files["f32"], tmp_path / "flipped.gguf", arch,
                        expert_weights_norm=(not norm, GGUFValueType.BOOL))
     ids = GGUFTokenizer.from_gguf(str(files["f32"])).encode(PROMPT)
-    hf = AutoModelForCausalLM.from_pretrained(files["ckpt"], dtype=torch.float32, attn_implementation="eager").eval()
+    hf = hf_model(files["ckpt"])
     ref_default = hf_logits(hf, ids)
     n_set = 0
     for mod in hf.modules():

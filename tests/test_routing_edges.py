@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ggufedit import rewrite
-from helpers import hf_logits, load, ours_greedy, verify_identical
+from helpers import hf_logits, hf_model, load, ours_greedy, verify_identical
 from moestream.errors import ConfigError
 from moestream.models.base import LoadOptions
 from moestream.tokenizer import GGUFTokenizer
@@ -24,12 +24,13 @@ PROMPT = "Routing edges: every expert at once, or some experts never at all, and
 
 
 def _hf(ckpt: Path, **config: Any):  # noqa: ANN202
+    """transformers' Qwen3Moe on the checkpoint with ``config``'s attributes changed, in float64 (helpers.hf_model)."""
     from transformers import AutoConfig, Qwen3MoeForCausalLM
 
     cfg = AutoConfig.from_pretrained(ckpt)
     for k, v in config.items():
         setattr(cfg, k, v)
-    return Qwen3MoeForCausalLM.from_pretrained(ckpt, config=cfg, dtype=torch.float32).eval()
+    return hf_model(ckpt, config=cfg, cls=Qwen3MoeForCausalLM)
 
 
 @pytest.fixture(scope="module")

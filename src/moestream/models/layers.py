@@ -88,11 +88,9 @@ class Weight:
 
 
 #: Whether the CPU computes RMSNorm with the step kernels' kernels.rms_norm (ggml's arithmetic: the squares summed
-#: in double; bit for bit llama.cpp's, tests/test_llamacpp.py) instead of torch.rms_norm. Off: the full suite on
-#: 2026-12-03 (22:02 UTC) put the deepseek2 fixture's F32 logits past their 1e-4 bar against transformers with it on
-#: (test_std_f32_matches_transformers, both modes), the bar sitting at float32's noise for that YaRN model (see
-#: docs/how-it-works.md); it waits, with C_ATTENTION, for that oracle to be run in float64. See docs/how-it-works.md.
-C_RMS_NORM = False
+#: in double; bit for bit llama.cpp's, tests/test_llamacpp.py) instead of torch.rms_norm. See docs/how-it-works.md
+#: for what it and :data:`C_ATTENTION` do to the oracle tests.
+C_RMS_NORM = True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | float, eps: float) -> torch.Tensor:
@@ -162,7 +160,12 @@ class Rope:
     i + n_rot/2); the angle of pair i at position p is p * inv_freq[i] (llama.cpp's ggml_rope_ext; with
     freq_factors, inv_freq = theta_i / freq_factor_i). Tables, float32 [n_pos, n_rot] for positions
     0..n_pos-1: ``cos`` = [cos a | cos a], ``sin`` = [-sin a | sin a] (a: the n_rot/2 angles of the position),
-    grown (never shrunk) when a call reaches past them, so a decode step only slices them.
+    grown (never shrunk) when a call reaches past them, so a decode step only slices them. Each entry is computed
+    in float64 (angle p * inv_freq[i], its cos or sin, times ``scale``) and rounded once to float32: the
+    correctly rounded value but for float64's own rounding. In float32, as transformers and llama.cpp compute
+    them, the angle alone is off by up to p * 2^-24 radians (3e-3 at p = 50,000), the largest rounding of a
+    float32 forward pass here: it put the deepseek2 fixture's logits (YaRN) 1.0e-4 from the float64 model with
+    the C step kernels, 6.8e-5 with these tables (tests/test_deepseek2.py).
 
     The tables are computed in fixed blocks of ``block`` positions (at most 16384 angles, below torch's
     parallel grain size), each block on its own: a position's cos/sin are the same bits whatever the order the
@@ -196,10 +199,11 @@ class Rope:
         cos, sin = [self.cos], [self.sin]
         for b0 in range(have, want, self.block):
             pos = torch.arange(b0, b0 + self.block, dtype=torch.int64, device=self.inv_freq.device)
-            ang = pos.float()[:, None] * self.inv_freq[None, :]  # [block, n_rot/2]
+            ang = pos.double()[:, None] * self.inv_freq.double()[None, :]  # [block, n_rot/2], exact in double
             c, s = ang.cos(), ang.sin()
             if self.scale != 1.0:
                 c, s = c * self.scale, s * self.scale
+            c, s = c.to(self.inv_freq.dtype), s.to(self.inv_freq.dtype)
             if self.interleaved:
                 cos.append(torch.stack((c, c), dim=-1).flatten(-2))
                 sin.append(torch.stack((-s, s), dim=-1).flatten(-2))
@@ -334,13 +338,10 @@ class LayerKVCache:
 
 
 #: Whether the CPU computes attention with the step kernels' kernels.attention (llama.cpp's CPU arithmetic, bit for
-#: bit: tests/test_llamacpp.py; its numpy reference: tests/test_stepkern.py) instead of torch's ops below. Off:
-#: measured 2026-12-03, it moves the deepseek2 fixture's F32 prompt logits to 1.11e-4 of transformers' (bar 1e-4;
-#: torch's ops 7.8e-5), though against the float64 run of the same transformers model it is the closest (7.0e-5,
-#: torch's ops 1.10e-4, transformers' float32 run 1.11e-4): YaRN's sharpened softmax puts that bar at float32's
-#: noise. And on qwen3moe-tiny Q4_K_M through the C matmul kernels it is max |diff| 4.03 from llama.cpp (bar 3.6)
-#: unless RMSNorm runs in C too (2.55): a rounding flip somewhere else, not the attention (docs/testing.md).
-C_ATTENTION = False
+#: bit: tests/test_llamacpp.py; its numpy reference: tests/test_stepkern.py) instead of torch's ops below. On
+#: qwen3moe-tiny Q4_K_M through the C matmul kernels it is max |diff| 4.03 from llama.cpp (bar 3.6) unless RMSNorm
+#: runs in C too (2.55): a rounding flip somewhere else, not the attention (docs/testing.md).
+C_ATTENTION = True
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
