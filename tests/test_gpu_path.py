@@ -108,12 +108,15 @@ def test_graphed_decode_step_equals_streaming_step() -> None:
         assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
 
 
-def test_device_planned_step_equals_resident_step() -> None:
+def test_device_planned_step_equals_resident_step(monkeypatch) -> None:  # noqa: ANN001
     """The device-planned step (experts/devplan.py: the host tier holds every expert; hits found in the device table,
     misses copied from the tier into shared scratch rows by the gather kernel, all inside the step) gives the bits of
     the resident step through 4 slots of 64 (misses every step, and promotions between steps); after the last
     step's bookkeeping the device table equals the store's slot maps, every slot holds the bytes of the expert its
     map names, and the tier served every miss (nothing read from the file after the fill)."""
+    from moestream.experts import devplan
+
+    monkeypatch.setattr(devplan, "ON_CPU", True)  # a CPU device: the kernels run under Triton's interpreter
     model, _ = _grouped_model(4)
     opts = LoadOptions(slots=4, matmul="dequant", host_cache=1 << 30)
     store = model.make_store(opts)

@@ -44,6 +44,10 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     tl = None
 
 
+#: tests only: plan stores on a CPU device too (the kernels under Triton's interpreter; tests/test_gpu_path.py)
+ON_CPU = False
+
+
 def enabled() -> bool:
     """False when ``MOESTREAM_DEVICE_PLAN`` is ``0``/``off``/``false``/``no`` (default: on where it applies)."""
     return os.environ.get("MOESTREAM_DEVICE_PLAN", "1").strip().lower() not in ("0", "off", "false", "no")

@@ -15,7 +15,6 @@ Both expose the same ``prepare`` / ``wait`` / ``matrix`` / ``lead`` calls, so th
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Callable
@@ -393,14 +392,14 @@ class StreamingStore(ExpertStore):
     @staticmethod
     def _plannable(layout: ExpertLayout, strides: dict[int, dict[str, int]], per_layer: dict[int, int],
                    host_cache: int, top_k: int, gpu: bool) -> bool:
-        """Whether the device-planned step applies: a GPU (or Triton's interpreter), a host tier large enough for
-        every expert of every layer, the same matrices and strides in every MoE layer, MOESTREAM_DEVICE_PLAN not
-        0."""
-        from .devplan import enabled
+        """Whether the device-planned step applies: a GPU (or ``devplan.ON_CPU``, for tests), a host tier large
+        enough for every expert of every layer, the same matrices in every MoE layer, at least top-k slots per
+        layer, MOESTREAM_DEVICE_PLAN not 0."""
+        from . import devplan
 
-        if not host_cache or not enabled() or not layout.moe_layers:
+        if not host_cache or not devplan.enabled() or not layout.moe_layers:
             return False
-        if not gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        if not gpu and not devplan.ON_CPU:
             return False
         first = strides[layout.moe_layers[0]]
         if any(set(s) != set(first) for s in strides.values()):
