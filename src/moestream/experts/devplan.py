@@ -22,9 +22,11 @@ the evicted expert). An admitted expert appears in the device table only once it
 queried on a later step), so no step ever reads a slot being written. The counters therefore lag one step behind
 the replays; :meth:`DevicePlan.flush` brings them up to date (prepare(), close()).
 
-Pools: every MoE layer's pool of one matrix is a view of one tensor per matrix name (the layers' strides must be
-equal), with the ``top_k`` scratch rows after the last layer's slots, so the expert kernels reach a scratch row from
-any layer's pool at a positive offset.
+Pools: the MoE layers' pools of one matrix whose slots have one stride are views of one tensor, with ``top_k``
+scratch rows after the last layer's slots, so the expert kernels reach a scratch row from any of those layers' pools
+at a positive offset (a Q4_K_M file whose ``down`` matrices are Q4_K in some layers and Q6_K in others has two
+such tensors for ``down``). The scratch rows (``DevicePlan.scratch_bytes``: top-k experts' matrices per tensor,
+about 31 MiB for the Qwen3-30B-A3B shape at Q4_K_M) are not in ``--gpu-mem``'s plan yet.
 """
 
 from __future__ import annotations
@@ -105,35 +107,41 @@ def mapped(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class DevicePlan:
     """The device tables, the scratch rows and the host bookkeeping of the device-planned step for ``store`` (a
-    StreamingStore whose host tier holds every expert and whose pools are views of ``big``, see the module).
+    StreamingStore whose host tier holds every expert, see the module).
 
-    big: {matrix name: uint8 [sum of the layers' slots + top_k, stride]}; base: {layer: its first row in big};
-    top_k: experts per token (the scratch rows)."""
+    groups: {layer: {matrix name: (tensor, first row)}}: the uint8 [rows + top_k, stride] tensor that holds the
+    layer's pool of that matrix from its first row on (every layer whose matrix has that stride shares it), its
+    last ``top_k`` rows the scratch; top_k: experts per token."""
 
-    def __init__(self, store: Any, big: dict[str, torch.Tensor], base: dict[int, int], top_k: int):
+    def __init__(self, store: Any, groups: dict[int, dict[str, tuple[torch.Tensor, int]]], top_k: int):
         self.store = store
-        self.big, self.base, self.top_k = big, base, top_k
+        self.top_k = top_k
         self.layers = list(store.pools)
         self.index = {la: i for i, la in enumerate(self.layers)}
         dev = store.device
         self.device = dev
         n_exp = max(store.layout.n_experts(la) for la in self.layers)
-        self.scratch_row = next(iter(big.values())).shape[0] - top_k  # first scratch row of big
         tier = store.tier
+        #: per layer and matrix: (the group tensor, the absolute row of its first scratch row)
+        self.scratch = {la: {n: (t, t.shape[0] - top_k) for n, (t, _) in mats.items()} for la, mats in groups.items()}
         #: per layer and matrix: the pinned tier rows as the GPU addresses them (row = real expert id)
         self.tier_dev = {la: {n: mapped(t, dev) for n, t in tier.pools[la].items()} for la in self.layers}
         #: int32 [layers, n_experts]: each expert's slot in its layer's pool as the device sees it (-1: none)
         self.host_table = np.full((len(self.layers), n_exp), -1, dtype=np.int32)
         self.slot_dev = torch.full((len(self.layers), n_exp), -1, dtype=torch.int32, device=dev)
-        #: int64 [layers, top_k]: the rows of each layer's scratch relative to the layer's pool
-        rel = np.array([[self.scratch_row - base[la] + k for k in range(top_k)] for la in self.layers], np.int64)
-        self.scratch_dev = torch.from_numpy(rel).to(dev)
+        names = list(groups[self.layers[0]])
+        #: per matrix: int64 [layers, top_k], the rows of each layer's scratch relative to the layer's pool
+        self.scratch_dev = {}
         #: per matrix: int64 [layers, n_experts], each expert's lead in its tier row (= in a slot or scratch row)
         self.lead_dev = {}
-        for name in big:
+        for name in names:
+            rel = np.zeros((len(self.layers), top_k), dtype=np.int64)
             lead = np.zeros((len(self.layers), n_exp), dtype=np.int64)
             for i, la in enumerate(self.layers):
+                t, row0 = groups[la][name]
+                rel[i] = t.shape[0] - top_k - row0 + np.arange(top_k)
                 lead[i, :store.layout.n_experts(la)] = tier.leads[la][name]
+            self.scratch_dev[name] = torch.from_numpy(rel).to(dev)
             self.lead_dev[name] = torch.from_numpy(lead).to(dev)
         #: int64 [layers, top_k]: the step's top-k ids of every layer, written on the device by each step
         self.ids_dev = torch.zeros((len(self.layers), top_k), dtype=torch.int64, device=dev)
@@ -150,21 +158,30 @@ class DevicePlan:
         self.promotions = 0
         self.bytes_promoted = 0
 
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the scratch rows (top_k rows of each distinct group tensor)."""
+        seen = {id(t): t.shape[1] * self.top_k for mats in self.scratch.values() for t, _ in mats.values()}
+        return sum(seen.values())
+
     # --- on the device, inside the step -------------------------------------------------------------------
-    def rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """ids int64 [top_k] (one token's real expert ids) -> int64 [top_k]: the row of each in ``layer``'s pool
-        (its slot, or a scratch row the miss was just copied into). Device work only: capturable."""
+    def slots(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """ids int64 [top_k] (one token's real expert ids) -> int32 [top_k]: each expert's slot in ``layer``'s pool,
+        -1 for a miss, which is copied into the layer's scratch row of its pair first. Device work only: capturable."""
         i = self.index[layer]
         self.ids_dev[i].copy_(ids)
         table = self.slot_dev[i]
         for name, t in self.tier_dev[layer].items():
-            gather_misses(t, self.big[name], ids, table, self.scratch_row)
-        s = table.index_select(0, ids)
-        return torch.where(s >= 0, s.to(torch.int64), self.scratch_dev[i])
+            big, row0 = self.scratch[layer][name]
+            gather_misses(t, big, ids, table, row0)
+        return table.index_select(0, ids)
 
-    def lead(self, layer: int, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """int64 [top_k]: the lead of each expert of ``ids`` (the same in its tier row, slot and scratch row)."""
-        return self.lead_dev[name][self.index[layer]].index_select(0, ids)
+    def offsets(self, layer: int, name: str, ids: torch.Tensor, slots: torch.Tensor, stride: int) -> torch.Tensor:
+        """int64 [top_k]: the byte offset of each expert of ``ids`` in ``layer``'s pool of ``name`` (row stride
+        ``stride``): its slot's row, or its scratch row for a miss (``slots`` from :meth:`slots`), plus its lead."""
+        i = self.index[layer]
+        rows = torch.where(slots >= 0, slots.to(torch.int64), self.scratch_dev[name][i])
+        return rows * stride + self.lead_dev[name][i].index_select(0, ids)
 
     # --- on the host, between steps -----------------------------------------------------------------------
     def before_step(self) -> None:

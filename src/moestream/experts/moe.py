@@ -302,7 +302,7 @@ class MoE:
         """One decode token's routed experts with nothing on the host: x float32 [1, hidden], ids int64 [1, top_k]
         real expert ids (= slot ids: every expert is resident), weights float32 [1, top_k] -> [1, hidden].
         With a device-planned store (experts/devplan.py: its host tier holds every expert) the pool rows come from
-        the device table instead, the misses copied from the tier into scratch rows first (``store.plan.rows``).
+        the device table instead, the misses copied from the tier into scratch rows first (``store.plan.slots``).
 
         No synchronisation and no host-dependent shapes, so a CUDA graph can capture it (models/graphs.py). The
         pairs stay in top-k order, one tile each; every pair's row is computed by the same kernel configuration
@@ -327,12 +327,14 @@ class MoE:
         flat = ids.reshape(-1)
         x = x.contiguous()
         plan = getattr(store, "plan", None)
-        at_row = flat if plan is None else plan.rows(self.layer, flat)  # each pair's row of the pool
+        slots = None if plan is None else plan.slots(self.layer, flat)  # misses copied into scratch rows first
 
         def mm(name: str, v: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
             mat, pool = self.mats[name], store.matrix(self.layer, name)
-            at = lead[name].index_select(0, flat) if plan is None else plan.lead(self.layer, name, flat)
-            offs = at_row * pool.stride(0) + at
+            if plan is None:
+                offs = flat * pool.stride(0) + lead[name].index_select(0, flat)
+            else:
+                offs = plan.offsets(self.layer, name, flat, slots, pool.stride(0))
             y = torch.empty((top_k, mat.rows), dtype=torch.float32, device=dev)
             y = tkernels.grouped_planned(v, pool, offs, tiles, src, mat.ggml_type, mat.rows, mat.cols, 1, y)
             return self._add_bias(name, y, flat)

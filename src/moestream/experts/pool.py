@@ -323,29 +323,32 @@ class StreamingStore(ExpertStore):
         self._leads: dict[int, dict[str, np.ndarray]] = {}
         self._direct: dict[int, dict[str, bool]] = {}
         widest = 1
-        # the device-planned step (experts/devplan.py): the tier holds every expert, the layers' pools of one matrix
-        # share one tensor with top-k scratch rows after them
+        # the device-planned step (experts/devplan.py): the tier holds every expert; the layers' pools of one matrix
+        # and one stride share one tensor, with top-k scratch rows after them
         strides = {la: {name: slot_stride(m, self.align if m.path in direct_paths else 1) for name, m in mats.items()}
                    for la, mats in layout.layers.items()}
         planned = self._plannable(layout, strides, per_layer, host_cache, min_slots, gpu)
-        if planned:  # one stride per matrix, the widest of the layers', in whole 64-byte lines (a multiple of the
-            # direct-IO alignment still): the scratch copies move aligned 32-bit words
-            widest_of = {name: max(sts[name] for sts in strides.values()) for name in strides[layout.moe_layers[0]]}
-            strides = {la: {name: -(-widest_of[name] // 64) * 64 for name in sts} for la, sts in strides.items()}
-        big: dict[str, torch.Tensor] = {}
-        base: dict[int, int] = {}
-        if planned:
-            names = list(next(iter(strides.values())))
-            rows = 0
-            for la in layout.layers:
-                base[la] = rows
-                rows += min(per_layer[la], layout.n_experts(la))
-            for name in names:
-                stride = strides[layout.moe_layers[0]][name]
+        #: planned: per layer and matrix, (its group's tensor, the layer's first row in it)
+        groups: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}
+        if planned:  # whole 64-byte lines (a multiple of the direct-IO alignment still): the scratch copies move
+            # aligned 32-bit words
+            strides = {la: {name: -(-st // 64) * 64 for name, st in sts.items()} for la, sts in strides.items()}
+            members: dict[tuple[str, int], list[int]] = {}
+            for la, sts in strides.items():
+                for name, st in sts.items():
+                    members.setdefault((name, st), []).append(la)
+            for (name, st), layers in members.items():
+                rows = 0
+                first = {}
+                for la in layers:
+                    first[la] = rows
+                    rows += min(per_layer[la], layout.n_experts(la))
                 if self.place == "device":
-                    big[name] = torch.empty((rows + min_slots, stride), dtype=torch.uint8, device=self.device)
+                    t = torch.empty((rows + min_slots, st), dtype=torch.uint8, device=self.device)
                 else:
-                    big[name] = _aligned_pool(rows + min_slots, stride, self.align, pin_memory)
+                    t = _aligned_pool(rows + min_slots, st, self.align, pin_memory)
+                for la in layers:
+                    groups.setdefault(la, {})[name] = (t, first[la])
         for layer, mats in layout.layers.items():
             n_exp = layout.n_experts(layer)
             n = min(per_layer[layer], n_exp)
@@ -359,7 +362,8 @@ class StreamingStore(ExpertStore):
                 stride = strides[layer][name]
                 widest = max(widest, stride)
                 if planned:
-                    pool = big[name][base[layer]:base[layer] + n]
+                    t, row0 = groups[layer][name]
+                    pool = t[row0:row0 + n]
                     self.pools[layer][name] = pool
                     self._views[layer][name] = ([] if self.place == "device" else
                                                 [memoryview(pool[s].numpy()) for s in range(n)])
@@ -387,28 +391,23 @@ class StreamingStore(ExpertStore):
         if planned:
             from .devplan import DevicePlan
             self.tier.fill(model)
-            self.plan = DevicePlan(self, big, base, min_slots)
+            self.plan = DevicePlan(self, groups, min_slots)
 
     @staticmethod
     def _plannable(layout: ExpertLayout, strides: dict[int, dict[str, int]], per_layer: dict[int, int],
                    host_cache: int, top_k: int, gpu: bool) -> bool:
         """Whether the device-planned step applies: a GPU (or ``devplan.ON_CPU``, for tests), a host tier large
-        enough for every expert of every layer, the same matrices in every MoE layer, at least top-k slots per
-        layer, MOESTREAM_DEVICE_PLAN not 0."""
+        enough for every expert of every layer, at least top-k slots per layer, MOESTREAM_DEVICE_PLAN not 0."""
         from . import devplan
 
         if not host_cache or not devplan.enabled() or not layout.moe_layers:
             return False
         if not gpu and not devplan.ON_CPU:
             return False
-        first = strides[layout.moe_layers[0]]
-        if any(set(s) != set(first) for s in strides.values()):
-            return False
         if any(min(per_layer[la], layout.n_experts(la)) < top_k for la in layout.layers):
             return False
         # HostTier's rows per layer: host_cache // (one slot of every layer); every expert needs n_experts rows
-        per_slot = sum(sum(-(-max(sts[n] for sts in strides.values()) // 64) * 64 for n in first)
-                       for _ in strides)
+        per_slot = sum(-(-st // 64) * 64 for sts in strides.values() for st in sts.values())
         return host_cache // max(per_slot, 1) >= max(layout.n_experts(la) for la in layout.layers)
 
     @staticmethod
