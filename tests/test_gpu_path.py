@@ -142,6 +142,26 @@ def test_device_planned_step_equals_resident_step(monkeypatch) -> None:  # noqa:
     store.close()
 
 
+def test_gpu_memory_plan_counts_the_device_plan_scratch(monkeypatch) -> None:  # noqa: ANN001
+    """--gpu-mem's plan counts the device-planned step's scratch rows (the bytes the store then allocates for them)
+    exactly when the host tier will hold every expert (the embedded model's experts fit in any tier), and nothing
+    with the step off (MOESTREAM_DEVICE_PLAN=0)."""
+    from moestream.experts import devplan
+
+    monkeypatch.setattr(devplan, "ON_CPU", True)
+    model = load_model(str(DEFAULT_GGUF), LoadOptions(moe_stream=False))
+    plain = model.plan_memory(LoadOptions(gpu_mem=1 << 30), n_ctx=64, gpu=True)
+    every = LoadOptions(gpu_mem=1 << 30, host_cache=64 << 20, slots=8)
+    planned = model.plan_memory(every, n_ctx=64, gpu=True)
+    store = model.make_store(every)
+    assert store.plan is not None and store.plan.scratch_bytes > 0
+    assert planned.scratch - plain.scratch == store.plan.scratch_bytes
+    store.close()
+    monkeypatch.setenv("MOESTREAM_DEVICE_PLAN", "0")
+    assert model.plan_memory(every, n_ctx=64, gpu=True).scratch == plain.scratch
+    assert model.make_store(every).plan is None
+
+
 def test_grouped_path_adds_expert_biases_by_real_id(fixtures_tool) -> None:
     """GPT-OSS's per-expert biases on the grouped launches (each pair's bias row gathered by its real expert id, one
     float32 add, as the per-expert path adds it), at one MoE layer of the gpt-oss fixture (the whole model is too

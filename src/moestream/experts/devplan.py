@@ -26,7 +26,8 @@ Pools: the MoE layers' pools of one matrix whose slots have one stride are views
 scratch rows after the last layer's slots, so the expert kernels reach a scratch row from any of those layers' pools
 at a positive offset (a Q4_K_M file whose ``down`` matrices are Q4_K in some layers and Q6_K in others has two
 such tensors for ``down``). The scratch rows (``DevicePlan.scratch_bytes``: top-k experts' matrices per tensor,
-about 31 MiB for the Qwen3-30B-A3B shape at Q4_K_M) are not in ``--gpu-mem``'s plan yet.
+about 31 MiB for the Qwen3-30B-A3B shape at Q4_K_M) are in ``--gpu-mem``'s plan, as scratch
+(``MoEModel._device_plan_scratch``).
 """
 
 from __future__ import annotations

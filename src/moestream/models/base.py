@@ -609,6 +609,7 @@ class MoEModel:
             process = 0
             strict = opts.gpu_mem is not None
             extra = {"option": "--gpu-mem", "kind": "GPU memory"}
+            scratch += self._device_plan_scratch(opts, direct, align)
         else:
             budget, source = resolve_budget(opts.mem, opts.mem_source)
             process = max(process_rss(self.gguf.paths) - (dense if loaded and not cuda else 0), 0)
@@ -624,6 +625,23 @@ class MoEModel:
                           n_experts={la: self.layout.n_experts(la) for la in layers}, top_k=self.top_k,
                           what=self.gguf.path, strict=strict, n_seqs=n_seqs, **extra)
         return plan
+
+    def _device_plan_scratch(self, opts: LoadOptions, direct: bool, align: int) -> int:
+        """Bytes of the device-planned step's scratch rows (experts/devplan.py: top-k experts' matrices per
+        (matrix, stride) group of the pools) when ``opts``' host tier will hold every expert, else 0. The same
+        test as ``StreamingStore._plannable`` on the tier's size."""
+        from ..experts import devplan
+        from ..experts.pool import slot_stride
+
+        if not opts.host_cache or not devplan.enabled():
+            return 0
+        strides = {la: {name: -(-slot_stride(m, align if direct else 1) // 64) * 64 for name, m in mats.items()}
+                   for la, mats in self.layout.layers.items()}
+        per_slot = sum(st for sts in strides.values() for st in sts.values())
+        if opts.host_cache // max(per_slot, 1) < max(self.layout.n_experts(la) for la in strides):
+            return 0
+        groups = {(name, st) for sts in strides.values() for name, st in sts.items()}
+        return self.top_k * sum(st for _, st in groups)
 
     def make_store(self, opts: LoadOptions, n_ctx: int | None = None, logits_rows: int = 1,
                    ubatch: int = 128, plan: Any = None, n_seqs: int = 1) -> ExpertStore:
