@@ -696,6 +696,77 @@ def test_an_unknown_metadata_value_type_is_one_plain_line(tmp_path, default_gguf
     assert line == f"moestream: error: {path}: invalid GGUF: 77 is not a valid GGUFValueType"
 
 
+def _corrupt_byte(src: Path, dst: Path, pos: int) -> None:
+    data = bytearray(src.read_bytes())
+    data[pos] = 0xFF  # never part of UTF-8 text
+    dst.write_bytes(bytes(data))
+
+
+def test_a_metadata_key_name_that_is_not_utf8_is_named_by_index_and_byte(tmp_path, default_gguf):
+    """A key's name that is not UTF-8: its index, its byte offset, the key before it and the bad byte (it printed
+    Python's "'utf-8' codec can't decode byte 0xff in position 4: invalid start byte")."""
+    from ggufedit import read as GGUFReader
+
+    fields = [f for k, f in GGUFReader(str(default_gguf)).fields.items() if not k.startswith("GGUF.")]
+    key, before = fields[3], fields[2]
+    path = tmp_path / "key.gguf"
+    _corrupt_byte(default_gguf, path, key.offset + 8 + 4)  # the 5th byte of its name, after its uint64 length
+    for cmd in (("inspect",), ("run", "-n", "2")):
+        line = assert_one_line_error(moestream(cmd[0], "-m", str(path), *cmd[1:]), str(path))
+        assert line == (f"moestream: error: {path}: invalid GGUF: metadata key 3 at byte {key.offset} (after "
+                        f"{before.name}): its name is not UTF-8 text (byte 0xff at byte {key.offset + 12})")
+
+
+def test_a_tensor_name_that_is_not_utf8_is_named_by_index_and_byte(tmp_path, default_gguf):
+    from ggufedit import read as GGUFReader
+
+    field = GGUFReader(str(default_gguf)).tensors[1].field
+    path = tmp_path / "tensor.gguf"
+    _corrupt_byte(default_gguf, path, field.offset + 8)
+    line = assert_one_line_error(moestream("inspect", "-m", str(path)), str(path))
+    assert line == (f"moestream: error: {path}: invalid GGUF: tensor 1 at byte {field.offset}: its name is not "
+                    f"UTF-8 text (byte 0xff at byte {field.offset + 8})")
+
+
+def test_an_architecture_that_is_not_utf8_is_not_called_missing(tmp_path, default_gguf):
+    """general.architecture's value not UTF-8: said so (it said the metadata had no general.architecture)."""
+    from ggufedit import read as GGUFReader
+
+    field = GGUFReader(str(default_gguf)).fields["general.architecture"]
+    path = tmp_path / "arch.gguf"
+    _corrupt_byte(default_gguf, path, int(field.offset) + sum(part.nbytes for part in field.parts[:4]))
+    line = assert_one_line_error(moestream("inspect", "-m", str(path)), str(path))
+    assert line == f"moestream: error: {path}: metadata general.architecture is not UTF-8 text"
+
+
+@pytest.mark.parametrize("keep", [1000, 100_000, 11_000_000])
+def test_a_file_cut_short_is_truncated_not_corrupt(tmp_path, default_gguf, keep):
+    """A file cut inside its metadata (1000 bytes: its vocabulary array alone needs a megabyte) or inside its tensor
+    data (11 MB: the tensor table points past the end) is truncated, with the sizes: it was called a corrupt header
+    (a length field far past the end) or a corrupt tensor table."""
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(default_gguf.read_bytes()[:keep])
+    for cmd in (("inspect",), ("run", "-n", "2")):
+        line = assert_one_line_error(moestream(cmd[0], "-m", str(path), *cmd[1:]), str(path))
+        assert re.fullmatch(rf"moestream: error: {re.escape(str(path))}: truncated GGUF: the file ends at byte "
+                            rf"{keep}, a read at byte \d+ needs at least \d+ bytes", line), line
+
+
+def test_a_length_past_any_file_is_corrupt_not_truncated(tmp_path, default_gguf):
+    """An array count that no file could hold (2**50 tokens) is a corrupt header, not a cut file."""
+    from ggufedit import read as GGUFReader
+
+    field = GGUFReader(str(default_gguf)).fields["tokenizer.ggml.tokens"]
+    pos = int(field.offset) + sum(part.nbytes for part in field.parts[:4])  # key length, key, type, item type
+    data = bytearray(default_gguf.read_bytes())
+    assert int.from_bytes(data[pos:pos + 8], "little") == len(field.data)
+    data[pos:pos + 8] = (2**50).to_bytes(8, "little")
+    path = tmp_path / "count.gguf"
+    path.write_bytes(bytes(data))
+    line = assert_one_line_error(moestream("inspect", "-m", str(path)), str(path))
+    assert line.startswith(f"moestream: error: {path}: corrupt GGUF header (a length field at byte {pos + 8} "), line
+
+
 # ------------------------------------------------------------------------------------------------ two outputs, one file
 @pytest.mark.parametrize("cmd", ["run", "bench"])
 def test_two_outputs_naming_one_file_are_refused(tmp_path, default_gguf, cmd):

@@ -133,6 +133,28 @@ def test_inspect_mem_prints_the_plan_run_uses(default_gguf):
     assert abs(float(m.group(5)) - float(got["slot pools"])) < 0.01
 
 
+def test_inspect_minimum_is_about_and_names_a_mem_run_takes(default_gguf):
+    """inspect's minimum has this process's size in it, run's its own (often tens of MiB more: inspect said 0.426
+    GiB, run refused 440 MiB naming 0.44): the line says "about" and names a --mem with run's room for that, which
+    covers run's own sum and runs."""
+    from helpers import moestream
+
+    p = moestream("inspect", "-m", str(default_gguf), "--mem", "2GiB")
+    assert p.returncode == 0, p.stderr
+    m = re.search(r"^  minimum +about ([0-9.]+) GiB \(4 slots per layer, the top-k; the process part is this "
+                  r"process's, run measures its own, often tens of MiB more: give run --mem (\d+MiB) or more\)$",
+                  p.stdout, re.M)
+    assert m, p.stdout
+    suggested = parse_mem(m.group(2))
+    assert suggested >= float(m.group(1)) * GiB + 40 * MiB
+    r = moestream("run", "-m", str(default_gguf), "--mem", "100MiB", "-n", "2")
+    run_sum = re.search(r"= ([0-9.]+) GiB; --mem", r.stderr)
+    assert r.returncode == 1 and run_sum, r.stderr
+    assert suggested >= float(run_sum.group(1)) * GiB
+    r = moestream("run", "-m", str(default_gguf), "--mem", m.group(2), "-n", "2", "--temp", "0")
+    assert r.returncode == 0 and "memory plan: --mem" in r.stderr, r.stderr
+
+
 def test_budget_store_is_identical_to_resident(default_gguf, monkeypatch):
     """Pools sized by a budget (a few slots per layer: misses and evictions) give the resident logits bitwise. (This
     process's memory, which the plan measures, is held fixed: pytest's own moves by more than the model's slots.)"""

@@ -236,3 +236,23 @@ def test_readme_is_short():
     """The README is one screen or two: what it is, set-up, the five commands, the architectures, the results."""
     n = len((ROOT / "README.md").read_text().split("\n"))
     assert n <= 200, f"README.md has {n} lines; move the details to docs/"
+
+
+#: prose that says --mem-cap cannot be used on the machine the docs were written on
+NO_CAP_CLAIM = re.compile(r"(no memory cgroup|--mem-cap`? refuses here)", re.I)
+
+
+def test_no_page_says_mem_cap_refuses_where_it_works():
+    """A page said "this machine has no memory cgroup controller (`--mem-cap` refuses here)" on a machine where the
+    cap works (cgroup v1's memory controller): on a machine where ``MemCap.check`` finds a usable cgroup, no page may
+    say there is none."""
+    from moestream.errors import ConfigError
+    from moestream.memcap import MemCap
+
+    try:
+        MemCap.check()
+    except ConfigError as e:
+        pytest.skip(f"--mem-cap cannot be used here, so such a line may be true: {e}")
+    bad = [f"{p.relative_to(ROOT)}:{n}" for p in PAGES for n, ln in enumerate(p.read_text().split("\n"), 1)
+           if NO_CAP_CLAIM.search(ln)]
+    assert not bad, f"--mem-cap works here, but these lines say it cannot: {bad}"

@@ -205,7 +205,11 @@ class MemoryPlan:
             f"({100 * sum(self.slots.values()) / (self.n_experts * len(self.slots)):.1f}% of experts"
             + ("; every expert fits, nothing is evicted" if self.all_fit else "") + ")",
             f"  left          {self.left / GiB:.3f} GiB",
-            f"  minimum       {self.minimum / GiB:.3f} GiB ({self.top_k} slots per layer, the top-k)",
+            (f"  minimum       about {self.minimum / GiB:.3f} GiB ({self.top_k} slots per layer, the top-k; the process "
+             f"part is this process's, run measures its own, often tens of MiB more: give run --mem "
+             f"{_size_text(self.minimum + process_margin(self.minimum, self.process))} or more)"
+             if self.process else
+             f"  minimum       {self.minimum / GiB:.3f} GiB ({self.top_k} slots per layer, the top-k)"),
         ]
         return out + [f"  note          {n}" for n in self.notes]
 
@@ -234,7 +238,7 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
     if minimum > budget:
         # the process part is measured, and moves by 10-20 MiB from one start to the next: the size suggested
         # leaves room for that, so that running with it works
-        margin = max(PROCESS_JITTER, minimum // 50) if process else 0
+        margin = process_margin(minimum, process)
         need = _size_text(minimum + margin)
         ctx = n_ctx if n_seqs == 1 else f"{n_seqs} x {n_ctx}"
         raise ConfigError(
@@ -269,6 +273,12 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
     return MemoryPlan(budget=budget, source=source, process=process, dense=dense, kv=kv, n_ctx=n_ctx,
                       scratch=scratch, slots=slots, pools=used, n_experts=max(n_experts.values()), top_k=top_k,
                       minimum=minimum, all_fit=all_fit, notes=notes, kind=kind, tier=tier, n_seqs=n_seqs)
+
+
+def process_margin(minimum: int, process: int) -> int:
+    """Room the smallest --mem suggested for a plan of ``minimum`` bytes leaves for the process's size, which is
+    measured by each start (0 when the plan has no process part)."""
+    return max(PROCESS_JITTER, minimum // 50) if process else 0
 
 
 def _size_text(n: int) -> str:

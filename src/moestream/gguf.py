@@ -108,13 +108,41 @@ class _CheckedReader(GGUFReader):
         items = self._get(start, nptype, int(alen[0]))
         return 12 + int(items.nbytes), [raw_itype, alen, items], [2], [GGUFValueType.ARRAY, itype]
 
+    def _build_fields(self, offs, count):  # noqa: ANN001, ANN202 - mirrors the base class
+        # the base class decodes each key's name with str(..., 'utf-8'): a name that is not UTF-8 raised Python's
+        # UnicodeDecodeError ("can't decode byte 0xff in position 4"); here it is named by its index and byte offset
+        # (and the key before it) and is a _NotText
+        prev = None
+        for i in range(int(count)):
+            klen, kdata = self._get_str(offs)
+            _check_text(bytes(kdata), f"metadata key {i} at byte {offs}" + (f" (after {prev})" if prev else "")
+                        + ": its name", offs + 8)
+            prev = bytes(kdata).decode("utf-8")
+            offs = super()._build_fields(offs, 1)
+        return offs
+
+    def _build_tensor_info(self, offs, count):  # noqa: ANN001, ANN202 - mirrors the base class
+        # a tensor name that is not UTF-8 is a _NotText (the base class's str(..., 'utf-8') raised Python's message)
+        fields = []
+        for i in range(int(count)):
+            _n, name = self._get_str(offs)
+            _check_text(bytes(name), f"tensor {i} at byte {offs}: its name", offs + 8)
+            field = self._get_tensor_info_field(offs)
+            offs += sum(int(part.nbytes) for part in field.parts)
+            fields.append(field)
+        return offs, fields
+
     def _build_tensors(self, start_offs, fields):  # noqa: ANN001 - mirrors the base class
         # name the tensor whose type id the gguf package does not know (it raises a bare ValueError), or whose data
         # offset is far past the end of the file, as a corrupt length is (the base class adds it to the data start
-        # in uint64, which wraps); one a little past the end is a truncated file, which _get reports
+        # in uint64, which wraps) -- unless the offsets follow each other in table order, as a cut file's do: that
+        # is a truncated file, which _get reports
+        last = 0
         for field in fields:
             _len, name_data, _n_dims, _dims, raw_dtype, offset = field.parts
-            if int(start_offs) + int(offset[0]) > 2 * len(self.data) + (1 << 20):
+            rel = int(offset[0])
+            in_order, last = rel >= last, max(last, rel)
+            if int(start_offs) + rel > 2 * len(self.data) + (1 << 20) and (not in_order or rel >= _PLAUSIBLE):
                 raise _OffsetPastEnd(bytes(name_data).decode("utf-8", errors="replace"), int(offset[0]))
             type_id = int(raw_dtype[0])
             try:
@@ -124,6 +152,24 @@ class _CheckedReader(GGUFReader):
             if not known:
                 raise _UnknownType(bytes(name_data).decode("utf-8", errors="replace"), type_id)
         return super()._build_tensors(start_offs, fields)
+
+
+#: a length or offset past this (1 TiB) is garbage, not a file that was cut short
+_PLAUSIBLE = 1 << 40
+
+
+class _NotText(Exception):
+    def __init__(self, what: str, at: int, byte: int):
+        self.what, self.at, self.byte = what, at, byte
+
+
+def _check_text(raw: bytes, what: str, start: int) -> None:
+    """_NotText naming ``what`` and the file offset of the first bad byte unless ``raw`` (at byte ``start`` of the
+    file) is UTF-8."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _NotText(what, start + e.start, raw[e.start]) from None
 
 
 class _UnknownType(Exception):
@@ -259,12 +305,18 @@ def open_reader(path: str | os.PathLike[str], fd: int | None = None) -> GGUFRead
     except _OffsetPastEnd as e:
         raise GGUFError(f"{path}: tensor {e.tensor} has data offset {e.offset}, far past the end of the file ("
                         f"{size} bytes): a corrupt tensor table") from None
+    except _NotText as e:
+        raise GGUFError(f"{path}: invalid GGUF: {e.what} is not UTF-8 text (byte 0x{e.byte:02x} at byte {e.at})"
+                        ) from None
     except _Truncated as e:
-        if e.need > 2 * size + (1 << 20):  # a length field far past the end: garbage, not a cut file
-            raise GGUFError(f"{path}: corrupt GGUF header (a length field points {e.need} bytes in, "
-                            f"the file has {size})") from None
+        # a file cut short keeps its lengths, so what it needs can be far past its end (a cut inside the header: a
+        # 1000-byte head of a model whose vocabulary takes a megabyte); a length past any file is garbage
+        if e.need > _PLAUSIBLE:
+            raise GGUFError(f"{path}: corrupt GGUF header (a length field at byte {e.offset} points {e.need} bytes "
+                            f"in, the file has {size})") from None
         raise GGUFError(
-            f"{path}: truncated GGUF: needs at least {e.need} bytes, file has {size}"
+            f"{path}: truncated GGUF: the file ends at byte {size}, a read at byte {e.offset} needs at least "
+            f"{e.need} bytes"
         ) from None
     except ValueError as e:
         msg = str(e)
@@ -550,6 +602,8 @@ class GGUFModel:
             )
         arch = self.fields.get("general.architecture")
         if not isinstance(arch, str):
+            if "general.architecture" in self.fields:  # None: a string that is not UTF-8 (Header)
+                raise GGUFError(f"{path}: metadata general.architecture is not UTF-8 text")
             raise GGUFError(f"{path}: metadata has no general.architecture")
         self.arch: str = arch
 
