@@ -485,3 +485,33 @@ def test_a_call_as_the_template_renders_it_parses_back(family: str) -> None:
     dec = tok.stream_decoder(True)
     sent = "".join(watch.feed(t, dec.push(t)) for t in tokens)
     assert "get_weather" not in sent and "Rio" not in sent
+
+
+def test_gemma4_forced_calls_in_the_real_vocabulary() -> None:
+    """The published Gemma 4 tokenizer and chat template (tools/fixtures_published.py): the template's own text of
+    two calls (transformers' rendering), tokenized as the vocabulary does (its markup tokens), is allowed token by
+    token by the forced grammar, which accepts it, and parses back into both calls (the model's own end,
+    ``<|tool_response>``, after them)."""
+    from moestream.server import split_tool_calls, tools_grammar
+    from moestream.structured import Constraint
+
+    tok = GGUFTokenizer.from_gguf(str(load_tool("fixtures_published").build("gemma4-published")["f32"]))
+    body = {"tools": TOOLS, "tool_choice": "required"}
+    plan = tool_plan(body, tok)
+    assert plan.fmt.name == "gemma4"
+    want = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "UTC"})]
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": a}} for k, (n, a) in enumerate(want)]}
+    whole = transformers_rendering(tok, [*ASK, msg], TOOLS, add_generation_prompt=False)
+    head = transformers_rendering(tok, ASK, TOOLS).removesuffix("<|channel>thought\n<channel|>")
+    assert whole.startswith(head)
+    part = whole[len(head):whole.rindex("<tool_call|>") + len("<tool_call|>")]  # then this version ends the turn
+    ids = tok.encode(part, add_special=False, parse_special=True)
+    assert tok.token_to_id("<|tool_call>") in ids  # the markup as the vocabulary's own tokens
+    constraint = Constraint(tools_grammar(plan, tok, tok.vocab_size), tok, tok.vocab_size)
+    for t in ids:
+        assert constraint.allowed()[t], tok.decode([t])
+        constraint.consume(t)
+    assert constraint.accepting
+    _, calls = split_tool_calls(plan, tok, [*ids, tok.token_to_id("<|tool_response>")])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == want
