@@ -7,7 +7,7 @@ results (the prompt the server prefills must decode to transformers' rendering);
 (``Engine.stream`` with a :class:`~moestream.engine.Sampler`) for penalties and logit bias.
 
 The templates are each family's own, from llama.cpp's copies in the pinned llama-cpp-python sdist (Qwen 3,
-Qwen 3.5, gpt-oss harmony, GLM 4.6), on the embedded model (its Qwen2 vocabulary; ``--chat-template-file``): a
+Qwen 3.5, gpt-oss harmony, GLM 4.6, Gemma 4), on the embedded model (its Qwen2 vocabulary; ``--chat-template-file``): a
 model this small never writes a tool call or JSON by itself, which is what shows that the constraint writes them.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,7 +33,7 @@ srv = test_serve.srv  # the embedded model's own template (DeepSeek-R1's: it doe
 
 #: family -> llama.cpp's copy of its template (vendor/llama.cpp/models/templates in the pinned sdist)
 TEMPLATES = {"qwen3": "Qwen-Qwen3-0.6B.jinja", "qwen3.5": "Qwen3.5-4B.jinja", "gpt-oss": "openai-gpt-oss-120b.jinja",
-             "glm4.6": "GLM-4.6.jinja"}
+             "glm4.6": "GLM-4.6.jinja", "gemma4": "google-gemma-4-31B-it.jinja"}
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -91,6 +90,20 @@ def transformers_rendering(tok: GGUFTokenizer, messages: list[dict], tools: list
                                   chat_template=tok.chat_template)
 
 
+def reply_part(tok: GGUFTokenizer, whole: str) -> str:
+    """The assistant's part of ``whole`` (a rendering ending in an assistant message with tool calls): what follows
+    the generation prompt's rendering. Gemma 4's generation prompt ends in an empty thought channel that a rendered
+    assistant message has not (the template strips thinking): the part follows the prompt without it. It holds
+    a call."""
+    head = transformers_rendering(tok, ASK, TOOLS)
+    if not whole.startswith(head):
+        head = head.removesuffix("<|channel>thought\n<channel|>")
+    assert whole.startswith(head), (head[-80:], whole[len(head) - 80:])
+    part = whole[len(head):]
+    assert tool_plan({"tools": TOOLS}, tok).fmt.find(part) >= 0, part[:80]
+    return part
+
+
 def client_of(s: Running) -> openai.OpenAI:
     return openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=300)
 
@@ -122,8 +135,9 @@ def test_tool_call_round_trip(family: str, family_servers: Any) -> None:
     are rendered as transformers renders them, and the model answers in text."""
     s = family_servers(family)
     client = client_of(s)
+    one = {"parallel_tool_calls": False}  # one call (this model would write calls until max_tokens)
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                       temperature=0, max_tokens=120)
+                                       temperature=0, max_tokens=120, **one)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
@@ -132,12 +146,13 @@ def test_tool_call_round_trip(family: str, family_servers: Any) -> None:
     jsonschema.validate(args, SCHEMAS[call.function.name])
 
     calls, content, finish = streamed_calls(client.chat.completions.create(
-        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120, stream=True))
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120, stream=True,
+        **one))
     assert finish == "tool_calls" and content == ""
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [(call.function.name, args)]
 
     named = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}}, **one)
     (tc,) = named.choices[0].message.tool_calls
     assert tc.function.name == "get_time"
     jsonschema.validate(json.loads(tc.function.arguments), TIME)
@@ -292,6 +307,7 @@ BAD = [
     ({"logit_bias": {"999999999": 1}}, "logit_bias", None),
     ({"logit_bias": [[5]]}, "logit_bias", None),
     ({"logit_bias": 5}, "logit_bias", "invalid_type"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_type"),
     ({"repeat_penalty": 0}, "repeat_penalty", "invalid_value"),
     ({"repeat_last_n": -2}, "repeat_last_n", "invalid_value"),
     ({"presence_penalty": "x"}, "presence_penalty", "invalid_type"),
@@ -336,15 +352,93 @@ def test_bad_tools_on_a_template_with_tools(family_servers: Any, extra: dict, pa
     assert r.json()["error"]["param"] == param, r.text
 
 
-def test_template_without_a_known_tool_syntax_is_refused(tmp_path: Path) -> None:
-    """Gemma 4's template takes tools but writes calls moestream does not parse: a clear 400, at the request."""
+@pytest.mark.parametrize("name,why", [
+    ("deepseek-ai-DeepSeek-V3.1.jinja", "never reads 'tools'"),  # renders an assistant's calls, never the tool list
+    ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "never reads 'tools'"),
+    ("deepseek-ai-DeepSeek-V3.2.jinja", "none moestream parses"),  # DSML function_calls: not implemented
+])
+def test_template_without_a_known_tool_syntax_is_refused(name: str, why: str) -> None:
+    """DeepSeek's templates: V3.1's and R1's never show the model its tools; V3.2's DSML calls are not parsed: a
+    clear 400, at the request."""
     from moestream.server import APIError
 
     tok = copy.copy(GGUFTokenizer.from_gguf(str(DEFAULT_GGUF)))
-    tok.chat_template = load_tool("llamacpp").sdist_member("models/templates/google-gemma-4-31B-it.jinja").decode()
+    tok.chat_template = load_tool("llamacpp").sdist_member(f"models/templates/{name}").decode()
     with pytest.raises(APIError) as e:
         tool_plan({"tools": TOOLS}, tok)
-    assert e.value.status == 400 and e.value.param == "tools" and "Gemma 4" in e.value.message
+    assert e.value.status == 400 and e.value.param == "tools" and why in e.value.message
+    assert e.value.code == "tools_not_supported"
+
+
+def test_parallel_tool_calls(family_servers: Any) -> None:
+    """parallel_tool_calls (true by default) on the Qwen 3 (hermes) template: a forced reply may hold several
+    calls, one after another as the template renders them, and two the model writes come back as tool_calls[0]
+    and [1] (plain and streamed), each validated; with parallel_tool_calls false the same request gets one.
+
+    This model never ends a reply by itself, so the number of calls is steered by a logit bias on its
+    end-of-generation tokens (the grammar allows them only between whole calls): the bias at which its greedy
+    reply holds two calls is searched for (the more bias, the fewer calls)."""
+    s = family_servers("qwen3")
+    client = client_of(s)
+    eos = tokenizer_with("qwen3").eos_ids
+
+    def ask(bias: float, **extra: Any) -> Any:
+        return client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                              temperature=0, max_tokens=160,
+                                              logit_bias={str(i): bias for i in eos}, **extra)
+
+    lo, hi, found = 0.0, 16.0, None
+    for _ in range(10):
+        mid = (lo + hi) / 2
+        r = ask(mid)
+        n = len(r.choices[0].message.tool_calls or []) if r.choices[0].finish_reason == "tool_calls" else 99
+        if n == 2:
+            found = (mid, r)
+            break
+        lo, hi = (mid, hi) if n > 2 else (lo, mid)
+    assert found is not None, (lo, hi)
+    bias, r = found
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].message.content is None and len({c.id for c in calls}) == 2
+    for c in calls:
+        assert c.type == "function" and c.function.name in SCHEMAS
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+    got, content, finish = streamed_calls(ask(bias, stream=True))
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls]
+    one = ask(bias, parallel_tool_calls=False)
+    assert one.choices[0].finish_reason == "tool_calls"
+    (c,) = one.choices[0].message.tool_calls
+    assert (c.function.name, c.function.arguments) == (calls[0].function.name, calls[0].function.arguments)
+    # what a client sends back: both calls and both results, rendered as transformers renders them
+    tok = tokenizer_with("qwen3")
+    sent = [c.model_dump(exclude_none=True) for c in calls]
+    back = [*ASK, {"role": "assistant", "content": None, "tool_calls": sent},
+            *({"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in calls)]
+    body = {"messages": back, "tools": TOOLS}
+    hf_msgs = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                      "arguments": json.loads(c.function.arguments)}}
+        for c in calls]}, *({"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in calls)]
+    assert tok.decode(chat_prompt(body, tok, tool_plan(body, tok))) == transformers_rendering(tok, hf_msgs, TOOLS)
+
+
+def test_several_calls_as_the_templates_render_them_parse_back() -> None:
+    """Two calls in one assistant message, as the Qwen 3 and Gemma 4 templates render them (transformers), parse
+    back into both, in order."""
+    from moestream.server import split_tool_calls
+
+    want = [("get_weather", {"city": "Rio de Janeiro", "days": 3}), ("get_time", {"zone": "PST"})]
+    for family in ("qwen3", "gemma4"):
+        tok = tokenizer_with(family)
+        msg = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": a}}
+            for k, (n, a) in enumerate(want)]}
+        whole = transformers_rendering(tok, [*ASK, msg], TOOLS, add_generation_prompt=False)
+        _, calls = split_tool_calls(tool_plan({"tools": TOOLS}, tok), tok, tok.encode(reply_part(tok, whole),
+                                                                                     add_special=False))
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == want, family
 
 
 def test_forced_call_writes_control_markup_as_the_control_token(oracle: Any) -> None:
@@ -381,11 +475,9 @@ def test_a_call_as_the_template_renders_it_parses_back(family: str) -> None:
     tok = tokenizer_with(family)
     args = {"city": "Rio de Janeiro", "days": 3}
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
-    head = transformers_rendering(tok, ASK, TOOLS)
     whole = transformers_rendering(tok, [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]}], TOOLS,
                                    add_generation_prompt=False)
-    assert whole.startswith(head), (head[-80:], whole[len(head) - 80:])
-    tokens = tok.encode(whole[len(head):], add_special=False)
+    tokens = tok.encode(reply_part(tok, whole), add_special=False)
     plan = tool_plan({"tools": TOOLS}, tok)
     _, calls = split_tool_calls(plan, tok, tokens)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_weather", args)]
@@ -393,3 +485,33 @@ def test_a_call_as_the_template_renders_it_parses_back(family: str) -> None:
     dec = tok.stream_decoder(True)
     sent = "".join(watch.feed(t, dec.push(t)) for t in tokens)
     assert "get_weather" not in sent and "Rio" not in sent
+
+
+def test_gemma4_forced_calls_in_the_real_vocabulary() -> None:
+    """The published Gemma 4 tokenizer and chat template (tools/fixtures_published.py): the template's own text of
+    two calls (transformers' rendering), tokenized as the vocabulary does (its markup tokens), is allowed token by
+    token by the forced grammar, which accepts it, and parses back into both calls (the model's own end,
+    ``<|tool_response>``, after them)."""
+    from moestream.server import split_tool_calls, tools_grammar
+    from moestream.structured import Constraint
+
+    tok = GGUFTokenizer.from_gguf(str(load_tool("fixtures_published").build("gemma4-published")["f32"]))
+    body = {"tools": TOOLS, "tool_choice": "required"}
+    plan = tool_plan(body, tok)
+    assert plan.fmt.name == "gemma4"
+    want = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "UTC"})]
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": a}} for k, (n, a) in enumerate(want)]}
+    whole = transformers_rendering(tok, [*ASK, msg], TOOLS, add_generation_prompt=False)
+    head = transformers_rendering(tok, ASK, TOOLS).removesuffix("<|channel>thought\n<channel|>")
+    assert whole.startswith(head)
+    part = whole[len(head):whole.rindex("<tool_call|>") + len("<tool_call|>")]  # then this version ends the turn
+    ids = tok.encode(part, add_special=False, parse_special=True)
+    assert tok.token_to_id("<|tool_call>") in ids  # the markup as the vocabulary's own tokens
+    constraint = Constraint(tools_grammar(plan, tok, tok.vocab_size), tok, tok.vocab_size)
+    for t in ids:
+        assert constraint.allowed()[t], tok.decode([t])
+        constraint.consume(t)
+    assert constraint.accepting
+    _, calls = split_tool_calls(plan, tok, [*ids, tok.token_to_id("<|tool_response>")])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == want

@@ -117,8 +117,8 @@ def unavailable(message: str, code: str) -> APIError:
 #: what to do when the template cannot take tools (the 400 tools_not_supported says it after why)
 TOOLS_HINT = ("to use tools, start the server with --chat-template-file FILE holding a chat template that takes "
               "them in a syntax moestream parses (Qwen 3 / 2.5's hermes <tool_call> JSON, Qwen 3.5's XML, GLM's, "
-              "gpt-oss' harmony: docs/serving.md, 'Structured output and tools') for a model trained on it, or send "
-              "the request without 'tools'")
+              "gpt-oss' harmony, Gemma 4's: docs/serving.md, 'Structured output and tools') for a model trained on "
+              "it, or send the request without 'tools'")
 
 #: the 503 of a request that shutdown cancels (queued, or while it ran)
 SHUTTING_DOWN = "the server is shutting down"
@@ -807,11 +807,13 @@ _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 class ToolPlan:
     """A chat request's tools: ``tools`` (OpenAI's function tools, as given), ``fmt`` (the template's syntax,
     :class:`moestream.toolcalls.ToolFormat`), ``forced`` (the tools one of which the reply must call: all of them
-    for ``tool_choice`` "required", the named one; empty for "auto")."""
+    for ``tool_choice`` "required", the named one; empty for "auto"), ``parallel`` (OpenAI's
+    ``parallel_tool_calls``, true by default: a forced reply may hold several calls where the syntax writes them)."""
 
     tools: list[dict]
     fmt: object
     forced: list[dict]
+    parallel: bool = True
 
 
 def tool_plan(body: dict, tok) -> ToolPlan | None:  # noqa: ANN001
@@ -866,13 +868,19 @@ def tool_plan(body: dict, tok) -> ToolPlan | None:  # noqa: ANN001
     else:
         raise APIError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                        "\"function\": {\"name\": ...}}", param="tool_choice", code="invalid_value")
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise APIError(400, "'parallel_tool_calls' must be true or false", param="parallel_tool_calls",
+                       code="invalid_type")
     from .toolcalls import ToolFormatError, tool_format
 
     try:
         fmt = tool_format(tok.chat_template)
     except ToolFormatError as e:
         raise APIError(400, f"'tools': {e}; {TOOLS_HINT}", param="tools", code="tools_not_supported") from None
-    return ToolPlan(tools, fmt, forced)
+    return ToolPlan(tools, fmt, forced, parallel)
 
 
 def no_control_text(value: object, tok, param: str) -> None:  # noqa: ANN001
@@ -921,8 +929,9 @@ def response_grammar(body: dict, tok, n_vocab: int) -> str | None:  # noqa: ANN0
 
 
 def tools_grammar(plan: ToolPlan, tok, n_vocab: int) -> str:  # noqa: ANN001
-    """The llguidance grammar of one call, in the template's syntax, to one of ``plan.forced``. APIError 400
-    naming ``tools`` when a function's parameters cannot be enforced."""
+    """The llguidance grammar of one call, in the template's syntax, to one of ``plan.forced`` (one or more calls
+    with ``plan.parallel`` where the syntax writes several). APIError 400 naming ``tools`` when a function's
+    parameters cannot be enforced."""
     from .structured import GrammarError, check_grammar, lark_grammar
     from .tokenizer import TokenType
     from .toolcalls import MARKUP
@@ -930,7 +939,7 @@ def tools_grammar(plan: ToolPlan, tok, n_vocab: int) -> str:  # noqa: ANN001
     control = {t: i for t in MARKUP
                if (i := tok.token_to_id(t)) is not None and tok.token_types[i] == TokenType.CONTROL}
     try:
-        grammar = lark_grammar(plan.fmt.lark(plan.forced, control))
+        grammar = lark_grammar(plan.fmt.lark(plan.forced, control, many=plan.parallel))
         check_grammar(grammar, tok, n_vocab)
     except GrammarError as e:
         raise APIError(400, f"'tools': the functions' parameters cannot be enforced: {e}", param="tools",
@@ -966,6 +975,8 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int]) -> tuple[str | None
     calls = plan.fmt.parse(raw[at:], plan.tools)
     if calls is None:
         return None, None
+    if not plan.parallel:  # parallel_tool_calls false: at most one call (OpenAI's)
+        calls = calls[:1]
     k = sum(1 for e in ends if e <= at)
     content = tok.decode(tokens[:k], skip_special=True)
     return content.strip() or None, calls

@@ -9,12 +9,20 @@ writes is read back, and a call the client sends back is rendered, the same way)
   </function>\\n</tool_call>``;
 - ``glm`` (GLM 4.5-4.7): ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n</tool_call>``;
 - ``harmony`` (gpt-oss): ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`` ended by
-  ``<|call|>`` (an end-of-generation token).
+  ``<|call|>`` (an end-of-generation token);
+- ``gemma4`` (Gemma 4): ``<|tool_call>call:NAME{key:VALUE,...}<tool_call|>``, the keys in sorted order, a string
+  value ``<|"|>text<|"|>``, numbers, ``true``/``false``/``null`` bare, lists ``[a,b]``, objects ``{key:value}``
+  (keys bare or quoted): the values as the template's ``format_argument`` writes them.
+
+Several calls in one reply (OpenAI's ``parallel_tool_calls``, true by default): ``hermes`` writes them one after
+another, a newline between (as the Qwen 3 template renders an assistant's several calls), ``gemma4`` with nothing
+between; the other syntaxes are parsed for several too, but a forced call there is one call.
 
 In the XML styles a string value is written as it is, any other value as JSON (as the templates render them).
-A template that never reads ``tools`` (DeepSeek's, the embedded model's) cannot show a model its tools, and one
-whose syntax is none of these (Gemma 4's ``<|tool_call>call:...``) cannot be parsed: :func:`tool_format` says
-why (the server's 400).
+A template that never reads ``tools`` (DeepSeek R1's and V3.1's - V3.1 renders an assistant's calls but never
+the tool list -, the embedded model's) cannot show a model its tools, and one whose syntax is none of these
+(DeepSeek V3.2's and V4's DSML ``<｜DSML｜function_calls>``) cannot be parsed: :func:`tool_format` says why (the
+server's 400).
 """
 
 from __future__ import annotations
@@ -40,7 +48,10 @@ def _lark_str(text: str) -> str:
 #: the markup of the syntaxes that a vocabulary may hold as one token (a control token, if it is one, is named by
 #: its id in the grammar: text never matches a control token)
 MARKUP = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<|channel|>",
-          "<|constrain|>", "<|message|>")
+          "<|constrain|>", "<|message|>", "<|tool_call>", "<tool_call|>", '<|"|>')
+
+#: Gemma 4's string quote
+GQ = '<|"|>'
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,8 @@ class ToolFormat:
 
     name: str
     starts: tuple[str, ...]
+    #: the text between two calls of one reply where a forced reply may hold several (None: one call only)
+    sep: str | None = None
 
     def find(self, raw: str) -> int:
         """Where the first call begins in ``raw`` (-1: nowhere)."""
@@ -57,10 +70,11 @@ class ToolFormat:
         return min(found, default=-1)
 
     # --- the grammar of one call to one of ``tools`` (OpenAI's function tools) -------------------------------
-    def lark(self, tools: list[dict], control: dict[str, int] | None = None) -> str:
+    def lark(self, tools: list[dict], control: dict[str, int] | None = None, many: bool = False) -> str:
         """A Lark grammar (llguidance's dialect) of one call to any of ``tools`` whose arguments follow the
-        function's ``parameters`` schema. ``control``: markup text -> id of the vocabulary's control token that
-        spells it (written ``<[id]>``: a control token is never matched by text)."""
+        function's ``parameters`` schema (``many`` and a syntax with :attr:`sep`: one or more calls).
+        ``control``: markup text -> id of the vocabulary's control token that spells it (written ``<[id]>``: a
+        control token is never matched by text)."""
         control = control or {}
         if control:
             pat = re.compile("|".join(re.escape(t) for t in sorted(control, key=len, reverse=True)))
@@ -84,7 +98,13 @@ class ToolFormat:
             schema.setdefault("additionalProperties", False)  # the declared parameters only (OpenAI's strict mode)
             alts.append(f"call_{i}")
             rules.append(f"call_{i}: {self._call_rule(fn['name'], schema, i, rules, lit)}")
-        return "start: " + " | ".join(alts) + "\n" + "\n".join(rules) + "\n"
+        one = " | ".join(alts)
+        if many and self.sep is not None:
+            rules.append(f"one: {one}")
+            start = f"one ({lit(self.sep)} one)*" if self.sep else "one+"
+        else:
+            start = one
+        return "start: " + start + "\n" + "\n".join(rules) + "\n"
 
     def _call_rule(self, name: str, schema: dict, i: int, rules: list[str], lit: Callable[[str], str]) -> str:
         if self.name == "hermes":
@@ -94,6 +114,8 @@ class ToolFormat:
         if self.name == "harmony":
             rules.append(f"args_{i}: {json_lark(schema)}")
             return lit(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>") + f" args_{i}"
+        if self.name == "gemma4":
+            return self._gemma_rule(name, schema, i, rules, lit)
         # the XML styles: one element per property, the required ones first, in the schema's order
         props = schema.get("properties") or {}
         required = [k for k in schema.get("required") or [] if k in props]
@@ -113,6 +135,33 @@ class ToolFormat:
             parts.append(f"{lit(open_)} v_{i}_{j} {lit(close)}")
         head, tail = self._call_ends(name)
         return " ".join([lit(head), *parts, lit(tail)])
+
+    def _gemma_rule(self, name: str, schema: dict, i: int, rules: list[str], lit: Callable[[str], str]) -> str:
+        """``<|tool_call>call:NAME{k:v,...}<tool_call|>``: the required properties in sorted order (the template's
+        ``dictsort``), a scalar value as its schema allows, a list or object any Gemma value."""
+        props = schema.get("properties") or {}
+        required = sorted(k for k in schema.get("required") or [] if k in props)
+        parts = []
+        for j, key in enumerate(required):
+            sub = props[key] if isinstance(props[key], dict) else {}
+            choices = sub.get("enum", [sub["const"]] if "const" in sub else None)
+            if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
+                value = f"{lit(GQ)} ({' | '.join(_lark_str(c) for c in choices)}) {lit(GQ)}"
+            elif sub.get("type") == "string":
+                most, least = int(sub.get("maxLength", 256)), int(sub.get("minLength", 1))
+                value = f"{lit(GQ)} /[^<\\n]{{{least},{most}}}/ {lit(GQ)}"
+            elif sub.get("type") in ("integer", "number", "boolean", "null"):
+                value = json_lark(sub)
+            else:
+                if not any(r.startswith("gv:") for r in rules):
+                    rules.append(f"gv: {lit(GQ)} /[^<]*/ {lit(GQ)} | /-?[0-9]+(\\.[0-9]+)?([eE][-+]?[0-9]+)?/ | "
+                                 '"true" | "false" | "null" | "[" (gv ("," gv)*)? "]" | '
+                                 '"{" (gk ":" gv ("," gk ":" gv)*)? "}"')
+                    rules.append("gk: /[A-Za-z_][A-Za-z0-9_]*/")
+                value = "gv"
+            rules.append(f"v_{i}_{j}: {value}")
+            parts.append(("" if j == 0 else f"{lit(',')} ") + f"{lit(key + ':')} v_{i}_{j}")
+        return " ".join([lit(f"<|tool_call>call:{name}{{"), *parts, lit("}<tool_call|>")])
 
     def _param(self, key: str) -> tuple[str, str]:
         if self.name == "qwen-xml":
@@ -159,6 +208,15 @@ class ToolFormat:
                 if not isinstance(args, dict):
                     return None
                 calls.append((m.group(1), args))
+        elif self.name == "gemma4":
+            for m in re.finditer(r"<\|tool_call>call:([^{\s<]+)\{", raw):
+                try:
+                    args, _ = _gemma_value(raw, m.end() - 1)
+                except ValueError:
+                    return None
+                if not isinstance(args, dict):
+                    return None
+                calls.append((m.group(1), args))
         else:
             if self.name == "qwen-xml":
                 call_pat = r"<tool_call>\s*<function=([^>\n]+)>\s*(.*?)\s*</function>\s*(?:</tool_call>|$)"
@@ -191,9 +249,50 @@ def _xml_value(text: str, schema: object) -> object:
         return text
 
 
-FORMATS = {f.name: f for f in (ToolFormat("hermes", ("<tool_call>",)), ToolFormat("qwen-xml", ("<tool_call>",)),
+def _gemma_value(text: str, i: int) -> tuple[object, int]:
+    """The Gemma 4 value (``format_argument``'s writing) at ``text[i:]`` and where it ends; ValueError when there is
+    none or it is cut short."""
+    if text.startswith(GQ, i):
+        end = text.find(GQ, i + len(GQ))
+        if end < 0:
+            raise ValueError("an unclosed string")
+        return text[i + len(GQ):end], end + len(GQ)
+    if i >= len(text):
+        raise ValueError("cut short")
+    c = text[i]
+    if c in "{[":
+        close, out, i = ("}" if c == "{" else "]"), ({} if c == "{" else []), i + 1
+        while True:
+            if i >= len(text):
+                raise ValueError("cut short")
+            if text[i] == close:
+                return out, i + 1
+            if out and text[i] == ",":
+                i += 1
+            if c == "[":
+                v, i = _gemma_value(text, i)
+                out.append(v)
+                continue
+            if text.startswith(GQ, i):  # a quoted key
+                key, i = _gemma_value(text, i)
+            else:
+                m = re.compile(r"[^:{}\[\],<]+").match(text, i)
+                if not m:
+                    raise ValueError("no key")
+                key, i = m.group().strip(), m.end()
+            if not text.startswith(":", i):
+                raise ValueError("no ':' after a key")
+            out[key], i = _gemma_value(text, i + 1)
+    m = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?|true|false|null").match(text, i)
+    if not m:
+        raise ValueError("no value")
+    return json.loads(m.group()), m.end()
+
+
+FORMATS = {f.name: f for f in (ToolFormat("hermes", ("<tool_call>",), "\n"), ToolFormat("qwen-xml", ("<tool_call>",)),
                                ToolFormat("glm", ("<tool_call>",)),
-                               ToolFormat("harmony", ("<|channel|>commentary to=", "to=functions.")))}
+                               ToolFormat("harmony", ("<|channel|>commentary to=", "to=functions.")),
+                               ToolFormat("gemma4", ("<|tool_call>",), ""))}
 
 
 def reads_tools(source: str) -> bool:
@@ -223,8 +322,7 @@ def tool_format(source: str | None) -> ToolFormat:
         return FORMATS["glm"]
     if "<tool_call>" in source and '"arguments"' in source:
         return FORMATS["hermes"]
-    if "<|tool_call>" in source:
-        raise ToolFormatError("the chat template's tool calls are Gemma 4's (<|tool_call>call:...), which moestream "
-                              "cannot parse yet")
+    if "<|tool_call>call:" in source and "<tool_call|>" in source:
+        return FORMATS["gemma4"]
     raise ToolFormatError("the chat template takes tools, but its tool-call syntax is none moestream parses "
-                          "(hermes <tool_call> JSON, Qwen 3.5 XML, GLM, gpt-oss harmony)")
+                          "(hermes <tool_call> JSON, Qwen 3.5 XML, GLM, gpt-oss harmony, Gemma 4)")
