@@ -205,8 +205,8 @@ class MemoryPlan:
             f"({100 * sum(self.slots.values()) / (self.n_experts * len(self.slots)):.1f}% of experts"
             + ("; every expert fits, nothing is evicted" if self.all_fit else "") + ")",
             f"  left          {self.left / GiB:.3f} GiB",
-            (f"  minimum       about {self.minimum / GiB:.3f} GiB ({self.top_k} slots per layer, the top-k; the process "
-             f"part is this process's, run measures its own, often tens of MiB more: give run --mem "
+            (f"  minimum       about {self.minimum / GiB:.3f} GiB ({self.top_k} slots per layer, the top-k; "
+             f"the process part is this process's, run measures its own, often tens of MiB more: give run --mem "
              f"{_size_text(self.minimum + process_margin(self.minimum, self.process))} or more)"
              if self.process else
              f"  minimum       {self.minimum / GiB:.3f} GiB ({self.top_k} slots per layer, the top-k)"),
