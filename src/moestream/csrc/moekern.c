@@ -797,8 +797,10 @@ static void mm_q4_k_fused(MM_ARGS) {
         uint8_t sm[16];
         q4k_scales(blk + 4, sm);
         const float d = rdh(blk), dmin = rdh(blk + 2);
+        /* scale c as 16 int16 lanes by one byte shuffle each (zero high bytes: the scales are 6-bit, unsigned) */
+        const __m256i smv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)sm));
         __m256i scv[8];
-        for (int c = 0; c < 8; c++) scv[c] = _mm256_set1_epi16(sm[c]);
+        for (int c = 0; c < 8; c++) scv[c] = _mm256_shuffle_epi8(smv, _mm256_set1_epi16((short)(0x8000 | c)));
         const __m128i m8 = _mm_loadl_epi64((const __m128i *)(sm + 8));
         const __m256i mnv = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
         const uint8_t *qs = blk + 16;
@@ -828,34 +830,74 @@ static void mm_q4_k_fused(MM_ARGS) {
     MM_TAIL
 }
 
+/* Q6_K. The 16 int8 scales become the 8 scale vectors by a byte shuffle each (low half sc[2c], high half
+ * sc[2c + 1], sign-extended to int16) instead of 8 pairs of broadcasts. The codes q - 32 meet a token's codes x
+ * as int16 pair sums either as maddubs(|q - 32|, sign(x, q - 32)) (the codes' magnitudes shared by a tile of
+ * tokens) or, for one token, as maddubs(q, x) - maddubs(32, x) (q in 0..63 unsigned): both are the exact pair
+ * sums (no saturation: |q - 32| <= 32, 63 * 127 * 2 < 32767), so every int16 lane, and so every bit, is the same. */
+static const uint8_t Q6K_SCALE_SHUF[8][16] = {
+#define Q6K_ROW(c) {2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,                                     \
+                    2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1}
+    Q6K_ROW(0), Q6K_ROW(1), Q6K_ROW(2), Q6K_ROW(3), Q6K_ROW(4), Q6K_ROW(5), Q6K_ROW(6), Q6K_ROW(7)
+#undef Q6K_ROW
+};
+
+#define Q6K_XS_MAX 512 /* 32-code chunks of one token's row whose 32 * (pair sums) are formed once per call */
+
 static void mm_q6_k_fused(MM_ARGS) {
     const int nb = n_cols / QKK;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    /* one token: maddubs(32, x) of each chunk depends on the activation only, so it is formed once per call */
+    __m256i xs[Q6K_XS_MAX];
+    const int have_xs = n_tok == 1 && nb * 8 <= Q6K_XS_MAX;
+    if (have_xs)
+        for (int c = 0; c < nb * 8; c++)
+            xs[c] = _mm256_maddubs_epi16(k32, _mm256_loadu_si256(
+                (const __m256i *)(((const act_q8_k *)xq[0])[c / 8].q + 32 * (c % 8))));
     MM_HEAD
     acc_b acc[TOK_TILE];
     for (int k = 0; k < nt; k++) acc_b_zero(&acc[k]);
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = wr + (size_t)b * 210;
-        const int8_t *sc = (const int8_t *)(blk + 192);
         const float d = rdh(blk + 208);
+        const __m128i scb = _mm_loadu_si128((const __m128i *)(blk + 192));
         __m256i scv[8];
-        for (int c = 0; c < 8; c++) scv[c] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
-        __m256i q[8];
+        for (int c = 0; c < 8; c++)
+            scv[c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scb, _mm_loadu_si128((const __m128i *)Q6K_SCALE_SHUF[c])));
+        __m256i q[8]; /* unsigned codes 0..63 */
         for (int n = 0; n < 2; n++) {
             const __m256i L0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
             const __m256i L1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
             const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
-            q[4 * n + 0] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(L0, m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(H, m3), 4)), k32);
-            q[4 * n + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(L1, m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4)), k32);
-            q[4 * n + 2] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4)), k32);
-            q[4 * n + 3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4)), k32);
+            q[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(L0, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+            q[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(L1, m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4));
+            q[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4));
+            q[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4));
+        }
+        if (nt == 1) {
+            const act_q8_k *x = (const act_q8_k *)xq[t0] + b;
+            __m256i is = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * c));
+                const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[c], xv),
+                                                   have_xs ? xs[8 * b + c] : _mm256_maddubs_epi16(k32, xv));
+#if defined(MS_ISA_AVX512)
+                is = _mm256_dpwssd_epi32(is, p, scv[c]);
+#else
+                is = _mm256_add_epi32(is, _mm256_madd_epi16(p, scv[c]));
+#endif
+            }
+            acc[0].v = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), _mm256_cvtepi32_ps(is), acc[0].v);
+            continue;
         }
         __m256i aq[8];
-        for (int c = 0; c < 8; c++) aq[c] = _mm256_sign_epi8(q[c], q[c]);
+        for (int c = 0; c < 8; c++) {
+            q[c] = _mm256_sub_epi8(q[c], k32);
+            aq[c] = _mm256_sign_epi8(q[c], q[c]);
+        }
         for (int k = 0; k < nt; k++) {
             const act_q8_k *x = (const act_q8_k *)xq[t0 + k] + b;
             __m256i is = _mm256_setzero_si256();
@@ -894,6 +936,33 @@ static void mm_q8_0_fused(MM_ARGS) {
     for (int k = 0; k < nt; k++) res[k] = acc_a_total(&acc[k]);
     MM_TAIL
 }
+/* F32 weights and one token: each row's sum is the unpack path's one chain of FMAs over the row in order, read
+ * straight from the weights (no widened copy), four rows at once so that their chains overlap (same bits). */
+static void mm_f32_fused(MM_ARGS) {
+    if (n_tok != 1) { mm_f32(W, row_bytes, r0, r1, n_cols, xq, n_tok, out, out_stride, scale); return; }
+    const float *x = (const float *)xq[0];
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        const float *w0 = (const float *)(W + (size_t)r * row_bytes);
+        const float *w1 = (const float *)(W + (size_t)(r + 1) * row_bytes);
+        const float *w2 = (const float *)(W + (size_t)(r + 2) * row_bytes);
+        const float *w3 = (const float *)(W + (size_t)(r + 3) * row_bytes);
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < n_cols; i += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + i);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), xv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + i), xv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + i), xv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + i), xv, a3);
+        }
+        const float s = scale ? scale[0] : 1.0f;
+        out[r] = scale ? s * hsum_ps(a0) : hsum_ps(a0);
+        out[r + 1] = scale ? s * hsum_ps(a1) : hsum_ps(a1);
+        out[r + 2] = scale ? s * hsum_ps(a2) : hsum_ps(a2);
+        out[r + 3] = scale ? s * hsum_ps(a3) : hsum_ps(a3);
+    }
+    if (r < r1) mm_f32(W, row_bytes, r, r1, n_cols, xq, n_tok, out, out_stride, scale);
+}
 #endif
 
 #include "iquants.h" /* unpackers and tile kernels of the 1-3 bit i-quants and the ternary types */
@@ -914,7 +983,11 @@ static int no_fused(void) {
 
 static int type_of(int t, type_info *ti) {
     switch (t) {
+#ifdef MS_X86_SIMD
+    case T_F32: *ti = (type_info){FAM_C, QK, 128, no_fused() ? mm_f32 : mm_f32_fused}; return 1;
+#else
     case T_F32: *ti = (type_info){FAM_C, QK, 128, mm_f32}; return 1;
+#endif
     case T_F16: *ti = (type_info){FAM_C, QK, 64, mm_f16}; return 1;
     case T_BF16: *ti = (type_info){FAM_C, QK, 64, mm_bf16}; return 1;
     case T_Q4_0: *ti = (type_info){FAM_A, QK, 18, mm_q4_0}; return 1;
