@@ -43,7 +43,11 @@
 #define QK 32
 #define QKK 256
 #define MAX_THREADS 256
-#define TOK_TILE 64 /* tokens whose accumulators one pass over a weight row updates */
+/* tokens whose accumulators one pass over a weight row updates: 16 tokens' activation blocks of a 2048-wide row
+ * (16 x 8 x 292 bytes for Q8_K) stay near L1 while the row is read; 64 was 12-16% slower on 128-token calls */
+#ifndef TOK_TILE
+#define TOK_TILE 16
+#endif
 
 enum { FAM_A = 1, FAM_B = 2, FAM_C = 3 }; /* 32-blocks x Q8_0, 256-blocks x Q8_K, float x float */
 
