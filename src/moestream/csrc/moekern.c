@@ -777,17 +777,17 @@ DEFINE_MM_C(mm_bf16, T_BF16, 64)
  * forms exactly the integer vectors and float operations of the unpack path above (same 32-code chunks, same
  * int16 pair sums, same scale lanes, same FMAs), so the results are bitwise those of DEFINE_MM_B/A. */
 
-/* Q4_K: 8 six-bit scales and mins from the 12 packed bytes (ggml-common.h block_q4_K), as two 8-byte rows */
-static inline void q4k_scales(const uint8_t *q, uint8_t out[16]) {
-    uint32_t u[4];
+/* Q4_K: 8 six-bit scales and mins from the 12 packed bytes (ggml-common.h block_q4_K): bytes 0-7 of the result
+ * are the scales, 8-15 the mins; formed in general registers and moved as one vector (no store and reload) */
+static inline __m128i q4k_scales(const uint8_t *q) {
+    uint32_t u[3];
     memcpy(u, q, 12);
     const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4); /* mins 4..7 */
-    const uint32_t m03 = u[1] & k1;                        /* mins 0..3 */
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);        /* scales 4..7 */
-    u[2] = m03;
-    u[0] &= k1;                                            /* scales 0..3 */
-    memcpy(out, u, 16);
+    const uint32_t mins47 = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mins03 = u[1] & k1;
+    const uint32_t sc47 = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    const uint32_t sc03 = u[0] & k1;
+    return _mm_set_epi32((int)mins47, (int)mins03, (int)sc47, (int)sc03);
 }
 
 static void mm_q4_k_fused(MM_ARGS) {
@@ -798,14 +798,13 @@ static void mm_q4_k_fused(MM_ARGS) {
     for (int k = 0; k < nt; k++) acc_b_zero(&acc[k]);
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = wr + (size_t)b * 144;
-        uint8_t sm[16];
-        q4k_scales(blk + 4, sm);
+        const __m128i sm = q4k_scales(blk + 4);
         const float d = rdh(blk), dmin = rdh(blk + 2);
         /* scale c as 16 int16 lanes by one byte shuffle each (zero high bytes: the scales are 6-bit, unsigned) */
-        const __m256i smv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)sm));
+        const __m256i smv = _mm256_broadcastsi128_si256(sm);
         __m256i scv[8];
         for (int c = 0; c < 8; c++) scv[c] = _mm256_shuffle_epi8(smv, _mm256_set1_epi16((short)(0x8000 | c)));
-        const __m128i m8 = _mm_loadl_epi64((const __m128i *)(sm + 8));
+        const __m128i m8 = _mm_unpackhi_epi64(sm, sm);
         const __m256i mnv = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
         const uint8_t *qs = blk + 16;
         for (int k = 0; k < nt; k++) {
