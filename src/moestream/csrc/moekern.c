@@ -176,6 +176,95 @@ static void quantize_q8_k(const float *x, act_q8_k *y, int n) {
     }
 }
 
+#ifdef MS_X86_SIMD
+static inline int hsum_epi32(__m256i v);
+/* The same two quantizers on 8 lanes: the same float operations per element (one multiply, round to nearest even,
+ * truncating convert), the same clamps and the same first-maximum rule, so every byte equals the scalar code's.
+ * A block whose inverse scale is not finite (a subnormal maximum) takes the scalar code. */
+static inline float hmax_ps(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+static inline int all_finite_abs(__m256 a) { /* every |x| <= FLT_MAX (false for NaN and Inf) */
+    return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ)) == 0xFF;
+}
+static inline __m256i round_i32(__m256 v) {
+    return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/* 32 int32 lanes (each in -128..127) -> 32 int8 in order */
+static inline __m256i pack_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static void quantize_q8_0_v(const float *x, act_q8_0 *y, int n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < n / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4], mx = _mm256_setzero_ps();
+        int finite = 1;
+        for (int c = 0; c < 4; c++) {
+            v[c] = _mm256_loadu_ps(xb + 8 * c);
+            const __m256 a = _mm256_andnot_ps(sign, v[c]);
+            finite &= all_finite_abs(a);
+            mx = _mm256_max_ps(mx, a);
+        }
+        const float amax = hmax_ps(mx);
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        if (!finite || !(id <= FLT_MAX)) { quantize_q8_0(xb, y + b, QK); continue; }
+        const __m256 idv = _mm256_set1_ps(id);
+        __m256i q[4], sum = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            q[c] = round_i32(_mm256_mul_ps(v[c], idv));
+            sum = _mm256_add_epi32(sum, q[c]);
+        }
+        _mm256_storeu_si256((__m256i *)y[b].q, pack_i8(q[0], q[1], q[2], q[3]));
+        y[b].d = f16_to_f32(f32_to_f16(d));
+        y[b].s = y[b].d * (float)hsum_epi32(sum);
+    }
+}
+
+static void quantize_q8_k_v(const float *x, act_q8_k *y, int n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < n / QKK; b++) {
+        const float *xb = x + b * QKK;
+        __m256 mx = _mm256_setzero_ps();
+        int finite = 1;
+        for (int c = 0; c < QKK / 8; c++) {
+            const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * c));
+            finite &= all_finite_abs(a);
+            mx = _mm256_max_ps(mx, a);
+        }
+        const float amax = hmax_ps(mx);
+        if (!finite || amax == 0.0f) { quantize_q8_k(xb, y + b, QKK); continue; }
+        int first = 0; /* the first element of largest magnitude, as the scalar loop's strict '>' keeps */
+        const __m256 am = _mm256_set1_ps(amax);
+        for (int c = 0; c < QKK / 8; c++) {
+            const int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * c)), am,
+                                                           _CMP_EQ_OQ));
+            if (m) { first = 8 * c + __builtin_ctz((unsigned)m); break; }
+        }
+        const float iscale = -127.0f / xb[first];
+        if (!(fabsf(iscale) <= FLT_MAX)) { quantize_q8_k(xb, y + b, QKK); continue; }
+        const __m256 isv = _mm256_set1_ps(iscale);
+        const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+        for (int c = 0; c < QKK / 32; c++) {
+            __m256i q[4];
+            for (int k = 0; k < 4; k++)
+                q[k] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, round_i32(_mm256_mul_ps(isv, _mm256_loadu_ps(
+                    xb + 32 * c + 8 * k)))));
+            _mm256_storeu_si256((__m256i *)(y[b].q + 32 * c), pack_i8(q[0], q[1], q[2], q[3]));
+            y[b].bsum[2 * c] = (int16_t)hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+            y[b].bsum[2 * c + 1] = (int16_t)hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+        }
+        y[b].d = 1.0f / iscale;
+    }
+}
+#endif
+
 /* ------------------------------------------------------------------------------------------------------ */
 /* weight blocks -> unpacked form                                                                          */
 
@@ -706,7 +795,14 @@ static size_t act_row_bytes(int fam, int n) {
     if (fam == FAM_B) return (size_t)(n / QKK) * sizeof(act_q8_k);
     return (size_t)n * sizeof(float);
 }
+static int no_fused(void);
 static void quantize_row(int fam, const float *x, void *out, int n) {
+#ifdef MS_X86_SIMD
+    if (!no_fused()) {
+        if (fam == FAM_A) { quantize_q8_0_v(x, (act_q8_0 *)out, n); return; }
+        if (fam == FAM_B) { quantize_q8_k_v(x, (act_q8_k *)out, n); return; }
+    }
+#endif
     if (fam == FAM_A) quantize_q8_0(x, (act_q8_0 *)out, n);
     else if (fam == FAM_B) quantize_q8_k(x, (act_q8_k *)out, n);
     else memcpy(out, x, (size_t)n * sizeof(float));
