@@ -262,8 +262,8 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int, lib:
     do not compute or n_cols not a multiple of its block.
     """
     lib = lib or load()
-    lead = x.shape[:-1]
-    xs = x.reshape(-1, n_cols)
+    flat = x.dim() == 2 and x.shape[1] == n_cols  # [tokens, n_cols]: no reshape (1-2 us each at one token)
+    xs = x if flat else x.reshape(-1, n_cols)
     if not xs.is_contiguous():
         xs = xs.contiguous()
     n_rows = raw.shape[0]
@@ -276,7 +276,7 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int, lib:
         raise ValueError(f"linear: the kernels do not compute ggml type {int(ggml_type)} with {n_cols} columns")
     if rc == -2:
         raise MemoryError("linear: out of memory for the activation blocks")
-    return y.view(*lead, n_rows)
+    return y if flat else y.view(*x.shape[:-1], n_rows)
 
 
 def moe(x: torch.Tensor, t_gu: int, t_down: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
