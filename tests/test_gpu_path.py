@@ -142,6 +142,61 @@ def test_device_planned_step_equals_resident_step(monkeypatch) -> None:  # noqa:
     store.close()
 
 
+def test_device_plan_host_pool_copy_waits_for_the_step_in_flight(monkeypatch) -> None:  # noqa: ANN001
+    """With ``--pool host`` the pools are pinned host memory, which the CPU copies into without any CUDA stream
+    ordering it: a promotion's copy into a victim's slot must wait until the step enqueued since (which may still
+    read the victim through the slot's mapping) has completed, and the expert enters the device table only after
+    its copy. (On the H200 the copy went at once and the planned step's logits differed from the resident step's
+    at the sixth step, qwen3moe-tiny Q4_K_M, ``test_cuda.py::test_device_planned_step[...-host]``.) Checked here
+    with the CUDA copy stream and events stood in for."""
+    from moestream.experts import devplan
+
+    monkeypatch.setattr(devplan, "ON_CPU", True)
+    model, _ = _grouped_model(4)
+    store = model.make_store(LoadOptions(slots=4, matmul="dequant", host_cache=1 << 30))
+    plan = store.plan
+    assert plan is not None and all(p.device.type == "cpu" for p in store.pools[plan.layers[0]].values())
+
+    class Event:  # a step in flight, then done
+        def __init__(self) -> None:
+            self.done = False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.done = True
+
+    class Stream:
+        def synchronize(self) -> None:
+            pass
+
+    plan._copy = Stream()  # as on a GPU: promotions are asynchronous
+    i, la = 0, plan.layers[0]
+    sm = store.slots[la]
+    e, s = 11, 2
+    victim = int(sm.expert_of[s])
+    sm.slot_of[e], sm.expert_of[s] = s, e  # what the policy's plan does before the copy
+    if victim >= 0:
+        sm.slot_of[victim] = -1
+    plan.host_table[i, e] = -1
+    before = {name: pool[s].clone() for name, pool in store.pools[la].items()}
+    in_flight = Event()
+    plan._promote(i, la, e, s, after=in_flight)
+    assert not plan._publish(block=False)
+    for name, pool in store.pools[la].items():
+        assert torch.equal(pool[s], before[name]), f"{name}: the slot was written while a step may read it"
+    assert plan.host_table[i, e] == -1
+    in_flight.done = True
+    assert plan._publish(block=False) and plan.host_table[i, e] == s and not plan._pending
+    row = int(store.tier.slots[la].slot_of[e])
+    for name, pool in store.pools[la].items():
+        assert torch.equal(pool[s], store.tier.pools[la][name][row]), name
+        assert store._leads[la][name][s] == store.tier.leads[la][name][e]
+    plan._copy = None
+    store.close()
+
+
 def test_gpu_memory_plan_counts_the_device_plan_scratch(monkeypatch) -> None:  # noqa: ANN001
     """--gpu-mem's plan counts the device-planned step's scratch rows (the bytes the store then allocates for them)
     exactly when the host tier will hold every expert (the embedded model's experts fit in any tier), and nothing

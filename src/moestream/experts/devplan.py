@@ -262,10 +262,17 @@ class DevicePlan:
         return changed
 
     def _promote(self, i: int, layer: int, e: int, s: int, after: Any) -> None:
-        """Copy expert ``e``'s tier row into slot ``s`` of ``layer``'s pool (after ``after``, on the copy stream)."""
+        """Copy expert ``e``'s tier row into slot ``s`` of ``layer``'s pool (after ``after``, on the copy stream).
+        Pools in pinned host memory (``--pool host``) are copied by the CPU, which no CUDA stream orders: that copy
+        waits in the pending list until ``after`` (the step enqueued since, which may still read the victim's
+        slot through its mapping) has completed."""
         store = self.store
         row = int(store.tier.slots[layer].slot_of[e])
         gpu = self._copy is not None
+        if gpu and any(p.device.type != "cuda" for p in store.pools[layer].values()):
+            self.promotions += 1
+            self._pending.append((i, e, s, _HostCopy(self, layer, e, s, row, after)))
+            return
         if gpu:
             if after is not None:
                 self._copy.wait_event(after)
@@ -295,6 +302,8 @@ class DevicePlan:
                 continue
             if done is not None and block:
                 done.synchronize()
+            if isinstance(done, _HostCopy):
+                done.run()
             if int(self.store.slots[self.layers[i]].slot_of[e]) == s:
                 self.host_table[i, e] = s
                 changed = True
@@ -320,3 +329,26 @@ class DevicePlan:
     def close(self) -> None:
         if self._copy is not None:
             self._copy.synchronize()
+
+
+class _HostCopy:
+    """A promotion into a pool in pinned host memory, held until the step that may still read the slot is done:
+    ``query``/``synchronize`` as a CUDA event's (on ``after``, None: nothing in flight), ``run`` does the copy."""
+
+    def __init__(self, plan: DevicePlan, layer: int, e: int, s: int, row: int, after: Any):
+        self.plan, self.layer, self.e, self.s, self.row, self.after = plan, layer, e, s, row, after
+
+    def query(self) -> bool:
+        return self.after is None or self.after.query()
+
+    def synchronize(self) -> None:
+        if self.after is not None:
+            self.after.synchronize()
+
+    def run(self) -> None:
+        store, layer = self.plan.store, self.layer
+        for name, pool in store.pools[layer].items():
+            src = store.tier.pools[layer][name][self.row]
+            pool[self.s].copy_(src)
+            store._leads[layer][name][self.s] = store.tier.leads[layer][name][self.e]
+            self.plan.bytes_promoted += src.numel()
