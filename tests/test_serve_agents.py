@@ -24,7 +24,7 @@ import pytest
 
 import test_serve
 from conftest import load_tool
-from moestream.server import chat_prompt, tool_plan
+from moestream.server import chat_prompt, split_tool_calls, tool_plan
 from moestream.tokenizer import GGUFTokenizer, TokenType
 from test_serve import DEFAULT_GGUF, Running, library_text, sse_events
 
@@ -370,49 +370,115 @@ def test_template_without_a_known_tool_syntax_is_refused(name: str, why: str) ->
     assert e.value.code == "tools_not_supported"
 
 
-def test_parallel_tool_calls(family_servers: Any) -> None:
-    """parallel_tool_calls (true by default) on the Qwen 3 (hermes) template: a forced reply may hold several
-    calls, one after another as the template renders them, and two the model writes come back as tool_calls[0]
-    and [1] (plain and streamed), each validated; with parallel_tool_calls false the same request gets one.
+#: the families whose forced replies may hold several calls (gpt-oss' harmony: one, see test_harmony_forces_one_call)
+PARALLEL = ["qwen3", "qwen3.5", "glm4.6", "gemma4"]
 
-    This model never ends a reply by itself, so the number of calls is steered by a logit bias on its
-    end-of-generation tokens (the grammar allows them only between whole calls): the bias at which its greedy
-    reply holds two calls is searched for (the more bias, the fewer calls)."""
-    s = family_servers("qwen3")
-    client = client_of(s)
-    eos = tokenizer_with("qwen3").eos_ids
 
-    def ask(bias: float, **extra: Any) -> Any:
+class EndMargins:
+    """A forced-call constraint that, at each point where the grammar allows the end of generation (after a whole
+    call), records ``(tokens so far, margin)``, the margin being the float32 logit of the best other allowed token
+    minus that of the best end-of-generation token, and then forbids the end, so the reply goes on writing calls
+    until the token limit. A logit bias b on every end-of-generation token makes the greedy reply end at the first
+    such point whose margin is below b: this is how many calls a request with that bias gets."""
+
+    def __init__(self, constraint: Any, eos: list[int]):
+        self.c, self.eos = constraint, sorted(eos)
+        self.ends: list[tuple[int, float]] = []
+        self.n = 0
+
+    def mask(self, logits: Any) -> Any:
+        out = self.c.mask(logits)
+        best_end = out[self.eos].max()
+        if bool(best_end > float("-inf")):
+            out = out.clone()
+            out[self.eos] = float("-inf")
+            self.ends.append((self.n, float(out.max() - best_end)))
+        return out
+
+    def consume(self, token: int) -> None:
+        self.n += 1
+        self.c.consume(token)
+
+
+@pytest.fixture(scope="module")
+def forced_runs(oracle: Any) -> Any:
+    """family -> (tokenizer, plan, tokens, ends): the library generator's greedy forced reply (tool_choice
+    "required", parallel calls) to ASK, its end of generation forbidden (160 tokens: calls one after another),
+    with :class:`EndMargins`' ends (computed once per family)."""
+    from moestream.engine import Engine, Sampler, SamplingParams
+    from moestream.server import tools_grammar
+    from moestream.structured import Constraint
+
+    model, _ = oracle
+    done: dict[str, Any] = {}
+
+    def get(family: str) -> Any:
+        if family not in done:
+            tok = tokenizer_with(family)
+            body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+            plan = tool_plan(body, tok)
+            ids = chat_prompt(body, tok, plan)
+            ends = EndMargins(Constraint(tools_grammar(plan, tok, model.n_vocab), tok, model.n_vocab), tok.eos_ids)
+            tokens = list(Engine(model, 8).stream(ids, 160, Sampler(SamplingParams(temp=0), ends),
+                                                  stop_ids=tok.eos_ids, n_ctx=len(ids) + 160))
+            done[family] = (tok, plan, tokens, ends.ends)
+        return done[family]
+
+    return get
+
+
+def as_pairs(calls: Any) -> list[tuple[str, dict]]:
+    """(name, arguments object) of each call, from the openai client's objects or OpenAI's dicts."""
+    out = []
+    for c in calls or []:
+        fn = c["function"] if isinstance(c, dict) else c.function
+        name, args = (fn["name"], fn["arguments"]) if isinstance(fn, dict) else (fn.name, fn.arguments)
+        out.append((name, json.loads(args)))
+    return out
+
+
+@pytest.mark.parametrize("family", PARALLEL)
+def test_parallel_tool_calls(family: str, family_servers: Any, forced_runs: Any) -> None:
+    """parallel_tool_calls (true by default): a forced reply may hold several calls, one after another as the
+    template renders them; n >= 2 calls the model writes come back as tool_calls[0..n-1] (plain and streamed), each
+    validated, finish_reason "tool_calls"; with parallel_tool_calls false the same request gets the first alone;
+    the calls and their results sent back are rendered as transformers renders them.
+
+    This model never ends a reply by itself, so the number of calls is set by a logit bias b on its
+    end-of-generation tokens, which the grammar allows only between whole calls: the library's forced reply gives
+    the margin at each call's end (:class:`EndMargins`), and the reply ends after call n when b lies between the
+    margin there and the least margin of the calls before it. n is the first n >= 2 where such a window exists, b
+    its middle (no search: the window is read off the logits)."""
+    tok, plan, tokens, ends = forced_runs(family)
+    margins = [m for _, m in ends]
+    n = next((k + 1 for k in range(1, len(margins)) if margins[k] < min(margins[:k])), None)
+    assert n is not None, f"{family}: no number of calls >= 2 can be chosen by an end bias ({margins})"
+    low, high = margins[n - 1], min(margins[:n - 1])
+    assert high - low > 1e-3 and abs(low + high) / 2 < 100, (low, high)
+    bias = (low + high) / 2
+    want = as_pairs(split_tool_calls(plan, tok, tokens[:ends[n - 1][0]])[1])
+    assert len(want) == n
+    client = client_of(family_servers(family))
+
+    def ask(**extra: Any) -> Any:
         return client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                              temperature=0, max_tokens=160,
-                                              logit_bias={str(i): bias for i in eos}, **extra)
+                                              temperature=0, max_tokens=ends[n - 1][0] + 8,
+                                              logit_bias={str(i): bias for i in tok.eos_ids}, **extra)
 
-    lo, hi, found = 0.0, 16.0, None
-    for _ in range(10):
-        mid = (lo + hi) / 2
-        r = ask(mid)
-        n = len(r.choices[0].message.tool_calls or []) if r.choices[0].finish_reason == "tool_calls" else 99
-        if n == 2:
-            found = (mid, r)
-            break
-        lo, hi = (mid, hi) if n > 2 else (lo, mid)
-    assert found is not None, (lo, hi)
-    bias, r = found
+    r = ask()
     calls = r.choices[0].message.tool_calls
-    assert r.choices[0].message.content is None and len({c.id for c in calls}) == 2
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert as_pairs(calls) == want and len({c.id for c in calls}) == n
     for c in calls:
         assert c.type == "function" and c.function.name in SCHEMAS
         jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
-    got, content, finish = streamed_calls(ask(bias, stream=True))
+    got, content, finish = streamed_calls(ask(stream=True))
     assert finish == "tool_calls" and content == ""
-    assert [(c["name"], json.loads(c["arguments"])) for c in got] == [
-        (c.function.name, json.loads(c.function.arguments)) for c in calls]
-    one = ask(bias, parallel_tool_calls=False)
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == want
+    one = ask(parallel_tool_calls=False)
     assert one.choices[0].finish_reason == "tool_calls"
-    (c,) = one.choices[0].message.tool_calls
-    assert (c.function.name, c.function.arguments) == (calls[0].function.name, calls[0].function.arguments)
-    # what a client sends back: both calls and both results, rendered as transformers renders them
-    tok = tokenizer_with("qwen3")
+    assert as_pairs(one.choices[0].message.tool_calls) == want[:1]
+    # what a client sends back: every call and every result, rendered as transformers renders them
     sent = [c.model_dump(exclude_none=True) for c in calls]
     back = [*ASK, {"role": "assistant", "content": None, "tool_calls": sent},
             *({"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in calls)]
@@ -422,6 +488,59 @@ def test_parallel_tool_calls(family_servers: Any) -> None:
                                                       "arguments": json.loads(c.function.arguments)}}
         for c in calls]}, *({"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in calls)]
     assert tok.decode(chat_prompt(body, tok, tool_plan(body, tok))) == transformers_rendering(tok, hf_msgs, TOOLS)
+
+
+@pytest.mark.parametrize("family", PARALLEL)
+def test_a_reply_cut_at_max_tokens_keeps_its_complete_calls(family: str, family_servers: Any,
+                                                           forced_runs: Any) -> None:
+    """A forced reply cut by max_tokens while writing its third call returns the two complete calls in
+    tool_calls (plain and streamed), finish_reason "length", and nothing of the cut call (not a call, not
+    content); cut inside its first call, it returns no call and empty content. The calls are the library's
+    greedy reply's (its end of generation forbidden, as a bias of -100 does)."""
+    tok, plan, tokens, ends = forced_runs(family)
+    assert len(ends) >= 3, ends
+    cut = ends[1][0] + 6  # 6 tokens into the third call
+    want = as_pairs(split_tool_calls(plan, tok, tokens[:ends[1][0]])[1])
+    assert len(want) == 2 and as_pairs(split_tool_calls(plan, tok, tokens[:cut], cut=True)[1]) == want
+    assert tok.decode(tokens[ends[1][0]:cut]).strip()  # the cut call's beginning
+    client = client_of(family_servers(family))
+
+    def ask(max_tokens: int, **extra: Any) -> Any:
+        return client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                              temperature=0, max_tokens=max_tokens,
+                                              logit_bias={str(i): -100 for i in tok.eos_ids}, **extra)
+
+    r = ask(cut)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == cut
+    assert r.choices[0].message.content is None
+    assert as_pairs(r.choices[0].message.tool_calls) == want
+    for name, args in want:
+        jsonschema.validate(args, SCHEMAS[name])
+    got, content, finish = streamed_calls(ask(cut, stream=True))
+    assert finish == "length" and content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == want
+    one = ask(cut, parallel_tool_calls=False)  # one call: the grammar ends it, not the limit
+    assert one.choices[0].finish_reason == "tool_calls" and as_pairs(one.choices[0].message.tool_calls) == want[:1]
+    early = ask(6)  # inside the first call's markup
+    assert early.choices[0].finish_reason == "length" and early.choices[0].message.tool_calls is None
+    assert early.choices[0].message.content == ""
+    got, content, finish = streamed_calls(ask(6, stream=True))
+    assert (got, content, finish) == ([], "", "length")
+
+
+def test_harmony_forces_one_call(family_servers: Any) -> None:
+    """gpt-oss' harmony: a forced reply is one call even with parallel_tool_calls true (the grammar ends after
+    it), because the template renders only the first call of an assistant message, so a second could not be sent
+    back: transformers' rendering of two calls holds one."""
+    tok = tokenizer_with("gpt-oss")
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": a}}
+        for k, (n, a) in enumerate([("get_weather", {"city": "Rome", "days": 1}), ("get_time", {"zone": "UTC"})])]}
+    whole = transformers_rendering(tok, [*ASK, msg], TOOLS, add_generation_prompt=False)
+    assert "functions.get_weather" in whole and whole.count("to=functions.") == 1
+    r = client_of(family_servers("gpt-oss")).chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
 
 
 def test_several_calls_as_the_templates_render_them_parse_back() -> None:
@@ -453,7 +572,7 @@ def test_forced_call_writes_control_markup_as_the_control_token(oracle: Any) -> 
     tok.token_types = list(tok.token_types)
     call_id = tok.token_to_id("<tool_call>")
     tok.token_types[call_id] = TokenType.CONTROL
-    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
     plan = tool_plan(body, tok)
     ids = chat_prompt(body, tok, plan)
     constraint = Constraint(tools_grammar(plan, tok, model.n_vocab), tok, model.n_vocab)
@@ -515,3 +634,102 @@ def test_gemma4_forced_calls_in_the_real_vocabulary() -> None:
     assert constraint.accepting
     _, calls = split_tool_calls(plan, tok, [*ids, tok.token_to_id("<|tool_response>")])
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == want
+
+
+# ------------------------------------------------------------------------------------------------ Gemma 4 values
+TRIP = {"type": "object", "properties": {
+    "stops": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "nights": {"type": "integer", "minimum": 1, "maximum": 5},
+                                         "note": {"type": "string", "maxLength": 10}},
+        "required": ["city", "nights"], "additionalProperties": False}},
+    "budget": {"type": "object", "properties": {"amount": {"type": "number", "minimum": 0, "maximum": 5000},
+                                                "currency": {"enum": ["EUR", "USD"]}},
+               "required": ["amount", "currency"]},
+    "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+    "mode": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/mode"}]}},
+    "required": ["stops", "budget", "flags", "mode"], "$defs": {"mode": {"enum": ["train", "car"]}}}
+TRIP_TOOLS = [{"type": "function", "function": {"name": "plan_trip", "description": "Plan a trip",
+                                                "parameters": TRIP}}]
+GOOD_TRIP = {"stops": [{"city": "Rome", "nights": 2}, {"city": "Pisa", "nights": 1, "note": "tower"}],
+             "budget": {"amount": 800.5, "currency": "EUR"}, "flags": [True, False], "mode": "train"}
+BAD_TRIPS = {  # each breaks TRIP in one place
+    "nights out of range": {**GOOD_TRIP, "stops": [{"city": "Rome", "nights": 9}]},
+    "a required key missing": {**GOOD_TRIP, "stops": [{"city": "Rome"}]},
+    "an undeclared key": {**GOOD_TRIP, "stops": [{"city": "Rome", "hotel": "x", "nights": 2}]},
+    "too many items": {**GOOD_TRIP, "stops": [{"city": "Rome", "nights": 1}] * 4},
+    "no items": {**GOOD_TRIP, "stops": []},
+    "not in the enum": {**GOOD_TRIP, "budget": {"amount": 1, "currency": "GBP"}},
+    "a string for a number": {**GOOD_TRIP, "budget": {"amount": "many", "currency": "EUR"}},
+    "a string for a boolean": {**GOOD_TRIP, "flags": ["yes"]},
+    "not in the $ref's enum": {**GOOD_TRIP, "mode": "bus"},
+    "a list for an object": {**GOOD_TRIP, "budget": [1, 2]},
+}
+
+
+def gemma_call_text(tok: GGUFTokenizer, args: dict) -> str:
+    """The Gemma 4 template's text of one plan_trip call with ``args`` (transformers' rendering), from
+    ``<|tool_call>`` to ``<tool_call|>``."""
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "plan_trip", "arguments": args}}]}
+    whole = transformers_rendering(tok, [*ASK, msg], TRIP_TOOLS, add_generation_prompt=False)
+    return whole[whole.index("<|tool_call>"):whole.rindex("<tool_call|>") + len("<tool_call|>")]
+
+
+def grammar_takes(grammar: str, tok: GGUFTokenizer, text: str) -> bool:
+    """Whether ``text`` (tokenized by ``tok``, markup parsed) is a whole string of ``grammar``, token by token."""
+    from moestream.structured import Constraint
+
+    c = Constraint(grammar, tok, tok.vocab_size)
+    for t in tok.encode(text, add_special=False, parse_special=True):
+        if not c.allowed()[t]:
+            return False
+        c.consume(t)
+    return c.accepting
+
+
+def test_gemma4_lists_and_objects_follow_the_schema() -> None:
+    """Gemma 4's forced call checks list and object arguments against the tool's schema (items, minItems /
+    maxItems, nested required and declared properties, enums, numbers, anyOf, a $ref): the template's own text of
+    a valid call is allowed token by token and parses back to its arguments; the template's text of each call
+    that breaks the schema (:data:`BAD_TRIPS`, each invalid by jsonschema) is not allowed."""
+    from moestream.server import tools_grammar
+
+    tok = tokenizer_with("gemma4")
+    plan = tool_plan({"tools": TRIP_TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, tok)
+    grammar = tools_grammar(plan, tok, tok.vocab_size)
+    jsonschema.validate(GOOD_TRIP, TRIP)
+    text = gemma_call_text(tok, GOOD_TRIP)
+    assert "stops:[{city:" in text  # nested keys bare and sorted, as the template writes them
+    assert grammar_takes(grammar, tok, text)
+    assert as_pairs(plan.fmt.parse(text, TRIP_TOOLS)) == [("plan_trip", GOOD_TRIP)]
+    for why, args in BAD_TRIPS.items():
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(args, TRIP)
+        assert not grammar_takes(grammar, tok, gemma_call_text(tok, args)), why
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 0}, *({"temperature": 1.0, "seed": s} for s in range(4))],
+                         ids=["greedy", *(f"seed{s}" for s in range(4))])
+def test_gemma4_forced_call_with_lists_and_objects_validates(family_servers: Any, extra: dict) -> None:
+    """A forced Gemma 4 call to a function whose parameters hold lists of objects, an object, an anyOf and a
+    $ref, greedy and sampled: the arguments validate against the schema (jsonschema)."""
+    r = client_of(family_servers("gemma4")).chat.completions.create(
+        model="tiny", messages=ASK, tools=TRIP_TOOLS, tool_choice="required", parallel_tool_calls=False,
+        max_tokens=400, **extra)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "plan_trip"
+    jsonschema.validate(json.loads(call.function.arguments), TRIP)
+
+
+@pytest.mark.parametrize("keyword", [{"uniqueItems": True}, {"allOf": [{"type": "boolean"}]}])
+def test_gemma4_schema_it_cannot_enforce_is_a_400(family_servers: Any, keyword: dict) -> None:
+    params = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "boolean"}, **keyword}},
+              "required": ["a"]}
+    r = httpx.post(family_servers("gemma4").base + "/v1/chat/completions", timeout=60, json={
+        "messages": ASK, "max_tokens": 2, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and next(iter(keyword)) in err["message"], err

@@ -959,10 +959,15 @@ def request_grammar(body: dict, plan: ToolPlan | None, tok, n_vocab: int) -> str
     return grammar
 
 
-def split_tool_calls(plan: ToolPlan, tok, tokens: list[int]) -> tuple[str | None, list[dict] | None]:  # noqa: ANN001
+def split_tool_calls(plan: ToolPlan, tok, tokens: list[int],  # noqa: ANN001
+                     cut: bool = False) -> tuple[str | None, list[dict] | None]:
     """``(content, tool_calls)`` of a reply's generated ``tokens``: the calls in the template's syntax
     (:meth:`ToolFormat.parse <moestream.toolcalls.ToolFormat.parse>` on the text with control tokens spelled) and
-    the text before the first (None when empty); ``(None, None)`` when it holds no call that parses."""
+    the text before the first (None when empty); ``(None, None)`` when it holds no call that parses.
+
+    ``cut``: the reply ended on ``max_tokens`` or a full context (finish_reason "length"): the complete calls
+    (possibly none: ``[]``) and the text before the first call; the call that was being written, and anything
+    after, is dropped (neither a call nor content)."""
     dec = tok.stream_decoder(False)
     raw, ends = "", []
     for t in tokens:
@@ -972,7 +977,7 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int]) -> tuple[str | None
     at = plan.fmt.find(raw)
     if at < 0:
         return None, None
-    calls = plan.fmt.parse(raw[at:], plan.tools)
+    calls = plan.fmt.parse(raw[at:], plan.tools, cut=cut)
     if calls is None:
         return None, None
     if not plan.parallel:  # parallel_tool_calls false: at most one call (OpenAI's)
@@ -1442,12 +1447,13 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
                     calls = None
                     if watch is not None:
                         text = watch.held_text() + text
-                        _, calls = split_tool_calls(tplan, tok, ev.stats.tokens)
-                    if calls:
+                        _, calls = split_tool_calls(tplan, tok, ev.stats.tokens, cut=finish == "length")
+                    if calls is not None:  # the calls (a cut reply: the complete ones; its tail is dropped)
                         for d in tool_call_deltas(calls):
                             yield sse({**chunk(None, None), "choices": [
                                 {"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}]})
-                        finish = "tool_calls"
+                        if calls and finish != "length":
+                            finish = "tool_calls"
                     elif text:
                         yield sse(chunk(text, None))
                     # the last chunk carries usage and timings: with include_usage OpenAI's extra chunk with no
@@ -1483,9 +1489,10 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             raise unavailable(f"{SHUTTING_DOWN}; the generation was cancelled", "server_shutting_down")
         text, calls, finish = "".join(parts), None, done.finish_reason
         if tplan is not None:
-            content, calls = split_tool_calls(tplan, ld_tok(), done.stats.tokens)
-            if calls:
-                text, finish = content, "tool_calls"
+            content, calls = split_tool_calls(tplan, ld_tok(), done.stats.tokens, cut=finish == "length")
+            if calls is not None:  # finish_reason "length" stays: the client learns the reply was cut
+                text = content if calls else content or ""
+                finish = "tool_calls" if calls and finish != "length" else finish
         message = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = calls
