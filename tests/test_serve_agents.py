@@ -7,8 +7,9 @@ results (the prompt the server prefills must decode to transformers' rendering);
 (``Engine.stream`` with a :class:`~moestream.engine.Sampler`) for penalties and logit bias.
 
 The templates are each family's own, from llama.cpp's copies in the pinned llama-cpp-python sdist (Qwen 3,
-Qwen 3.5, gpt-oss harmony, GLM 4.6, Gemma 4), on the embedded model (its Qwen2 vocabulary; ``--chat-template-file``): a
-model this small never writes a tool call or JSON by itself, which is what shows that the constraint writes them.
+Qwen 3.5, gpt-oss harmony, GLM 4.6, Gemma 4, DeepSeek V3.2 and V4), on the embedded model (its Qwen2 vocabulary;
+``--chat-template-file``): a model this small never writes a tool call or JSON by itself, which is what shows that
+the constraint writes them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ srv = test_serve.srv  # the embedded model's own template (DeepSeek-R1's: it doe
 
 #: family -> llama.cpp's copy of its template (vendor/llama.cpp/models/templates in the pinned sdist)
 TEMPLATES = {"qwen3": "Qwen-Qwen3-0.6B.jinja", "qwen3.5": "Qwen3.5-4B.jinja", "gpt-oss": "openai-gpt-oss-120b.jinja",
-             "glm4.6": "GLM-4.6.jinja", "gemma4": "google-gemma-4-31B-it.jinja"}
+             "glm4.6": "GLM-4.6.jinja", "gemma4": "google-gemma-4-31B-it.jinja",
+             "deepseek3.2": "deepseek-ai-DeepSeek-V3.2.jinja", "deepseek4": "deepseek-ai-DeepSeek-V4.jinja"}
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -93,11 +95,14 @@ def transformers_rendering(tok: GGUFTokenizer, messages: list[dict], tools: list
 def reply_part(tok: GGUFTokenizer, whole: str) -> str:
     """The assistant's part of ``whole`` (a rendering ending in an assistant message with tool calls): what follows
     the generation prompt's rendering. Gemma 4's generation prompt ends in an empty thought channel that a rendered
-    assistant message has not (the template strips thinking): the part follows the prompt without it. It holds
-    a call."""
+    assistant message has not (the template strips thinking): the part follows the prompt without it; DeepSeek
+    V3.2's ends in ``<think></think>`` where its rendered assistant message has ``</think>``: the part follows
+    that. It holds a call."""
     head = transformers_rendering(tok, ASK, TOOLS)
     if not whole.startswith(head):
         head = head.removesuffix("<|channel>thought\n<channel|>")
+    if not whole.startswith(head) and head.endswith("<think></think>"):
+        head = head.removesuffix("<think></think>") + "</think>"
     assert whole.startswith(head), (head[-80:], whole[len(head) - 80:])
     part = whole[len(head):]
     assert tool_plan({"tools": TOOLS}, tok).fmt.find(part) >= 0, part[:80]
@@ -355,11 +360,9 @@ def test_bad_tools_on_a_template_with_tools(family_servers: Any, extra: dict, pa
 @pytest.mark.parametrize("name,why", [
     ("deepseek-ai-DeepSeek-V3.1.jinja", "never reads 'tools'"),  # renders an assistant's calls, never the tool list
     ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "never reads 'tools'"),
-    ("deepseek-ai-DeepSeek-V3.2.jinja", "none moestream parses"),  # DSML function_calls: not implemented
 ])
 def test_template_without_a_known_tool_syntax_is_refused(name: str, why: str) -> None:
-    """DeepSeek's templates: V3.1's and R1's never show the model its tools; V3.2's DSML calls are not parsed: a
-    clear 400, at the request."""
+    """DeepSeek's templates: V3.1's and R1's never show the model its tools: a clear 400, at the request."""
     from moestream.server import APIError
 
     tok = copy.copy(GGUFTokenizer.from_gguf(str(DEFAULT_GGUF)))
@@ -371,7 +374,9 @@ def test_template_without_a_known_tool_syntax_is_refused(name: str, why: str) ->
 
 
 #: the families whose forced replies may hold several calls (gpt-oss' harmony: one, see test_harmony_forces_one_call)
-PARALLEL = ["qwen3", "qwen3.5", "glm4.6", "gemma4"]
+PARALLEL = ["qwen3", "qwen3.5", "glm4.6", "gemma4", "deepseek3.2", "deepseek4"]
+#: those where the end of generation may follow each call (DSML closes its block of calls first)
+ENDS_A_CALL = PARALLEL[:4]
 
 
 class EndMargins:
@@ -400,11 +405,28 @@ class EndMargins:
         self.c.consume(token)
 
 
+def close_ban(tok: GGUFTokenizer, close: str) -> dict[int, float]:
+    """A logit bias of -100 on every token that can begin DSML's closing tag ``close`` where the next invoke could
+    begin instead: a prefix of it other than ``<`` (which begins an invoke too), or of it without its ``<`` (after a
+    ``<`` token). Elsewhere the grammar allows only the closing tags, so there the bias changes nothing."""
+    whole = close.encode()
+    ban = {}
+    for i in range(tok.vocab_size):
+        b = tok.token_bytes(i)
+        if b and b != b"<" and (whole.startswith(b) or whole[1:].startswith(b)):
+            ban[i] = -100.0
+    return ban
+
+
 @pytest.fixture(scope="module")
 def forced_runs(oracle: Any) -> Any:
-    """family -> (tokenizer, plan, tokens, ends): the library generator's greedy forced reply (tool_choice
-    "required", parallel calls) to ASK, its end of generation forbidden (160 tokens: calls one after another),
-    with :class:`EndMargins`' ends (computed once per family)."""
+    """family -> (tokenizer, plan, tokens, ends, bias): the library generator's greedy forced reply (tool_choice
+    "required", parallel calls) to ASK, written on to 160 tokens (calls one after another), and ``bias``, the
+    logit_bias (token id -> bias) that makes a request write it too. Where the end of generation ends a call
+    (every syntax but DSML), it is forbidden in the library (``bias`` -100 on it) and ``ends`` are
+    :class:`EndMargins`' (tokens so far, margin); in DSML, whose calls are invokes inside one block, the block's
+    closing is (:func:`close_ban`) and ``ends`` are (tokens so far, None) where one more invoke is complete.
+    Computed once per family."""
     from moestream.engine import Engine, Sampler, SamplingParams
     from moestream.server import tools_grammar
     from moestream.structured import Constraint
@@ -418,10 +440,20 @@ def forced_runs(oracle: Any) -> Any:
             body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required"}
             plan = tool_plan(body, tok)
             ids = chat_prompt(body, tok, plan)
-            ends = EndMargins(Constraint(tools_grammar(plan, tok, model.n_vocab), tok, model.n_vocab), tok.eos_ids)
-            tokens = list(Engine(model, 8).stream(ids, 160, Sampler(SamplingParams(temp=0), ends),
-                                                  stop_ids=tok.eos_ids, n_ctx=len(ids) + 160))
-            done[family] = (tok, plan, tokens, ends.ends)
+            constraint = Constraint(tools_grammar(plan, tok, model.n_vocab), tok, model.n_vocab)
+            if plan.fmt.wrap is None:
+                bias = {i: -100.0 for i in tok.eos_ids}
+                sampler = Sampler(SamplingParams(temp=0), margins := EndMargins(constraint, tok.eos_ids))
+            else:
+                bias = close_ban(tok, plan.fmt.wrap[1])
+                sampler, margins = Sampler(SamplingParams(temp=0, logit_bias=bias), constraint), None
+            tokens = list(Engine(model, 8).stream(ids, 160, sampler, stop_ids=tok.eos_ids, n_ctx=len(ids) + 160))
+            if margins is not None:
+                ends = margins.ends
+            else:
+                counts = [len(split_tool_calls(plan, tok, tokens[:k], cut=True)[1] or []) for k in range(161)]
+                ends = [(k, None) for k in range(1, 161) if counts[k] > counts[k - 1]]
+            done[family] = (tok, plan, tokens, ends, {str(i): v for i, v in bias.items()})
         return done[family]
 
     return get
@@ -437,7 +469,7 @@ def as_pairs(calls: Any) -> list[tuple[str, dict]]:
     return out
 
 
-@pytest.mark.parametrize("family", PARALLEL)
+@pytest.mark.parametrize("family", ENDS_A_CALL)
 def test_parallel_tool_calls(family: str, family_servers: Any, forced_runs: Any) -> None:
     """parallel_tool_calls (true by default): a forced reply may hold several calls, one after another as the
     template renders them; n >= 2 calls the model writes come back as tool_calls[0..n-1] (plain and streamed), each
@@ -448,8 +480,9 @@ def test_parallel_tool_calls(family: str, family_servers: Any, forced_runs: Any)
     end-of-generation tokens, which the grammar allows only between whole calls: the library's forced reply gives
     the margin at each call's end (:class:`EndMargins`), and the reply ends after call n when b lies between the
     margin there and the least margin of the calls before it. n is the first n >= 2 where such a window exists, b
-    its middle (no search: the window is read off the logits)."""
-    tok, plan, tokens, ends = forced_runs(family)
+    its middle (no search: the window is read off the logits). (DSML's several calls: the cut test, and
+    test_several_calls_as_the_templates_render_them.)"""
+    tok, plan, tokens, ends, _ = forced_runs(family)
     margins = [m for _, m in ends]
     n = next((k + 1 for k in range(1, len(margins)) if margins[k] < min(margins[:k])), None)
     assert n is not None, f"{family}: no number of calls >= 2 can be chosen by an end bias ({margins})"
@@ -496,19 +529,18 @@ def test_a_reply_cut_at_max_tokens_keeps_its_complete_calls(family: str, family_
     """A forced reply cut by max_tokens while writing its third call returns the two complete calls in
     tool_calls (plain and streamed), finish_reason "length", and nothing of the cut call (not a call, not
     content); cut inside its first call, it returns no call and empty content. The calls are the library's
-    greedy reply's (its end of generation forbidden, as a bias of -100 does)."""
-    tok, plan, tokens, ends = forced_runs(family)
+    greedy reply's, written on with the same logit bias (:func:`forced_runs`)."""
+    tok, plan, tokens, ends, bias = forced_runs(family)
     assert len(ends) >= 3, ends
     cut = ends[1][0] + 6  # 6 tokens into the third call
-    want = as_pairs(split_tool_calls(plan, tok, tokens[:ends[1][0]])[1])
+    want = as_pairs(split_tool_calls(plan, tok, tokens[:ends[1][0]], cut=True)[1])
     assert len(want) == 2 and as_pairs(split_tool_calls(plan, tok, tokens[:cut], cut=True)[1]) == want
     assert tok.decode(tokens[ends[1][0]:cut]).strip()  # the cut call's beginning
     client = client_of(family_servers(family))
 
     def ask(max_tokens: int, **extra: Any) -> Any:
         return client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                              temperature=0, max_tokens=max_tokens,
-                                              logit_bias={str(i): -100 for i in tok.eos_ids}, **extra)
+                                              temperature=0, max_tokens=max_tokens, logit_bias=bias, **extra)
 
     r = ask(cut)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == cut
@@ -543,21 +575,26 @@ def test_harmony_forces_one_call(family_servers: Any) -> None:
     assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
 
 
-def test_several_calls_as_the_templates_render_them_parse_back() -> None:
-    """Two calls in one assistant message, as the Qwen 3 and Gemma 4 templates render them (transformers), parse
-    back into both, in order."""
-    from moestream.server import split_tool_calls
+@pytest.mark.parametrize("family", PARALLEL)
+def test_several_calls_as_the_templates_render_them(family: str) -> None:
+    """Two calls in one assistant message, as the family's template renders them (transformers), parse back into
+    both, in order, and that text (from where the calls begin to the end of their markup) is allowed token by
+    token, and accepted, by the forced grammar of parallel calls: the grammar writes what the template renders."""
+    from moestream.server import tools_grammar
 
     want = [("get_weather", {"city": "Rio de Janeiro", "days": 3}), ("get_time", {"zone": "PST"})]
-    for family in ("qwen3", "gemma4"):
-        tok = tokenizer_with(family)
-        msg = {"role": "assistant", "content": "", "tool_calls": [
-            {"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": a}}
-            for k, (n, a) in enumerate(want)]}
-        whole = transformers_rendering(tok, [*ASK, msg], TOOLS, add_generation_prompt=False)
-        _, calls = split_tool_calls(tool_plan({"tools": TOOLS}, tok), tok, tok.encode(reply_part(tok, whole),
-                                                                                     add_special=False))
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == want, family
+    tok = tokenizer_with(family)
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": a}} for k, (n, a) in enumerate(want)]}
+    part = reply_part(tok, transformers_rendering(tok, [*ASK, msg], TOOLS, add_generation_prompt=False))
+    plan = tool_plan({"tools": TOOLS, "tool_choice": "required"}, tok)
+    assert as_pairs(split_tool_calls(plan, tok, tok.encode(part, add_special=False))[1]) == want
+    if plan.fmt.wrap is not None:  # DSML: the block, from the blank line before it
+        begin, close = part.index(plan.fmt.wrap[0]), plan.fmt.wrap[1]
+    else:
+        begin, close = plan.fmt.find(part), "<tool_call|>" if family == "gemma4" else "</tool_call>"
+    calls_text = part[begin:part.rindex(close) + len(close)]
+    assert grammar_takes(tools_grammar(plan, tok, tok.vocab_size), tok, calls_text), calls_text
 
 
 def test_forced_call_writes_control_markup_as_the_control_token(oracle: Any) -> None:

@@ -117,8 +117,8 @@ def unavailable(message: str, code: str) -> APIError:
 #: what to do when the template cannot take tools (the 400 tools_not_supported says it after why)
 TOOLS_HINT = ("to use tools, start the server with --chat-template-file FILE holding a chat template that takes "
               "them in a syntax moestream parses (Qwen 3 / 2.5's hermes <tool_call> JSON, Qwen 3.5's XML, GLM's, "
-              "gpt-oss' harmony, Gemma 4's: docs/serving.md, 'Structured output and tools') for a model trained on "
-              "it, or send the request without 'tools'")
+              "gpt-oss' harmony, Gemma 4's, DeepSeek's DSML: docs/serving.md, 'Structured output and tools') for a "
+              "model trained on it, or send the request without 'tools'")
 
 #: the 503 of a request that shutdown cancels (queued, or while it ran)
 SHUTTING_DOWN = "the server is shutting down"
@@ -967,7 +967,7 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int],  # noqa: ANN001
 
     ``cut``: the reply ended on ``max_tokens`` or a full context (finish_reason "length"): the complete calls
     (possibly none: ``[]``) and the text before the first call; the call that was being written, and anything
-    after, is dropped (neither a call nor content)."""
+    after, is dropped (neither a call nor content), as is a beginning of a call's opening markup at the end."""
     dec = tok.stream_decoder(False)
     raw, ends = "", []
     for t in tokens:
@@ -975,6 +975,12 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int],  # noqa: ANN001
         ends.append(len(raw))
     raw += dec.flush()
     at = plan.fmt.find(raw)
+    if at < 0 and cut:
+        at = min((len(raw) - k for s in plan.fmt.starts for k in range(1, len(s)) if raw.endswith(s[:k])),
+                 default=-1)
+        if at >= 0:
+            k = sum(1 for e in ends if e <= at)
+            return tok.decode(tokens[:k], skip_special=True).strip() or None, []
     if at < 0:
         return None, None
     calls = plan.fmt.parse(raw[at:], plan.tools, cut=cut)
@@ -1002,7 +1008,8 @@ def tool_call_deltas(calls: list[dict], piece: int = 32) -> list[dict]:
 class CallWatcher:
     """Streamed text with tools: ``feed(token id, text)`` returns the text to send now, holding back everything
     from where a tool call may start (the format's start text, control tokens spelled, or a beginning of it at
-    the end); :meth:`held_text` gives what is held (sent as content when no call parses)."""
+    the end), and whitespace until text follows it (the blank line DSML writes before its calls is not content);
+    :meth:`held_text` gives what is held (sent as content when no call parses)."""
 
     def __init__(self, plan: ToolPlan, tok):  # noqa: ANN001
         self.fmt = plan.fmt
@@ -1014,7 +1021,8 @@ class CallWatcher:
     def feed(self, token: int, text: str) -> str:
         self.raw += self.dec.push(token)
         self.found = self.found or self.fmt.find(self.raw) >= 0
-        if self.found or any(self.raw.endswith(s[:k]) for s in self.fmt.starts for k in range(1, len(s))):
+        if (self.found or any(self.raw.endswith(s[:k]) for s in self.fmt.starts for k in range(1, len(s)))
+                or not ("".join(self.held) + text).strip()):
             self.held.append(text)
             return ""
         out = "".join(self.held) + text

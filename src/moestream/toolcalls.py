@@ -12,20 +12,24 @@ writes is read back, and a call the client sends back is rendered, the same way)
   ``<|call|>`` (an end-of-generation token);
 - ``gemma4`` (Gemma 4): ``<|tool_call>call:NAME{key:VALUE,...}<tool_call|>``, the keys in sorted order, a string
   value ``<|"|>text<|"|>``, numbers, ``true``/``false``/``null`` bare, lists ``[a,b]``, objects ``{key:value}``
-  (keys bare or quoted): the values as the template's ``format_argument`` writes them.
+  (keys bare or quoted): the values as the template's ``format_argument`` writes them;
+- ``dsml`` (DeepSeek V3.2) and ``dsml-v4`` (DeepSeek V4): the calls of a reply in one block,
+  ``\n\n<｜DSML｜function_calls>\n`` (V4: ``tool_calls``) ``<｜DSML｜invoke name="NAME">\n`` then per argument
+  ``<｜DSML｜parameter name="KEY" string="true">VALUE</｜DSML｜parameter>\n`` (``string="false"`` and JSON for a
+  value that is no string), ``</｜DSML｜invoke>\n`` ... ``</｜DSML｜function_calls>`` (the bars are full-width).
 
 Several calls in one reply (OpenAI's ``parallel_tool_calls``, true by default): ``hermes``, ``qwen-xml`` and ``glm``
 write them one after another, a newline between (as the Qwen 3, Qwen 3.5 and GLM 4.6 templates render an
-assistant's several calls), ``gemma4`` with nothing between. ``harmony`` is parsed for several too, but a forced
-reply there is one call: a harmony call message ends in ``<|call|>``, an end-of-generation token (the tool's answer
-comes before the model writes on), and the gpt-oss template renders only the first call of an assistant message
-(``message.tool_calls[0]``), so a second call could not be sent back.
+assistant's several calls), ``gemma4`` with nothing between, ``dsml`` as invokes one after another in the block.
+``harmony`` is parsed for several too, but a forced reply there is one call: a harmony call message ends in
+``<|call|>``, an end-of-generation token (the tool's answer comes before the model writes on), and the gpt-oss
+template renders only the first call of an assistant message (``message.tool_calls[0]``), so a second call could
+not be sent back.
 
-In the XML styles a string value is written as it is, any other value as JSON (as the templates render them).
-A template that never reads ``tools`` (DeepSeek R1's and V3.1's - V3.1 renders an assistant's calls but never
-the tool list -, the embedded model's) cannot show a model its tools, and one whose syntax is none of these
-(DeepSeek V3.2's and V4's DSML ``<｜DSML｜function_calls>``) cannot be parsed: :func:`tool_format` says why (the
-server's 400).
+In the XML styles and DSML a string value is written as it is, any other value as JSON (as the templates render
+them). A template that never reads ``tools`` (DeepSeek R1's and V3.1's - V3.1 renders an assistant's calls but never
+the tool list -, the embedded model's) cannot show a model its tools, and one whose syntax is none of these cannot
+be parsed: :func:`tool_format` says why (the server's 400).
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ MARKUP = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>
 #: Gemma 4's string quote
 GQ = '<|"|>'
 
+#: DeepSeek's DSML prefix of its tool-call markup (full-width bars)
+DSML = "\uff5cDSML\uff5c"
+
 
 @dataclass(frozen=True)
 class ToolFormat:
@@ -66,6 +73,8 @@ class ToolFormat:
     starts: tuple[str, ...]
     #: the text between two calls of one reply where a forced reply may hold several (None: one call only)
     sep: str | None = None
+    #: the text before and after a reply's calls where the syntax puts them in one block (DSML), else None
+    wrap: tuple[str, str] | None = None
 
     def find(self, raw: str) -> int:
         """Where the first call begins in ``raw`` (-1: nowhere)."""
@@ -107,6 +116,8 @@ class ToolFormat:
             start = f"one ({lit(self.sep)} one)*" if self.sep else "one+"
         else:
             start = one
+        if self.wrap is not None:
+            start = f"{lit(self.wrap[0])} ({start}) {lit(self.wrap[1])}"
         return "start: " + start + "\n" + "\n".join(rules) + "\n"
 
     def _call_rule(self, name: str, schema: dict, i: int, rules: list[str], lit: Callable[[str], str]) -> str:
@@ -119,13 +130,14 @@ class ToolFormat:
             return lit(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>") + f" args_{i}"
         if self.name == "gemma4":
             return self._gemma_rule(name, schema, i, rules, lit)
-        # the XML styles: one element per property, the required ones first, in the schema's order
+        # the XML styles (and DSML): one element per property, the required ones first, in the schema's order
         props = schema.get("properties") or {}
         required = [k for k in schema.get("required") or [] if k in props]
         parts = []
         for j, key in enumerate(required):
             sub = props[key] if isinstance(props[key], dict) else {}
             choices = sub.get("enum", [sub["const"]] if "const" in sub else None)
+            bare = True
             if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
                 rules.append(f"v_{i}_{j}: " + " | ".join(_lark_str(c) for c in choices))  # written bare
             elif sub.get("type") == "string":  # bare text up to the closing tag (a pattern or format is not enforced)
@@ -134,9 +146,12 @@ class ToolFormat:
                 rules.append(f"v_{i}_{j}: /[^<\\n]{{{least},{most}}}/")
             else:
                 rules.append(f"v_{i}_{j}: {json_lark(sub)}")
-            open_, close = self._param(key)
+                bare = False
+            open_, close = self._param(key, bare)
             parts.append(f"{lit(open_)} v_{i}_{j} {lit(close)}")
         head, tail = self._call_ends(name)
+        if not parts and self.name == "dsml-v4":  # V4's template writes a newline into an invoke without arguments
+            tail = "\n" + tail
         return " ".join([lit(head), *parts, lit(tail)])
 
     def _gemma_rule(self, name: str, schema: dict, i: int, rules: list[str], lit: Callable[[str], str]) -> str:
@@ -146,14 +161,19 @@ class ToolFormat:
         return " ".join([lit(f"<|tool_call>call:{name}{{"), values.members(schema, required_only=True),
                          lit("}<tool_call|>")])
 
-    def _param(self, key: str) -> tuple[str, str]:
+    def _param(self, key: str, bare: bool) -> tuple[str, str]:
+        """The markup before and after an argument's value (``bare``: a string written as it is, not JSON)."""
         if self.name == "qwen-xml":
             return f"<parameter={key}>\n", "\n</parameter>\n"
+        if self.name.startswith("dsml"):
+            return f'<{DSML}parameter name="{key}" string="{"true" if bare else "false"}">', f"</{DSML}parameter>\n"
         return f"<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n"
 
     def _call_ends(self, name: str) -> tuple[str, str]:
         if self.name == "qwen-xml":
             return f"<tool_call>\n<function={name}>\n", "</function>\n</tool_call>"
+        if self.name.startswith("dsml"):
+            return f'<{DSML}invoke name="{name}">\n', f"</{DSML}invoke>\n"
         return f"<tool_call>{name}\n", "</tool_call>"
 
     # --- the parse of a reply ------------------------------------------------------------------------------
@@ -209,6 +229,16 @@ class ToolFormat:
                 calls.append((m.group(1), args))
             else:
                 return self._calls(calls, cut)
+        elif self.name.startswith("dsml"):
+            for m in re.finditer(f'<{DSML}invoke name="([^"\\n]+)">\\n?(.*?)(</{DSML}invoke>|$)', raw, re.S):
+                if cut and not m.group(3):  # no closing tag: more arguments may have followed
+                    break
+                args = {}
+                param_pat = f'<{DSML}parameter name="([^"\\n]+)" string="(true|false)">(.*?)</{DSML}parameter>'
+                for p in re.finditer(param_pat, m.group(2), re.S):
+                    args[p.group(1)] = _xml_value(p.group(3), {"type": "string"} if p.group(2) == "true" else None)
+                calls.append((m.group(1), args))
+            return self._calls(calls, cut)
         else:
             if self.name == "qwen-xml":
                 call_pat = r"<tool_call>\s*<function=([^>\n]+)>\s*(.*?)\s*</function>\s*(?:</tool_call>|$)"
@@ -463,7 +493,9 @@ FORMATS = {f.name: f for f in (ToolFormat("hermes", ("<tool_call>",), "\n"),
                                ToolFormat("qwen-xml", ("<tool_call>",), "\n"),
                                ToolFormat("glm", ("<tool_call>",), "\n"),
                                ToolFormat("harmony", ("<|channel|>commentary to=", "to=functions.")),
-                               ToolFormat("gemma4", ("<|tool_call>",), ""))}
+                               ToolFormat("gemma4", ("<|tool_call>",), ""),
+                               *(ToolFormat(name, (f"<{DSML}{b}>",), "", (f"\n\n<{DSML}{b}>\n", f"</{DSML}{b}>"))
+                                 for name, b in (("dsml", "function_calls"), ("dsml-v4", "tool_calls"))))}
 
 
 def reads_tools(source: str) -> bool:
@@ -485,6 +517,8 @@ def tool_format(source: str | None) -> ToolFormat:
     if not reads_tools(source):
         raise ToolFormatError("the chat template does not take tools (it never reads 'tools'), so the model "
                               "cannot be shown them")
+    if "\uff5cDSML\uff5c" in source and "invoke name=" in source:
+        return FORMATS["dsml" if "function_calls>" in source else "dsml-v4"]
     if "<|call|>" in source and "functions." in source:
         return FORMATS["harmony"]
     if "<function=" in source and "<parameter=" in source:
@@ -496,4 +530,4 @@ def tool_format(source: str | None) -> ToolFormat:
     if "<|tool_call>call:" in source and "<tool_call|>" in source:
         return FORMATS["gemma4"]
     raise ToolFormatError("the chat template takes tools, but its tool-call syntax is none moestream parses "
-                          "(hermes <tool_call> JSON, Qwen 3.5 XML, GLM, gpt-oss harmony, Gemma 4)")
+                          "(hermes <tool_call> JSON, Qwen 3.5 XML, GLM, gpt-oss harmony, Gemma 4, DeepSeek DSML)")
