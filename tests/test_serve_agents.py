@@ -560,6 +560,37 @@ def test_a_reply_cut_at_max_tokens_keeps_its_complete_calls(family: str, family_
     assert (got, content, finish) == ([], "", "length")
 
 
+@pytest.mark.parametrize("family", list(TEMPLATES))
+def test_every_cut_of_the_templates_calls_parses_to_its_complete_calls(family: str) -> None:
+    """The template's own text of two calls (gpt-oss: one, all its template renders), after a line of text, cut
+    after every one of its tokens: the cut parse (finish_reason "length") returns the calls complete by then,
+    each exactly as written (never a cut one, with arguments as far as they went), more as the cut moves on, both
+    at the end; the content is the text before the calls. Prose that ends in the start of harmony's plain-text
+    markup (``to``) stays content."""
+    want = [("get_weather", {"city": "Rio de Janeiro", "days": 3}), ("get_time", {"zone": "PST"})]
+    tok = tokenizer_with(family)
+    plan = tool_plan({"tools": TOOLS}, tok)
+    if family == "gpt-oss":
+        want = want[:1]
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": a}} for k, (n, a) in enumerate(want)]}
+    part = reply_part(tok, transformers_rendering(tok, [*ASK, msg], TOOLS, add_generation_prompt=False))
+    tokens = tok.encode("Let me check.\n\n" + part[plan.fmt.find(part):], add_special=False)
+    seen = 0
+    for k in range(1, len(tokens) + 1):
+        content, calls = split_tool_calls(plan, tok, tokens[:k], cut=True)
+        if calls is None:  # no call has begun yet
+            assert seen == 0 and plan.fmt.find(tok.decode(tokens[:k])) < 0, k
+            continue
+        assert content == "Let me check.", (k, content)
+        got = as_pairs(calls)
+        assert got == want[:len(got)] and len(got) >= seen, (k, tok.decode(tokens[:k])[-60:], got)
+        seen = len(got)
+    assert seen == len(want)
+    prose = tok.encode("Talk to", add_special=False)
+    assert split_tool_calls(plan, tok, prose, cut=True) == (None, None)
+
+
 def test_harmony_forces_one_call(family_servers: Any) -> None:
     """gpt-oss' harmony: a forced reply is one call even with parallel_tool_calls true (the grammar ends after
     it), because the template renders only the first call of an assistant message, so a second could not be sent

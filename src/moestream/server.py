@@ -967,7 +967,8 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int],  # noqa: ANN001
 
     ``cut``: the reply ended on ``max_tokens`` or a full context (finish_reason "length"): the complete calls
     (possibly none: ``[]``) and the text before the first call; the call that was being written, and anything
-    after, is dropped (neither a call nor content), as is a beginning of a call's opening markup at the end."""
+    after, is dropped (neither a call nor content), as is a beginning of a call's opening markup at the end (two
+    characters or more of a start text that begins with ``<``)."""
     dec = tok.stream_decoder(False)
     raw, ends = "", []
     for t in tokens:
@@ -975,9 +976,9 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int],  # noqa: ANN001
         ends.append(len(raw))
     raw += dec.flush()
     at = plan.fmt.find(raw)
-    if at < 0 and cut:
-        at = min((len(raw) - k for s in plan.fmt.starts for k in range(1, len(s)) if raw.endswith(s[:k])),
-                 default=-1)
+    if at < 0 and cut:  # markup cut short: 2 characters or more of a start that is markup ("<..."), not prose
+        at = min((len(raw) - k for s in plan.fmt.starts if s.startswith("<") for k in range(2, len(s))
+                  if raw.endswith(s[:k])), default=-1)
         if at >= 0:
             k = sum(1 for e in ends if e <= at)
             return tok.decode(tokens[:k], skip_special=True).strip() or None, []
