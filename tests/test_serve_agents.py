@@ -7,8 +7,9 @@ results (the prompt the server prefills must decode to transformers' rendering);
 (``Engine.stream`` with a :class:`~moestream.engine.Sampler`) for penalties and logit bias.
 
 The templates are each family's own, from llama.cpp's copies in the pinned llama-cpp-python sdist (Qwen 3,
-Qwen 3.5, gpt-oss harmony, GLM 4.6, Gemma 4), on the embedded model (its Qwen2 vocabulary; ``--chat-template-file``): a
-model this small never writes a tool call or JSON by itself, which is what shows that the constraint writes them.
+Qwen 3.5, gpt-oss harmony, GLM 4.6, Gemma 4, DeepSeek V3.2 and V4), on the embedded model (its Qwen2 vocabulary;
+``--chat-template-file``): a model this small never writes a tool call or JSON by itself, which is what shows that
+the constraint writes them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 
 import test_serve
 from conftest import load_tool
-from moestream.server import chat_prompt, tool_plan
+from moestream.server import chat_prompt, split_tool_calls, tool_plan
 from moestream.tokenizer import GGUFTokenizer, TokenType
 from test_serve import DEFAULT_GGUF, Running, library_text, sse_events
 
@@ -33,7 +34,8 @@ srv = test_serve.srv  # the embedded model's own template (DeepSeek-R1's: it doe
 
 #: family -> llama.cpp's copy of its template (vendor/llama.cpp/models/templates in the pinned sdist)
 TEMPLATES = {"qwen3": "Qwen-Qwen3-0.6B.jinja", "qwen3.5": "Qwen3.5-4B.jinja", "gpt-oss": "openai-gpt-oss-120b.jinja",
-             "glm4.6": "GLM-4.6.jinja", "gemma4": "google-gemma-4-31B-it.jinja"}
+             "glm4.6": "GLM-4.6.jinja", "gemma4": "google-gemma-4-31B-it.jinja",
+             "deepseek3.2": "deepseek-ai-DeepSeek-V3.2.jinja", "deepseek4": "deepseek-ai-DeepSeek-V4.jinja"}
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -93,11 +95,14 @@ def transformers_rendering(tok: GGUFTokenizer, messages: list[dict], tools: list
 def reply_part(tok: GGUFTokenizer, whole: str) -> str:
     """The assistant's part of ``whole`` (a rendering ending in an assistant message with tool calls): what follows
     the generation prompt's rendering. Gemma 4's generation prompt ends in an empty thought channel that a rendered
-    assistant message has not (the template strips thinking): the part follows the prompt without it. It holds
-    a call."""
+    assistant message has not (the template strips thinking): the part follows the prompt without it; DeepSeek
+    V3.2's ends in ``<think></think>`` where its rendered assistant message has ``</think>``: the part follows
+    that. It holds a call."""
     head = transformers_rendering(tok, ASK, TOOLS)
     if not whole.startswith(head):
         head = head.removesuffix("<|channel>thought\n<channel|>")
+    if not whole.startswith(head) and head.endswith("<think></think>"):
+        head = head.removesuffix("<think></think>") + "</think>"
     assert whole.startswith(head), (head[-80:], whole[len(head) - 80:])
     part = whole[len(head):]
     assert tool_plan({"tools": TOOLS}, tok).fmt.find(part) >= 0, part[:80]
@@ -355,11 +360,9 @@ def test_bad_tools_on_a_template_with_tools(family_servers: Any, extra: dict, pa
 @pytest.mark.parametrize("name,why", [
     ("deepseek-ai-DeepSeek-V3.1.jinja", "never reads 'tools'"),  # renders an assistant's calls, never the tool list
     ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "never reads 'tools'"),
-    ("deepseek-ai-DeepSeek-V3.2.jinja", "none moestream parses"),  # DSML function_calls: not implemented
 ])
 def test_template_without_a_known_tool_syntax_is_refused(name: str, why: str) -> None:
-    """DeepSeek's templates: V3.1's and R1's never show the model its tools; V3.2's DSML calls are not parsed: a
-    clear 400, at the request."""
+    """DeepSeek's templates: V3.1's and R1's never show the model its tools: a clear 400, at the request."""
     from moestream.server import APIError
 
     tok = copy.copy(GGUFTokenizer.from_gguf(str(DEFAULT_GGUF)))
@@ -370,49 +373,145 @@ def test_template_without_a_known_tool_syntax_is_refused(name: str, why: str) ->
     assert e.value.code == "tools_not_supported"
 
 
-def test_parallel_tool_calls(family_servers: Any) -> None:
-    """parallel_tool_calls (true by default) on the Qwen 3 (hermes) template: a forced reply may hold several
-    calls, one after another as the template renders them, and two the model writes come back as tool_calls[0]
-    and [1] (plain and streamed), each validated; with parallel_tool_calls false the same request gets one.
+#: the families whose forced replies may hold several calls (gpt-oss' harmony: one, see test_harmony_forces_one_call)
+PARALLEL = ["qwen3", "qwen3.5", "glm4.6", "gemma4", "deepseek3.2", "deepseek4"]
+#: those where the end of generation may follow each call (DSML closes its block of calls first)
+ENDS_A_CALL = PARALLEL[:4]
 
-    This model never ends a reply by itself, so the number of calls is steered by a logit bias on its
-    end-of-generation tokens (the grammar allows them only between whole calls): the bias at which its greedy
-    reply holds two calls is searched for (the more bias, the fewer calls)."""
-    s = family_servers("qwen3")
-    client = client_of(s)
-    eos = tokenizer_with("qwen3").eos_ids
 
-    def ask(bias: float, **extra: Any) -> Any:
+class EndMargins:
+    """A forced-call constraint that, at each point where the grammar allows the end of generation (after a whole
+    call), records ``(tokens so far, margin)``, the margin being the float32 logit of the best other allowed token
+    minus that of the best end-of-generation token, and then forbids the end, so the reply goes on writing calls
+    until the token limit. A logit bias b on every end-of-generation token makes the greedy reply end at the first
+    such point whose margin is below b: this is how many calls a request with that bias gets."""
+
+    def __init__(self, constraint: Any, eos: list[int]):
+        self.c, self.eos = constraint, sorted(eos)
+        self.ends: list[tuple[int, float]] = []
+        self.n = 0
+
+    def mask(self, logits: Any) -> Any:
+        out = self.c.mask(logits)
+        best_end = out[self.eos].max()
+        if bool(best_end > float("-inf")):
+            out = out.clone()
+            out[self.eos] = float("-inf")
+            self.ends.append((self.n, float(out.max() - best_end)))
+        return out
+
+    def consume(self, token: int) -> None:
+        self.n += 1
+        self.c.consume(token)
+
+
+def close_ban(tok: GGUFTokenizer, close: str) -> dict[int, float]:
+    """A logit bias of -100 on every token that can begin DSML's closing tag ``close`` where the next invoke could
+    begin instead: a prefix of it other than ``<`` (which begins an invoke too), or of it without its ``<`` (after a
+    ``<`` token). Elsewhere the grammar allows only the closing tags, so there the bias changes nothing."""
+    whole = close.encode()
+    ban = {}
+    for i in range(tok.vocab_size):
+        b = tok.token_bytes(i)
+        if b and b != b"<" and (whole.startswith(b) or whole[1:].startswith(b)):
+            ban[i] = -100.0
+    return ban
+
+
+@pytest.fixture(scope="module")
+def forced_runs(oracle: Any) -> Any:
+    """family -> (tokenizer, plan, tokens, ends, bias): the library generator's greedy forced reply (tool_choice
+    "required", parallel calls) to ASK, written on to 160 tokens (calls one after another), and ``bias``, the
+    logit_bias (token id -> bias) that makes a request write it too. Where the end of generation ends a call
+    (every syntax but DSML), it is forbidden in the library (``bias`` -100 on it) and ``ends`` are
+    :class:`EndMargins`' (tokens so far, margin); in DSML, whose calls are invokes inside one block, the block's
+    closing is (:func:`close_ban`) and ``ends`` are (tokens so far, None) where one more invoke is complete.
+    Computed once per family."""
+    from moestream.engine import Engine, Sampler, SamplingParams
+    from moestream.server import tools_grammar
+    from moestream.structured import Constraint
+
+    model, _ = oracle
+    done: dict[str, Any] = {}
+
+    def get(family: str) -> Any:
+        if family not in done:
+            tok = tokenizer_with(family)
+            body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+            plan = tool_plan(body, tok)
+            ids = chat_prompt(body, tok, plan)
+            constraint = Constraint(tools_grammar(plan, tok, model.n_vocab), tok, model.n_vocab)
+            if plan.fmt.wrap is None:
+                bias = {i: -100.0 for i in tok.eos_ids}
+                sampler = Sampler(SamplingParams(temp=0), margins := EndMargins(constraint, tok.eos_ids))
+            else:
+                bias = close_ban(tok, plan.fmt.wrap[1])
+                sampler, margins = Sampler(SamplingParams(temp=0, logit_bias=bias), constraint), None
+            tokens = list(Engine(model, 8).stream(ids, 160, sampler, stop_ids=tok.eos_ids, n_ctx=len(ids) + 160))
+            if margins is not None:
+                ends = margins.ends
+            else:
+                counts = [len(split_tool_calls(plan, tok, tokens[:k], cut=True)[1] or []) for k in range(161)]
+                ends = [(k, None) for k in range(1, 161) if counts[k] > counts[k - 1]]
+            done[family] = (tok, plan, tokens, ends, {str(i): v for i, v in bias.items()})
+        return done[family]
+
+    return get
+
+
+def as_pairs(calls: Any) -> list[tuple[str, dict]]:
+    """(name, arguments object) of each call, from the openai client's objects or OpenAI's dicts."""
+    out = []
+    for c in calls or []:
+        fn = c["function"] if isinstance(c, dict) else c.function
+        name, args = (fn["name"], fn["arguments"]) if isinstance(fn, dict) else (fn.name, fn.arguments)
+        out.append((name, json.loads(args)))
+    return out
+
+
+@pytest.mark.parametrize("family", ENDS_A_CALL)
+def test_parallel_tool_calls(family: str, family_servers: Any, forced_runs: Any) -> None:
+    """parallel_tool_calls (true by default): a forced reply may hold several calls, one after another as the
+    template renders them; n >= 2 calls the model writes come back as tool_calls[0..n-1] (plain and streamed), each
+    validated, finish_reason "tool_calls"; with parallel_tool_calls false the same request gets the first alone;
+    the calls and their results sent back are rendered as transformers renders them.
+
+    This model never ends a reply by itself, so the number of calls is set by a logit bias b on its
+    end-of-generation tokens, which the grammar allows only between whole calls: the library's forced reply gives
+    the margin at each call's end (:class:`EndMargins`), and the reply ends after call n when b lies between the
+    margin there and the least margin of the calls before it. n is the first n >= 2 where such a window exists, b
+    its middle (no search: the window is read off the logits). (DSML's several calls: the cut test, and
+    test_several_calls_as_the_templates_render_them.)"""
+    tok, plan, tokens, ends, _ = forced_runs(family)
+    margins = [m for _, m in ends]
+    n = next((k + 1 for k in range(1, len(margins)) if margins[k] < min(margins[:k])), None)
+    assert n is not None, f"{family}: no number of calls >= 2 can be chosen by an end bias ({margins})"
+    low, high = margins[n - 1], min(margins[:n - 1])
+    assert high - low > 1e-3 and abs(low + high) / 2 < 100, (low, high)
+    bias = (low + high) / 2
+    want = as_pairs(split_tool_calls(plan, tok, tokens[:ends[n - 1][0]])[1])
+    assert len(want) == n
+    client = client_of(family_servers(family))
+
+    def ask(**extra: Any) -> Any:
         return client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                              temperature=0, max_tokens=160,
-                                              logit_bias={str(i): bias for i in eos}, **extra)
+                                              temperature=0, max_tokens=ends[n - 1][0] + 8,
+                                              logit_bias={str(i): bias for i in tok.eos_ids}, **extra)
 
-    lo, hi, found = 0.0, 16.0, None
-    for _ in range(10):
-        mid = (lo + hi) / 2
-        r = ask(mid)
-        n = len(r.choices[0].message.tool_calls or []) if r.choices[0].finish_reason == "tool_calls" else 99
-        if n == 2:
-            found = (mid, r)
-            break
-        lo, hi = (mid, hi) if n > 2 else (lo, mid)
-    assert found is not None, (lo, hi)
-    bias, r = found
+    r = ask()
     calls = r.choices[0].message.tool_calls
-    assert r.choices[0].message.content is None and len({c.id for c in calls}) == 2
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert as_pairs(calls) == want and len({c.id for c in calls}) == n
     for c in calls:
         assert c.type == "function" and c.function.name in SCHEMAS
         jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
-    got, content, finish = streamed_calls(ask(bias, stream=True))
+    got, content, finish = streamed_calls(ask(stream=True))
     assert finish == "tool_calls" and content == ""
-    assert [(c["name"], json.loads(c["arguments"])) for c in got] == [
-        (c.function.name, json.loads(c.function.arguments)) for c in calls]
-    one = ask(bias, parallel_tool_calls=False)
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == want
+    one = ask(parallel_tool_calls=False)
     assert one.choices[0].finish_reason == "tool_calls"
-    (c,) = one.choices[0].message.tool_calls
-    assert (c.function.name, c.function.arguments) == (calls[0].function.name, calls[0].function.arguments)
-    # what a client sends back: both calls and both results, rendered as transformers renders them
-    tok = tokenizer_with("qwen3")
+    assert as_pairs(one.choices[0].message.tool_calls) == want[:1]
+    # what a client sends back: every call and every result, rendered as transformers renders them
     sent = [c.model_dump(exclude_none=True) for c in calls]
     back = [*ASK, {"role": "assistant", "content": None, "tool_calls": sent},
             *({"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in calls)]
@@ -424,21 +523,109 @@ def test_parallel_tool_calls(family_servers: Any) -> None:
     assert tok.decode(chat_prompt(body, tok, tool_plan(body, tok))) == transformers_rendering(tok, hf_msgs, TOOLS)
 
 
-def test_several_calls_as_the_templates_render_them_parse_back() -> None:
-    """Two calls in one assistant message, as the Qwen 3 and Gemma 4 templates render them (transformers), parse
-    back into both, in order."""
-    from moestream.server import split_tool_calls
+@pytest.mark.parametrize("family", PARALLEL)
+def test_a_reply_cut_at_max_tokens_keeps_its_complete_calls(family: str, family_servers: Any,
+                                                           forced_runs: Any) -> None:
+    """A forced reply cut by max_tokens while writing its third call returns the two complete calls in
+    tool_calls (plain and streamed), finish_reason "length", and nothing of the cut call (not a call, not
+    content); cut inside its first call, it returns no call and empty content. The calls are the library's
+    greedy reply's, written on with the same logit bias (:func:`forced_runs`)."""
+    tok, plan, tokens, ends, bias = forced_runs(family)
+    assert len(ends) >= 3, ends
+    cut = ends[1][0] + 6  # 6 tokens into the third call
+    want = as_pairs(split_tool_calls(plan, tok, tokens[:ends[1][0]], cut=True)[1])
+    assert len(want) == 2 and as_pairs(split_tool_calls(plan, tok, tokens[:cut], cut=True)[1]) == want
+    assert tok.decode(tokens[ends[1][0]:cut]).strip()  # the cut call's beginning
+    client = client_of(family_servers(family))
+
+    def ask(max_tokens: int, **extra: Any) -> Any:
+        return client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                              temperature=0, max_tokens=max_tokens, logit_bias=bias, **extra)
+
+    r = ask(cut)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == cut
+    assert r.choices[0].message.content is None
+    assert as_pairs(r.choices[0].message.tool_calls) == want
+    for name, args in want:
+        jsonschema.validate(args, SCHEMAS[name])
+    got, content, finish = streamed_calls(ask(cut, stream=True))
+    assert finish == "length" and content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == want
+    one = ask(cut, parallel_tool_calls=False)  # one call: the grammar ends it, not the limit
+    assert one.choices[0].finish_reason == "tool_calls" and as_pairs(one.choices[0].message.tool_calls) == want[:1]
+    early = ask(6)  # inside the first call's markup
+    assert early.choices[0].finish_reason == "length" and early.choices[0].message.tool_calls is None
+    assert early.choices[0].message.content == ""
+    got, content, finish = streamed_calls(ask(6, stream=True))
+    assert (got, content, finish) == ([], "", "length")
+
+
+@pytest.mark.parametrize("family", list(TEMPLATES))
+def test_every_cut_of_the_templates_calls_parses_to_its_complete_calls(family: str) -> None:
+    """The template's own text of two calls (gpt-oss: one, all its template renders), after a line of text, cut
+    after every one of its tokens: the cut parse (finish_reason "length") returns the calls complete by then,
+    each exactly as written (never a cut one, with arguments as far as they went), more as the cut moves on, both
+    at the end; the content is the text before the calls. Prose that ends in the start of harmony's plain-text
+    markup (``to``) stays content."""
+    want = [("get_weather", {"city": "Rio de Janeiro", "days": 3}), ("get_time", {"zone": "PST"})]
+    tok = tokenizer_with(family)
+    plan = tool_plan({"tools": TOOLS}, tok)
+    if family == "gpt-oss":
+        want = want[:1]
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": a}} for k, (n, a) in enumerate(want)]}
+    part = reply_part(tok, transformers_rendering(tok, [*ASK, msg], TOOLS, add_generation_prompt=False))
+    tokens = tok.encode("Let me check.\n\n" + part[plan.fmt.find(part):], add_special=False)
+    seen = 0
+    for k in range(1, len(tokens) + 1):
+        content, calls = split_tool_calls(plan, tok, tokens[:k], cut=True)
+        if calls is None:  # no call has begun yet
+            assert seen == 0 and plan.fmt.find(tok.decode(tokens[:k])) < 0, k
+            continue
+        assert content == "Let me check.", (k, content)
+        got = as_pairs(calls)
+        assert got == want[:len(got)] and len(got) >= seen, (k, tok.decode(tokens[:k])[-60:], got)
+        seen = len(got)
+    assert seen == len(want)
+    prose = tok.encode("Talk to", add_special=False)
+    assert split_tool_calls(plan, tok, prose, cut=True) == (None, None)
+
+
+def test_harmony_forces_one_call(family_servers: Any) -> None:
+    """gpt-oss' harmony: a forced reply is one call even with parallel_tool_calls true (the grammar ends after
+    it), because the template renders only the first call of an assistant message, so a second could not be sent
+    back: transformers' rendering of two calls holds one."""
+    tok = tokenizer_with("gpt-oss")
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": a}}
+        for k, (n, a) in enumerate([("get_weather", {"city": "Rome", "days": 1}), ("get_time", {"zone": "UTC"})])]}
+    whole = transformers_rendering(tok, [*ASK, msg], TOOLS, add_generation_prompt=False)
+    assert "functions.get_weather" in whole and whole.count("to=functions.") == 1
+    r = client_of(family_servers("gpt-oss")).chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.parametrize("family", PARALLEL)
+def test_several_calls_as_the_templates_render_them(family: str) -> None:
+    """Two calls in one assistant message, as the family's template renders them (transformers), parse back into
+    both, in order, and that text (from where the calls begin to the end of their markup) is allowed token by
+    token, and accepted, by the forced grammar of parallel calls: the grammar writes what the template renders."""
+    from moestream.server import tools_grammar
 
     want = [("get_weather", {"city": "Rio de Janeiro", "days": 3}), ("get_time", {"zone": "PST"})]
-    for family in ("qwen3", "gemma4"):
-        tok = tokenizer_with(family)
-        msg = {"role": "assistant", "content": "", "tool_calls": [
-            {"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": a}}
-            for k, (n, a) in enumerate(want)]}
-        whole = transformers_rendering(tok, [*ASK, msg], TOOLS, add_generation_prompt=False)
-        _, calls = split_tool_calls(tool_plan({"tools": TOOLS}, tok), tok, tok.encode(reply_part(tok, whole),
-                                                                                     add_special=False))
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == want, family
+    tok = tokenizer_with(family)
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": a}} for k, (n, a) in enumerate(want)]}
+    part = reply_part(tok, transformers_rendering(tok, [*ASK, msg], TOOLS, add_generation_prompt=False))
+    plan = tool_plan({"tools": TOOLS, "tool_choice": "required"}, tok)
+    assert as_pairs(split_tool_calls(plan, tok, tok.encode(part, add_special=False))[1]) == want
+    if plan.fmt.wrap is not None:  # DSML: the block, from the blank line before it
+        begin, close = part.index(plan.fmt.wrap[0]), plan.fmt.wrap[1]
+    else:
+        begin, close = plan.fmt.find(part), "<tool_call|>" if family == "gemma4" else "</tool_call>"
+    calls_text = part[begin:part.rindex(close) + len(close)]
+    assert grammar_takes(tools_grammar(plan, tok, tok.vocab_size), tok, calls_text), calls_text
 
 
 def test_forced_call_writes_control_markup_as_the_control_token(oracle: Any) -> None:
@@ -453,7 +640,7 @@ def test_forced_call_writes_control_markup_as_the_control_token(oracle: Any) -> 
     tok.token_types = list(tok.token_types)
     call_id = tok.token_to_id("<tool_call>")
     tok.token_types[call_id] = TokenType.CONTROL
-    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
     plan = tool_plan(body, tok)
     ids = chat_prompt(body, tok, plan)
     constraint = Constraint(tools_grammar(plan, tok, model.n_vocab), tok, model.n_vocab)
@@ -515,3 +702,102 @@ def test_gemma4_forced_calls_in_the_real_vocabulary() -> None:
     assert constraint.accepting
     _, calls = split_tool_calls(plan, tok, [*ids, tok.token_to_id("<|tool_response>")])
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == want
+
+
+# ------------------------------------------------------------------------------------------------ Gemma 4 values
+TRIP = {"type": "object", "properties": {
+    "stops": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "nights": {"type": "integer", "minimum": 1, "maximum": 5},
+                                         "note": {"type": "string", "maxLength": 10}},
+        "required": ["city", "nights"], "additionalProperties": False}},
+    "budget": {"type": "object", "properties": {"amount": {"type": "number", "minimum": 0, "maximum": 5000},
+                                                "currency": {"enum": ["EUR", "USD"]}},
+               "required": ["amount", "currency"]},
+    "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+    "mode": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/mode"}]}},
+    "required": ["stops", "budget", "flags", "mode"], "$defs": {"mode": {"enum": ["train", "car"]}}}
+TRIP_TOOLS = [{"type": "function", "function": {"name": "plan_trip", "description": "Plan a trip",
+                                                "parameters": TRIP}}]
+GOOD_TRIP = {"stops": [{"city": "Rome", "nights": 2}, {"city": "Pisa", "nights": 1, "note": "tower"}],
+             "budget": {"amount": 800.5, "currency": "EUR"}, "flags": [True, False], "mode": "train"}
+BAD_TRIPS = {  # each breaks TRIP in one place
+    "nights out of range": {**GOOD_TRIP, "stops": [{"city": "Rome", "nights": 9}]},
+    "a required key missing": {**GOOD_TRIP, "stops": [{"city": "Rome"}]},
+    "an undeclared key": {**GOOD_TRIP, "stops": [{"city": "Rome", "hotel": "x", "nights": 2}]},
+    "too many items": {**GOOD_TRIP, "stops": [{"city": "Rome", "nights": 1}] * 4},
+    "no items": {**GOOD_TRIP, "stops": []},
+    "not in the enum": {**GOOD_TRIP, "budget": {"amount": 1, "currency": "GBP"}},
+    "a string for a number": {**GOOD_TRIP, "budget": {"amount": "many", "currency": "EUR"}},
+    "a string for a boolean": {**GOOD_TRIP, "flags": ["yes"]},
+    "not in the $ref's enum": {**GOOD_TRIP, "mode": "bus"},
+    "a list for an object": {**GOOD_TRIP, "budget": [1, 2]},
+}
+
+
+def gemma_call_text(tok: GGUFTokenizer, args: dict) -> str:
+    """The Gemma 4 template's text of one plan_trip call with ``args`` (transformers' rendering), from
+    ``<|tool_call>`` to ``<tool_call|>``."""
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "plan_trip", "arguments": args}}]}
+    whole = transformers_rendering(tok, [*ASK, msg], TRIP_TOOLS, add_generation_prompt=False)
+    return whole[whole.index("<|tool_call>"):whole.rindex("<tool_call|>") + len("<tool_call|>")]
+
+
+def grammar_takes(grammar: str, tok: GGUFTokenizer, text: str) -> bool:
+    """Whether ``text`` (tokenized by ``tok``, markup parsed) is a whole string of ``grammar``, token by token."""
+    from moestream.structured import Constraint
+
+    c = Constraint(grammar, tok, tok.vocab_size)
+    for t in tok.encode(text, add_special=False, parse_special=True):
+        if not c.allowed()[t]:
+            return False
+        c.consume(t)
+    return c.accepting
+
+
+def test_gemma4_lists_and_objects_follow_the_schema() -> None:
+    """Gemma 4's forced call checks list and object arguments against the tool's schema (items, minItems /
+    maxItems, nested required and declared properties, enums, numbers, anyOf, a $ref): the template's own text of
+    a valid call is allowed token by token and parses back to its arguments; the template's text of each call
+    that breaks the schema (:data:`BAD_TRIPS`, each invalid by jsonschema) is not allowed."""
+    from moestream.server import tools_grammar
+
+    tok = tokenizer_with("gemma4")
+    plan = tool_plan({"tools": TRIP_TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, tok)
+    grammar = tools_grammar(plan, tok, tok.vocab_size)
+    jsonschema.validate(GOOD_TRIP, TRIP)
+    text = gemma_call_text(tok, GOOD_TRIP)
+    assert "stops:[{city:" in text  # nested keys bare and sorted, as the template writes them
+    assert grammar_takes(grammar, tok, text)
+    assert as_pairs(plan.fmt.parse(text, TRIP_TOOLS)) == [("plan_trip", GOOD_TRIP)]
+    for why, args in BAD_TRIPS.items():
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(args, TRIP)
+        assert not grammar_takes(grammar, tok, gemma_call_text(tok, args)), why
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 0}, *({"temperature": 1.0, "seed": s} for s in range(4))],
+                         ids=["greedy", *(f"seed{s}" for s in range(4))])
+def test_gemma4_forced_call_with_lists_and_objects_validates(family_servers: Any, extra: dict) -> None:
+    """A forced Gemma 4 call to a function whose parameters hold lists of objects, an object, an anyOf and a
+    $ref, greedy and sampled: the arguments validate against the schema (jsonschema)."""
+    r = client_of(family_servers("gemma4")).chat.completions.create(
+        model="tiny", messages=ASK, tools=TRIP_TOOLS, tool_choice="required", parallel_tool_calls=False,
+        max_tokens=400, **extra)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "plan_trip"
+    jsonschema.validate(json.loads(call.function.arguments), TRIP)
+
+
+@pytest.mark.parametrize("keyword", [{"uniqueItems": True}, {"allOf": [{"type": "boolean"}]}])
+def test_gemma4_schema_it_cannot_enforce_is_a_400(family_servers: Any, keyword: dict) -> None:
+    params = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "boolean"}, **keyword}},
+              "required": ["a"]}
+    r = httpx.post(family_servers("gemma4").base + "/v1/chat/completions", timeout=60, json={
+        "messages": ASK, "max_tokens": 2, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and next(iter(keyword)) in err["message"], err

@@ -117,8 +117,8 @@ def unavailable(message: str, code: str) -> APIError:
 #: what to do when the template cannot take tools (the 400 tools_not_supported says it after why)
 TOOLS_HINT = ("to use tools, start the server with --chat-template-file FILE holding a chat template that takes "
               "them in a syntax moestream parses (Qwen 3 / 2.5's hermes <tool_call> JSON, Qwen 3.5's XML, GLM's, "
-              "gpt-oss' harmony, Gemma 4's: docs/serving.md, 'Structured output and tools') for a model trained on "
-              "it, or send the request without 'tools'")
+              "gpt-oss' harmony, Gemma 4's, DeepSeek's DSML: docs/serving.md, 'Structured output and tools') for a "
+              "model trained on it, or send the request without 'tools'")
 
 #: the 503 of a request that shutdown cancels (queued, or while it ran)
 SHUTTING_DOWN = "the server is shutting down"
@@ -959,10 +959,16 @@ def request_grammar(body: dict, plan: ToolPlan | None, tok, n_vocab: int) -> str
     return grammar
 
 
-def split_tool_calls(plan: ToolPlan, tok, tokens: list[int]) -> tuple[str | None, list[dict] | None]:  # noqa: ANN001
+def split_tool_calls(plan: ToolPlan, tok, tokens: list[int],  # noqa: ANN001
+                     cut: bool = False) -> tuple[str | None, list[dict] | None]:
     """``(content, tool_calls)`` of a reply's generated ``tokens``: the calls in the template's syntax
     (:meth:`ToolFormat.parse <moestream.toolcalls.ToolFormat.parse>` on the text with control tokens spelled) and
-    the text before the first (None when empty); ``(None, None)`` when it holds no call that parses."""
+    the text before the first (None when empty); ``(None, None)`` when it holds no call that parses.
+
+    ``cut``: the reply ended on ``max_tokens`` or a full context (finish_reason "length"): the complete calls
+    (possibly none: ``[]``) and the text before the first call; the call that was being written, and anything
+    after, is dropped (neither a call nor content), as is a beginning of a call's opening markup at the end (two
+    characters or more of a start text that begins with ``<``)."""
     dec = tok.stream_decoder(False)
     raw, ends = "", []
     for t in tokens:
@@ -970,9 +976,15 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int]) -> tuple[str | None
         ends.append(len(raw))
     raw += dec.flush()
     at = plan.fmt.find(raw)
+    if at < 0 and cut:  # markup cut short: 2 characters or more of a start that is markup ("<..."), not prose
+        at = min((len(raw) - k for s in plan.fmt.starts if s.startswith("<") for k in range(2, len(s))
+                  if raw.endswith(s[:k])), default=-1)
+        if at >= 0:
+            k = sum(1 for e in ends if e <= at)
+            return tok.decode(tokens[:k], skip_special=True).strip() or None, []
     if at < 0:
         return None, None
-    calls = plan.fmt.parse(raw[at:], plan.tools)
+    calls = plan.fmt.parse(raw[at:], plan.tools, cut=cut)
     if calls is None:
         return None, None
     if not plan.parallel:  # parallel_tool_calls false: at most one call (OpenAI's)
@@ -997,7 +1009,8 @@ def tool_call_deltas(calls: list[dict], piece: int = 32) -> list[dict]:
 class CallWatcher:
     """Streamed text with tools: ``feed(token id, text)`` returns the text to send now, holding back everything
     from where a tool call may start (the format's start text, control tokens spelled, or a beginning of it at
-    the end); :meth:`held_text` gives what is held (sent as content when no call parses)."""
+    the end), and whitespace until text follows it (the blank line DSML writes before its calls is not content);
+    :meth:`held_text` gives what is held (sent as content when no call parses)."""
 
     def __init__(self, plan: ToolPlan, tok):  # noqa: ANN001
         self.fmt = plan.fmt
@@ -1009,7 +1022,8 @@ class CallWatcher:
     def feed(self, token: int, text: str) -> str:
         self.raw += self.dec.push(token)
         self.found = self.found or self.fmt.find(self.raw) >= 0
-        if self.found or any(self.raw.endswith(s[:k]) for s in self.fmt.starts for k in range(1, len(s))):
+        if (self.found or any(self.raw.endswith(s[:k]) for s in self.fmt.starts for k in range(1, len(s)))
+                or not ("".join(self.held) + text).strip()):
             self.held.append(text)
             return ""
         out = "".join(self.held) + text
@@ -1442,12 +1456,13 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
                     calls = None
                     if watch is not None:
                         text = watch.held_text() + text
-                        _, calls = split_tool_calls(tplan, tok, ev.stats.tokens)
-                    if calls:
+                        _, calls = split_tool_calls(tplan, tok, ev.stats.tokens, cut=finish == "length")
+                    if calls is not None:  # the calls (a cut reply: the complete ones; its tail is dropped)
                         for d in tool_call_deltas(calls):
                             yield sse({**chunk(None, None), "choices": [
                                 {"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}]})
-                        finish = "tool_calls"
+                        if calls and finish != "length":
+                            finish = "tool_calls"
                     elif text:
                         yield sse(chunk(text, None))
                     # the last chunk carries usage and timings: with include_usage OpenAI's extra chunk with no
@@ -1483,9 +1498,10 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             raise unavailable(f"{SHUTTING_DOWN}; the generation was cancelled", "server_shutting_down")
         text, calls, finish = "".join(parts), None, done.finish_reason
         if tplan is not None:
-            content, calls = split_tool_calls(tplan, ld_tok(), done.stats.tokens)
-            if calls:
-                text, finish = content, "tool_calls"
+            content, calls = split_tool_calls(tplan, ld_tok(), done.stats.tokens, cut=finish == "length")
+            if calls is not None:  # finish_reason "length" stays: the client learns the reply was cut
+                text = content if calls else content or ""
+                finish = "tool_calls" if calls and finish != "length" else finish
         message = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = calls
