@@ -1055,10 +1055,19 @@ class _TopParser(Parser):
         return ns, extra
 
 
+class _VersionAction(argparse._VersionAction):
+    """``--version``: the installed version, looked up only when asked for (importlib.metadata costs every start
+    some 30 ms)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001, ANN204 - argparse's own
+        self.version = f"moestream {version()}"
+        super().__call__(parser, namespace, values, option_string)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _TopParser(prog="moestream", description="Run MoE GGUF models with routed experts "
                                      "streamed from disk into per-layer slot caches.")
-    ap.add_argument("--version", action="version", version=f"moestream {version()}")
+    ap.add_argument("--version", action=_VersionAction)
     sub = ap.add_subparsers(dest="command", parser_class=Parser)  # required: _TopParser checks it
 
     r = sub.add_parser("run", help="generate text")
