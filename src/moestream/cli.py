@@ -156,20 +156,27 @@ def _add_chat_template(p: argparse.ArgumentParser) -> None:
                    "rendered with Jinja")
 
 
-def _open(args: argparse.Namespace, moe_stream: bool, streams_later: bool = False):
+def _open(args: argparse.Namespace, moe_stream: bool, streams_later: bool = False,
+          before_torch: Callable | None = None):
     """``(shape, opts)``: the file's architecture from its tensor table, no weight read yet (models.base.open_model;
     the context and the memory plan are computed from it before :func:`_load`), and its LoadOptions
     (options.load_options); ``streams_later``: verify, whose resident model is run streaming too (the streaming
-    options are used, so no note says they are ignored)."""
+    options are used, so no note says they are ignored); ``before_torch``: called with the open file
+    (gguf.GGUFModel) before torch is imported."""
     from .options import load_options
     _check_common(args)
     opts = load_options(args, moe_stream)  # every load option checked before torch is imported
+    for ignored in _ignored_options(args, opts, moe_stream or streams_later):
+        print(f"moestream: note: {ignored}", file=sys.stderr, flush=True)
+    path = model_path(args)
+    if before_torch is not None:
+        from .gguf import GGUFModel
+        path = GGUFModel(path)
+        before_torch(path)
     from .models.base import open_model
     threads = args.threads if args.threads is not None else default_threads()
     set_compute_threads(threads, getattr(args, "matmul", "blocks"))
-    for ignored in _ignored_options(args, opts, moe_stream or streams_later):
-        print(f"moestream: note: {ignored}", file=sys.stderr, flush=True)
-    return open_model(model_path(args), opts), opts
+    return open_model(path, opts), opts
 
 
 def _load(args: argparse.Namespace, shape, opts, n_ctx: int, n_seqs: int = 1):  # noqa: ANN001, ANN202
@@ -221,11 +228,12 @@ def _device_desc(model) -> str:  # noqa: ANN001
     return f"{dev} ({torch.cuda.get_device_name(dev)}), {kern}"
 
 
-def _tokenizer(model, template: tuple[str, str] | None = None):  # noqa: ANN001, ANN202
+def _tokenizer(model, template: tuple[str, str] | None = None, lazy: bool = False):  # noqa: ANN001, ANN202
     """The file's tokenizer; ``template``: (Jinja source, where it came from) of --chat-template(-file), which
-    replaces the file's chat template (see :func:`chat_template_option`)."""
+    replaces the file's chat template (see :func:`chat_template_option`); ``lazy``: its backend read from the cache
+    on first use (GGUFTokenizer.from_fields)."""
     from .tokenizer import GGUFTokenizer
-    tok = GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path, model.gguf.metadata_digest)
+    tok = GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path, model.gguf.metadata_digest, lazy=lazy)
     if template is not None:
         tok.chat_template, tok.template_origin = template
     return tok
@@ -520,11 +528,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .output import check_distinct_outputs
     check_distinct_outputs([("--routing-trace", args.routing_trace), ("--trace", args.trace)])
     params = sampling_params(args)
-    shape, opts = _open(args, args.moe_stream)  # the load options checked before it imports torch
+    ahead = None  # tokenizer.EncodeAhead: the prompt encoded in a helper process while torch is imported
+
+    def encode_ahead(gguf) -> None:  # noqa: ANN001
+        nonlocal ahead
+        if not args.interactive and not args.chat:
+            from .tokenizer import EncodeAhead
+            ahead = EncodeAhead.start(gguf.fields, gguf.path, gguf.metadata_digest, prompt)
+
+    shape, opts = _open(args, args.moe_stream, before_torch=encode_ahead)  # the load options checked before torch
     from .chat import encode_chat
     from .engine import Engine, Sampler
 
-    tok = _tokenizer(shape, template)
+    tok = _tokenizer(shape, template, lazy=ahead is not None)  # the helper's ids: maybe no backend is ever read
     with flag_errors(args):
         params.check_vocab(tok.vocab_size)
     if args.interactive and grammar_flags(args) is not None:
@@ -544,7 +560,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             msgs = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else [])
             ids = encode_chat(tok, [*msgs, {"role": "user", "content": prompt}])
         else:
-            ids = tok.encode(prompt, add_special=True)
+            ids = ahead.apply(tok) if ahead is not None else None
+            if ids is None:
+                ids = tok.encode(prompt, add_special=True)
         if not ids:
             raise ConfigError("the prompt is empty after tokenization")
         n_ctx = _context(args, shape, len(ids), n_predict)
