@@ -239,6 +239,18 @@ def _tokenizer(model, template: tuple[str, str] | None = None, lazy: bool = Fals
     return tok
 
 
+def _prompt_ids(gguf, tok, prompt: str, ahead=None) -> list[int]:  # noqa: ANN001
+    """``prompt``'s ids (``add_special``) as run has them: from ``ahead`` (a tokenizer.EncodeAhead started before
+    torch was imported) or, where ``tok`` has not read its backend (a lazy tokenizer: inspect's), from a helper
+    started now, which keeps the backend out of this process as run's does; else encoded here."""
+    from .tokenizer import EncodeAhead
+
+    if ahead is None and not tok.backend_read:
+        ahead = EncodeAhead.start(gguf.fields, gguf.path, gguf.metadata_digest, prompt)
+    ids = ahead.apply(tok) if ahead is not None else None
+    return ids if ids is not None else tok.encode(prompt, add_special=True)
+
+
 def chat_template_option(args: argparse.Namespace) -> tuple[str, str] | None:
     """(Jinja source, origin for messages) of ``--chat-template NAME|JINJA`` or ``--chat-template-file FILE``, or
     None without either; read before the model loads. ConfigError for both given, an unknown name, or a file that
@@ -560,9 +572,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             msgs = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else [])
             ids = encode_chat(tok, [*msgs, {"role": "user", "content": prompt}])
         else:
-            ids = ahead.apply(tok) if ahead is not None else None
-            if ids is None:
-                ids = tok.encode(prompt, add_special=True)
+            ids = _prompt_ids(shape.gguf, tok, prompt, ahead)
         if not ids:
             raise ConfigError("the prompt is empty after tokenization")
         n_ctx = _context(args, shape, len(ids), n_predict)
@@ -946,7 +956,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         n_predict = check_tokens(args.n_predict if args.n_predict is not None else 128)
 
         def context(shape, tok) -> int:  # noqa: ANN001
-            n_prompt = len(tok.encode(prompt, add_special=True)) if not args.ctx_size and n_predict >= 0 else 0
+            n_prompt = len(_prompt_ids(shape.gguf, tok, prompt)) if not args.ctx_size and n_predict >= 0 else 0
             n_ctx, _, warning = _plan_context(args, shape, n_prompt, n_predict, opts)
             if warning:
                 print(f"moestream: {warning}", file=sys.stderr, flush=True)

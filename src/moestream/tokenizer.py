@@ -435,6 +435,11 @@ class GGUFTokenizer:
                     self._backend = self._make_backend()
         return self._backend
 
+    @property
+    def backend_read(self) -> bool:
+        """Whether :attr:`backend` is in this process (False: a lazy tokenizer that has not needed it yet)."""
+        return self._backend is not None
+
     @functools.cached_property
     def _special_ids(self) -> frozenset[int]:
         """Ids left out of text with ``skip_special``: the special added tokens and every CONTROL token."""
