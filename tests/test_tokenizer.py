@@ -873,43 +873,43 @@ def test_lazy_backend_is_the_cached_tokenizer(name: str, tmp_path: Path, monkeyp
 
 
 def test_encode_ahead_gives_the_ids_of_this_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """EncodeAhead: a forked helper encodes the prompt with the cached tokenizer; its ids and what it tells the
-    tokenizer (the decoder's strip) are this process's, and a lazy tokenizer given them never reads its backend. No
-    helper where it would not pay (a cache miss, a SentencePiece file); a failed helper gives None (the caller
-    encodes); one not waited for is killed and reaped."""
+    """EncodeAhead: a forked helper encodes the prompt with a lazy tokenizer's cached backend; its ids and what it
+    tells the tokenizer (the decoder's strip) are this process's, and the tokenizer never reads its backend here. No
+    helper where it would not pay (the backend read already: a cache miss converts at once; a SentencePiece file); a
+    failed helper gives None (the caller encodes); one not waited for is killed and reaped."""
     import gc
     import threading
 
     from moestream import tokenizer
     from moestream.gguf import read_metadata
-    from moestream.tokenizer import EncodeAhead
+    from moestream.tokenizer import EncodeAhead, is_cached
 
     assert threading.active_count() == 1  # EncodeAhead forks only then
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = str(tokfiles.header_gguf("qwen2"))
     fields, digest = read_metadata(path)
-    assert EncodeAhead.start(fields, path, digest, "hi") is None  # not cached yet: nothing to read in parallel
-    fresh = GGUFTokenizer.from_fields(fields, path, metadata_digest=digest)  # writes the cache
-    assert EncodeAhead.start(fields, path, None, "hi") is None
+    assert not is_cached(digest)
+    fresh = GGUFTokenizer.from_fields(fields, path, metadata_digest=digest, lazy=True)  # a miss: converts, writes
+    assert is_cached(digest) and EncodeAhead.start(fresh, "hi") is None  # its backend is here already
     gemma = str(tokfiles.header_gguf("gemma3"))
     gemma_fields, gemma_digest = read_metadata(gemma)
     GGUFTokenizer.from_fields(gemma_fields, gemma, metadata_digest=gemma_digest)
-    assert EncodeAhead.start(gemma_fields, gemma, gemma_digest, "hi") is None  # SentencePiece: no gain
+    lazy_gemma = GGUFTokenizer.from_fields(gemma_fields, gemma, metadata_digest=gemma_digest, lazy=True)
+    assert not lazy_gemma.backend_read and EncodeAhead.start(lazy_gemma, "hi") is None  # SentencePiece: no gain
     for text in ("", "".join(HARD_STRINGS), HARD_STRINGS[-1]):  # a helper each: about a second
-        ahead = EncodeAhead.start(fields, path, digest, text)
-        assert ahead is not None
         tok = GGUFTokenizer.from_fields(fields, path, metadata_digest=digest, lazy=True)
-        ids = ahead.apply(tok)
+        ids = EncodeAhead.start(tok, text).apply(tok)
         assert ids == fresh.encode(text, add_special=True), text
         assert tok.decode(ids) == fresh.decode(ids) and "".join(map(tok.stream_decoder().push, ids)) == "".join(
             map(fresh.stream_decoder().push, ids)), text
-        assert tok._backend is None and tok._strip_left == fresh._strip_left
+        assert not tok.backend_read and tok._strip_left == fresh._strip_left
+    with monkeypatch.context() as m:
+        m.setattr(tokenizer, "_load_cached", lambda p: __import__("time").sleep(60))  # one never waited for
+        ahead = EncodeAhead.start(tok, "hi")
+        pid = ahead._pid
+        del ahead
+        gc.collect()
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
     monkeypatch.setattr(GGUFTokenizer, "encode", lambda *a, **k: 1 / 0)  # the helper fails
-    assert EncodeAhead.start(fields, path, digest, "hi").apply(tok) is None
-    monkeypatch.setattr(tokenizer, "_load_cached", lambda p: __import__("time").sleep(60))  # one never waited for
-    ahead = EncodeAhead.start(fields, path, digest, "hi")
-    pid = ahead._pid
-    del ahead
-    gc.collect()
-    with pytest.raises(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
+    assert EncodeAhead.start(tok, "hi").apply(tok) is None

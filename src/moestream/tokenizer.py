@@ -327,6 +327,11 @@ def _cache_file(metadata_digest: str) -> str:
     return os.path.join(_cache_root(), f"{metadata_digest}-{_conversion_key()}.json")
 
 
+def is_cached(metadata_digest: str | None) -> bool:
+    """Whether the converted tokenizer of the metadata with this digest is in the cache (see the module)."""
+    return bool(metadata_digest) and os.path.isfile(_cache_file(metadata_digest))
+
+
 def _load_cached(path: str) -> Any:
     """The ``tokenizers.Tokenizer`` cached at ``path``, or None (absent, unreadable, or not a tokenizer)."""
     try:
@@ -802,14 +807,16 @@ class GGUFTokenizer:
 class EncodeAhead:
     """A prompt encoded by a forked helper process while this one goes on (``run`` imports torch meanwhile), so
     that reading the cached converted tokenizer (``tokenizers.Tokenizer.from_str``, about half a second for a 152k
-    vocabulary, holding the GIL) takes no time of the run on a machine with a second core.
+    vocabulary, holding the GIL) takes no time of the run on a machine with a second core, and the tokenizer's
+    backend (about 110 MiB for 152k tokens) is never in this process where nothing else needs it.
 
-    :meth:`start` forks only where it pays and is safe: a byte-level (``gpt2``) file whose converted tokenizer is
-    in the cache (a SentencePiece tokenizer needs its backend to print tokens anyway), ``os.fork`` available and
-    this the process's only thread. The helper builds the tokenizer as :meth:`GGUFTokenizer.from_fields` does and
-    encodes ``text`` with :meth:`GGUFTokenizer.encode` (``add_special``): the same ids as in this process.
-    :meth:`apply` waits for them; None where the helper failed (the caller encodes itself, and meets the same error
-    if there is one). A helper not waited for is killed and reaped when this object goes.
+    :meth:`start` forks only where it pays and is safe: ``tok`` has not read its backend (:meth:`GGUFTokenizer.
+    from_fields` ``lazy``, the converted tokenizer in the cache), it is byte-level (``gpt2``: a SentencePiece
+    tokenizer needs its backend to print tokens anyway), ``os.fork`` is available and this is the process's only
+    thread. The helper, a copy of this process, encodes ``text`` with ``tok.encode`` (``add_special``), reading the
+    backend there: the same ids as here. :meth:`apply` waits for them; None where the helper failed (the caller
+    encodes itself, and meets the same error if there is one). A helper not waited for is killed and reaped when
+    this object goes.
     """
 
     def __init__(self, pid: int, fd: int):
@@ -817,10 +824,9 @@ class EncodeAhead:
         self._finalizer = weakref.finalize(self, EncodeAhead._reap, pid, fd, True)
 
     @classmethod
-    def start(cls, fields: Mapping[str, Any], path: str, metadata_digest: str | None, text: str) -> EncodeAhead | None:
+    def start(cls, tok: GGUFTokenizer, text: str) -> EncodeAhead | None:
         """Fork the helper for ``text`` (see the class), or None where it would not pay or not be safe."""
-        if (not metadata_digest or fields.get("tokenizer.ggml.model") != "gpt2" or not hasattr(os, "fork")
-                or threading.active_count() != 1 or not os.path.isfile(_cache_file(metadata_digest))):
+        if tok.backend_read or tok.model != "gpt2" or not hasattr(os, "fork") or threading.active_count() != 1:
             return None
         r, w = os.pipe()
         pid = os.fork()
@@ -828,7 +834,6 @@ class EncodeAhead:
             status = 1
             try:
                 os.close(r)
-                tok = GGUFTokenizer.from_fields(fields, path, metadata_digest)
                 data = json.dumps({"ids": tok.encode(text, add_special=True), "strip_left": tok._strip_left})
                 with os.fdopen(w, "wb") as f:
                     f.write(data.encode())
