@@ -222,3 +222,36 @@ def test_inspect_and_mem_refusals_are_one_line(args, needle, capsys):
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("moestream: error: ") and needle in lines[0], out.err
     assert out.out == ""
+
+
+def test_process_rss_reads_the_rollup_as_the_smaps_sum(tmp_path):
+    """process_rss reads the kernel's rollup where no excluded file is mapped (issue 27's start: a process with torch
+    has hundreds of mappings to walk) and walks /proc/self/smaps where one is: the same figure either way, and a
+    mapped file's touched pages are left out only where it is excluded."""
+    import mmap
+    import os
+
+    from moestream import budget
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(os.urandom(16 * MiB))
+
+    def smaps(skip: str = "") -> int:  # the sum process_rss took from smaps alone before the rollup
+        total, counting = 0, True
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(None, 1)[0]
+                if not head.endswith(":"):
+                    parts = line.split(None, 5)
+                    counting = not (skip and len(parts) > 5 and parts[5].strip() == skip)
+                elif head == "Rss:" and counting:
+                    total += int(line.split()[1]) * 1024
+        return total
+
+    assert abs(budget.process_rss() - smaps()) < 2 * MiB
+    assert abs(budget.process_rss([str(path)]) - smaps()) < 2 * MiB  # not mapped: the rollup
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        assert sum(m[i] for i in range(0, len(m), 4096)) >= 0  # every page touched
+        whole, less = budget.process_rss(), budget.process_rss([str(path)])
+        assert abs(whole - smaps()) < 2 * MiB and abs(less - smaps(os.path.realpath(path))) < 2 * MiB
+        assert 15 * MiB < whole - less < 17 * MiB

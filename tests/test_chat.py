@@ -432,8 +432,8 @@ def test_interactive_refused_turn_keeps_the_session(monkeypatch: pytest.MonkeyPa
 
     real = tokenizer.GGUFTokenizer.from_fields.__func__
 
-    def rewriting(cls: Any, fields: Any, path: str, *digest: Any) -> GGUFTokenizer:
-        t = real(cls, fields, path, *digest)
+    def rewriting(cls: Any, fields: Any, path: str, *digest: Any, **lazy: Any) -> GGUFTokenizer:
+        t = real(cls, fields, path, *digest, **lazy)
         t.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] | "
                            "replace('x', 'y') }}<｜Assistant｜>{% endif %}{% endfor %}")
         return t
@@ -463,8 +463,8 @@ def test_interactive_template_that_always_fails_is_refused_at_start(monkeypatch:
     as --chat does, instead of refusing every turn and exiting 0."""
     real = GGUFTokenizer.from_fields
 
-    def broken(fields, path, *digest):  # noqa: ANN001, ANN002, ANN202
-        tok = real(fields, path, *digest)
+    def broken(fields, path, *digest, **lazy):  # noqa: ANN001, ANN002, ANN003, ANN202
+        tok = real(fields, path, *digest, **lazy)
         tok.chat_template = "{{ raise_exception('this template refuses everything') }}"
         return tok
 

@@ -236,8 +236,8 @@ def test_n_minus_one_stops_at_end_of_generation(monkeypatch):
     stop = greedy[k]
     real = tokenizer.GGUFTokenizer.from_fields.__func__
 
-    def with_stop(cls, fields, path, *digest):
-        t = real(cls, fields, path, *digest)
+    def with_stop(cls, fields, path, *digest, **lazy):
+        t = real(cls, fields, path, *digest, **lazy)
         t.eos_ids = {*t.eos_ids, stop}
         return t
 
@@ -337,6 +337,39 @@ def test_refused_options_import_no_torch():
         want = cli(*argv)
         assert rc == want.returncode == 1 and err == want.stderr.strip() and "moestream: error:" in err, (argv, err)
         assert not torch_loaded, (argv, err)
+
+
+def test_run_reads_no_tokenizer_backend():
+    """run's start (issue 27): the prompt is encoded by a forked helper (tokenizer.EncodeAhead) while torch is
+    imported, so the run itself never reads the cached tokenizer of the embedded (byte-level) model, and a run
+    without a host tier imports no Triton. A real process runs ``run`` twice through ``cli.main``, the second time
+    with no helper (the prompt encoded in the process): the same text, the same as in this process."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import cli
+
+    argv = ["run", "-n", "8", "-s", "1", "--temp", "0", "-p", "Hello, <|im_start|> wörld 🎉"]
+    want = cli(*argv)  # also fills the tokenizer cache
+    assert want.returncode == 0, want.stderr
+    code = ("import contextlib, io, json, sys; import moestream.tokenizer as t; from moestream.cli import main\n"
+            "reads, load = [], t._load_cached\n"
+            "t._load_cached = lambda p: reads.append(p) or load(p)\n"
+            "out = []\n"
+            "for ahead in (True, False):\n"
+            "    if not ahead:\n"
+            "        t.EncodeAhead.start = staticmethod(lambda *a: None)\n"
+            "    text = io.StringIO()\n"
+            "    with contextlib.redirect_stdout(text):\n"
+            "        rc = main(json.loads(sys.argv[1]))\n"
+            "    out.append([rc, text.getvalue(), len(reads), 'triton' in sys.modules])\n"
+            "print(json.dumps(out))")
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    (rc, text, reads, triton), (rc2, text2, reads2, _) = json.loads(p.stdout)
+    assert rc == rc2 == 0 and text == text2 == want.stdout and text.startswith(argv[-1])
+    assert reads == 0 and reads2 == 1 and not triton
 
 
 def test_ctrl_c_lost_in_a_finalizer_still_ends_with_130():

@@ -846,3 +846,70 @@ def test_cached_conversion_is_the_same_tokenizer(name: str, tmp_path: Path, monk
     again = GGUFTokenizer.from_gguf(path)
     assert again.backend.to_str() == fresh.backend.to_str()
     assert files[0].read_text() == fresh.backend.to_str()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_lazy_backend_is_the_cached_tokenizer(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``from_fields(lazy=True)`` reads the cached tokenizer on the first use of ``backend``, not before, and is then
+    the same tokenizer; on a cache miss it converts at once, as without ``lazy``."""
+    from moestream import tokenizer
+    from moestream.gguf import read_metadata
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = str(tokfiles.header_gguf(name))
+    fields, digest = read_metadata(path)
+    miss = GGUFTokenizer.from_fields(fields, path, metadata_digest=digest, lazy=True)  # converts and writes
+    assert miss._backend is not None
+    reads = []
+    monkeypatch.setattr(tokenizer, "_load_cached", lambda p, load=tokenizer._load_cached: reads.append(p) or load(p))
+    lazy = GGUFTokenizer.from_fields(fields, path, metadata_digest=digest, lazy=True)
+    assert lazy._backend is None and not reads
+    assert lazy.eos_ids == miss.eos_ids and lazy.token_types == miss.token_types and lazy.vocab_size == miss.vocab_size
+    for text in HARD_STRINGS:
+        ids = miss.encode(text)
+        assert lazy.encode(text) == ids and lazy.decode(ids) == miss.decode(ids), text
+        assert lazy.decode(ids, skip_special=True) == miss.decode(ids, skip_special=True), text
+    assert len(reads) == 1 and lazy.backend.to_str() == miss.backend.to_str()
+
+
+def test_encode_ahead_gives_the_ids_of_this_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EncodeAhead: a forked helper encodes the prompt with a lazy tokenizer's cached backend; its ids and what it
+    tells the tokenizer (the decoder's strip) are this process's, and the tokenizer never reads its backend here. No
+    helper where it would not pay (the backend read already: a cache miss converts at once; a SentencePiece file); a
+    failed helper gives None (the caller encodes); one not waited for is killed and reaped."""
+    import gc
+    import threading
+
+    from moestream import tokenizer
+    from moestream.gguf import read_metadata
+    from moestream.tokenizer import EncodeAhead, is_cached
+
+    assert threading.active_count() == 1  # EncodeAhead forks only then
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = str(tokfiles.header_gguf("qwen2"))
+    fields, digest = read_metadata(path)
+    assert not is_cached(digest)
+    fresh = GGUFTokenizer.from_fields(fields, path, metadata_digest=digest, lazy=True)  # a miss: converts, writes
+    assert is_cached(digest) and EncodeAhead.start(fresh, "hi") is None  # its backend is here already
+    gemma = str(tokfiles.header_gguf("gemma3"))
+    gemma_fields, gemma_digest = read_metadata(gemma)
+    GGUFTokenizer.from_fields(gemma_fields, gemma, metadata_digest=gemma_digest)
+    lazy_gemma = GGUFTokenizer.from_fields(gemma_fields, gemma, metadata_digest=gemma_digest, lazy=True)
+    assert not lazy_gemma.backend_read and EncodeAhead.start(lazy_gemma, "hi") is None  # SentencePiece: no gain
+    for text in ("", "".join(HARD_STRINGS), HARD_STRINGS[-1]):  # a helper each: about a second
+        tok = GGUFTokenizer.from_fields(fields, path, metadata_digest=digest, lazy=True)
+        ids = EncodeAhead.start(tok, text).apply(tok)
+        assert ids == fresh.encode(text, add_special=True), text
+        assert tok.decode(ids) == fresh.decode(ids) and "".join(map(tok.stream_decoder().push, ids)) == "".join(
+            map(fresh.stream_decoder().push, ids)), text
+        assert not tok.backend_read and tok._strip_left == fresh._strip_left
+    with monkeypatch.context() as m:
+        m.setattr(tokenizer, "_load_cached", lambda p: __import__("time").sleep(60))  # one never waited for
+        ahead = EncodeAhead.start(tok, "hi")
+        pid = ahead._pid
+        del ahead
+        gc.collect()
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    monkeypatch.setattr(GGUFTokenizer, "encode", lambda *a, **k: 1 / 0)  # the helper fails
+    assert EncodeAhead.start(tok, "hi").apply(tok) is None

@@ -14,6 +14,7 @@ process's memory cgroup still allows when tighter) plus what this process alread
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -59,8 +60,20 @@ def parse_mem(text: str, option: str = "--mem") -> int:
 def process_rss(exclude: tuple[str, ...] | list[str] = ()) -> int:
     """Resident memory of this process now, bytes, less the pages of memory maps of the files ``exclude`` (the
     model's GGUF parts: expert or embedding pages touched through a map are page cache a cap can reclaim, not
-    memory the process holds). From /proc/self/smaps; psutil's RSS where that cannot be read."""
+    memory the process holds). From /proc/self/smaps_rollup where none of ``exclude`` is mapped (/proc/self/maps; the
+    kernel's sum: a few times faster than reading the 20 lines per mapping of a process that imported torch), else
+    /proc/self/smaps; psutil's RSS where neither can be read."""
     skip = {os.path.realpath(p) for p in exclude}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mapped = False
+        if skip:
+            with open("/proc/self/maps") as f:
+                mapped = any(len(parts := line.split(None, 5)) > 5 and parts[5].strip() in skip for line in f)
+        if not mapped:
+            with open("/proc/self/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Rss:"):
+                        return int(line.split()[1]) * 1024
     try:
         total, counting = 0, True
         with open("/proc/self/smaps") as f:

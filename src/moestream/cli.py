@@ -156,20 +156,27 @@ def _add_chat_template(p: argparse.ArgumentParser) -> None:
                    "rendered with Jinja")
 
 
-def _open(args: argparse.Namespace, moe_stream: bool, streams_later: bool = False):
+def _open(args: argparse.Namespace, moe_stream: bool, streams_later: bool = False,
+          before_torch: Callable | None = None):
     """``(shape, opts)``: the file's architecture from its tensor table, no weight read yet (models.base.open_model;
     the context and the memory plan are computed from it before :func:`_load`), and its LoadOptions
     (options.load_options); ``streams_later``: verify, whose resident model is run streaming too (the streaming
-    options are used, so no note says they are ignored)."""
+    options are used, so no note says they are ignored); ``before_torch``: called with the open file
+    (gguf.GGUFModel) before torch is imported."""
     from .options import load_options
     _check_common(args)
     opts = load_options(args, moe_stream)  # every load option checked before torch is imported
+    for ignored in _ignored_options(args, opts, moe_stream or streams_later):
+        print(f"moestream: note: {ignored}", file=sys.stderr, flush=True)
+    path = model_path(args)
+    if before_torch is not None:
+        from .gguf import GGUFModel
+        path = GGUFModel(path)
+        before_torch(path)
     from .models.base import open_model
     threads = args.threads if args.threads is not None else default_threads()
     set_compute_threads(threads, getattr(args, "matmul", "blocks"))
-    for ignored in _ignored_options(args, opts, moe_stream or streams_later):
-        print(f"moestream: note: {ignored}", file=sys.stderr, flush=True)
-    return open_model(model_path(args), opts), opts
+    return open_model(path, opts), opts
 
 
 def _load(args: argparse.Namespace, shape, opts, n_ctx: int, n_seqs: int = 1):  # noqa: ANN001, ANN202
@@ -221,14 +228,26 @@ def _device_desc(model) -> str:  # noqa: ANN001
     return f"{dev} ({torch.cuda.get_device_name(dev)}), {kern}"
 
 
-def _tokenizer(model, template: tuple[str, str] | None = None):  # noqa: ANN001, ANN202
-    """The file's tokenizer; ``template``: (Jinja source, where it came from) of --chat-template(-file), which
-    replaces the file's chat template (see :func:`chat_template_option`)."""
+def _tokenizer(gguf, template: tuple[str, str] | None = None, lazy: bool = False):  # noqa: ANN001, ANN202
+    """The tokenizer of the file ``gguf`` (gguf.GGUFModel); ``template``: (Jinja source, where it came from) of
+    --chat-template(-file), which replaces the file's chat template (see :func:`chat_template_option`); ``lazy``:
+    its backend read from the cache on first use (GGUFTokenizer.from_fields)."""
     from .tokenizer import GGUFTokenizer
-    tok = GGUFTokenizer.from_fields(model.gguf.fields, model.gguf.path, model.gguf.metadata_digest)
+    tok = GGUFTokenizer.from_fields(gguf.fields, gguf.path, gguf.metadata_digest, lazy=lazy)
     if template is not None:
         tok.chat_template, tok.template_origin = template
     return tok
+
+
+def _prompt_ids(tok, prompt: str, ahead=None) -> list[int]:  # noqa: ANN001
+    """``prompt``'s ids (``add_special``) as run has them: from ``ahead`` (a tokenizer.EncodeAhead started before
+    torch was imported) or, where ``tok`` has not read its backend (a lazy tokenizer: inspect's), from a helper
+    started now, which keeps the backend out of this process as run's does; else encoded here."""
+    from .tokenizer import EncodeAhead
+
+    ahead = ahead or EncodeAhead.start(tok, prompt)
+    ids = ahead.apply(tok) if ahead is not None else None
+    return ids if ids is not None else tok.encode(prompt, add_special=True)
 
 
 def chat_template_option(args: argparse.Namespace) -> tuple[str, str] | None:
@@ -520,11 +539,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .output import check_distinct_outputs
     check_distinct_outputs([("--routing-trace", args.routing_trace), ("--trace", args.trace)])
     params = sampling_params(args)
-    shape, opts = _open(args, args.moe_stream)  # the load options checked before it imports torch
+    early = {}  # a plain prompt: the tokenizer made before torch is imported, and a helper encoding the prompt
+
+    def encode_ahead(gguf) -> None:  # noqa: ANN001
+        from .errors import MoestreamError
+        from .tokenizer import EncodeAhead, is_cached
+
+        # only a tokenizer converted before (so nothing is converted ahead of the file's other checks)
+        if not args.interactive and not args.chat and is_cached(gguf.metadata_digest):
+            with contextlib.suppress(MoestreamError):  # raised again below, after the file's other checks
+                early["tok"] = _tokenizer(gguf, template, lazy=True)  # its backend maybe never read
+                early["ahead"] = EncodeAhead.start(early["tok"], prompt)
+
+    shape, opts = _open(args, args.moe_stream, before_torch=encode_ahead)  # the load options checked before torch
     from .chat import encode_chat
     from .engine import Engine, Sampler
 
-    tok = _tokenizer(shape, template)
+    tok = early["tok"] if "tok" in early else _tokenizer(shape.gguf, template)
     with flag_errors(args):
         params.check_vocab(tok.vocab_size)
     if args.interactive and grammar_flags(args) is not None:
@@ -544,7 +575,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             msgs = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else [])
             ids = encode_chat(tok, [*msgs, {"role": "user", "content": prompt}])
         else:
-            ids = tok.encode(prompt, add_special=True)
+            ids = _prompt_ids(tok, prompt, early.get("ahead"))
         if not ids:
             raise ConfigError("the prompt is empty after tokenization")
         n_ctx = _context(args, shape, len(ids), n_predict)
@@ -764,7 +795,7 @@ def _serve_load(args: argparse.Namespace, names: list[str], held: list,  # noqa:
     threads = args.threads if args.threads is not None else default_threads()
     args.threads = threads
     shape, opts = _open(args, args.moe_stream)
-    tok = _tokenizer(shape, template)
+    tok = _tokenizer(shape.gguf, template)
     n_slots = _serve_slots(args, shape)
     n_ctx = _context(args, shape, 0, -1, n_seqs=n_slots)
     model = _load(args, shape, opts, n_ctx, n_seqs=n_slots)
@@ -928,7 +959,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         n_predict = check_tokens(args.n_predict if args.n_predict is not None else 128)
 
         def context(shape, tok) -> int:  # noqa: ANN001
-            n_prompt = len(tok.encode(prompt, add_special=True)) if not args.ctx_size and n_predict >= 0 else 0
+            n_prompt = len(_prompt_ids(tok, prompt)) if not args.ctx_size and n_predict >= 0 else 0
             n_ctx, _, warning = _plan_context(args, shape, n_prompt, n_predict, opts)
             if warning:
                 print(f"moestream: {warning}", file=sys.stderr, flush=True)
@@ -947,7 +978,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .verify import verify
 
     shape, opts = _open(args, moe_stream=False, streams_later=True)
-    tok = _tokenizer(shape)
+    tok = _tokenizer(shape.gguf)
     ids = tok.encode(args.prompt, add_special=True)
     if not ids:
         raise ConfigError("the prompt is empty after tokenization")
@@ -1055,10 +1086,19 @@ class _TopParser(Parser):
         return ns, extra
 
 
+class _VersionAction(argparse._VersionAction):
+    """``--version``: the installed version, looked up only when asked for (importlib.metadata costs every start
+    some 30 ms)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001, ANN204 - argparse's own
+        self.version = f"moestream {version()}"
+        super().__call__(parser, namespace, values, option_string)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _TopParser(prog="moestream", description="Run MoE GGUF models with routed experts "
                                      "streamed from disk into per-layer slot caches.")
-    ap.add_argument("--version", action="version", version=f"moestream {version()}")
+    ap.add_argument("--version", action=_VersionAction)
     sub = ap.add_subparsers(dest="command", parser_class=Parser)  # required: _TopParser checks it
 
     r = sub.add_parser("run", help="generate text")

@@ -56,10 +56,10 @@ def inspect_model(path: str, opts: LoadOptions | None = None,
     that many slots per layer (default: a quarter of the experts, at least top-k); ``mem`` adds the memory plan
     ``run --mem`` would make for a context of ``context`` tokens (or ``context(model, tokenizer)``'s, from the
     file's hyperparameters and tokenizer: the CLI's gives the context run would have, engine.run_context; None:
-    the trained context, at most 4096): the dense weights from the tensor table, this
-    process's own memory (torch, the kernels, the tokenizer) measured as run measures its own (run's is typically a
-    few tens of MiB more: the model's objects); ConfigError naming the smallest size that works when top-k slots
-    per layer do not fit. ``gpu_mem``: also the plan of ``run --device cuda --gpu-mem`` (pools in VRAM)."""
+    the trained context, at most 4096): the dense weights from the tensor table, this process's own memory (torch,
+    the kernels, the tokenizer as run holds it) measured as run measures its own (run's is typically a few tens of
+    MiB more: the model's objects); ConfigError naming the smallest size that works when top-k slots per layer do
+    not fit. ``gpu_mem``: also the plan of ``run --device cuda --gpu-mem`` (pools in VRAM)."""
     opts = opts or LoadOptions()
     g = GGUFModel(path)
     # the same one-line refusals as run: an architecture moestream cannot compute, metadata that disagrees with
@@ -78,9 +78,10 @@ def inspect_model(path: str, opts: LoadOptions | None = None,
         torch.empty(0)
         with contextlib.suppress(kernels.KernelBuildError):
             kernels.load()
-        # a file without a tokenizer (run cannot tokenize a prompt for it): the default context is priced
-        tok = (GGUFTokenizer.from_fields(g.fields, g.path, g.metadata_digest) if "tokenizer.ggml.tokens" in g.fields
-               else None)
+        # a file without a tokenizer (run cannot tokenize a prompt for it): the default context is priced; lazy, as
+        # run's: where a helper encodes the prompt (cli._prompt_ids), the backend is not in the process, as in run's
+        tok = (GGUFTokenizer.from_fields(g.fields, g.path, g.metadata_digest, lazy=True)
+               if "tokenizer.ggml.tokens" in g.fields else None)
         if callable(context):
             n_ctx = context(shape, tok) if tok is not None else None
         if opts.mem is not None:

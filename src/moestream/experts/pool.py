@@ -398,9 +398,11 @@ class StreamingStore(ExpertStore):
                    host_cache: int, top_k: int, gpu: bool) -> bool:
         """Whether the device-planned step applies: a GPU (or ``devplan.ON_CPU``, for tests), a host tier large
         enough for every expert of every layer, at least top-k slots per layer, MOESTREAM_DEVICE_PLAN not 0."""
+        if not host_cache:  # before importing devplan, which imports Triton: a run without a host tier needs neither
+            return False
         from . import devplan
 
-        if not host_cache or not devplan.enabled() or not layout.moe_layers:
+        if not devplan.enabled() or not layout.moe_layers:
             return False
         if not gpu and not devplan.ON_CPU:
             return False

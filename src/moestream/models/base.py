@@ -630,10 +630,12 @@ class MoEModel:
         """Bytes of the device-planned step's scratch rows (experts/devplan.py: top-k experts' matrices per
         (matrix, stride) group of the pools) when ``opts``' host tier will hold every expert, else 0. The same
         test as ``StreamingStore._plannable`` on the tier's size."""
+        if not opts.host_cache:  # before importing devplan (and Triton)
+            return 0
         from ..experts import devplan
         from ..experts.pool import slot_stride
 
-        if not opts.host_cache or not devplan.enabled():
+        if not devplan.enabled():
             return 0
         strides = {la: {name: -(-slot_stride(m, align if direct else 1) // 64) * 64 for name, m in mats.items()}
                    for la, mats in self.layout.layers.items()}
