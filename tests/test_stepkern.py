@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from moestream import kernels
+from moestream.experts import moe
 from moestream.models import layers, routing
 from test_kernels import _LIBM, BUILDS
 
@@ -361,3 +362,53 @@ def test_route_refuses_sizes_that_do_not_fit(libs):
     lib = libs[BUILDS[0]]
     with pytest.raises(ValueError, match="top-9 of 16 experts in 4 groups"):
         kernels.route(torch.zeros(1, 16), 9, kernels.GATING_SIGMOID, n_group=4, topk_group=2, lib=lib)
+
+
+# --- the MoE call's bookkeeping -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(1, 8, 128), (3, 4, 64), (128, 8, 128), (40, 10, 512), (1, 1, 4)])
+def test_moe_pairs_is_a_stable_argsort(libs, shape):
+    """ms_moe_pairs groups the (token, k) pairs as numpy's stable argsort of the flat ids does (both of its sorts:
+    insertion for few pairs, counting for many), with each pair's token, weight and output row, and gathers the
+    address tables' entries of the distinct experts."""
+    n_tok, top_k, n_exp = shape
+    g = torch.Generator().manual_seed(n_tok * top_k + n_exp)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(n_tok)])
+    if n_tok > 2:
+        ids[1] = ids[0]  # repeated experts across tokens
+    w = torch.rand(n_tok, top_k, generator=g)
+    tabs = np.arange(3 * n_exp, dtype=np.int64).reshape(3, n_exp) * 1000 + 7
+    flat = ids.reshape(-1).numpy()
+    order = np.argsort(flat, kind="stable")
+    experts = np.unique(flat)
+    for lib in libs.values():
+        pairs = kernels.MoEPairs(n_exp, 3, lib=lib)
+        n = pairs.plan(ids, w, tabs)
+        p = flat.size
+        assert n == len(experts) and np.array_equal(pairs.experts[:n], experts)
+        assert np.array_equal(pairs.dst[:p], order) and np.array_equal(pairs.tok[:p], order // top_k)
+        assert np.array_equal(bits(pairs.w[:p]), bits(w.reshape(-1).numpy()[order]))
+        assert np.array_equal(pairs.start[:n + 1], np.searchsorted(flat[order], [*experts, n_exp]))
+        assert np.array_equal(pairs.addr[:, :n], tabs[:, experts])
+
+
+def test_moe_pairs_refuses_an_id_out_of_range(libs):
+    pairs = kernels.MoEPairs(16, lib=libs[BUILDS[0]])
+    with pytest.raises(ValueError, match="outside 0..15"):
+        pairs.plan(torch.tensor([[3, 16]]), torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 2048), (7, 4, 64), (128, 8, 128), (3, 16, 2880), (128, 8, 100), (2, 1, 5)])
+def test_topk_sum_is_torch_sum(libs, shape):
+    """ms_topk_sum: each token's rows added in k order from +0 (the reference), signed zeros included; and the bits
+    of torch's sum over dim 1 (which it replaces) where experts/moe.py calls it (:func:`moe.topk_sum`: rows of a
+    multiple of 64, top-k <= 16; elsewhere torch's own sum)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    out = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 4)
+    out[0, :, :3] = -0.0
+    ref = np.zeros((shape[0], shape[2]), dtype=F32)
+    for k in range(shape[1]):
+        ref = ref + out[:, k].numpy()
+    for y in each_build_and_threads(libs, lambda lib: kernels.topk_sum(out, lib=lib)):
+        assert np.array_equal(bits(y), bits(ref))
+        assert np.array_equal(bits(moe.topk_sum(out)), bits(out.sum(dim=1)))

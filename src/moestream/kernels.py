@@ -41,7 +41,7 @@ import torch
 from .errors import MoestreamError
 
 __all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports", "computes",
-           "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route"]
+           "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route", "MoEPairs", "topk_sum"]
 
 _SRC = Path(__file__).with_name("csrc")
 _SOURCES = ("moekern.c", "iquants.h", "stepkern.c")
@@ -203,6 +203,10 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_attention.restype = _I
             lib.ms_route.argtypes = [_I, _I, _P, _I, _P, _I, _I, _I, _I, _F, _F, _P, _P, _I]
             lib.ms_route.restype = _I
+            lib.ms_moe_pairs.argtypes = [_I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _L]
+            lib.ms_moe_pairs.restype = _I
+            lib.ms_topk_sum.argtypes = [_I, _I, _I, _P, _P, _I]
+            lib.ms_topk_sum.restype = None
             _set_tables(lib)
             _LIBS[which] = lib
         return lib
@@ -449,3 +453,72 @@ def route(logits: torch.Tensor, top_k: int, gating: int = GATING_SOFTMAX, bias: 
     if rc == -2:
         raise MemoryError("route: out of memory for the score buffer")
     return ids, w
+
+
+class MoEPairs:
+    """One MoE layer's pair plan, in arrays kept between calls (grown to the largest call seen, never shrunk):
+    :meth:`plan` groups a call's (token, k) pairs by expert (ms_moe_pairs), the arrays :func:`moe` takes.
+
+    After ``n = plan(...)``: ``experts[:n]`` int64 (the distinct real ids, ascending), ``start[:n + 1]`` int32,
+    ``tok`` / ``w`` / ``dst`` int32 / float32 / int32 [n_pairs] (row of x, routing weight, row of the output viewed
+    [tokens * top_k, hidden]) and, with address tables, ``addr[m, :n]`` int64: table m's entry of each expert."""
+
+    def __init__(self, n_exp: int, n_tabs: int = 0, lib: ctypes.CDLL | None = None):
+        self.lib = lib or load()
+        self.n_exp, self.n_tabs = int(n_exp), int(n_tabs)
+        self.count = np.empty(self.n_exp, dtype=np.int32)
+        self.cap = 0
+        self._grow(16)
+
+    def _grow(self, n_pairs: int) -> None:
+        self.cap = max(n_pairs, 2 * self.cap)
+        c = self.cap
+        self.experts = np.empty(c, dtype=np.int64)
+        self.start = np.empty(c + 1, dtype=np.int32)
+        self.tok = np.empty(c, dtype=np.int32)
+        self.w = np.empty(c, dtype=np.float32)
+        self.dst = np.empty(c, dtype=np.int32)
+        self.addr = np.empty((max(self.n_tabs, 1), c), dtype=np.int64)
+        self.ptrs = tuple(a.ctypes.data for a in (self.count, self.experts, self.start, self.tok, self.w, self.dst,
+                                                  self.addr))
+
+    def plan(self, ids: torch.Tensor, weights: torch.Tensor | None, tabs: np.ndarray | None = None) -> int:
+        """ids int64 [tokens, top_k] real expert ids, weights float32 [tokens, top_k] (or None: ``w`` not written),
+        contiguous CPU tensors; tabs: None or int64 [n_tabs, n_exp] (C-contiguous: an address per expert and
+        matrix). Returns the number of distinct experts; ValueError for an id outside [0, n_exp)."""
+        n_pairs = ids.numel()
+        if n_pairs > self.cap:
+            self._grow(n_pairs)
+        count, experts, start, tok, w, dst, addr = self.ptrs
+        n = self.lib.ms_moe_pairs(n_pairs, ids.shape[-1], ids.data_ptr(), None if weights is None else
+                                  weights.data_ptr(), self.n_exp, None if tabs is None else tabs.ctypes.data,
+                                  0 if tabs is None else tabs.shape[0], count, experts, start, tok, w, dst, addr,
+                                  self.cap)
+        if n < 0:
+            raise ValueError(f"moe pairs: an expert id outside 0..{self.n_exp - 1}")
+        return n
+
+
+def topk_sum(out: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Each token's top-k rows summed in k order: out float32 [T, top_k, n] (contiguous, CPU) -> [T, n], the bits of
+    ``out.sum(dim=1)`` (each element ((0 + row 0) + row 1) + ..., one thread per token)."""
+    n_tok, k, n = out.shape
+    y = torch.empty((n_tok, n), dtype=torch.float32)
+    (lib or load()).ms_topk_sum(n_tok, k, n, out.data_ptr(), y.data_ptr(), threads())
+    return y
+
+
+def moe_planned(x: torch.Tensor, t_gu: int, t_down: int, pairs: MoEPairs, n_groups: int, rb_gu: int, rb_down: int,
+                n_ff: int, act: int, y: torch.Tensor) -> None:
+    """:func:`moe` on the arrays of ``pairs`` after ``pairs.plan(ids, weights, tabs)`` returned ``n_groups``: the
+    experts' addresses are ``pairs.addr`` rows 0, 1, 2 (gate, up, down), the pairs its own arrays (no array is
+    made or converted here). x float32 [tokens, hidden] contiguous; y float32 [tokens * top_k, hidden]."""
+    lib = pairs.lib
+    _, _, start, tok, w, dst, addr = pairs.ptrs
+    row = 8 * pairs.cap
+    rc = lib.ms_moe(int(t_gu), int(t_down), addr, addr + row, addr + 2 * row, rb_gu, rb_down, x.shape[1], n_ff, act,
+                    n_groups, start, tok, w, dst, x.data_ptr(), x.shape[0], y.data_ptr(), threads())
+    if rc == -1:
+        raise ValueError(f"moe: the kernels do not compute ggml types {t_gu} / {t_down} at these sizes")
+    if rc == -2:
+        raise MemoryError("moe: out of memory for the expert FFN's buffers")

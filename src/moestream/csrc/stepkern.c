@@ -422,3 +422,77 @@ int ms_route(int T, int n_exp, const float *logits, int gating, const float *bia
     ms_pool_run(T * (long)n_exp >= GRAIN ? n_threads : 1, route_tok, &c, T);
     return c.failed ? -2 : 0;
 }
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The MoE call's bookkeeping: the (token, k) pairs of one call grouped by expert, and the sum of each token's */
+/* top-k output rows.                                                                                        */
+
+/* Pairs p = 0..n_pairs-1 (token p / top_k, its k-th choice: ids[p], int64 in [0, n_exp)) sorted by expert id,
+ * ascending, the pairs of one expert in p order (a stable sort: numpy's argsort(kind="stable")). Writes
+ * experts int64 [n_groups] (the distinct ids, ascending), pair_start int32 [n_groups + 1] (group g's pairs are
+ * pair_start[g]..pair_start[g+1]-1), and per pair in that order pair_tok int32 (p / top_k), pair_w float32
+ * (w[p]; skipped when w is NULL) and pair_out int32 (p). count: int32 [n_exp] scratch. tabs: NULL, or n_tabs
+ * int64 tables of n_exp entries each (table m at tabs + m * n_exp; an address per expert): then addr + m *
+ * addr_stride gets table m's entries of the n_groups experts. Returns n_groups, or -1 when an id is out of range
+ * (nothing else is then valid). */
+int ms_moe_pairs(int n_pairs, int top_k, const int64_t *ids, const float *w, int n_exp, const int64_t *tabs,
+                 int n_tabs, int32_t *count, int64_t *experts, int32_t *pair_start, int32_t *pair_tok, float *pair_w,
+                 int32_t *pair_out, int64_t *addr, long addr_stride) {
+    for (int p = 0; p < n_pairs; p++)
+        if (ids[p] < 0 || ids[p] >= n_exp) return -1;
+    int n_groups = 0;
+    if ((long)n_pairs * n_pairs <= 4L * n_exp) { /* few pairs (a decode step): insertion sort of the pair indices */
+        for (int p = 0; p < n_pairs; p++) {
+            int q = p;
+            while (q > 0 && ids[pair_out[q - 1]] > ids[p]) { pair_out[q] = pair_out[q - 1]; q--; }
+            pair_out[q] = p;
+        }
+    } else { /* counting sort */
+        memset(count, 0, (size_t)n_exp * sizeof(int32_t));
+        for (int p = 0; p < n_pairs; p++) count[ids[p]]++;
+        int32_t run = 0;
+        for (int e = 0; e < n_exp; e++) { const int32_t c = count[e]; count[e] = run; run += c; }
+        for (int p = 0; p < n_pairs; p++) pair_out[count[ids[p]]++] = p;
+    }
+    for (int i = 0; i < n_pairs; i++) {
+        const int p = pair_out[i];
+        if (i == 0 || ids[p] != ids[pair_out[i - 1]]) {
+            experts[n_groups] = ids[p];
+            pair_start[n_groups++] = i;
+        }
+        pair_tok[i] = p / top_k;
+        if (w) pair_w[i] = w[p];
+    }
+    pair_start[n_groups] = n_pairs;
+    if (tabs)
+        for (int m = 0; m < n_tabs; m++)
+            for (int g = 0; g < n_groups; g++) addr[m * addr_stride + g] = tabs[(long)m * n_exp + experts[g]];
+    return n_groups;
+}
+
+typedef struct {
+    int K, n;
+    const float *src;
+    float *dst;
+    long rpi, rows;
+} ksum_ctx;
+
+static void ksum_rows(void *vc, int item) {
+    const ksum_ctx *c = vc;
+    long r1 = (item + 1) * c->rpi < c->rows ? (item + 1) * c->rpi : c->rows;
+    for (long t = item * c->rpi; t < r1; t++) {
+        const float *s = c->src + t * c->K * c->n;
+        float *d = c->dst + t * c->n;
+        for (int i = 0; i < c->n; i++) d[i] = 0.0f;
+        for (int k = 0; k < c->K; k++)
+            for (int i = 0; i < c->n; i++) d[i] = d[i] + s[(long)k * c->n + i];
+    }
+}
+
+/* dst[t][i] = ((0 + src[t][0][i]) + src[t][1][i]) + ... + src[t][K-1][i]: src float32 [T][K][n], dst [T][n] (the
+ * rows added in k order from +0, as torch's sum over dim 1 of a contiguous [T, K, n] tensor adds them). */
+void ms_topk_sum(int T, int K, int n, const float *src, float *dst, int n_threads) {
+    ksum_ctx c = {K, n, src, dst, 0, T};
+    int n_items = items_for(T, (long)K * n, &c.rpi);
+    ms_pool_run(n_threads, ksum_rows, &c, n_items);
+}
