@@ -271,6 +271,58 @@ def test_attention_bitwise(libs, case):
         assert torch.allclose(torch.from_numpy(want), torch_out, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n_tok,start", [(1, 45), (4, 30)])
+def test_attention_bitwise_wide_scores(libs, n_tok, start):
+    """Scores spread over hundreds: exp's arguments past its polynomial's range (the lanes the 8-wide exp
+    recomputes one by one) and below its flush to 0, in whole blocks of 8 keys and in partial ones."""
+    g = torch.Generator().manual_seed(n_tok + start)
+    q = torch.randn(n_tok, 4, 32, generator=g) * 8
+    kc, vc = torch.randn(start + n_tok, 2, 32, generator=g) * 8, torch.randn(start + n_tok, 2, 24, generator=g)
+    with np.errstate(invalid="ignore", over="ignore"):  # the reference's exp computes both of its branches
+        want = ref_attention(q.numpy(), kc.numpy(), vc.numpy(), start, 0.5)
+    for got in each_build_and_threads(libs, lambda lib: kernels.attention(q, kc, vc, start, 0.5, lib=lib)):
+        assert np.array_equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("n_tok,start,norms,interleaved,n_rot", [(1, 40, True, False, 64), (5, 11, True, True, 64),
+                                                                 (3, 7, False, False, 32), (1, 9, False, True, 0)])
+def test_attn_block_is_the_ops_in_order(libs, n_tok, start, norms, interleaved, n_rot):
+    """kernels.attn_block: per-head RMSNorm of q and k, RoPE, k and v written into their cache rows, attention over
+    the cache: the numpy references of those ops composed, bit for bit (whole and partial rotation, none, NEOX and
+    interleaved; rows before and after the new ones untouched)."""
+    n_head, n_kv, d, dv = 8, 2, 64, 48
+    g = torch.Generator().manual_seed(n_tok * 100 + start)
+    q = torch.randn(n_tok, n_head, d, generator=g) * 2
+    kv = torch.randn(n_tok, n_kv * (d + dv), generator=g)  # k and v as views of one projection (strided rows)
+    k, v = kv[:, :n_kv * d].view(n_tok, n_kv, d), kv[:, n_kv * d:].view(n_tok, n_kv, dv)
+    qn, kn = (torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5) if norms else (None, None)
+    rope = layers.Rope(layers.rope_inv_freq(10000.0, n_rot or 2), interleaved=interleaved) if n_rot else None
+    cos = sin = None
+    if rope is not None:
+        rope.reserve(start + n_tok)
+        cos, sin = rope.cos, rope.sin
+    n_ctx = start + n_tok + 2
+    kc0, vc0 = torch.randn(n_ctx, n_kv, d, generator=g), torch.randn(n_ctx, n_kv, dv, generator=g)
+    qq, kk = q.numpy(), k.numpy()
+    if norms:
+        qq, kk = ref_rms_norm(qq, qn.numpy(), 1e-6), ref_rms_norm(kk, kn.numpy(), 1e-6)
+    if rope is not None:
+        c, s_ = cos[start:start + n_tok].numpy(), sin[start:start + n_tok].numpy()
+        qq, kk = ref_rope(qq, c, s_, interleaved), ref_rope(kk, c, s_, interleaved)
+    want_k, want_v = kc0.numpy().copy(), vc0.numpy().copy()
+    want_k[start:start + n_tok], want_v[start:start + n_tok] = kk, v.numpy()
+    want = ref_attention(qq, want_k, want_v, start, 0.125)
+
+    def run(lib):  # noqa: ANN001, ANN202
+        kc, vc = kc0.clone(), vc0.clone()
+        out = kernels.attn_block(q.clone(), k, v, kc, vc, start, 0.125, qn, kn, 1e-6, cos, sin, interleaved, lib=lib)
+        return out, kc, vc
+
+    for out, kc, vc in each_build_and_threads(libs, run):
+        assert np.array_equal(bits(out), bits(want))
+        assert np.array_equal(bits(kc), bits(want_k)) and np.array_equal(bits(vc), bits(want_v))
+
+
 def test_attention_rows_do_not_depend_on_the_chunk(libs):
     """A token's output is the same bits in any prefill chunk that holds it (and with any other tokens beside
     it); alone (decode) its values are summed as llama.cpp sums one token's (ggml_vec_dot_f32 over the keys, not

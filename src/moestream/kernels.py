@@ -41,7 +41,8 @@ import torch
 from .errors import MoestreamError
 
 __all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports", "computes",
-           "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route", "MoEPairs", "topk_sum"]
+           "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route", "MoEPairs", "topk_sum",
+           "attn_block"]
 
 _SRC = Path(__file__).with_name("csrc")
 _SOURCES = ("moekern.c", "iquants.h", "stepkern.c")
@@ -207,6 +208,9 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_moe_pairs.restype = _I
             lib.ms_topk_sum.argtypes = [_I, _I, _I, _P, _P, _I]
             lib.ms_topk_sum.restype = None
+            lib.ms_attn_block.argtypes = [_I, _I, _I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _P, _F, _I, _I,
+                                          _P, _P, _P, _L, _L, _P, _L, _L, _I, _I, _P, _F, _F, _P, _L, _I]
+            lib.ms_attn_block.restype = _I
             _set_tables(lib)
             _LIBS[which] = lib
         return lib
@@ -422,6 +426,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
                                  k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), int(start), int(window or 0),
                                  None if s is None else s.data_ptr(), float(scale), float(softcap),
                                  out.data_ptr(), n_head * dv, threads())
+    if rc == -2:
+        raise MemoryError("attention: out of memory for the score buffer")
+    return out
+
+
+def attn_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int,
+               scale: float, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
+               cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, interleaved: bool = False,
+               window: int | None = None, sinks: torch.Tensor | None = None, softcap: float = 0.0,
+               lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """One sequence's attention block in one call: q float32 [T, n_head, d], k [T, n_kv, d], v [T, n_kv, d_v] (the
+    new tokens' projections at positions start..start+T-1; unit stride along the last dim). q is OVERWRITTEN (it
+    ends normed and rotated). Per head, :func:`rms_norm` of q by ``q_norm`` and of k by ``k_norm`` (float32 [d],
+    contiguous, or None: no norm) with ``eps``; :func:`rope` by the tables ``cos``, ``sin`` (float32 [n_pos, n_rot],
+    rows contiguous: layers.Rope's, covering the positions; None: no rotation); the keys and values written into
+    the cache rows start..start+T-1 of kc [n_ctx, n_kv, d] and vc [n_ctx, n_kv, d_v] (unit stride along the last
+    dim); then :func:`attention` of q over rows 0..start+T-1. Returns float32 [T, n_head * d_v]. Each operation in
+    its own kernel's arithmetic, so the bits of those calls in that order. MemoryError when a buffer cannot grow."""
+    n_tok, n_head, d = q.shape
+    n_kv, dv = kc.shape[1], vc.shape[2]
+    out = torch.empty((n_tok, n_head * dv), dtype=torch.float32)
+    qs, ks, vs, kcs, vcs = q.stride(), k.stride(), v.stride(), kc.stride(), vc.stride()
+    n_rot, off = (0, 0) if cos is None else (cos.shape[1], start * cos.shape[1] * 4)
+    rc = (lib or load()).ms_attn_block(
+        n_tok, n_head, n_kv, d, dv, q.data_ptr(), qs[0], qs[1], k.data_ptr(), ks[0], ks[1], v.data_ptr(), vs[0], vs[1],
+        None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps, n_rot,
+        int(interleaved), None if cos is None else cos.data_ptr() + off, None if sin is None else sin.data_ptr() + off,
+        kc.data_ptr(), kcs[0], kcs[1], vc.data_ptr(), vcs[0], vcs[1], int(start), int(window or 0),
+        None if sinks is None else sinks.data_ptr(), scale, softcap, out.data_ptr(), n_head * dv, threads())
     if rc == -2:
         raise MemoryError("attention: out of memory for the score buffer")
     return out

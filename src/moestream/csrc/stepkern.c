@@ -47,22 +47,23 @@ typedef struct {
     float *y; long ys;
 } norm_ctx;
 
+/* one row: x [n] -> y [n] (y may be x) */
+static inline void norm_row(const float *x, float *y, int n, const float *w, float eps) {
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+    const float mean = (float)(sum / n);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    if (w) {
+        for (int i = 0; i < n; i++) y[i] = (x[i] * scale) * w[i];
+    } else {
+        for (int i = 0; i < n; i++) y[i] = x[i] * scale;
+    }
+}
+
 static void norm_rows(void *vc, int item) {
     const norm_ctx *c = vc;
     long r1 = (item + 1) * c->rpi < c->rows ? (item + 1) * c->rpi : c->rows;
-    for (long r = item * c->rpi; r < r1; r++) {
-        const float *x = c->x + r * c->xs;
-        float *y = c->y + r * c->ys;
-        double sum = 0.0;
-        for (int i = 0; i < c->n; i++) sum += (double)(x[i] * x[i]);
-        const float mean = (float)(sum / c->n);
-        const float scale = 1.0f / sqrtf(mean + c->eps);
-        if (c->w) {
-            for (int i = 0; i < c->n; i++) y[i] = (x[i] * scale) * c->w[i];
-        } else {
-            for (int i = 0; i < c->n; i++) y[i] = x[i] * scale;
-        }
-    }
+    for (long r = item * c->rpi; r < r1; r++) norm_row(c->x + r * c->xs, c->y + r * c->ys, c->n, c->w, c->eps);
 }
 
 /* rows rows of n floats, row r at x + r * xs (y + r * ys); w: [n] or NULL. y may be x. */
@@ -86,23 +87,35 @@ typedef struct {
     long rpi;
 } rope_ctx;
 
+/* one head's row: x [d] -> y [d]; y may be x (each pair read before it is written) */
+static inline void rope_row(const float *x, float *y, int d, int n_rot, int interleaved, const float *cs,
+                            const float *sn) {
+    if (interleaved) {
+        for (int i = 0; i < n_rot; i += 2) {
+            const float a = x[i], b = x[i + 1];
+            y[i] = a * cs[i] + b * sn[i];
+            y[i + 1] = b * cs[i + 1] + a * sn[i + 1];
+        }
+    } else {
+        const int h = n_rot / 2;
+        for (int i = 0; i < h; i++) {
+            const float a = x[i], b = x[i + h];
+            y[i] = a * cs[i] + b * sn[i];
+            y[i + h] = b * cs[i + h] + a * sn[i + h];
+        }
+    }
+    if (y != x)
+        for (int i = n_rot; i < d; i++) y[i] = x[i];
+}
+
 static void rope_rows(void *vc, int item) {
     const rope_ctx *c = vc;
     const long rows = (long)c->T * c->heads;
     long r1 = (item + 1) * c->rpi < rows ? (item + 1) * c->rpi : rows;
-    const int h = c->n_rot / 2;
     for (long r = item * c->rpi; r < r1; r++) {
         const long t = r / c->heads, hd = r % c->heads;
-        const float *x = c->x + t * c->xs_t + hd * c->xs_h;
-        float *y = c->y + t * c->ys_t + hd * c->ys_h;
-        const float *cs = c->cos + t * c->n_rot, *sn = c->sin + t * c->n_rot;
-        if (c->interleaved) {
-            for (int i = 0; i < c->n_rot; i++) y[i] = x[i] * cs[i] + x[i ^ 1] * sn[i];
-        } else {
-            for (int i = 0; i < h; i++) y[i] = x[i] * cs[i] + x[i + h] * sn[i];
-            for (int i = h; i < c->n_rot; i++) y[i] = x[i] * cs[i] + x[i - h] * sn[i];
-        }
-        for (int i = c->n_rot; i < c->d; i++) y[i] = x[i];
+        rope_row(c->x + t * c->xs_t + hd * c->xs_h, c->y + t * c->ys_t + hd * c->ys_h, c->d, c->n_rot,
+                 c->interleaved, c->cos + t * c->n_rot, c->sin + t * c->n_rot);
     }
 }
 
@@ -196,6 +209,32 @@ static inline float gexpf(float x) {
     return fmaf(s2, j, s2) * s1;
 }
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f splat8(float a) { return (v8f){a, a, a, a, a, a, a, a}; }
+
+/* gexpf of 8 lanes: the same operations lane by lane (lanes past the polynomial's range recomputed by gexpf) */
+static inline v8f gexpf8(v8f x) {
+    const v8f r = splat8(0x1.8p23f);
+    const v8f z = fma8(x, splat8(0x1.715476p+0f), r);
+    const v8f n = z - r;
+    const v8f b = fma8(-n, splat8(0x1.7f7d1cp-20f), fma8(-n, splat8(0x1.62e4p-1f), x));
+    v8i e;
+    memcpy(&e, &z, sizeof e);
+    e = e << 23;
+    const v8i one = {0x3f800000, 0x3f800000, 0x3f800000, 0x3f800000, 0x3f800000, 0x3f800000, 0x3f800000, 0x3f800000};
+    const v8i ki = e + one;
+    v8f k;
+    memcpy(&k, &ki, sizeof k);
+    const v8f u = b * b;
+    const v8f j = fma8(fma8(fma8(splat8(0x1.0e4020p-7f), b, splat8(0x1.573e2ep-5f)), u,
+                            fma8(splat8(0x1.555e66p-3f), b, splat8(0x1.fffdb6p-2f))), u, splat8(0x1.ffffecp-1f) * b);
+    v8f y = fma8(k, j, k);
+    for (int l = 0; l < 8; l++)
+        if (fabsf(n[l]) > 126.0f) y[l] = gexpf(x[l]);
+    return y;
+}
+
 static _Thread_local float *tl_buf;
 static _Thread_local long tl_cap;
 
@@ -245,17 +284,19 @@ static void weighted_values(const float *p, const float *v, long vs, int lo, int
             st8(a + i, fma8(ld8(tail), pb, ld8(a + i)));
         }
     }
-    for (int i = 0; i < dv; i++) {
+    /* the lanes folded as hsum8 / fold32 fold them, 8 dims at a time (the same adds, elementwise over the dims) */
+    for (int i = 0; i < dv8; i += 8) {
+        v8f V[32], res;
+        for (int c = 0; c < lanes; c++) V[c] = ld8(acc + (long)c * dv8 + i);
         if (lanes == 8) {
-            float l[8];
-            for (int r = 0; r < 8; r++) l[r] = acc[(long)r * dv8 + i];
-            o[i] = hsum8(l);
+            res = ((V[0] + V[4]) + (V[2] + V[6])) + ((V[1] + V[5]) + (V[3] + V[7]));
         } else {
-            v8f l[4];
-            for (int u = 0; u < 4; u++)
-                for (int r = 0; r < 8; r++) l[u][r] = acc[(long)(8 * u + r) * dv8 + i];
-            o[i] = fold32(l);
+            v8f X[8];
+            for (int r = 0; r < 8; r++) X[r] = (V[r] + V[16 + r]) + (V[8 + r] + V[24 + r]);
+            res = ((X[0] + X[4]) + (X[1] + X[5])) + ((X[2] + X[6]) + (X[3] + X[7]));
         }
+        if (i + 8 <= dv) st8(o + i, res);
+        else for (int r = 0; r < dv - i; r++) o[i + r] = res[r];
     }
 }
 
@@ -293,9 +334,14 @@ static void attn_item(void *vc, int item) {
         double sum = 0.0;
         for (int b0 = lo & ~7; b0 < hi; b0 += 8) { /* blocks of 8 keys from key 0; masked keys count 0 */
             float e8[8];
-            for (int r = 0; r < 8; r++) {
-                const int j = b0 + r;
-                e8[r] = j >= lo && j < hi ? (s[j - lo] = gexpf(s[j - lo] - m)) : 0.0f;
+            if (b0 >= lo && b0 + 8 <= hi) {
+                st8(e8, gexpf8(ld8(s + (b0 - lo)) - splat8(m)));
+                memcpy(s + (b0 - lo), e8, sizeof e8);
+            } else {
+                for (int r = 0; r < 8; r++) {
+                    const int j = b0 + r;
+                    e8[r] = j >= lo && j < hi ? (s[j - lo] = gexpf(s[j - lo] - m)) : 0.0f;
+                }
             }
             sum += (double)hsum8(e8);
         }
@@ -495,4 +541,74 @@ void ms_topk_sum(int T, int K, int n, const float *src, float *dst, int n_thread
     ksum_ctx c = {K, n, src, dst, 0, T};
     int n_items = items_for(T, (long)K * n, &c.rpi);
     ms_pool_run(n_threads, ksum_rows, &c, n_items);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The attention block of one sequence's step in one call: per-head RMSNorm of the new queries and keys       */
+/* (optional), RoPE (optional), the keys and values written into the cache rows of their positions, then      */
+/* ms_attention. Each operation in the arithmetic of its own kernel above (norm_row, rope_row), so the same bits */
+/* as the separate calls.                                                                                      */
+
+typedef struct {
+    int T, n_head, n_kv, d, dv;
+    float *q; long qs_t, qs_h;
+    const float *k; long kn_t, kn_h;
+    const float *v; long vn_t, vn_h;
+    const float *q_norm, *k_norm;
+    float eps;
+    int n_rot, interleaved;
+    const float *cos, *sin;
+    float *kc; long kc_p, kc_h;
+    float *vc; long vc_p, vc_h;
+    int start;
+    long rpi;
+    int failed;
+} prep_ctx;
+
+static void prep_rows(void *vc, int item) {
+    prep_ctx *c = vc;
+    const long nq = (long)c->T * c->n_head, rows = nq + (long)c->T * c->n_kv;
+    long r1 = (item + 1) * c->rpi < rows ? (item + 1) * c->rpi : rows;
+    for (long r = item * c->rpi; r < r1; r++) {
+        if (r < nq) { /* a query head: normed and rotated in place */
+            const long t = r / c->n_head, h = r % c->n_head;
+            float *q = c->q + t * c->qs_t + h * c->qs_h;
+            if (c->q_norm) norm_row(q, q, c->d, c->q_norm, c->eps);
+            if (c->n_rot) rope_row(q, q, c->d, c->n_rot, c->interleaved, c->cos + t * c->n_rot, c->sin + t * c->n_rot);
+        } else { /* a KV head: the key normed, rotated into its cache row; the value copied */
+            const long t = (r - nq) / c->n_kv, g = (r - nq) % c->n_kv;
+            const float *k = c->k + t * c->kn_t + g * c->kn_h;
+            float *kc = c->kc + (c->start + t) * c->kc_p + g * c->kc_h;
+            if (c->k_norm) {
+                float *tmp = scratch(c->d);
+                if (!tmp) { c->failed = 1; return; }
+                norm_row(k, tmp, c->d, c->k_norm, c->eps);
+                k = tmp;
+            }
+            if (c->n_rot) rope_row(k, kc, c->d, c->n_rot, c->interleaved, c->cos + t * c->n_rot, c->sin + t * c->n_rot);
+            else memcpy(kc, k, (size_t)c->d * sizeof(float));
+            memcpy(c->vc + (c->start + t) * c->vc_p + g * c->vc_h, c->v + t * c->vn_t + g * c->vn_h,
+                   (size_t)c->dv * sizeof(float));
+        }
+    }
+}
+
+/* q: [T][n_head][d] new queries at q + t * qs_t + h * qs_h, OVERWRITTEN with the normed, rotated queries; k: [T][n_kv][d]
+ * and v: [T][n_kv][dv] new keys and values (read only); q_norm, k_norm: [d] RMSNorm weights or NULL (no norm);
+ * n_rot: the rotated dims (0: no RoPE), cos, sin: the tables' rows of positions start.. ([T][n_rot]); kc, vc: the
+ * layer's cache, row j of KV head g at kc + j * kc_p + g * kc_h (vc likewise); rows start..start+T-1 are written,
+ * then ms_attention of the queries over rows 0..start+T-1 into out [T][n_head * dv] (os_t). Returns 0, or -2 when
+ * out of memory. */
+int ms_attn_block(int T, int n_head, int n_kv, int d, int dv, float *q, long qs_t, long qs_h, const float *k,
+                  long kn_t, long kn_h, const float *v, long vn_t, long vn_h, const float *q_norm, const float *k_norm,
+                  float eps, int n_rot, int interleaved, const float *cos, const float *sin, float *kc, long kc_p,
+                  long kc_h, float *vc, long vc_p, long vc_h, int start, int window, const float *sinks, float scale,
+                  float softcap, float *out, long os_t, int n_threads) {
+    prep_ctx c = {T, n_head, n_kv, d, dv, q, qs_t, qs_h, k, kn_t, kn_h, v, vn_t, vn_h, q_norm, k_norm, eps, n_rot,
+                  interleaved, cos, sin, kc, kc_p, kc_h, vc, vc_p, vc_h, start, 0, 0};
+    int n_items = items_for((long)T * (n_head + n_kv), d, &c.rpi);
+    ms_pool_run(n_threads, prep_rows, &c, n_items);
+    if (c.failed) return -2;
+    return ms_attention(T, n_head, n_kv, d, dv, q, qs_t, qs_h, kc, kc_p, kc_h, vc, vc_p, vc_h, start, window, sinks,
+                        scale, softcap, out, os_t, n_threads);
 }
