@@ -464,3 +464,17 @@ def test_topk_sum_is_torch_sum(libs, shape):
     for y in each_build_and_threads(libs, lambda lib: kernels.topk_sum(out, lib=lib)):
         assert np.array_equal(bits(y), bits(ref))
         assert np.array_equal(bits(moe.topk_sum(out)), bits(out.sum(dim=1)))
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_first_nonfinite(libs, bad):
+    """ms_first_nonfinite: the first NaN / Inf's index (np.isfinite's), -1 when there is none, at any position
+    (whole blocks of 8 and the tail)."""
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(3)) * 1e30
+    for lib in libs.values():
+        for at in ([] if bad is None else [0, 7, 8, 500, 999, 1000]):
+            y = x.clone()
+            y[at] = bad
+            y[at + 1:] = bad if at % 2 else y[at + 1:]
+            assert kernels.first_nonfinite(y, lib=lib) == int(np.flatnonzero(~np.isfinite(y.numpy()))[0]) == at
+        assert bad is not None or kernels.first_nonfinite(x, lib=lib) == -1

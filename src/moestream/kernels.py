@@ -42,7 +42,7 @@ from .errors import MoestreamError
 
 __all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports", "computes",
            "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route", "MoEPairs", "topk_sum",
-           "attn_block"]
+           "attn_block", "first_nonfinite"]
 
 _SRC = Path(__file__).with_name("csrc")
 _SOURCES = ("moekern.c", "iquants.h", "stepkern.c")
@@ -211,6 +211,8 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_attn_block.argtypes = [_I, _I, _I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _P, _F, _I, _I,
                                           _P, _P, _P, _L, _L, _P, _L, _L, _I, _I, _P, _F, _F, _P, _L, _I]
             lib.ms_attn_block.restype = _I
+            lib.ms_first_nonfinite.argtypes = [_P, _L]
+            lib.ms_first_nonfinite.restype = _L
             _set_tables(lib)
             _LIBS[which] = lib
         return lib
@@ -555,3 +557,9 @@ def moe_planned(x: torch.Tensor, t_gu: int, t_down: int, pairs: MoEPairs, n_grou
         raise ValueError(f"moe: the kernels do not compute ggml types {t_gu} / {t_down} at these sizes")
     if rc == -2:
         raise MemoryError("moe: out of memory for the expert FFN's buffers")
+
+
+def first_nonfinite(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> int:
+    """The flat index of the first NaN or +-Inf of x (float32, contiguous, CPU), or -1 when all are finite (one
+    pass, one thread)."""
+    return (lib or load()).ms_first_nonfinite(x.data_ptr(), x.numel())

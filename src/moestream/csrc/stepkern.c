@@ -612,3 +612,25 @@ int ms_attn_block(int T, int n_head, int n_kv, int d, int dv, float *q, long qs_
     return ms_attention(T, n_head, n_kv, d, dv, q, qs_t, qs_h, kc, kc_p, kc_h, vc, vc_p, vc_h, start, window, sinks,
                         scale, softcap, out, os_t, n_threads);
 }
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The logits' finiteness check                                                                              */
+
+/* The index of the first element of x [n] that is NaN or +-Inf, or -1 when every one is finite (one pass:
+ * x - x is 0 for a finite x, NaN otherwise, and a NaN stays in the lanes' sum). */
+long ms_first_nonfinite(const float *x, long n) {
+    v8f acc = {0};
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8f v = ld8(x + i);
+        acc += v - v;
+    }
+    float tail = 0.0f;
+    for (; i < n; i++) tail += x[i] - x[i];
+    int bad = tail != tail;
+    for (int l = 0; l < 8; l++) bad |= acc[l] != acc[l];
+    if (!bad) return -1;
+    for (i = 0; i < n; i++)
+        if (!isfinite(x[i])) return i;
+    return -1;
+}

@@ -31,6 +31,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 swiglu.kernel_act = kernels.ACT_SILU  # type: ignore[attr-defined]  # the C kernels' code for it
 
 
+#: Most values of the routed rows [tokens, top_k, hidden] a resident CPU call writes into a buffer kept per layer
+#: (decode steps; 512 KiB: 8 x 7168 fits), not a new tensor
+KEPT_ROWS_FLOATS = 1 << 17
+
+
 def topk_sum(out: torch.Tensor) -> torch.Tensor:
     """``out.sum(dim=1)`` of the routed outputs float32 [tokens, top_k, hidden] (contiguous, CPU) -> [tokens, hidden],
     the same bits: the step kernels' in-order sum (kernels.topk_sum) where torch's sum adds the k rows in order
@@ -116,6 +121,7 @@ class MoE:
         self.routing: Callable[[int, torch.Tensor], torch.Tensor] | None = None
         self._pair_bufs: kernels.MoEPairs | None = None
         self._tab_key: tuple | None = None
+        self._out_buf: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -141,17 +147,19 @@ class MoE:
         summed in top-k order at the end and every expert sees the same tokens either way, so neither tiling
         nor overlap changes a bit of the result.
         """
-        if overlap is None:
-            overlap = self.overlap_of() if self.overlap_of is not None else True
         if self.routing is not None:  # synthetic routing: other expert ids, the router's weights
             ids = self.routing(self.layer, ids)
         store = self.store_of()
-        n_tok, top_k = ids.shape
-        cuda = x.device.type == "cuda"
         if expert_scale is None:
             expert_scale = self.expert_scale
         if expert_scale is not None:
             weights = weights * expert_scale[ids]  # real ids, never slot ids
+        if self.fused and not x.is_cuda and (tabs := self._tables(store)) is not None:
+            return self._resident(store, tabs, x.contiguous(), ids, weights, shared)
+        if overlap is None:
+            overlap = self.overlap_of() if self.overlap_of is not None else True
+        n_tok, top_k = ids.shape
+        cuda = x.device.type == "cuda"
         groups = None
         batch = self._fused
         if self.gpu:  # (on a CPU tensor only under Triton's interpreter, in tests)
@@ -161,13 +169,8 @@ class MoE:
             out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
         elif self.fused and not cuda:
             x = x.contiguous()
-            groups = _Groups(ids, weights, pairs=self._pairs(), tabs=self._tables(store))
+            groups = _Groups(ids, weights, pairs=self._pairs())
             out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
-            if groups.addr is not None:  # every expert in place (resident): one call, no tiles, nothing to join
-                store.prepare(self.layer, groups.experts)  # counts the hits (and records the routing trace)
-                shared_out = shared(x) if shared is not None else None
-                self._fused(store, groups, groups.experts, {e: e for e in groups.experts}, x, out)
-                return topk_sum(out), shared_out
         else:
             out = x.new_zeros((n_tok, top_k, x.shape[-1]))
         if groups is not None:
@@ -236,6 +239,27 @@ class MoE:
         if groups is not None and not cuda:
             return topk_sum(out), shared_out
         return out.sum(dim=1), shared_out
+
+    def _resident(self, store: ExpertStore, tabs: np.ndarray, x: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor, shared: Callable[[torch.Tensor], torch.Tensor] | None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`__call__` when every expert is in place (``tabs``: :meth:`_tables`): one planned C call, no tiles,
+        nothing to read or join (so ``overlap`` changes nothing); x float32 [tokens, hidden] contiguous. The output
+        rows of a call of at most :data:`KEPT_ROWS_FLOATS` values (a decode step) go to a buffer kept between calls
+        (every row written once by the kernels)."""
+        groups = _Groups(ids, weights, pairs=self._pairs(), tabs=tabs)
+        store.prepare(self.layer, groups.experts)  # counts the hits (and records the routing trace)
+        shared_out = shared(x) if shared is not None else None
+        shape = (ids.shape[0], ids.shape[1], x.shape[1])
+        n = shape[0] * shape[1] * shape[2]
+        if n > KEPT_ROWS_FLOATS:
+            out = x.new_empty(shape)
+        else:
+            if self._out_buf is None or self._out_buf.numel() < n:
+                self._out_buf = torch.empty(n, dtype=torch.float32)
+            out = self._out_buf[:n].view(shape)
+        self._fused(store, groups, groups.experts, {e: e for e in groups.experts}, x, out)
+        return topk_sum(out), shared_out
 
     def _pairs(self) -> kernels.MoEPairs:
         """This layer's pair plan arrays (kernels.MoEPairs), made at the first call."""
