@@ -478,3 +478,52 @@ def test_first_nonfinite(libs, bad):
             y[at + 1:] = bad if at % 2 else y[at + 1:]
             assert kernels.first_nonfinite(y, lib=lib) == int(np.flatnonzero(~np.isfinite(y.numpy()))[0]) == at
         assert bad is not None or kernels.first_nonfinite(x, lib=lib) == -1
+
+
+@pytest.mark.parametrize("k", [0, 1, 8])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_residual_norm(libs, k, weighted):
+    """ms_residual_norm: x += r (one add per element) or += the sum of r's k rows (in k order from +0), in place,
+    then h = the RMSNorm reference of the new x; without h only the add."""
+    g = torch.Generator().manual_seed(k + 10 * weighted)
+    x0 = torch.randn(3, 256, generator=g) * 2
+    r = torch.randn(3, 256, generator=g) if k == 0 else torch.randn(3, k, 256, generator=g)
+    w = torch.rand(256, generator=g) + 0.5 if weighted else None
+    s = r.numpy() if k == 0 else np.zeros((3, 256), dtype=F32)
+    for j in range(k):
+        s = s + r[:, j].numpy()
+    want_x = x0.numpy() + s
+    want_h = ref_rms_norm(want_x, None if w is None else w.numpy(), 1e-6)
+
+    def run(lib):  # noqa: ANN001, ANN202
+        x, h = x0.clone(), torch.empty(3, 256)
+        kernels.residual_norm(x, r, w, 1e-6, h, lib=lib)
+        x2 = x0.clone()
+        kernels.residual_norm(x2, r, w, 1e-6, None, lib=lib)
+        assert torch.equal(x2, x)
+        return x, h
+
+    for x, h in each_build_and_threads(libs, run):
+        assert np.array_equal(bits(x), bits(want_x)) and np.array_equal(bits(h), bits(want_h))
+
+
+def test_route_plan_is_route_then_pairs(libs):
+    """ms_route_plan (the fast decode step's router) = ms_route into the given arrays, then ms_moe_pairs of its
+    choice: the ids, weights and pair arrays of kernels.route and MoEPairs.plan."""
+    n_exp, top_k = 64, 6
+    logits = torch.randn(1, n_exp, generator=torch.Generator().manual_seed(9))
+    tabs = np.arange(3 * n_exp, dtype=np.int64).reshape(3, n_exp) * 64
+    for lib in libs.values():
+        want_ids, want_w = kernels.route(logits, top_k, kernels.GATING_SOFTMAX, norm=True, lib=lib)
+        want = kernels.MoEPairs(n_exp, 3, lib=lib)
+        n_want = want.plan(want_ids, want_w, tabs)
+        got = kernels.MoEPairs(n_exp, 3, lib=lib)
+        ids, w = torch.empty(1, top_k, dtype=torch.int64), torch.empty(1, top_k)
+        count, experts, start, tok, pw, dst, addr = got.ptrs
+        n = lib.ms_route_plan(1, n_exp, logits.data_ptr(), kernels.GATING_SOFTMAX, None, 1, 1, top_k, 1, 0.0, 1.0,
+                              ids.data_ptr(), w.data_ptr(), tabs.ctypes.data, 3, count, experts, start, tok, pw, dst,
+                              addr, got.cap, 1)
+        assert n == n_want == top_k and torch.equal(ids, want_ids) and np.array_equal(bits(w), bits(want_w))
+        for name in ("experts", "start", "tok", "w", "dst"):
+            assert np.array_equal(getattr(got, name)[:top_k], getattr(want, name)[:top_k]), name
+        assert np.array_equal(got.addr[:, :n], want.addr[:, :n])

@@ -42,7 +42,7 @@ from .errors import MoestreamError
 
 __all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports", "computes",
            "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route", "MoEPairs", "topk_sum",
-           "attn_block", "first_nonfinite"]
+           "attn_block", "first_nonfinite", "residual_norm", "linear_to", "moe_to"]
 
 _SRC = Path(__file__).with_name("csrc")
 _SOURCES = ("moekern.c", "iquants.h", "stepkern.c")
@@ -213,6 +213,11 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_attn_block.restype = _I
             lib.ms_first_nonfinite.argtypes = [_P, _L]
             lib.ms_first_nonfinite.restype = _L
+            lib.ms_residual_norm.argtypes = [_I, _I, _P, _P, _I, _P, _F, _P, _I]
+            lib.ms_residual_norm.restype = None
+            lib.ms_route_plan.argtypes = [_I, _I, _P, _I, _P, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _P, _P, _P, _P,
+                                          _P, _P, _P, _L, _I]
+            lib.ms_route_plan.restype = _I
             _set_tables(lib)
             _LIBS[which] = lib
         return lib
@@ -548,18 +553,43 @@ def moe_planned(x: torch.Tensor, t_gu: int, t_down: int, pairs: MoEPairs, n_grou
     """:func:`moe` on the arrays of ``pairs`` after ``pairs.plan(ids, weights, tabs)`` returned ``n_groups``: the
     experts' addresses are ``pairs.addr`` rows 0, 1, 2 (gate, up, down), the pairs its own arrays (no array is
     made or converted here). x float32 [tokens, hidden] contiguous; y float32 [tokens * top_k, hidden]."""
-    lib = pairs.lib
-    _, _, start, tok, w, dst, addr = pairs.ptrs
-    row = 8 * pairs.cap
-    rc = lib.ms_moe(int(t_gu), int(t_down), addr, addr + row, addr + 2 * row, rb_gu, rb_down, x.shape[1], n_ff, act,
-                    n_groups, start, tok, w, dst, x.data_ptr(), x.shape[0], y.data_ptr(), threads())
-    if rc == -1:
-        raise ValueError(f"moe: the kernels do not compute ggml types {t_gu} / {t_down} at these sizes")
-    if rc == -2:
-        raise MemoryError("moe: out of memory for the expert FFN's buffers")
+    moe_to((int(t_gu), int(t_down), rb_gu, rb_down, x.shape[1], n_ff, act), pairs, n_groups, x.data_ptr(), x.shape[0],
+           y.data_ptr())
 
 
 def first_nonfinite(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> int:
     """The flat index of the first NaN or +-Inf of x (float32, contiguous, CPU), or -1 when all are finite (one
     pass, one thread)."""
     return (lib or load()).ms_first_nonfinite(x.data_ptr(), x.numel())
+
+
+def residual_norm(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                  h: torch.Tensor | None, lib: ctypes.CDLL | None = None) -> None:
+    """The residual stream between two matmuls, in place: x float32 [rows, n] (contiguous) += r, where r is [rows, n]
+    (one add per element), or [rows, K, n] (its K rows summed in k order from +0 first: :func:`topk_sum`'s sum), or
+    None (nothing added); then, when h [rows, n] is given, h = :func:`rms_norm` of the new x by ``weight``."""
+    k = 0 if r is None or r.dim() == 2 else r.shape[1]
+    (lib or load()).ms_residual_norm(x.shape[0], x.shape[1], x.data_ptr(), None if r is None else r.data_ptr(), k,
+                                     None if weight is None else weight.data_ptr(), eps,
+                                     None if h is None else h.data_ptr(), threads())
+
+
+def linear_to(spec: tuple, x: int, n_tok: int, y: int, lib: ctypes.CDLL) -> None:
+    """:func:`linear` with everything given as addresses (a decode step's kept buffers): spec = (ggml type, first
+    byte of W, row bytes, rows, cols); x: float32 [n_tok, cols]; y: float32 [n_tok, rows]."""
+    rc = lib.ms_linear(spec[0], spec[1], spec[2], spec[3], spec[4], x, n_tok, y, threads())
+    if rc:
+        raise ValueError(f"linear: the kernels do not compute ggml type {spec[0]} with {spec[4]} columns (rc {rc})")
+
+
+def moe_to(spec: tuple, pairs: MoEPairs, n_groups: int, x: int, n_tok: int, y: int) -> None:
+    """:func:`moe_planned` with addresses: spec = (gate/up type, down type, gate/up row bytes, down row bytes,
+    hidden, n_ff, act); x float32 [n_tok, hidden]; y float32 [n_tok * top_k, hidden]."""
+    _, _, start, tok, w, dst, addr = pairs.ptrs
+    row = 8 * pairs.cap
+    rc = pairs.lib.ms_moe(spec[0], spec[1], addr, addr + row, addr + 2 * row, spec[2], spec[3], spec[4], spec[5],
+                          spec[6], n_groups, start, tok, w, dst, x, n_tok, y, threads())
+    if rc == -1:
+        raise ValueError(f"moe: the kernels do not compute ggml types {spec[0]} / {spec[1]} at these sizes")
+    if rc == -2:
+        raise MemoryError("moe: out of memory for the expert FFN's buffers")

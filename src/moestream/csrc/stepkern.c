@@ -264,10 +264,18 @@ typedef struct {
     int failed;
 } attn_ctx;
 
+/* Cache rows a few keys ahead are asked for early by the first query head of an item (the others find them in
+ * the caches): a decode step finds them in memory (the matmuls before it streamed their weights through the
+ * caches). Hints only: no value depends on them. */
+#define PF_AHEAD 4
+static inline void prefetch_row(const float *p, int n) {
+    for (int i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
 /* The values of one (token, head): p [keys lo..hi-1 at p[j - lo]] -> o [dv]. acc: 32 * dv8 floats of scratch
  * (dv8 = dv rounded up to 8), lane c of dim i at acc[c * dv8 + i]. */
 static void weighted_values(const float *p, const float *v, long vs, int lo, int hi, int dv, int lanes, float *acc,
-                            float *o) {
+                            float *o, int pf) {
     const int dv8 = (dv + 7) & ~7;
     memset(acc, 0, (size_t)lanes * dv8 * sizeof(float));
     float tail[8];
@@ -275,7 +283,8 @@ static void weighted_values(const float *p, const float *v, long vs, int lo, int
         const float pj = p[j - lo];
         const v8f pb = {pj, pj, pj, pj, pj, pj, pj, pj};
         const float *vj = v + (long)j * vs;
-        float *a = acc + (long)(j % lanes) * dv8;
+        if (pf && j + PF_AHEAD < hi) prefetch_row(v + (long)(j + PF_AHEAD) * vs, dv);
+        float *a = acc + (long)(j & (lanes - 1)) * dv8; /* lanes: 8 or 32 */
         int i = 0;
         for (; i + 8 <= dv; i += 8) st8(a + i, fma8(ld8(vj + i), pb, ld8(a + i)));
         if (i < dv) { /* the last dims: padded with zeros in a copy */
@@ -322,13 +331,15 @@ static void attn_item(void *vc, int item) {
     for (int hh = 0; hh < nh; hh++) {
         const int h = h0 + hh;
         const float *q = c->q + (long)t * c->qs_t + (long)h * c->qs_h;
-        float m = -INFINITY;
         for (int j = lo; j < hi; j++) {
-            float sc = vdot(k + (long)j * c->ks_p, q, c->d) * c->scale;
-            if (c->softcap > 0.0f) sc = c->softcap * tanhf(sc / c->softcap);
-            s[j - lo] = sc;
-            if (sc > m) m = sc;
+            if (hh == 0 && j + PF_AHEAD < hi) prefetch_row(k + (long)(j + PF_AHEAD) * c->ks_p, c->d);
+            s[j - lo] = vdot(k + (long)j * c->ks_p, q, c->d) * c->scale;
         }
+        if (c->softcap > 0.0f)
+            for (int j = 0; j < n; j++) s[j] = c->softcap * tanhf(s[j] / c->softcap);
+        float m = -INFINITY; /* the running max, in key order, after the scores (no compare waits on a dot product) */
+        for (int j = 0; j < n; j++)
+            if (s[j] > m) m = s[j];
         const float sink = c->sinks ? c->sinks[h] : 0.0f;
         if (c->sinks && sink > m) m = sink;
         double sum = 0.0;
@@ -348,7 +359,7 @@ static void attn_item(void *vc, int item) {
         if (c->sinks) sum += (double)expf(sink - m);
         const float inv = (float)(1.0 / sum);
         for (int j = 0; j < n; j++) s[j] = s[j] * inv;
-        weighted_values(s, v, c->vs_p, lo, hi, c->dv, lanes, acc, o + (long)h * c->dv);
+        weighted_values(s, v, c->vs_p, lo, hi, c->dv, lanes, acc, o + (long)h * c->dv, hh == 0);
     }
 }
 
@@ -516,31 +527,14 @@ int ms_moe_pairs(int n_pairs, int top_k, const int64_t *ids, const float *w, int
     return n_groups;
 }
 
-typedef struct {
-    int K, n;
-    const float *src;
-    float *dst;
-    long rpi, rows;
-} ksum_ctx;
-
-static void ksum_rows(void *vc, int item) {
-    const ksum_ctx *c = vc;
-    long r1 = (item + 1) * c->rpi < c->rows ? (item + 1) * c->rpi : c->rows;
-    for (long t = item * c->rpi; t < r1; t++) {
-        const float *s = c->src + t * c->K * c->n;
-        float *d = c->dst + t * c->n;
-        for (int i = 0; i < c->n; i++) d[i] = 0.0f;
-        for (int k = 0; k < c->K; k++)
-            for (int i = 0; i < c->n; i++) d[i] = d[i] + s[(long)k * c->n + i];
-    }
-}
-
 /* dst[t][i] = ((0 + src[t][0][i]) + src[t][1][i]) + ... + src[t][K-1][i]: src float32 [T][K][n], dst [T][n] (the
  * rows added in k order from +0, as torch's sum over dim 1 of a contiguous [T, K, n] tensor adds them). */
+void ms_residual_norm(int rows, int n, float *x, const float *r, int K, const float *w, float eps, float *h,
+                      int n_threads);
+
 void ms_topk_sum(int T, int K, int n, const float *src, float *dst, int n_threads) {
-    ksum_ctx c = {K, n, src, dst, 0, T};
-    int n_items = items_for(T, (long)K * n, &c.rpi);
-    ms_pool_run(n_threads, ksum_rows, &c, n_items);
+    memset(dst, 0, (size_t)T * n * sizeof(float)); /* +0 + the sum (which starts from +0): the sum's own bits */
+    ms_residual_norm(T, n, dst, src, K, NULL, 0.0f, NULL, n_threads);
 }
 
 /* ------------------------------------------------------------------------------------------------------ */
@@ -633,4 +627,61 @@ long ms_first_nonfinite(const float *x, long n) {
     for (i = 0; i < n; i++)
         if (!isfinite(x[i])) return i;
     return -1;
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The residual stream between the matmuls of a decode step                                                  */
+
+typedef struct {
+    int n, K;
+    float *x;
+    const float *r;
+    const float *w;
+    float eps;
+    float *h;
+    long rpi, rows;
+} resid_ctx;
+
+static void resid_rows(void *vc, int item) {
+    const resid_ctx *c = vc;
+    long r1 = (item + 1) * c->rpi < c->rows ? (item + 1) * c->rpi : c->rows;
+    for (long t = item * c->rpi; t < r1; t++) {
+        float *x = c->x + t * c->n;
+        if (c->r && c->K == 0) {
+            const float *r = c->r + t * c->n;
+            for (int i = 0; i < c->n; i++) x[i] = x[i] + r[i];
+        } else if (c->r) {
+            const float *r = c->r + t * c->K * c->n;
+            for (int i = 0; i < c->n; i++) {
+                float s = 0.0f;
+                for (int k = 0; k < c->K; k++) s = s + r[(long)k * c->n + i];
+                x[i] = x[i] + s;
+            }
+        }
+        if (c->h) norm_row(x, c->h + t * c->n, c->n, c->w, c->eps);
+    }
+}
+
+/* x: float32 [rows][n], updated in place: x += r (r: [rows][n], K = 0), or x += the sum of r's K rows per row
+ * (r: [rows][K][n], added in k order from +0: ms_topk_sum's sum), or nothing (r NULL); then, when h is not NULL,
+ * h [rows][n] = RMSNorm of the new x (norm_row: ms_rms_norm's arithmetic) by w [n] (or NULL) with eps. */
+void ms_residual_norm(int rows, int n, float *x, const float *r, int K, const float *w, float eps, float *h,
+                      int n_threads) {
+    resid_ctx c = {n, K, x, r, w, eps, h, 0, rows};
+    int n_items = items_for(rows, (long)(K + 1) * n, &c.rpi);
+    ms_pool_run(n_threads, resid_rows, &c, n_items);
+}
+
+/* ms_route of T tokens into ids / w, then ms_moe_pairs of its choice (tabs, addresses as there). Returns the
+ * number of distinct experts, or ms_route's error (-1 bad sizes, -2 out of memory), or -3 for an id out of range. */
+int ms_route_plan(int T, int n_exp, const float *logits, int gating, const float *bias, int n_group, int topk_group,
+                  int top_k, int norm, float floor, float scale, int64_t *ids, float *w, const int64_t *tabs,
+                  int n_tabs, int32_t *count, int64_t *experts, int32_t *pair_start, int32_t *pair_tok,
+                  float *pair_w, int32_t *pair_out, int64_t *addr, long addr_stride, int n_threads) {
+    const int rc = ms_route(T, n_exp, logits, gating, bias, n_group, topk_group, top_k, norm, floor, scale, ids, w,
+                            n_threads);
+    if (rc) return rc;
+    const int n = ms_moe_pairs(T * top_k, top_k, ids, w, n_exp, tabs, n_tabs, count, experts, pair_start, pair_tok,
+                               pair_w, pair_out, addr, addr_stride);
+    return n < 0 ? -3 : n;
 }
