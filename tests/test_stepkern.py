@@ -527,3 +527,26 @@ def test_route_plan_is_route_then_pairs(libs):
         for name in ("experts", "start", "tok", "w", "dst"):
             assert np.array_equal(getattr(got, name)[:top_k], getattr(want, name)[:top_k]), name
         assert np.array_equal(got.addr[:, :n], want.addr[:, :n])
+
+
+@pytest.mark.parametrize("ggml_type,block,size,scales", [(8, 32, 34, [0]), (12, 256, 144, [0, 2]),
+                                                         (14, 256, 210, [208]), (30, 1, 2, [])])
+def test_dequant_rows_is_quant_dequantize(libs, ggml_type, block, size, scales):
+    """kernels.dequant_rows (embedding rows) = quant.dequantize of those rows (itself gguf.quants' arithmetic), bit
+    for bit, on random blocks (finite fp16 scales, subnormal ones included); ids out of range or another type: None
+    (the caller's own path)."""
+    from moestream import quant
+
+    n_rows, n_cols = 40, 512
+    rng = np.random.default_rng(ggml_type)
+    raw = rng.integers(0, 256, size=(n_rows, n_cols // block, size), dtype=np.uint8)
+    for off in scales:
+        raw[..., off + 1] &= 0xBF  # fp16 exponent below all-ones: finite
+    raw = torch.from_numpy(raw.reshape(n_rows, -1).copy())
+    ids = torch.tensor([3, 0, 39, 3, 17])
+    want = quant.dequantize(raw[ids], ggml_type, n_cols)
+    for lib in libs.values():
+        got = kernels.dequant_rows(raw, ggml_type, n_cols, ids, lib=lib)
+        assert np.array_equal(bits(got), bits(want))
+        assert kernels.dequant_rows(raw, ggml_type, n_cols, torch.tensor([40]), lib=lib) is None
+    assert kernels.dequant_rows(raw, 2, n_cols, ids) is None  # Q4_0: decoded by quant.py

@@ -42,7 +42,8 @@ from .errors import MoestreamError
 
 __all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports", "computes",
            "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route", "MoEPairs", "topk_sum",
-           "attn_block", "first_nonfinite", "residual_norm", "linear_to", "moe_to"]
+           "attn_block", "first_nonfinite", "residual_norm", "linear_to", "moe_to",
+           "dequant_rows"]
 
 _SRC = Path(__file__).with_name("csrc")
 _SOURCES = ("moekern.c", "iquants.h", "stepkern.c")
@@ -218,6 +219,8 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_route_plan.argtypes = [_I, _I, _P, _I, _P, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _P, _P, _P, _P,
                                           _P, _P, _P, _L, _I]
             lib.ms_route_plan.restype = _I
+            lib.ms_dequant_rows.argtypes = [_I, _P, _L, _L, _P, _I, _I, _P]
+            lib.ms_dequant_rows.restype = _I
             _set_tables(lib)
             _LIBS[which] = lib
         return lib
@@ -593,3 +596,22 @@ def moe_to(spec: tuple, pairs: MoEPairs, n_groups: int, x: int, n_tok: int, y: i
         raise ValueError(f"moe: the kernels do not compute ggml types {spec[0]} / {spec[1]} at these sizes")
     if rc == -2:
         raise MemoryError("moe: out of memory for the expert FFN's buffers")
+
+
+#: ggml types :func:`dequant_rows` decodes: Q8_0, Q4_K, Q6_K, BF16
+DEQUANT_ROWS_TYPES = frozenset({8, 12, 14, 30})
+
+
+def dequant_rows(raw: torch.Tensor, ggml_type: int, n_cols: int, ids: torch.Tensor,
+                 lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
+    """Rows ``ids`` (int64 [n], CPU) of a ggml matrix raw uint8 [n_rows, row_bytes] (CPU, rows of unit stride) as
+    float32 [n, n_cols], in quant.dequantize's arithmetic (the same bits, the fp16 scales converted as torch converts
+    them on this build); None for a type outside :data:`DEQUANT_ROWS_TYPES` or an id out of range (the caller
+    decodes those its own way)."""
+    if int(ggml_type) not in DEQUANT_ROWS_TYPES or raw.stride(-1) != 1:
+        return None
+    ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.shape[0], n_cols), dtype=torch.float32)
+    rc = (lib or load()).ms_dequant_rows(int(ggml_type), raw.data_ptr(), raw.stride(0), raw.shape[0], ids.data_ptr(),
+                                         ids.shape[0], n_cols, out.data_ptr())
+    return out if rc == 0 else None

@@ -685,3 +685,92 @@ int ms_route_plan(int T, int n_exp, const float *logits, int gating, const float
                                pair_w, pair_out, addr, addr_stride);
     return n < 0 ? -3 : n;
 }
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* Embedding rows decoded from their ggml blocks, in quant.py's arithmetic (each product rounded on its own).  */
+
+static inline float half_to_float(uint16_t h) {
+#if defined(MS_ISA_AVX2) || defined(MS_ISA_AVX512)
+    return _cvtsh_ss(h); /* the conversion torch's CPU kernels run on these builds */
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else { /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = man;
+        do { e++; m <<= 1; } while (!(m & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    return u2f(u);
+#endif
+}
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* Q8_0 blocks of 32: fp16 d | 32 int8; x = (float)q * d */
+static void dq_q8_0(const uint8_t *b, float *y, int n_blocks) {
+    for (int k = 0; k < n_blocks; k++, b += 34, y += 32) {
+        const float d = half_to_float(rd16(b));
+        for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)b[2 + i] * d;
+    }
+}
+
+/* Q4_K super-blocks of 256: fp16 d | fp16 dmin | 12 bytes of 6-bit scales and mins | 128 bytes of nibbles (group
+ * 2c: low nibbles of bytes 32c.., group 2c+1: their high nibbles); x = (float)q * (d * sc) - (dmin * mn) */
+static void dq_q4_k(const uint8_t *b, float *y, int n_blocks) {
+    for (int k = 0; k < n_blocks; k++, b += 144, y += 256) {
+        const float d = half_to_float(rd16(b)), dmin = half_to_float(rd16(b + 2));
+        const uint8_t *sc = b + 4, *qs = b + 16;
+        for (int g = 0; g < 8; g++) {
+            int s, m;
+            if (g < 4) { s = sc[g] & 63; m = sc[g + 4] & 63; }
+            else { s = (sc[g + 4] & 0xf) | ((sc[g - 4] >> 6) << 4); m = (sc[g + 4] >> 4) | ((sc[g] >> 6) << 4); }
+            const float dl = d * (float)s, ml = dmin * (float)m;
+            const uint8_t *q = qs + 32 * (g / 2);
+            for (int i = 0; i < 32; i++) y[32 * g + i] = (float)((g & 1) ? q[i] >> 4 : q[i] & 0xf) * dl - ml;
+        }
+    }
+}
+
+/* Q6_K super-blocks of 256: 128 bytes low nibbles | 64 bytes high 2 bits | 16 int8 scales | fp16 d; element
+ * 128h + 32f + i: low nibble f / 2 of ql[64h + 32(f % 2) + i], high bits 2f.. of qh[32h + i];
+ * x = (float)(q - 32) * (d * sc[element / 16]) */
+static void dq_q6_k(const uint8_t *b, float *y, int n_blocks) {
+    for (int k = 0; k < n_blocks; k++, b += 210, y += 256) {
+        const float d = half_to_float(rd16(b + 208));
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int h = 0; h < 2; h++)
+            for (int f = 0; f < 4; f++)
+                for (int i = 0; i < 32; i++) {
+                    const int e = 128 * h + 32 * f + i;
+                    const uint8_t lo = ql[64 * h + 32 * (f % 2) + i];
+                    const int q = ((f < 2 ? lo & 0xf : lo >> 4) | (((qh[32 * h + i] >> (2 * f)) & 3) << 4)) - 32;
+                    y[e] = (float)q * (d * (float)sc[e / 16]);
+                }
+    }
+}
+
+/* Rows ids[0..n-1] of a matrix of n_rows rows of ggml type t (rows of n_cols elements, row r at raw + r *
+ * row_bytes) into out [n][n_cols]. Types: Q8_0 (8), Q4_K (12), Q6_K (14), BF16 (30). Returns 0; -1 for another
+ * type or n_cols not a multiple of its block, -2 for an id outside 0..n_rows-1 (nothing written: the caller
+ * decodes those itself, or says what is wrong). */
+int ms_dequant_rows(int t, const uint8_t *raw, long row_bytes, long n_rows, const int64_t *ids, int n, int n_cols,
+                    float *out) {
+    const int block = t == 8 ? 32 : t == 12 || t == 14 ? 256 : t == 30 ? 1 : 0;
+    if (!block || n_cols % block) return -1;
+    for (int r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= n_rows) return -2;
+    for (int r = 0; r < n; r++) {
+        const uint8_t *b = raw + ids[r] * row_bytes;
+        float *y = out + (long)r * n_cols;
+        if (t == 8) dq_q8_0(b, y, n_cols / 32);
+        else if (t == 12) dq_q4_k(b, y, n_cols / 256);
+        else if (t == 14) dq_q6_k(b, y, n_cols / 256);
+        else for (int i = 0; i < n_cols; i++) y[i] = u2f((uint32_t)rd16(b + 2 * i) << 16);
+    }
+    return 0;
+}
