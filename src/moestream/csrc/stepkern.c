@@ -188,6 +188,38 @@ static inline float vdot(const float *x, const float *y, int n) {
     return s;
 }
 
+/* ggml_vdot of 8 rows x + u * xs (u < 8) with y, n a multiple of 32: each row's 32 lanes as vdot accumulates
+ * them, then fold32's adds on the 8 rows at once (lane r of the 8 rows' partial sums gathered by a transpose). */
+static inline v8f vdot8(const float *x, long xs, const float *y, int n) {
+    v8f X[8];
+    for (int u = 0; u < 8; u++) {
+        v8f l[4] = {{0}, {0}, {0}, {0}};
+        const float *xu = x + u * xs;
+        for (int i = 0; i < n; i += 32)
+            for (int w = 0; w < 4; w++) l[w] = fma8(ld8(xu + i + 8 * w), ld8(y + i + 8 * w), l[w]);
+        X[u] = (l[0] + l[2]) + (l[1] + l[3]);
+    }
+    v8f T[8]; /* T[r][u] = X[u][r] */
+#if defined(MS_ISA_AVX2) || defined(MS_ISA_AVX512)
+    const __m256 a0 = _mm256_unpacklo_ps((__m256)X[0], (__m256)X[1]), a1 = _mm256_unpackhi_ps((__m256)X[0], (__m256)X[1]);
+    const __m256 a2 = _mm256_unpacklo_ps((__m256)X[2], (__m256)X[3]), a3 = _mm256_unpackhi_ps((__m256)X[2], (__m256)X[3]);
+    const __m256 a4 = _mm256_unpacklo_ps((__m256)X[4], (__m256)X[5]), a5 = _mm256_unpackhi_ps((__m256)X[4], (__m256)X[5]);
+    const __m256 a6 = _mm256_unpacklo_ps((__m256)X[6], (__m256)X[7]), a7 = _mm256_unpackhi_ps((__m256)X[6], (__m256)X[7]);
+    const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xee);
+    const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xee);
+    const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xee);
+    const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xee);
+    T[0] = (v8f)_mm256_permute2f128_ps(b0, b4, 0x20); T[1] = (v8f)_mm256_permute2f128_ps(b1, b5, 0x20);
+    T[2] = (v8f)_mm256_permute2f128_ps(b2, b6, 0x20); T[3] = (v8f)_mm256_permute2f128_ps(b3, b7, 0x20);
+    T[4] = (v8f)_mm256_permute2f128_ps(b0, b4, 0x31); T[5] = (v8f)_mm256_permute2f128_ps(b1, b5, 0x31);
+    T[6] = (v8f)_mm256_permute2f128_ps(b2, b6, 0x31); T[7] = (v8f)_mm256_permute2f128_ps(b3, b7, 0x31);
+#else
+    for (int r = 0; r < 8; r++)
+        for (int u = 0; u < 8; u++) T[r][u] = X[u][r];
+#endif
+    return ((T[0] + T[4]) + (T[1] + T[5])) + ((T[2] + T[6]) + (T[3] + T[7]));
+}
+
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -273,24 +305,47 @@ static inline void prefetch_row(const float *p, int n) {
 }
 
 /* The values of one (token, head): p [keys lo..hi-1 at p[j - lo]] -> o [dv]. acc: 32 * dv8 floats of scratch
- * (dv8 = dv rounded up to 8), lane c of dim i at acc[c * dv8 + i]. */
+ * (dv8 = dv rounded up to 8), lane c of dim i at acc[c * dv8 + i]: lane c accumulates fmaf(v_ji, p_j, .) over the
+ * keys j = c mod lanes, in key order, from +0. A lane's 64 dims at a time stay in registers over its keys (the
+ * same fmas in the same order as one key at a time over every lane). */
 static void weighted_values(const float *p, const float *v, long vs, int lo, int hi, int dv, int lanes, float *acc,
-                            float *o, int pf) {
+                            float *o) {
     const int dv8 = (dv + 7) & ~7;
-    memset(acc, 0, (size_t)lanes * dv8 * sizeof(float));
-    float tail[8];
-    for (int j = lo; j < hi; j++) {
-        const float pj = p[j - lo];
-        const v8f pb = {pj, pj, pj, pj, pj, pj, pj, pj};
-        const float *vj = v + (long)j * vs;
-        if (pf && j + PF_AHEAD < hi) prefetch_row(v + (long)(j + PF_AHEAD) * vs, dv);
-        float *a = acc + (long)(j & (lanes - 1)) * dv8; /* lanes: 8 or 32 */
-        int i = 0;
-        for (; i + 8 <= dv; i += 8) st8(a + i, fma8(ld8(vj + i), pb, ld8(a + i)));
-        if (i < dv) { /* the last dims: padded with zeros in a copy */
-            memset(tail, 0, sizeof tail);
-            memcpy(tail, vj + i, (size_t)(dv - i) * sizeof(float));
-            st8(a + i, fma8(ld8(tail), pb, ld8(a + i)));
+    const int full = dv & ~63; /* dims in whole runs of 64 */
+    for (int c = 0; c < lanes; c++) {
+        float *a = acc + (long)c * dv8;
+        const int j0 = lo + ((c - lo) & (lanes - 1)); /* the lane's first key (lanes: 8 or 32) */
+        for (int i0 = 0; i0 < full; i0 += 64) {
+            v8f r0 = {0}, r1 = {0}, r2 = {0}, r3 = {0}, r4 = {0}, r5 = {0}, r6 = {0}, r7 = {0};
+            for (int j = j0; j < hi; j += lanes) {
+                const v8f pb = splat8(p[j - lo]);
+                const float *vj = v + (long)j * vs + i0;
+                r0 = fma8(ld8(vj), pb, r0);
+                r1 = fma8(ld8(vj + 8), pb, r1);
+                r2 = fma8(ld8(vj + 16), pb, r2);
+                r3 = fma8(ld8(vj + 24), pb, r3);
+                r4 = fma8(ld8(vj + 32), pb, r4);
+                r5 = fma8(ld8(vj + 40), pb, r5);
+                r6 = fma8(ld8(vj + 48), pb, r6);
+                r7 = fma8(ld8(vj + 56), pb, r7);
+            }
+            st8(a + i0, r0); st8(a + i0 + 8, r1); st8(a + i0 + 16, r2); st8(a + i0 + 24, r3);
+            st8(a + i0 + 32, r4); st8(a + i0 + 40, r5); st8(a + i0 + 48, r6); st8(a + i0 + 56, r7);
+        }
+        if (full < dv) { /* the other dims, 8 at a time through the buffer; the last ones padded with zeros */
+            memset(a + full, 0, (size_t)(dv8 - full) * sizeof(float));
+            float tail[8];
+            for (int j = j0; j < hi; j += lanes) {
+                const v8f pb = splat8(p[j - lo]);
+                const float *vj = v + (long)j * vs;
+                int i = full;
+                for (; i + 8 <= dv; i += 8) st8(a + i, fma8(ld8(vj + i), pb, ld8(a + i)));
+                if (i < dv) {
+                    memset(tail, 0, sizeof tail);
+                    memcpy(tail, vj + i, (size_t)(dv - i) * sizeof(float));
+                    st8(a + i, fma8(ld8(tail), pb, ld8(a + i)));
+                }
+            }
         }
     }
     /* the lanes folded as hsum8 / fold32 fold them, 8 dims at a time (the same adds, elementwise over the dims) */
@@ -331,7 +386,14 @@ static void attn_item(void *vc, int item) {
     for (int hh = 0; hh < nh; hh++) {
         const int h = h0 + hh;
         const float *q = c->q + (long)t * c->qs_t + (long)h * c->qs_h;
-        for (int j = lo; j < hi; j++) {
+        int j = lo;
+        if ((c->d & 31) == 0) /* 8 keys at a time: their 32 lanes folded together (vdot8) */
+            for (; j + 8 <= hi; j += 8) {
+                if (hh == 0 && j + 8 + PF_AHEAD <= hi)
+                    for (int u = 0; u < 8; u++) prefetch_row(k + (long)(j + PF_AHEAD + u) * c->ks_p, c->d);
+                st8(s + (j - lo), vdot8(k + (long)j * c->ks_p, c->ks_p, q, c->d) * splat8(c->scale));
+            }
+        for (; j < hi; j++) {
             if (hh == 0 && j + PF_AHEAD < hi) prefetch_row(k + (long)(j + PF_AHEAD) * c->ks_p, c->d);
             s[j - lo] = vdot(k + (long)j * c->ks_p, q, c->d) * c->scale;
         }
@@ -359,7 +421,7 @@ static void attn_item(void *vc, int item) {
         if (c->sinks) sum += (double)expf(sink - m);
         const float inv = (float)(1.0 / sum);
         for (int j = 0; j < n; j++) s[j] = s[j] * inv;
-        weighted_values(s, v, c->vs_p, lo, hi, c->dv, lanes, acc, o + (long)h * c->dv, hh == 0);
+        weighted_values(s, v, c->vs_p, lo, hi, c->dv, lanes, acc, o + (long)h * c->dv);
     }
 }
 
