@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 @register("qwen3moe")
 class Qwen3MoE(MoEModel):
+    #: its CPU decode step may run as runtime/fastdecode.py's few C calls per layer (this class only, not subclasses)
+    fast_decode = True
+
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         d, n_embd = self.meta_desc, self.n_embd

@@ -15,11 +15,11 @@ layer as:
   ``attn_norm`` (after the last layer ``out_norm``, then the output projection).
 
 Each of those is the kernel the eager step runs, on the same values in the same order, so the logits are the same
-bits (tools/record_logits.py; tests/test_runner.py). It runs where :func:`plan` finds the model fits it: the
-qwen3moe family (every layer routed, per-head q/k norms, softmax routing without bias or scale), one sequence of
-one token on the CPU, every matmul on the C kernels, a resident store (--moe-stream off: nothing to read, so
-nothing to overlap), no synthetic routing, the step kernels on (layers.C_RMS_NORM, C_ATTENTION). Anything else
-runs the eager step.
+bits (tools/record_logits.py; tests/test_runner.py). It runs where :func:`plan` finds the model fits it: a family
+class that sets ``fast_decode = True`` itself (not inherited: qwen3moe), every layer routed with per-head q/k norms
+and softmax routing without bias or scale, one sequence of one token on the CPU, every matmul on the C kernels, a
+resident store (--moe-stream off: nothing to read, so nothing to overlap), no synthetic routing, the step kernels
+on (layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
 """
 
 from __future__ import annotations
@@ -139,9 +139,7 @@ class FastDecode:
 def plan(model: Any) -> FastDecode | None:
     """The fast decode step of ``model`` when it fits it (see the module docstring), else None. Kept on the model
     and made again when its store changes."""
-    from ..models.qwen3moe import Qwen3MoE
-
-    if type(model) is not Qwen3MoE or model.device.type != "cpu" or model.routing is not None:
+    if not vars(type(model)).get("fast_decode") or model.device.type != "cpu" or model.routing is not None:
         return None
     store = model.store
     if type(store) is not ResidentStore or not (layers.C_RMS_NORM and layers.C_ATTENTION):
