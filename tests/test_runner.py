@@ -128,3 +128,37 @@ def test_device_step_every_family(path: str) -> None:
     streamed = _device_decode(model, ids, 4)
     assert model.store.stats.misses > 0
     assert_bitwise(streamed[1:], device[1:])
+
+
+@pytest.mark.parametrize("which", ["default", "qwen3moe-tiny"])
+def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any) -> None:
+    """The CPU decode step of runtime/fastdecode.py (a few C calls per layer) gives the eager step's bits
+    (Runner.run over the same cache contents) at every position of a decode, counts the same expert hits, and writes
+    the same KV cache rows; it runs for the qwen3moe files it fits, resident, and the streaming store runs the eager
+    step."""
+    from moestream.runtime import fastdecode
+
+    p = str(DEFAULT_GGUF) if which == "default" else str(fixtures_tool.build_fixture(which)["q8_0"])
+    model = load_model(p, LoadOptions(moe_stream=False))
+    fast = fastdecode.plan(model)
+    assert fast is not None
+    caches = [model.new_cache(24), model.new_cache(24)]
+    ids = _ids(model, 9, 5)
+    with torch.inference_mode():
+        for c in caches:
+            model.forward(ids, 0, c)
+        tok = 7
+        for pos in range(9, 20):
+            hits = model.store.stats.hits
+            got = fast.step(torch.tensor([tok]), pos, caches[0])
+            fast_hits = model.store.stats.hits - hits
+            want = model.runner.run(Step(torch.tensor([tok]), [Seq(caches[1], pos, 1)]))
+            assert_bitwise(got, want)
+            assert fast_hits == model.store.stats.hits - hits - fast_hits == model.top_k * len(model.layout.moe_layers)
+            for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
+                assert_bitwise(a[:pos + 1], b[:pos + 1])
+            tok = int(got[0].argmax())
+    model.store.close()
+    streaming = load_model(p, LoadOptions(slots=model.top_k))
+    assert fastdecode.plan(streaming) is None
+    streaming.store.close()

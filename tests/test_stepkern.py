@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from moestream import kernels
+from moestream.experts import moe
 from moestream.models import layers, routing
 from test_kernels import _LIBM, BUILDS
 
@@ -270,6 +271,58 @@ def test_attention_bitwise(libs, case):
         assert torch.allclose(torch.from_numpy(want), torch_out, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n_tok,start", [(1, 45), (4, 30)])
+def test_attention_bitwise_wide_scores(libs, n_tok, start):
+    """Scores spread over hundreds: exp's arguments past its polynomial's range (the lanes the 8-wide exp
+    recomputes one by one) and below its flush to 0, in whole blocks of 8 keys and in partial ones."""
+    g = torch.Generator().manual_seed(n_tok + start)
+    q = torch.randn(n_tok, 4, 32, generator=g) * 8
+    kc, vc = torch.randn(start + n_tok, 2, 32, generator=g) * 8, torch.randn(start + n_tok, 2, 24, generator=g)
+    with np.errstate(invalid="ignore", over="ignore"):  # the reference's exp computes both of its branches
+        want = ref_attention(q.numpy(), kc.numpy(), vc.numpy(), start, 0.5)
+    for got in each_build_and_threads(libs, lambda lib: kernels.attention(q, kc, vc, start, 0.5, lib=lib)):
+        assert np.array_equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("n_tok,start,norms,interleaved,n_rot", [(1, 40, True, False, 64), (5, 11, True, True, 64),
+                                                                 (3, 7, False, False, 32), (1, 9, False, True, 0)])
+def test_attn_block_is_the_ops_in_order(libs, n_tok, start, norms, interleaved, n_rot):
+    """kernels.attn_block: per-head RMSNorm of q and k, RoPE, k and v written into their cache rows, attention over
+    the cache: the numpy references of those ops composed, bit for bit (whole and partial rotation, none, NEOX and
+    interleaved; rows before and after the new ones untouched)."""
+    n_head, n_kv, d, dv = 8, 2, 64, 48
+    g = torch.Generator().manual_seed(n_tok * 100 + start)
+    q = torch.randn(n_tok, n_head, d, generator=g) * 2
+    kv = torch.randn(n_tok, n_kv * (d + dv), generator=g)  # k and v as views of one projection (strided rows)
+    k, v = kv[:, :n_kv * d].view(n_tok, n_kv, d), kv[:, n_kv * d:].view(n_tok, n_kv, dv)
+    qn, kn = (torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5) if norms else (None, None)
+    rope = layers.Rope(layers.rope_inv_freq(10000.0, n_rot or 2), interleaved=interleaved) if n_rot else None
+    cos = sin = None
+    if rope is not None:
+        rope.reserve(start + n_tok)
+        cos, sin = rope.cos, rope.sin
+    n_ctx = start + n_tok + 2
+    kc0, vc0 = torch.randn(n_ctx, n_kv, d, generator=g), torch.randn(n_ctx, n_kv, dv, generator=g)
+    qq, kk = q.numpy(), k.numpy()
+    if norms:
+        qq, kk = ref_rms_norm(qq, qn.numpy(), 1e-6), ref_rms_norm(kk, kn.numpy(), 1e-6)
+    if rope is not None:
+        c, s_ = cos[start:start + n_tok].numpy(), sin[start:start + n_tok].numpy()
+        qq, kk = ref_rope(qq, c, s_, interleaved), ref_rope(kk, c, s_, interleaved)
+    want_k, want_v = kc0.numpy().copy(), vc0.numpy().copy()
+    want_k[start:start + n_tok], want_v[start:start + n_tok] = kk, v.numpy()
+    want = ref_attention(qq, want_k, want_v, start, 0.125)
+
+    def run(lib):  # noqa: ANN001, ANN202
+        kc, vc = kc0.clone(), vc0.clone()
+        out = kernels.attn_block(q.clone(), k, v, kc, vc, start, 0.125, qn, kn, 1e-6, cos, sin, interleaved, lib=lib)
+        return out, kc, vc
+
+    for out, kc, vc in each_build_and_threads(libs, run):
+        assert np.array_equal(bits(out), bits(want))
+        assert np.array_equal(bits(kc), bits(want_k)) and np.array_equal(bits(vc), bits(want_v))
+
+
 def test_attention_rows_do_not_depend_on_the_chunk(libs):
     """A token's output is the same bits in any prefill chunk that holds it (and with any other tokens beside
     it); alone (decode) its values are summed as llama.cpp sums one token's (ggml_vec_dot_f32 over the keys, not
@@ -361,3 +414,139 @@ def test_route_refuses_sizes_that_do_not_fit(libs):
     lib = libs[BUILDS[0]]
     with pytest.raises(ValueError, match="top-9 of 16 experts in 4 groups"):
         kernels.route(torch.zeros(1, 16), 9, kernels.GATING_SIGMOID, n_group=4, topk_group=2, lib=lib)
+
+
+# --- the MoE call's bookkeeping -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(1, 8, 128), (3, 4, 64), (128, 8, 128), (40, 10, 512), (1, 1, 4)])
+def test_moe_pairs_is_a_stable_argsort(libs, shape):
+    """ms_moe_pairs groups the (token, k) pairs as numpy's stable argsort of the flat ids does (both of its sorts:
+    insertion for few pairs, counting for many), with each pair's token, weight and output row, and gathers the
+    address tables' entries of the distinct experts."""
+    n_tok, top_k, n_exp = shape
+    g = torch.Generator().manual_seed(n_tok * top_k + n_exp)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(n_tok)])
+    if n_tok > 2:
+        ids[1] = ids[0]  # repeated experts across tokens
+    w = torch.rand(n_tok, top_k, generator=g)
+    tabs = np.arange(3 * n_exp, dtype=np.int64).reshape(3, n_exp) * 1000 + 7
+    flat = ids.reshape(-1).numpy()
+    order = np.argsort(flat, kind="stable")
+    experts = np.unique(flat)
+    for lib in libs.values():
+        pairs = kernels.MoEPairs(n_exp, 3, lib=lib)
+        n = pairs.plan(ids, w, tabs)
+        p = flat.size
+        assert n == len(experts) and np.array_equal(pairs.experts[:n], experts)
+        assert np.array_equal(pairs.dst[:p], order) and np.array_equal(pairs.tok[:p], order // top_k)
+        assert np.array_equal(bits(pairs.w[:p]), bits(w.reshape(-1).numpy()[order]))
+        assert np.array_equal(pairs.start[:n + 1], np.searchsorted(flat[order], [*experts, n_exp]))
+        assert np.array_equal(pairs.addr[:, :n], tabs[:, experts])
+
+
+def test_moe_pairs_refuses_an_id_out_of_range(libs):
+    pairs = kernels.MoEPairs(16, lib=libs[BUILDS[0]])
+    with pytest.raises(ValueError, match="outside 0..15"):
+        pairs.plan(torch.tensor([[3, 16]]), torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 2048), (7, 4, 64), (128, 8, 128), (3, 16, 2880), (128, 8, 100), (2, 1, 5)])
+def test_topk_sum_is_torch_sum(libs, shape):
+    """ms_topk_sum: each token's rows added in k order from +0 (the reference), signed zeros included; and the bits
+    of torch's sum over dim 1 (which it replaces) where experts/moe.py calls it (:func:`moe.topk_sum`: rows of a
+    multiple of 64, top-k <= 16; elsewhere torch's own sum)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    out = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 4)
+    out[0, :, :3] = -0.0
+    ref = np.zeros((shape[0], shape[2]), dtype=F32)
+    for k in range(shape[1]):
+        ref = ref + out[:, k].numpy()
+    for y in each_build_and_threads(libs, lambda lib: kernels.topk_sum(out, lib=lib)):
+        assert np.array_equal(bits(y), bits(ref))
+        assert np.array_equal(bits(moe.topk_sum(out)), bits(out.sum(dim=1)))
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_first_nonfinite(libs, bad):
+    """ms_first_nonfinite: the first NaN / Inf's index (np.isfinite's), -1 when there is none, at any position
+    (whole blocks of 8 and the tail)."""
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(3)) * 1e30
+    for lib in libs.values():
+        for at in ([] if bad is None else [0, 7, 8, 500, 999, 1000]):
+            y = x.clone()
+            y[at] = bad
+            y[at + 1:] = bad if at % 2 else y[at + 1:]
+            assert kernels.first_nonfinite(y, lib=lib) == int(np.flatnonzero(~np.isfinite(y.numpy()))[0]) == at
+        assert bad is not None or kernels.first_nonfinite(x, lib=lib) == -1
+
+
+@pytest.mark.parametrize("k", [0, 1, 8])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_residual_norm(libs, k, weighted):
+    """ms_residual_norm: x += r (one add per element) or += the sum of r's k rows (in k order from +0), in place,
+    then h = the RMSNorm reference of the new x; without h only the add."""
+    g = torch.Generator().manual_seed(k + 10 * weighted)
+    x0 = torch.randn(3, 256, generator=g) * 2
+    r = torch.randn(3, 256, generator=g) if k == 0 else torch.randn(3, k, 256, generator=g)
+    w = torch.rand(256, generator=g) + 0.5 if weighted else None
+    s = r.numpy() if k == 0 else np.zeros((3, 256), dtype=F32)
+    for j in range(k):
+        s = s + r[:, j].numpy()
+    want_x = x0.numpy() + s
+    want_h = ref_rms_norm(want_x, None if w is None else w.numpy(), 1e-6)
+
+    def run(lib):  # noqa: ANN001, ANN202
+        x, h = x0.clone(), torch.empty(3, 256)
+        kernels.residual_norm(x, r, w, 1e-6, h, lib=lib)
+        x2 = x0.clone()
+        kernels.residual_norm(x2, r, w, 1e-6, None, lib=lib)
+        assert torch.equal(x2, x)
+        return x, h
+
+    for x, h in each_build_and_threads(libs, run):
+        assert np.array_equal(bits(x), bits(want_x)) and np.array_equal(bits(h), bits(want_h))
+
+
+def test_route_plan_is_route_then_pairs(libs):
+    """ms_route_plan (the fast decode step's router) = ms_route into the given arrays, then ms_moe_pairs of its
+    choice: the ids, weights and pair arrays of kernels.route and MoEPairs.plan."""
+    n_exp, top_k = 64, 6
+    logits = torch.randn(1, n_exp, generator=torch.Generator().manual_seed(9))
+    tabs = np.arange(3 * n_exp, dtype=np.int64).reshape(3, n_exp) * 64
+    for lib in libs.values():
+        want_ids, want_w = kernels.route(logits, top_k, kernels.GATING_SOFTMAX, norm=True, lib=lib)
+        want = kernels.MoEPairs(n_exp, 3, lib=lib)
+        n_want = want.plan(want_ids, want_w, tabs)
+        got = kernels.MoEPairs(n_exp, 3, lib=lib)
+        ids, w = torch.empty(1, top_k, dtype=torch.int64), torch.empty(1, top_k)
+        count, experts, start, tok, pw, dst, addr = got.ptrs
+        n = lib.ms_route_plan(1, n_exp, logits.data_ptr(), kernels.GATING_SOFTMAX, None, 1, 1, top_k, 1, 0.0, 1.0,
+                              ids.data_ptr(), w.data_ptr(), tabs.ctypes.data, 3, count, experts, start, tok, pw, dst,
+                              addr, got.cap, 1)
+        assert n == n_want == top_k and torch.equal(ids, want_ids) and np.array_equal(bits(w), bits(want_w))
+        for name in ("experts", "start", "tok", "w", "dst"):
+            assert np.array_equal(getattr(got, name)[:top_k], getattr(want, name)[:top_k]), name
+        assert np.array_equal(got.addr[:, :n], want.addr[:, :n])
+
+
+@pytest.mark.parametrize("ggml_type,block,size,scales", [(8, 32, 34, [0]), (12, 256, 144, [0, 2]),
+                                                         (14, 256, 210, [208]), (30, 1, 2, [])])
+def test_dequant_rows_is_quant_dequantize(libs, ggml_type, block, size, scales):
+    """kernels.dequant_rows (embedding rows) = quant.dequantize of those rows (itself gguf.quants' arithmetic), bit
+    for bit, on random blocks (finite fp16 scales, subnormal ones included); ids out of range or another type: None
+    (the caller's own path)."""
+    from moestream import quant
+
+    n_rows, n_cols = 40, 512
+    rng = np.random.default_rng(ggml_type)
+    raw = rng.integers(0, 256, size=(n_rows, n_cols // block, size), dtype=np.uint8)
+    for off in scales:
+        raw[..., off + 1] &= 0xBF  # fp16 exponent below all-ones: finite
+    raw = torch.from_numpy(raw.reshape(n_rows, -1).copy())
+    ids = torch.tensor([3, 0, 39, 3, 17])
+    want = quant.dequantize(raw[ids], ggml_type, n_cols)
+    for lib in libs.values():
+        got = kernels.dequant_rows(raw, ggml_type, n_cols, ids, lib=lib)
+        assert np.array_equal(bits(got), bits(want))
+        assert kernels.dequant_rows(raw, ggml_type, n_cols, torch.tensor([40]), lib=lib) is None
+    assert kernels.dequant_rows(raw, 2, n_cols, ids) is None  # Q4_0: decoded by quant.py

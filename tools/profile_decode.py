@@ -1,7 +1,8 @@
 """Profile decode steps: ms per step, and the share of it spent outside the matmuls.
 
 "Matmul" is every call of ``quant.linear``, ``Weight.linear`` and the expert FFN (``MoE._expert``, or with the C
-kernels ``MoE._fused``, one call per set of experts), nested
+kernels ``MoE._fused``, one call per set of experts), and in the fast CPU decode step (runtime/fastdecode.py) the
+same kernels through ``kernels.linear_to`` and ``kernels.moe_to``, nested
 calls counted once; everything else in a step (norms, RoPE, attention, routing, the MoE layer's bookkeeping,
 the engine's finiteness check) is "outside". The matmul functions are wrapped here, at run time, so the
 library is profiled as it is (nothing in it is edited for this).
@@ -26,7 +27,7 @@ import time
 
 import torch
 
-from moestream import quant
+from moestream import kernels, quant
 from moestream.engine import Engine
 from moestream.experts import moe as moe_mod
 from moestream.models import layers
@@ -45,7 +46,8 @@ class MatmulTimer:
         self.calls = 0
         self.depth = 0
         self.scoped = False
-        self._orig = (quant.linear, layers.Weight.linear, moe_mod.MoE._expert, moe_mod.MoE._fused)
+        self._orig = (quant.linear, layers.Weight.linear, moe_mod.MoE._expert, moe_mod.MoE._fused,
+                      getattr(kernels, "linear_to", None), getattr(kernels, "moe_to", None))
         timer = self
 
         def wrap(fn):  # noqa: ANN001, ANN202
@@ -69,9 +71,15 @@ class MatmulTimer:
         layers.Weight.linear = wrap(layers.Weight.linear)
         moe_mod.MoE._expert = wrap(moe_mod.MoE._expert)
         moe_mod.MoE._fused = wrap(moe_mod.MoE._fused)
+        for name in ("linear_to", "moe_to"):  # absent before the fast decode step existed
+            if getattr(kernels, name, None) is not None:
+                setattr(kernels, name, wrap(getattr(kernels, name)))
 
     def restore(self) -> None:
-        quant.linear, layers.Weight.linear, moe_mod.MoE._expert, moe_mod.MoE._fused = self._orig
+        quant.linear, layers.Weight.linear, moe_mod.MoE._expert, moe_mod.MoE._fused = self._orig[:4]
+        for name, fn in zip(("linear_to", "moe_to"), self._orig[4:], strict=True):
+            if fn is not None:
+                setattr(kernels, name, fn)
 
 
 #: Profiler scopes put around the parts of a step (only in the torch.profiler pass), for the per-part table.
@@ -89,7 +97,8 @@ PARTS = {
                                         for f in ("softmax_topk", "group_topk", "sigmoid_group_topk")],
     "model forward, other": [(f"moestream.models.{m}", c, "forward") for m, c in
                              (("qwen3moe", "Qwen3MoE"), ("gemma4", "Gemma4"), ("qwen35moe", "Qwen35MoE"))]
-                            + [("moestream.runtime.runner", "Runner", "run")],
+                            + [("moestream.runtime.runner", "Runner", "run"),
+                               ("moestream.runtime.fastdecode", "FastDecode", "step")],
     "engine (finiteness check, step setup)": [("moestream.engine", "Engine", "decode_step")],
 }
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from . import kernels
 from .budget import available_memory
 from .errors import ConfigError, ForwardError, NumericError, OptionError
 from .experts.pool import StoreStats
@@ -344,9 +345,12 @@ class Engine:
         """NumericError naming the file and the first position whose logits (float32 [rows, vocab]: every
         position's when ``logits_all``, else the last one's of ``n_tok`` tokens at ``start``) are not all
         finite."""
-        if logits.device.type == "cpu":  # numpy's single-threaded min/max: torch's parallel reduction over one
-            a = logits.detach().numpy()  # row costs more than a tiny model's step when the cores are busy
-            finite = math.isfinite(a.min()) and math.isfinite(a.max())  # NaN in either if any logit is NaN
+        if logits.device.type == "cpu":
+            if logits.dtype == torch.float32 and logits.is_contiguous() and (lib := kernels.step_ops()) is not None:
+                finite = kernels.first_nonfinite(logits, lib=lib) < 0  # one pass in C
+            else:  # numpy's single-threaded min/max: torch's parallel reduction over one row costs more than a tiny
+                a = logits.detach().numpy()  # model's step when the cores are busy
+                finite = math.isfinite(a.min()) and math.isfinite(a.max())  # NaN in either if any logit is NaN
         else:
             lo, hi = torch.aminmax(logits)  # one pass, no [T, vocab] mask
             finite = bool(torch.isfinite(lo) & torch.isfinite(hi))

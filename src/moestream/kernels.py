@@ -41,7 +41,9 @@ import torch
 from .errors import MoestreamError
 
 __all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports", "computes",
-           "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route"]
+           "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route", "MoEPairs", "topk_sum",
+           "attn_block", "first_nonfinite", "residual_norm", "linear_to", "moe_to",
+           "dequant_rows"]
 
 _SRC = Path(__file__).with_name("csrc")
 _SOURCES = ("moekern.c", "iquants.h", "stepkern.c")
@@ -203,6 +205,22 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_attention.restype = _I
             lib.ms_route.argtypes = [_I, _I, _P, _I, _P, _I, _I, _I, _I, _F, _F, _P, _P, _I]
             lib.ms_route.restype = _I
+            lib.ms_moe_pairs.argtypes = [_I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _L]
+            lib.ms_moe_pairs.restype = _I
+            lib.ms_topk_sum.argtypes = [_I, _I, _I, _P, _P, _I]
+            lib.ms_topk_sum.restype = None
+            lib.ms_attn_block.argtypes = [_I, _I, _I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _P, _F, _I, _I,
+                                          _P, _P, _P, _L, _L, _P, _L, _L, _I, _I, _P, _F, _F, _P, _L, _I]
+            lib.ms_attn_block.restype = _I
+            lib.ms_first_nonfinite.argtypes = [_P, _L]
+            lib.ms_first_nonfinite.restype = _L
+            lib.ms_residual_norm.argtypes = [_I, _I, _P, _P, _I, _P, _F, _P, _I]
+            lib.ms_residual_norm.restype = None
+            lib.ms_route_plan.argtypes = [_I, _I, _P, _I, _P, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _P, _P, _P, _P,
+                                          _P, _P, _P, _L, _I]
+            lib.ms_route_plan.restype = _I
+            lib.ms_dequant_rows.argtypes = [_I, _P, _L, _L, _P, _I, _I, _P]
+            lib.ms_dequant_rows.restype = _I
             _set_tables(lib)
             _LIBS[which] = lib
         return lib
@@ -423,6 +441,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     return out
 
 
+def attn_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int,
+               scale: float, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
+               cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, interleaved: bool = False,
+               window: int | None = None, sinks: torch.Tensor | None = None, softcap: float = 0.0,
+               lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """One sequence's attention block in one call: q float32 [T, n_head, d], k [T, n_kv, d], v [T, n_kv, d_v] (the
+    new tokens' projections at positions start..start+T-1; unit stride along the last dim). q is OVERWRITTEN (it
+    ends normed and rotated). Per head, :func:`rms_norm` of q by ``q_norm`` and of k by ``k_norm`` (float32 [d],
+    contiguous, or None: no norm) with ``eps``; :func:`rope` by the tables ``cos``, ``sin`` (float32 [n_pos, n_rot],
+    rows contiguous: layers.Rope's, covering the positions; None: no rotation); the keys and values written into
+    the cache rows start..start+T-1 of kc [n_ctx, n_kv, d] and vc [n_ctx, n_kv, d_v] (unit stride along the last
+    dim); then :func:`attention` of q over rows 0..start+T-1. Returns float32 [T, n_head * d_v]. Each operation in
+    its own kernel's arithmetic, so the bits of those calls in that order. MemoryError when a buffer cannot grow."""
+    n_tok, n_head, d = q.shape
+    n_kv, dv = kc.shape[1], vc.shape[2]
+    out = torch.empty((n_tok, n_head * dv), dtype=torch.float32)
+    qs, ks, vs, kcs, vcs = q.stride(), k.stride(), v.stride(), kc.stride(), vc.stride()
+    n_rot, off = (0, 0) if cos is None else (cos.shape[1], start * cos.shape[1] * 4)
+    rc = (lib or load()).ms_attn_block(
+        n_tok, n_head, n_kv, d, dv, q.data_ptr(), qs[0], qs[1], k.data_ptr(), ks[0], ks[1], v.data_ptr(), vs[0], vs[1],
+        None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps, n_rot,
+        int(interleaved), None if cos is None else cos.data_ptr() + off, None if sin is None else sin.data_ptr() + off,
+        kc.data_ptr(), kcs[0], kcs[1], vc.data_ptr(), vcs[0], vcs[1], int(start), int(window or 0),
+        None if sinks is None else sinks.data_ptr(), scale, softcap, out.data_ptr(), n_head * dv, threads())
+    if rc == -2:
+        raise MemoryError("attention: out of memory for the score buffer")
+    return out
+
+
 def route(logits: torch.Tensor, top_k: int, gating: int = GATING_SOFTMAX, bias: torch.Tensor | None = None,
           n_group: int = 1, topk_group: int = 1, norm: bool = True, floor: float = 0.0,
           scale: float = 1.0, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -449,3 +496,122 @@ def route(logits: torch.Tensor, top_k: int, gating: int = GATING_SOFTMAX, bias: 
     if rc == -2:
         raise MemoryError("route: out of memory for the score buffer")
     return ids, w
+
+
+class MoEPairs:
+    """One MoE layer's pair plan, in arrays kept between calls (grown to the largest call seen, never shrunk):
+    :meth:`plan` groups a call's (token, k) pairs by expert (ms_moe_pairs), the arrays :func:`moe` takes.
+
+    After ``n = plan(...)``: ``experts[:n]`` int64 (the distinct real ids, ascending), ``start[:n + 1]`` int32,
+    ``tok`` / ``w`` / ``dst`` int32 / float32 / int32 [n_pairs] (row of x, routing weight, row of the output viewed
+    [tokens * top_k, hidden]) and, with address tables, ``addr[m, :n]`` int64: table m's entry of each expert."""
+
+    def __init__(self, n_exp: int, n_tabs: int = 0, lib: ctypes.CDLL | None = None):
+        self.lib = lib or load()
+        self.n_exp, self.n_tabs = int(n_exp), int(n_tabs)
+        self.count = np.empty(self.n_exp, dtype=np.int32)
+        self.cap = 0
+        self._grow(16)
+
+    def _grow(self, n_pairs: int) -> None:
+        self.cap = max(n_pairs, 2 * self.cap)
+        c = self.cap
+        self.experts = np.empty(c, dtype=np.int64)
+        self.start = np.empty(c + 1, dtype=np.int32)
+        self.tok = np.empty(c, dtype=np.int32)
+        self.w = np.empty(c, dtype=np.float32)
+        self.dst = np.empty(c, dtype=np.int32)
+        self.addr = np.empty((max(self.n_tabs, 1), c), dtype=np.int64)
+        self.ptrs = tuple(a.ctypes.data for a in (self.count, self.experts, self.start, self.tok, self.w, self.dst,
+                                                  self.addr))
+
+    def plan(self, ids: torch.Tensor, weights: torch.Tensor | None, tabs: np.ndarray | None = None) -> int:
+        """ids int64 [tokens, top_k] real expert ids, weights float32 [tokens, top_k] (or None: ``w`` not written),
+        contiguous CPU tensors; tabs: None or int64 [n_tabs, n_exp] (C-contiguous: an address per expert and
+        matrix). Returns the number of distinct experts; ValueError for an id outside [0, n_exp)."""
+        n_pairs = ids.numel()
+        if n_pairs > self.cap:
+            self._grow(n_pairs)
+        count, experts, start, tok, w, dst, addr = self.ptrs
+        n = self.lib.ms_moe_pairs(n_pairs, ids.shape[-1], ids.data_ptr(), None if weights is None else
+                                  weights.data_ptr(), self.n_exp, None if tabs is None else tabs.ctypes.data,
+                                  0 if tabs is None else tabs.shape[0], count, experts, start, tok, w, dst, addr,
+                                  self.cap)
+        if n < 0:
+            raise ValueError(f"moe pairs: an expert id outside 0..{self.n_exp - 1}")
+        return n
+
+
+def topk_sum(out: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Each token's top-k rows summed in k order: out float32 [T, top_k, n] (contiguous, CPU) -> [T, n], the bits of
+    ``out.sum(dim=1)`` (each element ((0 + row 0) + row 1) + ..., one thread per token)."""
+    n_tok, k, n = out.shape
+    y = torch.empty((n_tok, n), dtype=torch.float32)
+    (lib or load()).ms_topk_sum(n_tok, k, n, out.data_ptr(), y.data_ptr(), threads())
+    return y
+
+
+def moe_planned(x: torch.Tensor, t_gu: int, t_down: int, pairs: MoEPairs, n_groups: int, rb_gu: int, rb_down: int,
+                n_ff: int, act: int, y: torch.Tensor) -> None:
+    """:func:`moe` on the arrays of ``pairs`` after ``pairs.plan(ids, weights, tabs)`` returned ``n_groups``: the
+    experts' addresses are ``pairs.addr`` rows 0, 1, 2 (gate, up, down), the pairs its own arrays (no array is
+    made or converted here). x float32 [tokens, hidden] contiguous; y float32 [tokens * top_k, hidden]."""
+    moe_to((int(t_gu), int(t_down), rb_gu, rb_down, x.shape[1], n_ff, act), pairs, n_groups, x.data_ptr(), x.shape[0],
+           y.data_ptr())
+
+
+def first_nonfinite(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> int:
+    """The flat index of the first NaN or +-Inf of x (float32, contiguous, CPU), or -1 when all are finite (one
+    pass, one thread)."""
+    return (lib or load()).ms_first_nonfinite(x.data_ptr(), x.numel())
+
+
+def residual_norm(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                  h: torch.Tensor | None, lib: ctypes.CDLL | None = None) -> None:
+    """The residual stream between two matmuls, in place: x float32 [rows, n] (contiguous) += r, where r is [rows, n]
+    (one add per element), or [rows, K, n] (its K rows summed in k order from +0 first: :func:`topk_sum`'s sum), or
+    None (nothing added); then, when h [rows, n] is given, h = :func:`rms_norm` of the new x by ``weight``."""
+    k = 0 if r is None or r.dim() == 2 else r.shape[1]
+    (lib or load()).ms_residual_norm(x.shape[0], x.shape[1], x.data_ptr(), None if r is None else r.data_ptr(), k,
+                                     None if weight is None else weight.data_ptr(), eps,
+                                     None if h is None else h.data_ptr(), threads())
+
+
+def linear_to(spec: tuple, x: int, n_tok: int, y: int, lib: ctypes.CDLL) -> None:
+    """:func:`linear` with everything given as addresses (a decode step's kept buffers): spec = (ggml type, first
+    byte of W, row bytes, rows, cols); x: float32 [n_tok, cols]; y: float32 [n_tok, rows]."""
+    rc = lib.ms_linear(spec[0], spec[1], spec[2], spec[3], spec[4], x, n_tok, y, threads())
+    if rc:
+        raise ValueError(f"linear: the kernels do not compute ggml type {spec[0]} with {spec[4]} columns (rc {rc})")
+
+
+def moe_to(spec: tuple, pairs: MoEPairs, n_groups: int, x: int, n_tok: int, y: int) -> None:
+    """:func:`moe_planned` with addresses: spec = (gate/up type, down type, gate/up row bytes, down row bytes,
+    hidden, n_ff, act); x float32 [n_tok, hidden]; y float32 [n_tok * top_k, hidden]."""
+    _, _, start, tok, w, dst, addr = pairs.ptrs
+    row = 8 * pairs.cap
+    rc = pairs.lib.ms_moe(spec[0], spec[1], addr, addr + row, addr + 2 * row, spec[2], spec[3], spec[4], spec[5],
+                          spec[6], n_groups, start, tok, w, dst, x, n_tok, y, threads())
+    if rc == -1:
+        raise ValueError(f"moe: the kernels do not compute ggml types {spec[0]} / {spec[1]} at these sizes")
+    if rc == -2:
+        raise MemoryError("moe: out of memory for the expert FFN's buffers")
+
+
+#: ggml types :func:`dequant_rows` decodes: Q8_0, Q4_K, Q6_K, BF16
+DEQUANT_ROWS_TYPES = frozenset({8, 12, 14, 30})
+
+
+def dequant_rows(raw: torch.Tensor, ggml_type: int, n_cols: int, ids: torch.Tensor,
+                 lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
+    """Rows ``ids`` (int64 [n], CPU) of a ggml matrix raw uint8 [n_rows, row_bytes] (CPU, rows of unit stride) as
+    float32 [n, n_cols], in quant.dequantize's arithmetic (the same bits, the fp16 scales converted as torch converts
+    them on this build); None for a type outside :data:`DEQUANT_ROWS_TYPES` or an id out of range (the caller
+    decodes those its own way)."""
+    if int(ggml_type) not in DEQUANT_ROWS_TYPES or raw.stride(-1) != 1:
+        return None
+    ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.shape[0], n_cols), dtype=torch.float32)
+    rc = (lib or load()).ms_dequant_rows(int(ggml_type), raw.data_ptr(), raw.stride(0), raw.shape[0], ids.data_ptr(),
+                                         ids.shape[0], n_cols, out.data_ptr())
+    return out if rc == 0 else None

@@ -47,22 +47,23 @@ typedef struct {
     float *y; long ys;
 } norm_ctx;
 
+/* one row: x [n] -> y [n] (y may be x) */
+static inline void norm_row(const float *x, float *y, int n, const float *w, float eps) {
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+    const float mean = (float)(sum / n);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    if (w) {
+        for (int i = 0; i < n; i++) y[i] = (x[i] * scale) * w[i];
+    } else {
+        for (int i = 0; i < n; i++) y[i] = x[i] * scale;
+    }
+}
+
 static void norm_rows(void *vc, int item) {
     const norm_ctx *c = vc;
     long r1 = (item + 1) * c->rpi < c->rows ? (item + 1) * c->rpi : c->rows;
-    for (long r = item * c->rpi; r < r1; r++) {
-        const float *x = c->x + r * c->xs;
-        float *y = c->y + r * c->ys;
-        double sum = 0.0;
-        for (int i = 0; i < c->n; i++) sum += (double)(x[i] * x[i]);
-        const float mean = (float)(sum / c->n);
-        const float scale = 1.0f / sqrtf(mean + c->eps);
-        if (c->w) {
-            for (int i = 0; i < c->n; i++) y[i] = (x[i] * scale) * c->w[i];
-        } else {
-            for (int i = 0; i < c->n; i++) y[i] = x[i] * scale;
-        }
-    }
+    for (long r = item * c->rpi; r < r1; r++) norm_row(c->x + r * c->xs, c->y + r * c->ys, c->n, c->w, c->eps);
 }
 
 /* rows rows of n floats, row r at x + r * xs (y + r * ys); w: [n] or NULL. y may be x. */
@@ -86,23 +87,35 @@ typedef struct {
     long rpi;
 } rope_ctx;
 
+/* one head's row: x [d] -> y [d]; y may be x (each pair read before it is written) */
+static inline void rope_row(const float *x, float *y, int d, int n_rot, int interleaved, const float *cs,
+                            const float *sn) {
+    if (interleaved) {
+        for (int i = 0; i < n_rot; i += 2) {
+            const float a = x[i], b = x[i + 1];
+            y[i] = a * cs[i] + b * sn[i];
+            y[i + 1] = b * cs[i + 1] + a * sn[i + 1];
+        }
+    } else {
+        const int h = n_rot / 2;
+        for (int i = 0; i < h; i++) {
+            const float a = x[i], b = x[i + h];
+            y[i] = a * cs[i] + b * sn[i];
+            y[i + h] = b * cs[i + h] + a * sn[i + h];
+        }
+    }
+    if (y != x)
+        for (int i = n_rot; i < d; i++) y[i] = x[i];
+}
+
 static void rope_rows(void *vc, int item) {
     const rope_ctx *c = vc;
     const long rows = (long)c->T * c->heads;
     long r1 = (item + 1) * c->rpi < rows ? (item + 1) * c->rpi : rows;
-    const int h = c->n_rot / 2;
     for (long r = item * c->rpi; r < r1; r++) {
         const long t = r / c->heads, hd = r % c->heads;
-        const float *x = c->x + t * c->xs_t + hd * c->xs_h;
-        float *y = c->y + t * c->ys_t + hd * c->ys_h;
-        const float *cs = c->cos + t * c->n_rot, *sn = c->sin + t * c->n_rot;
-        if (c->interleaved) {
-            for (int i = 0; i < c->n_rot; i++) y[i] = x[i] * cs[i] + x[i ^ 1] * sn[i];
-        } else {
-            for (int i = 0; i < h; i++) y[i] = x[i] * cs[i] + x[i + h] * sn[i];
-            for (int i = h; i < c->n_rot; i++) y[i] = x[i] * cs[i] + x[i - h] * sn[i];
-        }
-        for (int i = c->n_rot; i < c->d; i++) y[i] = x[i];
+        rope_row(c->x + t * c->xs_t + hd * c->xs_h, c->y + t * c->ys_t + hd * c->ys_h, c->d, c->n_rot,
+                 c->interleaved, c->cos + t * c->n_rot, c->sin + t * c->n_rot);
     }
 }
 
@@ -175,6 +188,38 @@ static inline float vdot(const float *x, const float *y, int n) {
     return s;
 }
 
+/* ggml_vdot of 8 rows x + u * xs (u < 8) with y, n a multiple of 32: each row's 32 lanes as vdot accumulates
+ * them, then fold32's adds on the 8 rows at once (lane r of the 8 rows' partial sums gathered by a transpose). */
+static inline v8f vdot8(const float *x, long xs, const float *y, int n) {
+    v8f X[8];
+    for (int u = 0; u < 8; u++) {
+        v8f l[4] = {{0}, {0}, {0}, {0}};
+        const float *xu = x + u * xs;
+        for (int i = 0; i < n; i += 32)
+            for (int w = 0; w < 4; w++) l[w] = fma8(ld8(xu + i + 8 * w), ld8(y + i + 8 * w), l[w]);
+        X[u] = (l[0] + l[2]) + (l[1] + l[3]);
+    }
+    v8f T[8]; /* T[r][u] = X[u][r] */
+#if defined(MS_ISA_AVX2) || defined(MS_ISA_AVX512)
+    const __m256 a0 = _mm256_unpacklo_ps((__m256)X[0], (__m256)X[1]), a1 = _mm256_unpackhi_ps((__m256)X[0], (__m256)X[1]);
+    const __m256 a2 = _mm256_unpacklo_ps((__m256)X[2], (__m256)X[3]), a3 = _mm256_unpackhi_ps((__m256)X[2], (__m256)X[3]);
+    const __m256 a4 = _mm256_unpacklo_ps((__m256)X[4], (__m256)X[5]), a5 = _mm256_unpackhi_ps((__m256)X[4], (__m256)X[5]);
+    const __m256 a6 = _mm256_unpacklo_ps((__m256)X[6], (__m256)X[7]), a7 = _mm256_unpackhi_ps((__m256)X[6], (__m256)X[7]);
+    const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xee);
+    const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xee);
+    const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xee);
+    const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xee);
+    T[0] = (v8f)_mm256_permute2f128_ps(b0, b4, 0x20); T[1] = (v8f)_mm256_permute2f128_ps(b1, b5, 0x20);
+    T[2] = (v8f)_mm256_permute2f128_ps(b2, b6, 0x20); T[3] = (v8f)_mm256_permute2f128_ps(b3, b7, 0x20);
+    T[4] = (v8f)_mm256_permute2f128_ps(b0, b4, 0x31); T[5] = (v8f)_mm256_permute2f128_ps(b1, b5, 0x31);
+    T[6] = (v8f)_mm256_permute2f128_ps(b2, b6, 0x31); T[7] = (v8f)_mm256_permute2f128_ps(b3, b7, 0x31);
+#else
+    for (int r = 0; r < 8; r++)
+        for (int u = 0; u < 8; u++) T[r][u] = X[u][r];
+#endif
+    return ((T[0] + T[4]) + (T[1] + T[5])) + ((T[2] + T[6]) + (T[3] + T[7]));
+}
+
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -194,6 +239,32 @@ static inline float gexpf(float x) {
     const float s1 = u2f(g + 0x7f000000u), s2 = u2f(e - g);
     if (fabsf(n) > 192.0f) return s1 * s1;
     return fmaf(s2, j, s2) * s1;
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f splat8(float a) { return (v8f){a, a, a, a, a, a, a, a}; }
+
+/* gexpf of 8 lanes: the same operations lane by lane (lanes past the polynomial's range recomputed by gexpf) */
+static inline v8f gexpf8(v8f x) {
+    const v8f r = splat8(0x1.8p23f);
+    const v8f z = fma8(x, splat8(0x1.715476p+0f), r);
+    const v8f n = z - r;
+    const v8f b = fma8(-n, splat8(0x1.7f7d1cp-20f), fma8(-n, splat8(0x1.62e4p-1f), x));
+    v8i e;
+    memcpy(&e, &z, sizeof e);
+    e = e << 23;
+    const v8i one = {0x3f800000, 0x3f800000, 0x3f800000, 0x3f800000, 0x3f800000, 0x3f800000, 0x3f800000, 0x3f800000};
+    const v8i ki = e + one;
+    v8f k;
+    memcpy(&k, &ki, sizeof k);
+    const v8f u = b * b;
+    const v8f j = fma8(fma8(fma8(splat8(0x1.0e4020p-7f), b, splat8(0x1.573e2ep-5f)), u,
+                            fma8(splat8(0x1.555e66p-3f), b, splat8(0x1.fffdb6p-2f))), u, splat8(0x1.ffffecp-1f) * b);
+    v8f y = fma8(k, j, k);
+    for (int l = 0; l < 8; l++)
+        if (fabsf(n[l]) > 126.0f) y[l] = gexpf(x[l]);
+    return y;
 }
 
 static _Thread_local float *tl_buf;
@@ -225,37 +296,71 @@ typedef struct {
     int failed;
 } attn_ctx;
 
+/* Cache rows a few keys ahead are asked for early by the first query head of an item (the others find them in
+ * the caches): a decode step finds them in memory (the matmuls before it streamed their weights through the
+ * caches). Hints only: no value depends on them. */
+#define PF_AHEAD 4
+static inline void prefetch_row(const float *p, int n) {
+    for (int i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
 /* The values of one (token, head): p [keys lo..hi-1 at p[j - lo]] -> o [dv]. acc: 32 * dv8 floats of scratch
- * (dv8 = dv rounded up to 8), lane c of dim i at acc[c * dv8 + i]. */
+ * (dv8 = dv rounded up to 8), lane c of dim i at acc[c * dv8 + i]: lane c accumulates fmaf(v_ji, p_j, .) over the
+ * keys j = c mod lanes, in key order, from +0. A lane's 64 dims at a time stay in registers over its keys (the
+ * same fmas in the same order as one key at a time over every lane). */
 static void weighted_values(const float *p, const float *v, long vs, int lo, int hi, int dv, int lanes, float *acc,
                             float *o) {
     const int dv8 = (dv + 7) & ~7;
-    memset(acc, 0, (size_t)lanes * dv8 * sizeof(float));
-    float tail[8];
-    for (int j = lo; j < hi; j++) {
-        const float pj = p[j - lo];
-        const v8f pb = {pj, pj, pj, pj, pj, pj, pj, pj};
-        const float *vj = v + (long)j * vs;
-        float *a = acc + (long)(j % lanes) * dv8;
-        int i = 0;
-        for (; i + 8 <= dv; i += 8) st8(a + i, fma8(ld8(vj + i), pb, ld8(a + i)));
-        if (i < dv) { /* the last dims: padded with zeros in a copy */
-            memset(tail, 0, sizeof tail);
-            memcpy(tail, vj + i, (size_t)(dv - i) * sizeof(float));
-            st8(a + i, fma8(ld8(tail), pb, ld8(a + i)));
+    const int full = dv & ~63; /* dims in whole runs of 64 */
+    for (int c = 0; c < lanes; c++) {
+        float *a = acc + (long)c * dv8;
+        const int j0 = lo + ((c - lo) & (lanes - 1)); /* the lane's first key (lanes: 8 or 32) */
+        for (int i0 = 0; i0 < full; i0 += 64) {
+            v8f r0 = {0}, r1 = {0}, r2 = {0}, r3 = {0}, r4 = {0}, r5 = {0}, r6 = {0}, r7 = {0};
+            for (int j = j0; j < hi; j += lanes) {
+                const v8f pb = splat8(p[j - lo]);
+                const float *vj = v + (long)j * vs + i0;
+                r0 = fma8(ld8(vj), pb, r0);
+                r1 = fma8(ld8(vj + 8), pb, r1);
+                r2 = fma8(ld8(vj + 16), pb, r2);
+                r3 = fma8(ld8(vj + 24), pb, r3);
+                r4 = fma8(ld8(vj + 32), pb, r4);
+                r5 = fma8(ld8(vj + 40), pb, r5);
+                r6 = fma8(ld8(vj + 48), pb, r6);
+                r7 = fma8(ld8(vj + 56), pb, r7);
+            }
+            st8(a + i0, r0); st8(a + i0 + 8, r1); st8(a + i0 + 16, r2); st8(a + i0 + 24, r3);
+            st8(a + i0 + 32, r4); st8(a + i0 + 40, r5); st8(a + i0 + 48, r6); st8(a + i0 + 56, r7);
+        }
+        if (full < dv) { /* the other dims, 8 at a time through the buffer; the last ones padded with zeros */
+            memset(a + full, 0, (size_t)(dv8 - full) * sizeof(float));
+            float tail[8];
+            for (int j = j0; j < hi; j += lanes) {
+                const v8f pb = splat8(p[j - lo]);
+                const float *vj = v + (long)j * vs;
+                int i = full;
+                for (; i + 8 <= dv; i += 8) st8(a + i, fma8(ld8(vj + i), pb, ld8(a + i)));
+                if (i < dv) {
+                    memset(tail, 0, sizeof tail);
+                    memcpy(tail, vj + i, (size_t)(dv - i) * sizeof(float));
+                    st8(a + i, fma8(ld8(tail), pb, ld8(a + i)));
+                }
+            }
         }
     }
-    for (int i = 0; i < dv; i++) {
+    /* the lanes folded as hsum8 / fold32 fold them, 8 dims at a time (the same adds, elementwise over the dims) */
+    for (int i = 0; i < dv8; i += 8) {
+        v8f V[32], res;
+        for (int c = 0; c < lanes; c++) V[c] = ld8(acc + (long)c * dv8 + i);
         if (lanes == 8) {
-            float l[8];
-            for (int r = 0; r < 8; r++) l[r] = acc[(long)r * dv8 + i];
-            o[i] = hsum8(l);
+            res = ((V[0] + V[4]) + (V[2] + V[6])) + ((V[1] + V[5]) + (V[3] + V[7]));
         } else {
-            v8f l[4];
-            for (int u = 0; u < 4; u++)
-                for (int r = 0; r < 8; r++) l[u][r] = acc[(long)(8 * u + r) * dv8 + i];
-            o[i] = fold32(l);
+            v8f X[8];
+            for (int r = 0; r < 8; r++) X[r] = (V[r] + V[16 + r]) + (V[8 + r] + V[24 + r]);
+            res = ((X[0] + X[4]) + (X[1] + X[5])) + ((X[2] + X[6]) + (X[3] + X[7]));
         }
+        if (i + 8 <= dv) st8(o + i, res);
+        else for (int r = 0; r < dv - i; r++) o[i + r] = res[r];
     }
 }
 
@@ -281,21 +386,35 @@ static void attn_item(void *vc, int item) {
     for (int hh = 0; hh < nh; hh++) {
         const int h = h0 + hh;
         const float *q = c->q + (long)t * c->qs_t + (long)h * c->qs_h;
-        float m = -INFINITY;
-        for (int j = lo; j < hi; j++) {
-            float sc = vdot(k + (long)j * c->ks_p, q, c->d) * c->scale;
-            if (c->softcap > 0.0f) sc = c->softcap * tanhf(sc / c->softcap);
-            s[j - lo] = sc;
-            if (sc > m) m = sc;
+        int j = lo;
+        if ((c->d & 31) == 0) /* 8 keys at a time: their 32 lanes folded together (vdot8) */
+            for (; j + 8 <= hi; j += 8) {
+                if (hh == 0 && j + 8 + PF_AHEAD <= hi)
+                    for (int u = 0; u < 8; u++) prefetch_row(k + (long)(j + PF_AHEAD + u) * c->ks_p, c->d);
+                st8(s + (j - lo), vdot8(k + (long)j * c->ks_p, c->ks_p, q, c->d) * splat8(c->scale));
+            }
+        for (; j < hi; j++) {
+            if (hh == 0 && j + PF_AHEAD < hi) prefetch_row(k + (long)(j + PF_AHEAD) * c->ks_p, c->d);
+            s[j - lo] = vdot(k + (long)j * c->ks_p, q, c->d) * c->scale;
         }
+        if (c->softcap > 0.0f)
+            for (int j = 0; j < n; j++) s[j] = c->softcap * tanhf(s[j] / c->softcap);
+        float m = -INFINITY; /* the running max, in key order, after the scores (no compare waits on a dot product) */
+        for (int j = 0; j < n; j++)
+            if (s[j] > m) m = s[j];
         const float sink = c->sinks ? c->sinks[h] : 0.0f;
         if (c->sinks && sink > m) m = sink;
         double sum = 0.0;
         for (int b0 = lo & ~7; b0 < hi; b0 += 8) { /* blocks of 8 keys from key 0; masked keys count 0 */
             float e8[8];
-            for (int r = 0; r < 8; r++) {
-                const int j = b0 + r;
-                e8[r] = j >= lo && j < hi ? (s[j - lo] = gexpf(s[j - lo] - m)) : 0.0f;
+            if (b0 >= lo && b0 + 8 <= hi) {
+                st8(e8, gexpf8(ld8(s + (b0 - lo)) - splat8(m)));
+                memcpy(s + (b0 - lo), e8, sizeof e8);
+            } else {
+                for (int r = 0; r < 8; r++) {
+                    const int j = b0 + r;
+                    e8[r] = j >= lo && j < hi ? (s[j - lo] = gexpf(s[j - lo] - m)) : 0.0f;
+                }
             }
             sum += (double)hsum8(e8);
         }
@@ -421,4 +540,299 @@ int ms_route(int T, int n_exp, const float *logits, int gating, const float *bia
     route_ctx c = {n_exp, logits, gating, bias, n_group, topk_group, top_k, norm, floor, scale, ids, w, 0};
     ms_pool_run(T * (long)n_exp >= GRAIN ? n_threads : 1, route_tok, &c, T);
     return c.failed ? -2 : 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The MoE call's bookkeeping: the (token, k) pairs of one call grouped by expert, and the sum of each token's */
+/* top-k output rows.                                                                                        */
+
+/* Pairs p = 0..n_pairs-1 (token p / top_k, its k-th choice: ids[p], int64 in [0, n_exp)) sorted by expert id,
+ * ascending, the pairs of one expert in p order (a stable sort: numpy's argsort(kind="stable")). Writes
+ * experts int64 [n_groups] (the distinct ids, ascending), pair_start int32 [n_groups + 1] (group g's pairs are
+ * pair_start[g]..pair_start[g+1]-1), and per pair in that order pair_tok int32 (p / top_k), pair_w float32
+ * (w[p]; skipped when w is NULL) and pair_out int32 (p). count: int32 [n_exp] scratch. tabs: NULL, or n_tabs
+ * int64 tables of n_exp entries each (table m at tabs + m * n_exp; an address per expert): then addr + m *
+ * addr_stride gets table m's entries of the n_groups experts. Returns n_groups, or -1 when an id is out of range
+ * (nothing else is then valid). */
+int ms_moe_pairs(int n_pairs, int top_k, const int64_t *ids, const float *w, int n_exp, const int64_t *tabs,
+                 int n_tabs, int32_t *count, int64_t *experts, int32_t *pair_start, int32_t *pair_tok, float *pair_w,
+                 int32_t *pair_out, int64_t *addr, long addr_stride) {
+    for (int p = 0; p < n_pairs; p++)
+        if (ids[p] < 0 || ids[p] >= n_exp) return -1;
+    int n_groups = 0;
+    if ((long)n_pairs * n_pairs <= 4L * n_exp) { /* few pairs (a decode step): insertion sort of the pair indices */
+        for (int p = 0; p < n_pairs; p++) {
+            int q = p;
+            while (q > 0 && ids[pair_out[q - 1]] > ids[p]) { pair_out[q] = pair_out[q - 1]; q--; }
+            pair_out[q] = p;
+        }
+    } else { /* counting sort */
+        memset(count, 0, (size_t)n_exp * sizeof(int32_t));
+        for (int p = 0; p < n_pairs; p++) count[ids[p]]++;
+        int32_t run = 0;
+        for (int e = 0; e < n_exp; e++) { const int32_t c = count[e]; count[e] = run; run += c; }
+        for (int p = 0; p < n_pairs; p++) pair_out[count[ids[p]]++] = p;
+    }
+    for (int i = 0; i < n_pairs; i++) {
+        const int p = pair_out[i];
+        if (i == 0 || ids[p] != ids[pair_out[i - 1]]) {
+            experts[n_groups] = ids[p];
+            pair_start[n_groups++] = i;
+        }
+        pair_tok[i] = p / top_k;
+        if (w) pair_w[i] = w[p];
+    }
+    pair_start[n_groups] = n_pairs;
+    if (tabs)
+        for (int m = 0; m < n_tabs; m++)
+            for (int g = 0; g < n_groups; g++) addr[m * addr_stride + g] = tabs[(long)m * n_exp + experts[g]];
+    return n_groups;
+}
+
+/* dst[t][i] = ((0 + src[t][0][i]) + src[t][1][i]) + ... + src[t][K-1][i]: src float32 [T][K][n], dst [T][n] (the
+ * rows added in k order from +0, as torch's sum over dim 1 of a contiguous [T, K, n] tensor adds them). */
+void ms_residual_norm(int rows, int n, float *x, const float *r, int K, const float *w, float eps, float *h,
+                      int n_threads);
+
+void ms_topk_sum(int T, int K, int n, const float *src, float *dst, int n_threads) {
+    memset(dst, 0, (size_t)T * n * sizeof(float)); /* +0 + the sum (which starts from +0): the sum's own bits */
+    ms_residual_norm(T, n, dst, src, K, NULL, 0.0f, NULL, n_threads);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The attention block of one sequence's step in one call: per-head RMSNorm of the new queries and keys       */
+/* (optional), RoPE (optional), the keys and values written into the cache rows of their positions, then      */
+/* ms_attention. Each operation in the arithmetic of its own kernel above (norm_row, rope_row), so the same bits */
+/* as the separate calls.                                                                                      */
+
+typedef struct {
+    int T, n_head, n_kv, d, dv;
+    float *q; long qs_t, qs_h;
+    const float *k; long kn_t, kn_h;
+    const float *v; long vn_t, vn_h;
+    const float *q_norm, *k_norm;
+    float eps;
+    int n_rot, interleaved;
+    const float *cos, *sin;
+    float *kc; long kc_p, kc_h;
+    float *vc; long vc_p, vc_h;
+    int start;
+    long rpi;
+    int failed;
+} prep_ctx;
+
+static void prep_rows(void *vc, int item) {
+    prep_ctx *c = vc;
+    const long nq = (long)c->T * c->n_head, rows = nq + (long)c->T * c->n_kv;
+    long r1 = (item + 1) * c->rpi < rows ? (item + 1) * c->rpi : rows;
+    for (long r = item * c->rpi; r < r1; r++) {
+        if (r < nq) { /* a query head: normed and rotated in place */
+            const long t = r / c->n_head, h = r % c->n_head;
+            float *q = c->q + t * c->qs_t + h * c->qs_h;
+            if (c->q_norm) norm_row(q, q, c->d, c->q_norm, c->eps);
+            if (c->n_rot) rope_row(q, q, c->d, c->n_rot, c->interleaved, c->cos + t * c->n_rot, c->sin + t * c->n_rot);
+        } else { /* a KV head: the key normed, rotated into its cache row; the value copied */
+            const long t = (r - nq) / c->n_kv, g = (r - nq) % c->n_kv;
+            const float *k = c->k + t * c->kn_t + g * c->kn_h;
+            float *kc = c->kc + (c->start + t) * c->kc_p + g * c->kc_h;
+            if (c->k_norm) {
+                float *tmp = scratch(c->d);
+                if (!tmp) { c->failed = 1; return; }
+                norm_row(k, tmp, c->d, c->k_norm, c->eps);
+                k = tmp;
+            }
+            if (c->n_rot) rope_row(k, kc, c->d, c->n_rot, c->interleaved, c->cos + t * c->n_rot, c->sin + t * c->n_rot);
+            else memcpy(kc, k, (size_t)c->d * sizeof(float));
+            memcpy(c->vc + (c->start + t) * c->vc_p + g * c->vc_h, c->v + t * c->vn_t + g * c->vn_h,
+                   (size_t)c->dv * sizeof(float));
+        }
+    }
+}
+
+/* q: [T][n_head][d] new queries at q + t * qs_t + h * qs_h, OVERWRITTEN with the normed, rotated queries; k: [T][n_kv][d]
+ * and v: [T][n_kv][dv] new keys and values (read only); q_norm, k_norm: [d] RMSNorm weights or NULL (no norm);
+ * n_rot: the rotated dims (0: no RoPE), cos, sin: the tables' rows of positions start.. ([T][n_rot]); kc, vc: the
+ * layer's cache, row j of KV head g at kc + j * kc_p + g * kc_h (vc likewise); rows start..start+T-1 are written,
+ * then ms_attention of the queries over rows 0..start+T-1 into out [T][n_head * dv] (os_t). Returns 0, or -2 when
+ * out of memory. */
+int ms_attn_block(int T, int n_head, int n_kv, int d, int dv, float *q, long qs_t, long qs_h, const float *k,
+                  long kn_t, long kn_h, const float *v, long vn_t, long vn_h, const float *q_norm, const float *k_norm,
+                  float eps, int n_rot, int interleaved, const float *cos, const float *sin, float *kc, long kc_p,
+                  long kc_h, float *vc, long vc_p, long vc_h, int start, int window, const float *sinks, float scale,
+                  float softcap, float *out, long os_t, int n_threads) {
+    prep_ctx c = {T, n_head, n_kv, d, dv, q, qs_t, qs_h, k, kn_t, kn_h, v, vn_t, vn_h, q_norm, k_norm, eps, n_rot,
+                  interleaved, cos, sin, kc, kc_p, kc_h, vc, vc_p, vc_h, start, 0, 0};
+    int n_items = items_for((long)T * (n_head + n_kv), d, &c.rpi);
+    ms_pool_run(n_threads, prep_rows, &c, n_items);
+    if (c.failed) return -2;
+    return ms_attention(T, n_head, n_kv, d, dv, q, qs_t, qs_h, kc, kc_p, kc_h, vc, vc_p, vc_h, start, window, sinks,
+                        scale, softcap, out, os_t, n_threads);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The logits' finiteness check                                                                              */
+
+/* The index of the first element of x [n] that is NaN or +-Inf, or -1 when every one is finite (one pass:
+ * x - x is 0 for a finite x, NaN otherwise, and a NaN stays in the lanes' sum). */
+long ms_first_nonfinite(const float *x, long n) {
+    v8f acc = {0};
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8f v = ld8(x + i);
+        acc += v - v;
+    }
+    float tail = 0.0f;
+    for (; i < n; i++) tail += x[i] - x[i];
+    int bad = tail != tail;
+    for (int l = 0; l < 8; l++) bad |= acc[l] != acc[l];
+    if (!bad) return -1;
+    for (i = 0; i < n; i++)
+        if (!isfinite(x[i])) return i;
+    return -1;
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The residual stream between the matmuls of a decode step                                                  */
+
+typedef struct {
+    int n, K;
+    float *x;
+    const float *r;
+    const float *w;
+    float eps;
+    float *h;
+    long rpi, rows;
+} resid_ctx;
+
+static void resid_rows(void *vc, int item) {
+    const resid_ctx *c = vc;
+    long r1 = (item + 1) * c->rpi < c->rows ? (item + 1) * c->rpi : c->rows;
+    for (long t = item * c->rpi; t < r1; t++) {
+        float *x = c->x + t * c->n;
+        if (c->r && c->K == 0) {
+            const float *r = c->r + t * c->n;
+            for (int i = 0; i < c->n; i++) x[i] = x[i] + r[i];
+        } else if (c->r) {
+            const float *r = c->r + t * c->K * c->n;
+            for (int i = 0; i < c->n; i++) {
+                float s = 0.0f;
+                for (int k = 0; k < c->K; k++) s = s + r[(long)k * c->n + i];
+                x[i] = x[i] + s;
+            }
+        }
+        if (c->h) norm_row(x, c->h + t * c->n, c->n, c->w, c->eps);
+    }
+}
+
+/* x: float32 [rows][n], updated in place: x += r (r: [rows][n], K = 0), or x += the sum of r's K rows per row
+ * (r: [rows][K][n], added in k order from +0: ms_topk_sum's sum), or nothing (r NULL); then, when h is not NULL,
+ * h [rows][n] = RMSNorm of the new x (norm_row: ms_rms_norm's arithmetic) by w [n] (or NULL) with eps. */
+void ms_residual_norm(int rows, int n, float *x, const float *r, int K, const float *w, float eps, float *h,
+                      int n_threads) {
+    resid_ctx c = {n, K, x, r, w, eps, h, 0, rows};
+    int n_items = items_for(rows, (long)(K + 1) * n, &c.rpi);
+    ms_pool_run(n_threads, resid_rows, &c, n_items);
+}
+
+/* ms_route of T tokens into ids / w, then ms_moe_pairs of its choice (tabs, addresses as there). Returns the
+ * number of distinct experts, or ms_route's error (-1 bad sizes, -2 out of memory), or -3 for an id out of range. */
+int ms_route_plan(int T, int n_exp, const float *logits, int gating, const float *bias, int n_group, int topk_group,
+                  int top_k, int norm, float floor, float scale, int64_t *ids, float *w, const int64_t *tabs,
+                  int n_tabs, int32_t *count, int64_t *experts, int32_t *pair_start, int32_t *pair_tok,
+                  float *pair_w, int32_t *pair_out, int64_t *addr, long addr_stride, int n_threads) {
+    const int rc = ms_route(T, n_exp, logits, gating, bias, n_group, topk_group, top_k, norm, floor, scale, ids, w,
+                            n_threads);
+    if (rc) return rc;
+    const int n = ms_moe_pairs(T * top_k, top_k, ids, w, n_exp, tabs, n_tabs, count, experts, pair_start, pair_tok,
+                               pair_w, pair_out, addr, addr_stride);
+    return n < 0 ? -3 : n;
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* Embedding rows decoded from their ggml blocks, in quant.py's arithmetic (each product rounded on its own).  */
+
+static inline float half_to_float(uint16_t h) {
+#if defined(MS_ISA_AVX2) || defined(MS_ISA_AVX512)
+    return _cvtsh_ss(h); /* the conversion torch's CPU kernels run on these builds */
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else { /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = man;
+        do { e++; m <<= 1; } while (!(m & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    return u2f(u);
+#endif
+}
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* Q8_0 blocks of 32: fp16 d | 32 int8; x = (float)q * d */
+static void dq_q8_0(const uint8_t *b, float *y, int n_blocks) {
+    for (int k = 0; k < n_blocks; k++, b += 34, y += 32) {
+        const float d = half_to_float(rd16(b));
+        for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)b[2 + i] * d;
+    }
+}
+
+/* Q4_K super-blocks of 256: fp16 d | fp16 dmin | 12 bytes of 6-bit scales and mins | 128 bytes of nibbles (group
+ * 2c: low nibbles of bytes 32c.., group 2c+1: their high nibbles); x = (float)q * (d * sc) - (dmin * mn) */
+static void dq_q4_k(const uint8_t *b, float *y, int n_blocks) {
+    for (int k = 0; k < n_blocks; k++, b += 144, y += 256) {
+        const float d = half_to_float(rd16(b)), dmin = half_to_float(rd16(b + 2));
+        const uint8_t *sc = b + 4, *qs = b + 16;
+        for (int g = 0; g < 8; g++) {
+            int s, m;
+            if (g < 4) { s = sc[g] & 63; m = sc[g + 4] & 63; }
+            else { s = (sc[g + 4] & 0xf) | ((sc[g - 4] >> 6) << 4); m = (sc[g + 4] >> 4) | ((sc[g] >> 6) << 4); }
+            const float dl = d * (float)s, ml = dmin * (float)m;
+            const uint8_t *q = qs + 32 * (g / 2);
+            for (int i = 0; i < 32; i++) y[32 * g + i] = (float)((g & 1) ? q[i] >> 4 : q[i] & 0xf) * dl - ml;
+        }
+    }
+}
+
+/* Q6_K super-blocks of 256: 128 bytes low nibbles | 64 bytes high 2 bits | 16 int8 scales | fp16 d; element
+ * 128h + 32f + i: low nibble f / 2 of ql[64h + 32(f % 2) + i], high bits 2f.. of qh[32h + i];
+ * x = (float)(q - 32) * (d * sc[element / 16]) */
+static void dq_q6_k(const uint8_t *b, float *y, int n_blocks) {
+    for (int k = 0; k < n_blocks; k++, b += 210, y += 256) {
+        const float d = half_to_float(rd16(b + 208));
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int h = 0; h < 2; h++)
+            for (int f = 0; f < 4; f++)
+                for (int i = 0; i < 32; i++) {
+                    const int e = 128 * h + 32 * f + i;
+                    const uint8_t lo = ql[64 * h + 32 * (f % 2) + i];
+                    const int q = ((f < 2 ? lo & 0xf : lo >> 4) | (((qh[32 * h + i] >> (2 * f)) & 3) << 4)) - 32;
+                    y[e] = (float)q * (d * (float)sc[e / 16]);
+                }
+    }
+}
+
+/* Rows ids[0..n-1] of a matrix of n_rows rows of ggml type t (rows of n_cols elements, row r at raw + r *
+ * row_bytes) into out [n][n_cols]. Types: Q8_0 (8), Q4_K (12), Q6_K (14), BF16 (30). Returns 0; -1 for another
+ * type or n_cols not a multiple of its block, -2 for an id outside 0..n_rows-1 (nothing written: the caller
+ * decodes those itself, or says what is wrong). */
+int ms_dequant_rows(int t, const uint8_t *raw, long row_bytes, long n_rows, const int64_t *ids, int n, int n_cols,
+                    float *out) {
+    const int block = t == 8 ? 32 : t == 12 || t == 14 ? 256 : t == 30 ? 1 : 0;
+    if (!block || n_cols % block) return -1;
+    for (int r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= n_rows) return -2;
+    for (int r = 0; r < n; r++) {
+        const uint8_t *b = raw + ids[r] * row_bytes;
+        float *y = out + (long)r * n_cols;
+        if (t == 8) dq_q8_0(b, y, n_cols / 32);
+        else if (t == 12) dq_q4_k(b, y, n_cols / 256);
+        else if (t == 14) dq_q6_k(b, y, n_cols / 256);
+        else for (int i = 0; i < n_cols; i++) y[i] = u2f((uint32_t)rd16(b + 2 * i) << 16);
+    }
+    return 0;
 }

@@ -8,6 +8,7 @@ give bitwise-identical results.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -28,6 +29,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 swiglu.kernel_act = kernels.ACT_SILU  # type: ignore[attr-defined]  # the C kernels' code for it
+
+
+#: Most values of the routed rows [tokens, top_k, hidden] a resident CPU call writes into a buffer kept per layer
+#: (decode steps; 512 KiB: 8 x 7168 fits), not a new tensor
+KEPT_ROWS_FLOATS = 1 << 17
+
+
+def topk_sum(out: torch.Tensor) -> torch.Tensor:
+    """``out.sum(dim=1)`` of the routed outputs float32 [tokens, top_k, hidden] (contiguous, CPU) -> [tokens, hidden],
+    the same bits: the step kernels' in-order sum (kernels.topk_sum) where torch's sum adds the k rows in order
+    (measured on torch 2.13: rows of a multiple of its vector block, up to 16 rows before its cascade starts; a
+    multiple of 64 covers the AVX-512 build), torch's own sum elsewhere."""
+    if out.shape[2] % 64 or out.shape[1] > 16:
+        return out.sum(dim=1)
+    return kernels.topk_sum(out)
 
 
 class ClampedSwiGLU:
@@ -103,6 +119,9 @@ class MoE:
         self.kernel_act = kact
         #: None, or ``(layer, ids) -> ids`` replacing the router's expert ids (bench --routing calibrated)
         self.routing: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+        self._pair_bufs: kernels.MoEPairs | None = None
+        self._tab_key: tuple | None = None
+        self._out_buf: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -128,17 +147,19 @@ class MoE:
         summed in top-k order at the end and every expert sees the same tokens either way, so neither tiling
         nor overlap changes a bit of the result.
         """
-        if overlap is None:
-            overlap = self.overlap_of() if self.overlap_of is not None else True
         if self.routing is not None:  # synthetic routing: other expert ids, the router's weights
             ids = self.routing(self.layer, ids)
         store = self.store_of()
-        n_tok, top_k = ids.shape
-        cuda = x.device.type == "cuda"
         if expert_scale is None:
             expert_scale = self.expert_scale
         if expert_scale is not None:
             weights = weights * expert_scale[ids]  # real ids, never slot ids
+        if self.fused and not x.is_cuda and (tabs := self._tables(store)) is not None:
+            return self._resident(store, tabs, x.contiguous(), ids, weights, shared)
+        if overlap is None:
+            overlap = self.overlap_of() if self.overlap_of is not None else True
+        n_tok, top_k = ids.shape
+        cuda = x.device.type == "cuda"
         groups = None
         batch = self._fused
         if self.gpu:  # (on a CPU tensor only under Triton's interpreter, in tests)
@@ -148,7 +169,7 @@ class MoE:
             out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
         elif self.fused and not cuda:
             x = x.contiguous()
-            groups = _Groups(ids, weights)
+            groups = _Groups(ids, weights, pairs=self._pairs())
             out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
         else:
             out = x.new_zeros((n_tok, top_k, x.shape[-1]))
@@ -215,14 +236,69 @@ class MoE:
             for ticket in unjoined:
                 store.discard(ticket)
             raise
+        if groups is not None and not cuda:
+            return topk_sum(out), shared_out
         return out.sum(dim=1), shared_out
+
+    def _resident(self, store: ExpertStore, tabs: np.ndarray, x: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor, shared: Callable[[torch.Tensor], torch.Tensor] | None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`__call__` when every expert is in place (``tabs``: :meth:`_tables`): one planned C call, no tiles,
+        nothing to read or join (so ``overlap`` changes nothing); x float32 [tokens, hidden] contiguous. The output
+        rows of a call of at most :data:`KEPT_ROWS_FLOATS` values (a decode step) go to a buffer kept between calls
+        (every row written once by the kernels)."""
+        groups = _Groups(ids, weights, pairs=self._pairs(), tabs=tabs)
+        store.prepare(self.layer, groups.experts)  # counts the hits (and records the routing trace)
+        shared_out = shared(x) if shared is not None else None
+        shape = (ids.shape[0], ids.shape[1], x.shape[1])
+        n = shape[0] * shape[1] * shape[2]
+        if n > KEPT_ROWS_FLOATS:
+            out = x.new_empty(shape)
+        else:
+            if self._out_buf is None or self._out_buf.numel() < n:
+                self._out_buf = torch.empty(n, dtype=torch.float32)
+            out = self._out_buf[:n].view(shape)
+        self._fused(store, groups, groups.experts, {e: e for e in groups.experts}, x, out)
+        return topk_sum(out), shared_out
+
+    def _pairs(self) -> kernels.MoEPairs:
+        """This layer's pair plan arrays (kernels.MoEPairs), made at the first call."""
+        p = self._pair_bufs
+        if p is None:
+            p = self._pair_bufs = kernels.MoEPairs(self.mats["down"].n_experts, 3)
+        return p
+
+    def _tables(self, store: ExpertStore) -> np.ndarray | None:
+        """int64 [3, n_experts]: each expert's gate, up and down address when ``store`` holds every expert in place
+        (a CPU :class:`ResidentStore`: slot = expert, lead 0, its tensors fixed), else None. Kept per store."""
+        if type(store) is not ResidentStore or store.device.type != "cpu":
+            return None
+        key = self._tab_key
+        if key is not None and key[0]() is store:
+            return key[1]
+        names = ("gate_up", "gate_up", "down") if self.merged else ("gate", "up", "down")
+        n = self.mats["down"].n_experts
+        tabs = np.empty((3, n), dtype=np.int64)
+        for m, name in enumerate(names):
+            pool = store.matrix(self.layer, name)
+            tabs[m] = pool.data_ptr() + np.arange(n, dtype=np.int64) * pool.stride(0) + store.lead(self.layer, name)
+        if self.merged:
+            tabs[1] += self.n_ff * (self.mats["gate_up"].bytes_per_expert // self.mats["gate_up"].rows)
+        self._tab_key = (weakref.ref(store), tabs)
+        return tabs
 
     def _fused(self, store: ExpertStore, groups: _Groups, experts: list[int], slot_of: dict[int, int],
                x: torch.Tensor, out: torch.Tensor) -> None:
         """``experts`` (real ids, their slots in ``slot_of``) for every token routed to them, in one C call:
         writes their rows of ``out`` [tokens, top_k, hidden], routing weights applied."""
-        slots = np.fromiter((slot_of[e] for e in experts), dtype=np.int64, count=len(experts))
         m = self.mats
+        if groups.addr is not None and experts is groups.experts:  # resident: every expert, addresses planned
+            gu_info = m["gate_up" if self.merged else "gate"]
+            kernels.moe_planned(x, gu_info.ggml_type, m["down"].ggml_type, groups.pairs, len(experts),
+                                gu_info.bytes_per_expert // gu_info.rows, m["down"].bytes_per_expert // m["down"].rows,
+                                self.n_ff, self.kernel_act, out.view(-1, out.shape[-1]))
+            return
+        slots = np.fromiter((slot_of[e] for e in experts), dtype=np.int64, count=len(experts))
 
         def first_byte(name: str) -> np.ndarray:  # address of each expert's matrix: pool + slot row + lead
             pool = store.matrix(self.layer, name)
@@ -386,7 +462,24 @@ class _Groups:
     ids: [tokens, top_k] int64 real expert ids; weights: [tokens, top_k] float32 routing weights.
     """
 
-    def __init__(self, ids: torch.Tensor, weights: torch.Tensor, keep: bool = False):
+    def __init__(self, ids: torch.Tensor, weights: torch.Tensor, keep: bool = False,
+                 pairs: kernels.MoEPairs | None = None, tabs: np.ndarray | None = None):
+        #: with ``tabs``: int64 [3, groups], each expert's gate, up and down address (rows of ``pairs.addr``)
+        self.addr = None
+        self.pairs = pairs
+        if pairs is not None:  # CPU: grouped by the step kernels into kept arrays (the same order as below)
+            ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+            if weights.dtype != torch.float32 or not weights.is_contiguous():
+                weights = weights.to(torch.float32).contiguous()
+            n, p = pairs.plan(ids, weights, tabs), ids.numel()
+            self.weights, self.tok, self.dst, self.w = weights, pairs.tok[:p], pairs.dst[:p], pairs.w[:p]
+            self._start = pairs.start[:n + 1]
+            self.experts = pairs.experts[:n].tolist()
+            self._span: dict | None = None
+            self._all = (self._start, self.tok, self.w, self.dst)
+            if tabs is not None:
+                self.addr = pairs.addr[:, :n]
+            return
         flat = ids.reshape(-1).cpu().numpy()
         top_k = ids.shape[1]
         order = np.argsort(flat, kind="stable")  # pairs sorted by expert, token order inside
@@ -402,8 +495,16 @@ class _Groups:
         first, end = [0, *bounds], [*bounds, len(flat)]
         #: the distinct real ids, ascending
         self.experts = by_expert[first].tolist()
-        self.span = {e: (f, b) for e, f, b in zip(self.experts, first, end, strict=True)}
+        self._span = {e: (f, b) for e, f, b in zip(self.experts, first, end, strict=True)}
         self._all = (np.array([*first, len(flat)], dtype=np.int32), self.tok, self.w, self.dst)
+
+    @property
+    def span(self) -> dict[int, tuple[int, int]]:
+        """{real id: (first, end)}: the positions of its pairs in the grouped order."""
+        if self._span is None:
+            bounds = self._start.tolist()
+            self._span = {e: (bounds[g], bounds[g + 1]) for g, e in enumerate(self.experts)}
+        return self._span
 
     def select(self, experts: list[int]) -> tuple:
         """(start int32 [len(experts) + 1], tok int32, w float32 (None for GPU weights), dst int32) of ``experts``'

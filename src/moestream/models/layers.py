@@ -81,9 +81,14 @@ class Weight:
         return quant.dequantize(self.raw, self.ggml_type, self.cols).view(self.shape)
 
     def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
-        """Embedding lookup: rows ``ids`` [n] int64 -> float32 [n, cols], dequantizing only those rows."""
+        """Embedding lookup: rows ``ids`` [n] int64 -> float32 [n, cols], dequantizing only those rows (on the CPU
+        by the step kernels where they decode the type: kernels.dequant_rows, the same bits)."""
         if self.dense is not None:
             return self.dense[ids]
+        if self.raw.device.type == "cpu" and ids.dim() == 1 and (lib := kernels.step_ops()) is not None:
+            y = kernels.dequant_rows(self.raw, self.ggml_type, self.cols, ids, lib=lib)
+            if y is not None:
+                return y
         return quant.dequantize(self.raw[ids], self.ggml_type, self.cols)
 
 

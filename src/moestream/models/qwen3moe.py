@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 @register("qwen3moe")
 class Qwen3MoE(MoEModel):
+    #: its CPU decode step may run as runtime/fastdecode.py's few C calls per layer (this class only, not subclasses)
+    fast_decode = True
+
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         d, n_embd = self.meta_desc, self.n_embd
@@ -64,8 +67,9 @@ class Qwen3MoE(MoEModel):
         """GQA attention with per-head q/k RMSNorm and NEOX RoPE, residual added: x [T, hidden] -> same."""
         b, n_tok = self.blocks[i], x.shape[0]
         h = rms_norm(x, b["attn_norm"], self.eps)
-        q = rms_norm(b["q"].linear(h).view(n_tok, self.n_head, self.head_dim), b["q_norm"], self.eps)
-        k = rms_norm(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim), b["k_norm"], self.eps)
+        q = b["q"].linear(h).view(n_tok, self.n_head, self.head_dim)
+        k = b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim)
         v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim_v)
-        a = step.cached_attention(q, k, v, self.rope, i, 1.0 / math.sqrt(self.head_dim))
+        a = step.cached_attention(q, k, v, self.rope, i, 1.0 / math.sqrt(self.head_dim), q_norm=b["q_norm"],
+                                  k_norm=b["k_norm"], eps=self.eps)
         return x + b["o"].linear(a)

@@ -30,6 +30,7 @@ import torch
 
 from ..models.layers import Rope, Weight, decode_keys
 from ..ops import sequence_rows
+from . import fastdecode
 from .graphs import DecodeGraphs
 from .step import Seq, Step
 
@@ -53,6 +54,8 @@ class Runner:
         m.check_room(cache, start, n_tok)
         if n_tok == 1 and m.device.type == "cuda" and not logits_all and self.graphs.opted_in:
             return self.decode_device(tokens, start, cache)
+        if n_tok == 1 and m.device.type == "cpu" and (fast := fastdecode.plan(m)) is not None:
+            return fast.step(tokens, start, cache)  # the same bits as self.run, a few C calls per layer
         return self.run(Step(tokens, [Seq(cache, start, n_tok)]), logits_all)
 
     def step(self, batch: list[tuple[torch.Tensor, int, Any]], logits_all: bool = False) -> torch.Tensor:

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-from ..models.layers import Rope, attention, attention_at, rope_at
+from .. import kernels
+from ..models import layers
+from ..models.layers import Rope, attention, attention_at, rms_norm, rope_at
 
 
 @dataclass
@@ -43,6 +45,16 @@ class Seq:
 def _tensor(cache: Any, kind: str, layer: int) -> torch.Tensor:
     """``cache.<kind>[layer]``: one layer's cache tensor [n_ctx, ...] (a list or a dict keyed by layer)."""
     return getattr(cache, kind)[layer]
+
+
+def _block_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+    """The step kernels' library when kernels.attn_block computes this attention block as the separate ops would
+    (the norms and attention in C: layers.C_RMS_NORM, C_ATTENTION; float32 with unit stride along the head dims),
+    else None."""
+    lib = kernels.step_ops() if layers.C_ATTENTION and layers.C_RMS_NORM else None
+    if lib is None or q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+        return None
+    return lib if q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 else None
 
 
 @dataclass
@@ -125,9 +137,27 @@ class Step:
         return self._cat(out)
 
     def cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, layer: int,
-                         scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
+                         q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                         eps: float = 0.0) -> torch.Tensor:
         """The usual attention block: q [T, n_head, d], k [T, n_kv, d], v [T, n_kv, d_v] of the new tokens
-        (projected, normed, not yet rotated) -> rotate q, rotate k into the cache, write v, :meth:`attend`."""
+        (projected, not yet rotated) -> RMSNorm of each head of q by ``q_norm`` and of k by ``k_norm`` (float32 [d],
+        or None: q, k come normed or have no norm; epsilon ``eps``), rotate q, rotate k into the cache, write v,
+        :meth:`attend`. q is scratch (it may be overwritten).
+
+        One sequence on the CPU with the step kernels: all of it in one C call (kernels.attn_block, the same bits
+        as the separate ops)."""
+        if self.pos is None and self.single and q.device.type == "cpu" and (lib := _block_ops(q, k, v)) is not None:
+            s = self.seqs[0]
+            rope.reserve(s.end)
+            cache = s.cache
+            return kernels.attn_block(q, k, v, _tensor(cache, "k", layer), _tensor(cache, "v", layer), s.start, scale,
+                                      q_norm, k_norm, eps, rope.cos, rope.sin, rope.interleaved, window, sinks,
+                                      lib=lib)
+        if q_norm is not None:
+            q = rms_norm(q, q_norm, eps)
+        if k_norm is not None:
+            k = rms_norm(k, k_norm, eps)
         q = self.rope(rope, q)
         self.rope_into(rope, k, "k", layer)
         self.store("v", layer, v)

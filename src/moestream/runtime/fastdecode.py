@@ -1,0 +1,173 @@
+"""The CPU decode step of a Qwen3-MoE-shaped model as a handful of C calls per layer.
+
+Between two matmuls a decode step has little arithmetic, but every torch op and Python frame there runs with cold
+caches (the matmul before it streamed tens of MB of weights through them): measured on a 2-core EPYC, an empty
+``torch.empty`` costs 1 us hot and 60 us right after such a stream. So the eager step (runner.py) spends ms per
+token outside its matmuls. This step keeps one token's activations in buffers made once per model and runs each
+layer as:
+
+- the q, k, v projections (kernels.linear_to: ms_linear into the kept buffers);
+- ms_attn_block: per-head q/k RMSNorm, RoPE, the cache rows written, attention over the cache;
+- the output projection; ms_residual_norm: x += o, h = RMSNorm(x) by ``ffn_norm``;
+- the router's own ``linear`` (as the eager step calls it); ms_route_plan: softmax top-k, renormalisation and the
+  pairs grouped by expert with each expert's addresses (the store holds every expert in place);
+- ms_moe (kernels.moe_to); ms_residual_norm: x += the sum of the top-k rows, h = RMSNorm(x) by the next layer's
+  ``attn_norm`` (after the last layer ``out_norm``, then the output projection).
+
+Each of those is the kernel the eager step runs, on the same values in the same order, so the logits are the same
+bits (tools/record_logits.py; tests/test_runner.py). It runs where :func:`plan` finds the model fits it: a family
+class that sets ``fast_decode = True`` itself (not inherited: qwen3moe), every layer routed with per-head q/k norms
+and softmax routing without bias or scale, one sequence of one token on the CPU, every matmul on the C kernels, a
+resident store (--moe-stream off: nothing to read, so nothing to overlap), no synthetic routing, the step kernels
+on (layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import kernels
+from ..experts.moe import KEPT_ROWS_FLOATS
+from ..experts.pool import ResidentStore
+from ..models import layers
+
+
+def _spec(w: Any) -> tuple | None:
+    """(ggml type, first byte, row bytes, rows, cols) of a Weight the C kernels compute, else None."""
+    if not getattr(w, "blocks", False):
+        return None
+    return (int(w.ggml_type), w.raw.data_ptr(), w.raw.stride(0) * w.raw.element_size(), w.rows, w.cols)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FastDecode:
+    """The kept buffers and addresses of one model's fast decode step (see the module docstring); :meth:`step`
+    runs one. Made by :func:`plan`, for one store."""
+
+    def __init__(self, model: Any, lib: Any, specs: list[tuple], moes: list[Any], tabs: list[np.ndarray]):
+        m = self.model = model
+        self.lib, self.store = lib, model.store
+        n, hd, hdv = m.n_embd, m.head_dim, m.head_dim_v
+        f32 = torch.float32
+        self.x_dim = n
+        self.h = torch.empty((1, n), dtype=f32)
+        self.q = torch.empty((1, m.n_head * hd), dtype=f32)
+        self.k = torch.empty((1, m.n_kv * hd), dtype=f32)
+        self.v = torch.empty((1, m.n_kv * hdv), dtype=f32)
+        self.a = torch.empty((1, m.n_head * hdv), dtype=f32)
+        self.o = torch.empty((1, n), dtype=f32)
+        self.ids = torch.empty((1, m.top_k), dtype=torch.int64)
+        self.w = torch.empty((1, m.top_k), dtype=f32)
+        self.out = torch.empty((m.top_k, n), dtype=f32)
+        self.pairs = kernels.MoEPairs(m.n_experts, 3, lib=lib)
+        self.scale = 1.0 / math.sqrt(hd)  # as Qwen3MoE.mix
+        blocks = m.blocks
+        self.layers = []
+        for i, b in enumerate(blocks):
+            moe = moes[i]
+            gu = moe.mats["gate_up" if moe.merged else "gate"]
+            down = moe.mats["down"]
+            moe_spec = (int(gu.ggml_type), int(down.ggml_type), gu.bytes_per_expert // gu.rows,
+                        down.bytes_per_expert // down.rows, n, moe.n_ff, moe.kernel_act)
+            nxt = blocks[i + 1]["attn_norm"] if i + 1 < len(blocks) else m.out_norm
+            self.layers.append((i, *specs[i], _ptr(b["q_norm"]), _ptr(b["k_norm"]), _ptr(b["ffn_norm"]), b["router"],
+                                tabs[i].ctypes.data, moe_spec, _ptr(nxt)))
+        self.tabs = tabs  # the address tables the layers point into
+        self.attn_norm0 = _ptr(blocks[0]["attn_norm"])
+        self._cache: tuple | None = None
+
+    def _cache_ptrs(self, cache: Any) -> list[tuple[int, int]]:
+        c = self._cache
+        if c is None or c[0]() is not cache:
+            c = self._cache = (weakref.ref(cache), [(k.data_ptr(), v.data_ptr()) for k, v in zip(cache.k, cache.v,
+                                                                                                    strict=True)])
+        return c[1]
+
+    def step(self, tokens: torch.Tensor, start: int, cache: Any) -> torch.Tensor:
+        """One token (tokens int64 [1]) at position ``start`` of ``cache`` -> logits float32 [1, vocab]."""
+        m, lib = self.model, self.lib
+        nt = kernels.threads()
+        n, eps, top_k = self.x_dim, m.eps, m.top_k
+        n_head, n_kv, hd, hdv = m.n_head, m.n_kv, m.head_dim, m.head_dim_v
+        x = m.embd.rows_of(tokens).contiguous()  # [1, hidden]: the residual stream, updated in place
+        xp, hp, qp, kp, vp, ap, op = (x.data_ptr(), self.h.data_ptr(), self.q.data_ptr(), self.k.data_ptr(),
+                                      self.v.data_ptr(), self.a.data_ptr(), self.o.data_ptr())
+        idp, wp, outp = self.ids.data_ptr(), self.w.data_ptr(), self.out.data_ptr()
+        count, experts, pstart, ptok, pw, pdst, addr = self.pairs.ptrs
+        cap = self.pairs.cap
+        rope = m.rope
+        rope.reserve(start + 1)
+        n_rot = rope.n_rot
+        cos_p, sin_p = rope.cos.data_ptr() + 4 * start * n_rot, rope.sin.data_ptr() + 4 * start * n_rot
+        inter = int(rope.interleaved)
+        kv = self._cache_ptrs(cache)
+        kc_p, vc_p = n_kv * hd, n_kv * hdv
+        store = self.store
+        lib.ms_residual_norm(1, n, xp, None, 0, self.attn_norm0, eps, hp, nt)
+        for (i, q_s, k_s, v_s, o_s, qn, kn, fn, router, tabs, moe_s, nxt) in self.layers:
+            kernels.linear_to(q_s, hp, 1, qp, lib)
+            kernels.linear_to(k_s, hp, 1, kp, lib)
+            kernels.linear_to(v_s, hp, 1, vp, lib)
+            kcp, vcp = kv[i]
+            rc = lib.ms_attn_block(1, n_head, n_kv, hd, hdv, qp, n_head * hd, hd, kp, n_kv * hd, hd, vp, n_kv * hdv,
+                                   hdv, qn, kn, eps, n_rot, inter, cos_p, sin_p, kcp, kc_p, hd, vcp, vc_p, hdv, start,
+                                   0, None, self.scale, 0.0, ap, n_head * hdv, nt)
+            if rc:
+                raise MemoryError("attention: out of memory for the score buffer")
+            kernels.linear_to(o_s, ap, 1, op, lib)
+            lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
+            logits = router.linear(self.h).contiguous()
+            g = lib.ms_route_plan(1, logits.shape[1], logits.data_ptr(), kernels.GATING_SOFTMAX, None, 1, 1, top_k,
+                                  int(m.norm_topk), 0.0, 1.0, idp, wp, tabs, 3, count, experts, pstart,
+                                  ptok, pw, pdst, addr, cap, nt)
+            if g < 0:
+                raise ValueError(f"route: top-{top_k} of {logits.shape[1]} experts does not fit (rc {g})")
+            store.prepare(i, self.pairs.experts[:g].tolist())  # counts the hits (and records the routing trace)
+            kernels.moe_to(moe_s, self.pairs, g, hp, 1, outp)
+            lib.ms_residual_norm(1, n, xp, outp, top_k, nxt, eps, hp, nt)
+        return m.output.linear(self.h)
+
+
+def plan(model: Any) -> FastDecode | None:
+    """The fast decode step of ``model`` when it fits it (see the module docstring), else None. Kept on the model
+    and made again when its store changes."""
+    if not vars(type(model)).get("fast_decode") or model.device.type != "cpu" or model.routing is not None:
+        return None
+    store = model.store
+    if type(store) is not ResidentStore or not (layers.C_RMS_NORM and layers.C_ATTENTION):
+        return None
+    lib = kernels.step_ops()
+    if lib is None:
+        return None
+    kept = getattr(model, "_fast_decode", None)
+    if kept is not None and kept.store is store and kept.lib is lib:
+        return kept
+    n = model.n_embd
+    if n % 64 or model.top_k > 16 or model.top_k * n > KEPT_ROWS_FLOATS:
+        return None  # the top-k sum is torch's only there (experts/moe.py topk_sum)
+    specs, moes, tabs = [], [], []
+    for b in model.blocks:
+        if "moe" not in b or b.get("q_norm") is None or b.get("k_norm") is None:
+            return None
+        s = [_spec(b[name]) for name in ("q", "k", "v", "o")]
+        moe = b["moe"]
+        if None in s or not moe.fused or moe.expert_scale is not None or moe.routing is not None:
+            return None
+        t = moe._tables(store)
+        if t is None:
+            return None
+        specs.append(s)
+        moes.append(moe)
+        tabs.append(t)
+    if not getattr(model.output, "blocks", False) and model.output.dense is None:
+        return None
+    model._fast_decode = FastDecode(model, lib, specs, moes, tabs)
+    return model._fast_decode
