@@ -253,3 +253,65 @@ def test_grouped_path_adds_expert_biases_by_real_id(fixtures_tool) -> None:
     assert float((streamed - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
     one = moe(x[:1], ids[:1], w[:1])[0]
     assert_bitwise([one], [moe.resident_step(model.store, x[:1], ids[:1], w[:1])])
+
+
+class _FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister calls (CUDA runtime error codes: 0 = success)."""
+
+    def __init__(self, fail: bool = False):
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+        self.fail = fail
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - the CUDA name
+        self.registered.append((ptr, size, flags))
+        return 1 if self.fail else 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_pinned_pools_cost_their_size_and_unregister_after_the_last_view(monkeypatch):
+    """--pool host / the host tier: page-locked pools of exactly their size (torch's pin_memory allocator rounds
+    each block up to a power of two, which the memory plan did not count), registered with CUDA, and unregistered
+    only once no tensor over the memory is left."""
+    import gc
+
+    from moestream.experts import pool as pool_mod
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.delenv("MOESTREAM_PIN", raising=False)
+    n, stride = 37, 3 * 2**20 + 144  # 111 MiB: torch's allocator would lock 128 MiB
+    t = pool_mod._aligned_pool(n, stride, 4096, True)
+    assert t.shape == (n, stride) and t.data_ptr() % 4096 == 0
+    assert len(fake.registered) == 1
+    ptr, size, flags = fake.registered[0]
+    assert size == n * stride and ptr == t.data_ptr() and flags == pool_mod._HOST_REGISTER_FLAGS
+    t[5, 7] = 9  # writable memory
+    row = t[5]  # a view outlives the pool tensor
+    del t
+    gc.collect()
+    assert fake.unregistered == []
+    assert int(row[7]) == 9
+    del row
+    gc.collect()
+    assert fake.unregistered == [ptr]
+
+
+def test_pinned_empty_falls_back_to_torch_when_registration_fails(monkeypatch):
+    from moestream.experts import pool as pool_mod
+
+    fake = _FakeCudart(fail=True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    calls = []
+    real_empty = torch.empty
+
+    def empty(*a, **k):  # torch's pinned allocator needs a GPU: stand in for it, record the request
+        calls.append(k.get("pin_memory"))
+        return real_empty(*a, **{key: v for key, v in k.items() if key != "pin_memory"})
+
+    monkeypatch.setattr(torch, "empty", empty)
+    t = pool_mod.pinned_empty(5000)
+    assert t.numel() == 5000 and calls == [True] and len(fake.registered) == 1

@@ -15,8 +15,11 @@ Both expose the same ``prepare`` / ``wait`` / ``matrix`` / ``lead`` calls, so th
 
 from __future__ import annotations
 
+import mmap
+import os
 import random
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
@@ -221,7 +224,10 @@ class ResidentStore(ExpertStore):
                 info = model.tensors[f"blk.{layer}.ffn_{name}_exps.weight"]
                 t = model.mapped(info).view(m.n_experts, m.bytes_per_expert)
                 if self.device.type == "cuda":  # every expert copied once: into GPU memory, or pinned host memory
-                    t = t.to(self.device) if self.place == "device" else t.pin_memory()
+                    if self.place == "device":
+                        t = t.to(self.device)
+                    else:
+                        t = pinned_empty(t.numel()).copy_(t.reshape(-1)).view(t.shape)
                 self._mats[layer][name] = t
         self._zeros = {layer: np.zeros(layout.n_experts(layer), dtype=np.int64) for layer in layout.layers}
 
@@ -982,9 +988,41 @@ def slot_stride(m: ExpertMatrix, align: int) -> int:
 
 def _aligned_pool(n: int, stride: int, align: int, pin_memory: bool) -> torch.Tensor:
     """uint8 [n, stride] whose first byte is ``align``-aligned (torch.empty is not page-aligned: over-allocate
-    by ``align`` bytes and view the aligned part)."""
-    if align <= 1:
-        return torch.empty((n, stride), dtype=torch.uint8, pin_memory=pin_memory)
-    raw = torch.empty(n * stride + align, dtype=torch.uint8, pin_memory=pin_memory)
-    skip = -raw.data_ptr() % align
+    by ``align`` bytes and view the aligned part); page-locked (:func:`pinned_empty`) when ``pin_memory``."""
+    if pin_memory:
+        raw = pinned_empty(n * stride + (align if align > 4096 else 0))  # mmap'd: page-aligned already
+    elif align <= 1:
+        return torch.empty((n, stride), dtype=torch.uint8)
+    else:
+        raw = torch.empty(n * stride + align, dtype=torch.uint8)
+    skip = -raw.data_ptr() % max(align, 1)
     return raw[skip:skip + n * stride].view(n, stride)
+
+
+#: cudaHostRegisterPortable | cudaHostRegisterMapped (CUDA runtime API, cuda_runtime_api.h): pinned for every
+#: context, and mapped into the device's address space (with unified addressing the GPU reads it at the same
+#: address, as experts/devplan.py's ``mapped`` does)
+_HOST_REGISTER_FLAGS = 3
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] of page-locked host memory that costs ``nbytes`` rounded up to whole pages.
+
+    torch's ``pin_memory`` allocator (CachingHostAllocator) rounds every block up to the next power of two, so a
+    pool of 160 MiB costs 256 MiB of locked memory that the memory plan does not know of (issue 24.6: ``--pool
+    host`` under a cgroup went 2 GiB past ``--mem``). Here: an anonymous mmap of exactly ``nbytes``, registered
+    with ``cudaHostRegister`` (flags :data:`_HOST_REGISTER_FLAGS`) and unregistered when the last tensor over it is
+    freed (a finalizer on the numpy array the tensor holds; it runs before the mapping goes). Falls back to
+    torch's allocator when the registration fails. ``MOESTREAM_PIN=torch`` selects torch's allocator (A/B)."""
+    if os.environ.get("MOESTREAM_PIN", "register") == "torch":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    mm = mmap.mmap(-1, max(nbytes, 1))
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, _HOST_REGISTER_FLAGS)
+    if int(err) != 0:
+        del arr
+        mm.close()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(arr, cudart.cudaHostUnregister, arr.ctypes.data)
+    return torch.from_numpy(arr)[:nbytes]
