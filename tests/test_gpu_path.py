@@ -315,3 +315,28 @@ def test_pinned_empty_falls_back_to_torch_when_registration_fails(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
     t = pool_mod.pinned_empty(5000)
     assert t.numel() == 5000 and calls == [True] and len(fake.registered) == 1
+
+
+def test_pool_host_plan_counts_cuda_on_the_host(monkeypatch, capsys):
+    """--pool host's plan (run's and inspect's): pools in pinned host memory under --mem, dense weights, KV cache
+    and scratch in VRAM (0 here), and the process part grown by what CUDA adds on the host after the plan is
+    measured (budget.CUDA_KERNELS_HOST, and CUDA_CONTEXT_HOST while no context exists): the H200 run of
+    benchmarks/host_mem_probe.py went 266 MiB past --mem 5GiB without it."""
+    from moestream import budget, cli
+    from moestream.models.base import open_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA LoadOptions on this CPU torch
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    opts = LoadOptions(device="cuda", pool="host", mem=1200 * 2**20)
+    shape = open_model(str(DEFAULT_GGUF), LoadOptions(moe_stream=False, metadata_only=True))
+    host = shape.plan_memory(opts, 160, loaded=False, gpu=True)
+    cpu = shape.plan_memory(opts, 160, loaded=False, gpu=False)
+    grow = budget.CUDA_KERNELS_HOST + budget.CUDA_CONTEXT_HOST
+    assert abs(host.process - cpu.process - grow) < 32 * 2**20  # two measures of this process, moments apart
+    assert host.dense == host.kv == host.scratch == 0 and cpu.dense > 0
+    assert any("--pool host" in n for n in host.notes)
+    assert host.process + host.pools <= opts.mem
+    # inspect --pool host without --device cuda and --mem: one line saying what it needs
+    assert cli.main(["inspect", "--pool", "host"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["moestream: error: --pool host: inspect prices run --pool host's plan with --device cuda and --mem"]

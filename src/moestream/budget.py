@@ -35,6 +35,14 @@ SCRATCH_FIXED = 48 * MiB
 PROCESS_JITTER = 40 * MiB
 #: Smallest --mem accepted at all (the interpreter and torch alone take more).
 MIN_MEM = 64 * MiB
+#: Host memory a CUDA run takes after its plan is made, which the plan's measured ``process`` cannot see yet
+#: (``--pool host``: pools in pinned host memory under ``--mem``). Measured with benchmarks/host_mem_probe.py on
+#: the H200 machine (torch 2.11, Triton 3.6, q32.gguf, ``--pool host --mem 5GiB`` in an 8 GiB cgroup;
+#: benchmarks/gpu-h200/2026-12-04-session3/pin): the CUDA context, when the plan is made before it exists (RSS
+#: 500 -> 623 MiB), and the kernels' module loads and compiles from the load to the 32nd token (anonymous memory
+#: 441 -> 901 MiB, Triton's cache already warm: the same growth either way).
+CUDA_CONTEXT_HOST = 128 * MiB
+CUDA_KERNELS_HOST = 480 * MiB
 
 
 def parse_mem(text: str, option: str = "--mem") -> int:
@@ -286,6 +294,17 @@ def plan_pools(budget: int, source: str, *, process: int, dense: int, kv: int, n
     return MemoryPlan(budget=budget, source=source, process=process, dense=dense, kv=kv, n_ctx=n_ctx,
                       scratch=scratch, slots=slots, pools=used, n_experts=max(n_experts.values()), top_k=top_k,
                       minimum=minimum, all_fit=all_fit, notes=notes, kind=kind, tier=tier, n_seqs=n_seqs)
+
+
+def cuda_host_growth() -> int:
+    """Bytes of host memory a CUDA run will add to the process after its plan is measured: the kernels' share
+    (:data:`CUDA_KERNELS_HOST`) and, while this process has no CUDA context yet (``inspect``, or a plan made before
+    the first tensor reaches the GPU), the context's (:data:`CUDA_CONTEXT_HOST`)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    ready = torch is not None and torch.cuda.is_initialized()
+    return CUDA_KERNELS_HOST + (0 if ready else CUDA_CONTEXT_HOST)
 
 
 def process_margin(minimum: int, process: int) -> int:

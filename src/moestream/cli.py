@@ -938,6 +938,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .report import inspect_model
 
     opts = load_options(args)
+    if opts.pool == "host" and not (opts.cuda and opts.mem is not None):
+        raise ConfigError("--pool host: inspect prices run --pool host's plan with --device cuda and --mem")
     if opts.cuda and opts.gpu_mem is None and opts.slots is None:  # the plan of the GPU's free memory, as run's
         from .budget import gpu_budget
         gpu_mem, gpu_source = gpu_budget(None, None, opts.device)
@@ -1177,6 +1179,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gpu_layers(i)
     i.add_argument("--host-cache", default=None, metavar="SIZE", help="with --mem: price a host tier of SIZE in "
                    "the plan (as run --host-cache)")
+    i.add_argument("--pool", default="device", type=str.lower, metavar="device|host",
+                   help="with --device cuda --mem: host prices the plan of run --pool host (pools in pinned host "
+                   "memory under --mem, with what CUDA adds to the process on the host)")
     i.add_argument("--gpu-mem", default=None, metavar="SIZE", help="print the GPU memory plan run --device cuda "
                    "--gpu-mem SIZE makes (dense weights, KV cache, scratch and slot pools in VRAM)")
     i.add_argument("-c", "--ctx-size", type=int, default=None, help="with --mem: the context whose KV cache the "

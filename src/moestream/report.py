@@ -84,8 +84,8 @@ def inspect_model(path: str, opts: LoadOptions | None = None,
                if "tokenizer.ggml.tokens" in g.fields else None)
         if callable(context):
             n_ctx = context(shape, tok) if tok is not None else None
-        if opts.mem is not None:
-            plan = shape.plan_memory(opts, n_ctx, loaded=False, gpu=False)
+        if opts.mem is not None:  # --pool host on CUDA: the pools in pinned host memory, the rest in VRAM
+            plan = shape.plan_memory(opts, n_ctx, loaded=False, gpu=opts.cuda and opts.pool == "host")
         del tok
     gpu_plan = None
     if opts.gpu_mem is not None:  # the plan run --device cuda --gpu-mem SIZE makes (pools in VRAM)

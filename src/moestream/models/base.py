@@ -595,7 +595,7 @@ class MoEModel:
         ``loaded``: the dense weights are loaded (their bytes are known and in this process's resident memory);
         else they are estimated from the tensor table.
         ConfigError naming the file and the smallest budget that works when top-k slots per layer do not fit."""
-        from ..budget import gpu_budget, plan_pools, process_rss, resolve_budget
+        from ..budget import cuda_host_growth, gpu_budget, plan_pools, process_rss, resolve_budget
 
         n_ctx = n_ctx or opts.n_ctx or self.default_ctx()
         cuda = self.device.type == "cuda" if gpu is None else gpu
@@ -616,6 +616,7 @@ class MoEModel:
             strict = opts.mem is not None
             if cuda:  # --pool host: pinned host pools; dense weights, KV cache and activations are in VRAM
                 dense, kv, scratch = 0, 0, 0
+                process += cuda_host_growth()
             # the host tier is host memory too: what it will hold, at most every expert (HostTier's rows)
             every = sum(self.layout.n_experts(la) * StreamingStore.slot_bytes(self.layout, la, direct, align)
                         for la in layers)
@@ -624,6 +625,9 @@ class MoEModel:
                           slot_bytes={la: StreamingStore.slot_bytes(self.layout, la, direct, align) for la in layers},
                           n_experts={la: self.layout.n_experts(la) for la in layers}, top_k=self.top_k,
                           what=self.gguf.path, strict=strict, n_seqs=n_seqs, **extra)
+        if cuda and opts.pool == "host":
+            plan.notes.append("--pool host: the process part counts what CUDA will add on the host (its context, "
+                              "the kernels' modules); dense weights, KV cache and scratch are in GPU memory")
         return plan
 
     def _device_plan_scratch(self, opts: LoadOptions, direct: bool, align: int) -> int:
