@@ -301,3 +301,35 @@ def test_device_planned_step(graphed, pool: str) -> None:  # noqa: ANN001
     finally:
         graphed.set_store(saved)
         store.close()
+
+
+def test_pool_host_budget_holds_in_a_memory_cgroup() -> None:
+    """--pool host under a real memory cgroup (issue 24.6): the smallest --mem the plan accepts runs and peaks
+    within it (page cache included, 64 MiB of slack), and the default budget (the cgroup's memory less the
+    margin) is not OOM-killed."""
+    import re
+    import subprocess
+    import sys
+
+    from moestream.errors import ConfigError
+    from moestream.memcap import MemCap
+
+    try:
+        MemCap.check()
+    except ConfigError as e:
+        pytest.skip(str(e))
+    small = cli("run", "--device", "cuda", "--pool", "host", "--mem", "100MiB", "-n", "16")
+    m = re.search(r"--mem (\S+) works", small.stderr)
+    assert small.returncode != 0 and m, small.stderr
+    from moestream.memcap import parse_size
+
+    least = parse_size(m.group(1))
+    cmd = [sys.executable, "-m", "moestream", "run", "--device", "cuda", "--pool", "host", "-n", "16", "--temp", "0",
+           "-p", "Once upon a time"]
+    env_ok = subprocess.run([sys.executable, "-c", "import moestream"], capture_output=True).returncode == 0
+    assert env_ok
+    for extra, bound in ((["--mem", m.group(1)], least + 64 * 2**20), ([], None)):
+        res = MemCap(3 * 2**30).run(cmd + extra, timeout=300)
+        assert res.returncode == 0 and not res.oom_killed, (extra, res.stderr[-2000:])
+        if bound is not None:
+            assert res.peak_bytes <= bound, (res.peak_bytes / 2**20, least / 2**20, res.stderr[-1500:])
