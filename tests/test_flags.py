@@ -141,6 +141,56 @@ def test_run_json_schema(how: str, tmp_path: Path) -> None:
     jsonschema.validate(json.loads(p.stdout[len("Once"):]), schema)
 
 
+#: a schema that says nothing of additionalProperties, at the top and in a nested object
+OPEN_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                "o": {"type": "object", "properties": {"x": {"type": "boolean"}},
+                                                      "required": ["x"]}},
+               "required": ["a", "o"]}
+
+
+def _takes(grammar: str, tok, text: str) -> bool:  # noqa: ANN001
+    """Whether ``text`` is a whole string of ``grammar``, token by token (moestream's Constraint)."""
+    from moestream.structured import Constraint
+
+    c = Constraint(grammar, tok, tok.vocab_size)
+    for t in tok.encode(text, add_special=False):
+        if not c.allowed()[t]:
+            return False
+        c.consume(t)
+    return c.accepting
+
+
+def test_json_schema_without_additional_properties_is_closed() -> None:
+    """llama.cpp's JSON-schema-to-grammar converter writes only the declared keys of an object schema with
+    ``properties`` and no ``additionalProperties`` (examples/json_schema_to_grammar.py, ``_build_object_rule``:
+    extra keys only when additionalProperties is given and not false), where JSON Schema (jsonschema here) allows
+    any other key: run -j and serve's response_format follow llama.cpp, at every level; ``{"type": "object"}``
+    without properties, and ``additionalProperties: true``, still take any key."""
+    import json
+
+    import jsonschema
+
+    from moestream.options import run_grammar
+    from moestream.server import response_grammar
+    from moestream.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer.from_gguf(str(DEFAULT_GGUF))
+    good, extra, nested = '{"a": 1, "o": {"x": true}}', '{"a": 1, "o": {"x": true}, "b": 2}', \
+        '{"a": 1, "o": {"x": true, "y": 2}}'
+    for text in (good, extra, nested):
+        jsonschema.validate(json.loads(text), OPEN_SCHEMA)  # JSON Schema alone would take all three
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": OPEN_SCHEMA}}
+    for grammar in (run_grammar(parse("run", "-j", json.dumps(OPEN_SCHEMA)), tok, tok.vocab_size),
+                    response_grammar({"response_format": rf}, tok, tok.vocab_size)):
+        assert _takes(grammar, tok, good)
+        assert not _takes(grammar, tok, extra) and not _takes(grammar, tok, nested)
+    opened = {**OPEN_SCHEMA, "additionalProperties": True}
+    grammar = run_grammar(parse("run", "-j", json.dumps(opened)), tok, tok.vocab_size)
+    assert _takes(grammar, tok, extra) and not _takes(grammar, tok, nested)
+    grammar = run_grammar(parse("run", "-j", '{"type": "object"}'), tok, tok.vocab_size)
+    assert _takes(grammar, tok, extra)
+
+
 def test_run_grammar_and_logit_bias() -> None:
     """--grammar (llama.cpp's GBNF) picks one of its strings; -l ID+100 makes every greedy token that token, as
     the library's Sampler with the same logit_bias; -l ID-inf bans the token greedy would pick."""
