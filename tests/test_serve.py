@@ -578,7 +578,7 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": 7}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
-    ("POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": USER}, 404, "model"),
+    ("POST", "/v1/chat/completions", {"model": 5, "messages": USER}, 400, "model"),
     ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None),
     ("POST", "/v1/completions", b'{"prompt": "a\\udc00"}', 400, None),
     ("POST", "/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None),
@@ -613,9 +613,31 @@ def test_openai_client_raises_the_status(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=USER, max_tokens=0)
     assert e.value.status_code == 400 and e.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="no-such-model", messages=USER)
     assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=3).choices[0].message.content
+
+
+@pytest.mark.parametrize("chat, extra", [(True, {"logprobs": True}), (True, {"logprobs": False, "top_logprobs": 2}),
+                                         (False, {"logprobs": 3}), (False, {"echo": True})])
+def test_logprobs_are_refused_as_not_supported(client: openai.OpenAI, chat: bool, extra: dict) -> None:
+    """logprobs / top_logprobs / echo: a 400 that says they are not supported (the openai client's
+    BadRequestError), naming the parameter; ``logprobs: false`` (and 0) is fine."""
+    create = client.chat.completions.create if chat else client.completions.create
+    what = {"messages": USER} if chat else {"prompt": "Once"}
+    with pytest.raises(openai.BadRequestError) as e:
+        create(model="tiny", max_tokens=2, **what, **extra)
+    key = next(k for k, v in extra.items() if v)
+    assert e.value.body["param"] == key and "not supported" in e.value.body["message"], e.value.body
+    assert create(model="tiny", max_tokens=2, logprobs=False if chat else 0, **what).choices
+
+
+def test_any_model_name_is_served_under_the_servers_name(client: openai.OpenAI) -> None:
+    """One model is served: as llama-server, a request naming another model (an agent's default "gpt-4o") is
+    answered, and the reply names the model that answered (--alias), plain, streamed and on /v1/completions."""
+    r = client.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=3, temperature=0)
+    assert r.model == "tiny" and r.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="no-such-model", messages=USER, max_tokens=2, stream=True))
+    assert chunks and {c.model for c in chunks} == {"tiny"}
+    assert client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Once", max_tokens=2).model == "tiny"
 
 
 def test_a_failure_while_generating_is_a_500_and_the_next_request_is_served(srv: Any, client: openai.OpenAI,
@@ -917,6 +939,19 @@ def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Pa
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"moestream: error: {needle}"), err
         assert "secret" not in err[0]
+
+
+def test_serve_mem_too_small_is_refused_before_it_listens(capsys: pytest.CaptureFixture) -> None:
+    """--mem too small for the model: the memory plan is made from the tensor table before the socket listens, so
+    serve refuses in one line, exit 1, no "listening" line, as run refuses the same budget (the smallest --mem
+    that works named); a --mem that leaves no room for a default context is one line too."""
+    for argv, needle in ((["--mem", "200MiB", "-c", "64"], "--mem 200MiB is too small"),
+                         (["--mem", "100MiB"], "not even a 16-token KV cache fits")):
+        assert main(["serve", "--port", "0", *argv]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("moestream: error: ") and needle in err[0], err
+    assert main(["run", "-n", "2", "--mem", "200MiB", "-c", "64"]) == 1
+    assert "--mem 200MiB is too small" in capsys.readouterr().err
 
 
 def test_serve_trace_records_every_request(tmp_path: Path, oracle: Any) -> None:

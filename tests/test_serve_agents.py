@@ -27,7 +27,7 @@ import test_serve
 from conftest import load_tool
 from moestream.server import chat_prompt, split_tool_calls, tool_plan
 from moestream.tokenizer import GGUFTokenizer, TokenType
-from test_serve import DEFAULT_GGUF, Running, library_text, sse_events
+from test_serve import DEFAULT_GGUF, Running, library_text, log_lines, sse_events
 
 oracle = test_serve.oracle  # the library generator's model and tokenizer (a fixture)
 srv = test_serve.srv  # the embedded model's own template (DeepSeek-R1's: it does not take tools)
@@ -134,11 +134,13 @@ def streamed_calls(stream: Any) -> tuple[list[dict], str, str | None]:
 
 # ------------------------------------------------------------------------------------------------ tool calls
 @pytest.mark.parametrize("family", list(TEMPLATES))
-def test_tool_call_round_trip(family: str, family_servers: Any) -> None:
+def test_tool_call_round_trip(family: str, family_servers: Any, capfd: pytest.CaptureFixture) -> None:
     """tool_choice "required" -> one call whose arguments validate against the function's schema (plain and
-    streamed alike); a named tool_choice calls that function; the assistant's call and a tool result sent back
-    are rendered as transformers renders them, and the model answers in text."""
+    streamed alike; the request log line says finish=tool_calls as the response); a named tool_choice calls that
+    function; the assistant's call and a tool result sent back are rendered as transformers renders them, and the
+    model answers in text."""
     s = family_servers(family)
+    capfd.readouterr()
     client = client_of(s)
     one = {"parallel_tool_calls": False}  # one call (this model would write calls until max_tokens)
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
@@ -155,6 +157,8 @@ def test_tool_call_round_trip(family: str, family_servers: Any) -> None:
         **one))
     assert finish == "tool_calls" and content == ""
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [(call.function.name, args)]
+    logged = [(f["finish"], f["outcome"]) for f in log_lines(capfd.readouterr().err)]
+    assert logged == [("tool_calls", "completed")] * 2, logged
 
     named = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60,
                                            tool_choice={"type": "function", "function": {"name": "get_time"}}, **one)

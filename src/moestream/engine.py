@@ -88,8 +88,9 @@ def default_context(model: MoEModel, share: float = DEFAULT_CTX_MEMORY_SHARE,
         else:
             hi = mid - 1
     if lo < 16:
+        where = "memory available" if memory is None else "memory that --mem leaves besides this process"
         raise ConfigError(f"{os.path.basename(model.gguf.path)}: not even a 16-token KV cache fits in "
-                          f"{share:.0%} of the {budget / share / GiB:.1f} GiB of memory available")
+                          f"{share:.0%} of the {budget / share / GiB:.2f} GiB of {where}")
     return lo, train
 
 

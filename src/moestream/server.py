@@ -25,7 +25,7 @@ running and the process exits (uvicorn's graceful shutdown, at most :data:`GRACE
 connections).
 
 Errors are OpenAI's error objects, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status in
-the response (400 a malformed or invalid request, 401 no valid API key, 404 an unknown route or model, 503 loading
+the response (400 a malformed or invalid request, 401 no valid API key, 404 an unknown route, 503 loading
 or shutting down, 500 a failure while generating, such as a read fault: the next request is served as usual, until
 the model is broken as said above: then 503 for every request).
 """
@@ -144,6 +144,8 @@ class Job:
     grammar: str | None = None
     #: the response's id (``chatcmpl-...`` / ``cmpl-...``): the request log's and /slots' name for it
     rid: str = ""
+    #: the request's tools (a chat with ``tools``): the log's finish is the response's ("tool_calls"), or None
+    tplan: object = None
     #: time.monotonic() when the request was queued, and when its first token came (None before)
     t_queued: float = field(default_factory=time.monotonic)
     t_first: float | None = None
@@ -365,8 +367,11 @@ class ServerState:
             for ev in events:
                 if isinstance(ev, DoneEvent):
                     self._account(ev, n)
-                    self.log_request(job, "cancelled" if ev.finish_reason == "interrupted" else "completed",
-                                     ev.stats, ev.finish_reason)
+                    finish = ev.finish_reason
+                    if job.tplan is not None and finish != "interrupted":  # the response's finish_reason
+                        _, calls = split_tool_calls(job.tplan, tok, ev.stats.tokens, cut=finish == "length")
+                        finish = tool_finish(calls, finish)
+                    self.log_request(job, "cancelled" if finish == "interrupted" else "completed", ev.stats, finish)
                 elif job.t_first is None:
                     job.t_first = time.monotonic()
                 job.put(ev)
@@ -994,6 +999,12 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int],  # noqa: ANN001
     return content.strip() or None, calls
 
 
+def tool_finish(calls: list[dict] | None, finish: str) -> str:
+    """The response's finish_reason: "tool_calls" when the reply holds calls and was not cut (a cut one stays
+    "length", so the client learns it was cut), else the generation's."""
+    return "tool_calls" if calls and finish != "length" else finish
+
+
 def tool_call_deltas(calls: list[dict], piece: int = 32) -> list[dict]:
     """OpenAI's streamed ``delta.tool_calls`` items of ``calls``: per call, one with its index, id, type, name
     and empty arguments, then the arguments in pieces of at most ``piece`` characters."""
@@ -1335,10 +1346,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError(400, "'model' must be a string", param="model", code="invalid_type")
-        if model is not None and model not in state.names:
-            raise APIError(404, f"the model '{model}' does not exist (this server serves '{state.names[0]}')",
-                           param="model", code="model_not_found")
-        return body
+        return body  # any model name: one model is served (llama-server ignores the name too)
 
     def plan(body: dict, ids: list[int], ld: Loaded, what: str) -> int:
         """Tokens to generate: ``max_tokens`` (or ``max_completion_tokens``), at most what the context leaves
@@ -1364,9 +1372,11 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         n = body.get("n")
         if n is not None and n != 1:
             raise APIError(400, "'n': one choice per request (n = 1)", param="n", code="invalid_value")
-        if body.get("logprobs") not in (None, False, 0) or body.get("echo") not in (None, False):
-            key = "logprobs" if body.get("logprobs") not in (None, False, 0) else "echo"
-            raise APIError(400, f"'{key}' is not supported", param=key, code="invalid_value")
+        for key, off in (("logprobs", (None, False, 0)), ("top_logprobs", (None, 0)), ("echo", (None, False))):
+            if body.get(key) not in off:  # 0 == False: logprobs 0 (completions' int) and false are both off
+                raise APIError(400, f"'{key}' is not supported by moestream serve (no token log-probabilities are "
+                               f"returned): leave it out or send {json.dumps(off[-1])}", param=key,
+                               code="unsupported_parameter")
         stream = _opt(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
         so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
         usage = _opt(so, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
@@ -1415,10 +1425,10 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         cache_prompt = _opt(body, "cache_prompt", lambda v: isinstance(v, bool), "true or false", True)
         grammar = await asyncio.to_thread(request_grammar, body, tplan, tok, ld.model.n_vocab)
         job = Job(ids, n_predict, params, stop, asyncio.get_running_loop(), cache_prompt=bool(cache_prompt), rid=rid,
-                  grammar=grammar)
+                  grammar=grammar, tplan=tplan)
         state.submit(job)
         request.state.job = job
-        created, name = int(time.time()), body.get("model") or state.names[0]
+        created, name = int(time.time()), state.names[0]  # the served model's name, whatever the request said
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
             return await complete(request, job, chat, rid, created, name, obj, tplan)
@@ -1461,8 +1471,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
                         for d in tool_call_deltas(calls):
                             yield sse({**chunk(None, None), "choices": [
                                 {"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}]})
-                        if calls and finish != "length":
-                            finish = "tool_calls"
+                        finish = tool_finish(calls, finish)
                     elif text:
                         yield sse(chunk(text, None))
                     # the last chunk carries usage and timings: with include_usage OpenAI's extra chunk with no
@@ -1501,7 +1510,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             content, calls = split_tool_calls(tplan, ld_tok(), done.stats.tokens, cut=finish == "length")
             if calls is not None:  # finish_reason "length" stays: the client learns the reply was cut
                 text = content if calls else content or ""
-                finish = "tool_calls" if calls and finish != "length" else finish
+                finish = tool_finish(calls, finish)
         message = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = calls
