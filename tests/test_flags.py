@@ -38,6 +38,33 @@ def test_joined_short_options_are_not_misread() -> None:
     assert a.interactive is False and a.n_predict == 3
 
 
+@pytest.mark.parametrize("value", ["off", "auto", "OFF", "disabled", "0", "-1"])
+def test_flash_attn_off_or_auto_is_taken(value: str) -> None:
+    """llama.cpp's -fa on|off|auto: off and auto (and llama.cpp's other spellings of them) ask for what moestream
+    does (no flash attention), so they are taken without a word; -fa on, and -fa alone, are refused in one line."""
+    p = cli("run", "-n", "1", "--temp", "0", "-fa", value, "-p", "Once")
+    assert p.returncode == 0 and p.stdout.startswith("Once"), p.stderr
+    assert "flash" not in p.stderr
+    assert parse("serve", "--flash-attn", value).port == parse("serve").port
+
+
+@pytest.mark.parametrize("argv", [("-fa", "on"), ("--flash-attn", "on"), ("-fa", "1"), ("-fa",)])
+def test_flash_attn_on_is_refused(argv: tuple[str, ...]) -> None:
+    p = cli("run", "-n", "1", *argv)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "no flash attention" in p.stderr and "-fa off" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("cmd", ["run", "serve", "inspect"])
+@pytest.mark.parametrize("value", ["-1GiB", "-5", "-0.5G"])
+def test_negative_mem_is_one_line_naming_mem(cmd: str, value: str) -> None:
+    """--mem -1GiB: argparse took '-1GiB' for an option ("argument --mem: expected one argument", with the usage);
+    now the value reaches --mem's own check: one line naming --mem, exit status 1."""
+    p = cli(cmd, "--mem", value, *(("--port", "0") if cmd == "serve" else ()))
+    assert p.returncode == 1 and p.stdout == "" and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("moestream: error: --mem: ") and "positive" in p.stderr, p.stderr
+
+
 def test_hf_is_not_help() -> None:
     p = cli("run", "-hf", "unsloth/Qwen3-30B-A3B-GGUF")
     assert p.returncode == 2 and "usage" not in p.stdout

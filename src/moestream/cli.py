@@ -1055,7 +1055,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    """``moestream replay TRACE``: a trace that cannot be read is one line on stderr and exit status 2."""
+    """``moestream replay TRACE``: a trace that cannot be read is one line on stderr and exit status 1 (a bad input
+    file, as ``trace``'s; 2 is argparse's, for usage errors)."""
     from .errors import ConfigError
     from .replay import frame_text, make_app, timeline, write_page
     from .runtrace import RunTraceError, read_trace
@@ -1064,7 +1065,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         tl = timeline(read_trace(args.file), args.row)
     except RunTraceError as e:
         print(f"moestream: error: {e}", file=sys.stderr)
-        return 2
+        return 1
     if args.at is not None and not 1 <= args.at <= len(tl):
         raise ConfigError(f"--at {args.at}: {args.file} has tokens 1 to {len(tl)}")
     if not 0 < args.speed <= 1000:
