@@ -19,6 +19,7 @@ import threading
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import MoestreamError
@@ -187,17 +188,17 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """bool [n_vocab]: the tokens the grammar allows next."""
-        bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        shifts = torch.arange(8, dtype=torch.uint8)
-        ok = ((bits.unsqueeze(1) >> shifts) & 1).flatten().bool()  # little-endian bits: token 8*b + k
-        out = torch.zeros(self.n_vocab, dtype=torch.bool)
-        n = min(self.n_vocab, ok.numel())
+        # little-endian bits: token 8*b + k is bit k of byte b (numpy's unpackbits: ~50x faster than the same in
+        # torch ops on a 150k vocabulary, where it was most of a constrained step's sampling time)
+        ok = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        out = np.zeros(self.n_vocab, dtype=np.bool_)
+        n = min(self.n_vocab, ok.size)
         out[:n] = ok[:n]
         if self.matcher.is_error():
             raise GrammarError(f"the grammar failed: {self.matcher.get_error()}")
-        if not bool(out.any()):  # nothing fits (the grammar is done): end the generation
+        if not out.any():  # nothing fits (the grammar is done): end the generation
             out[self.eos[:1]] = True
-        return out
+        return torch.from_numpy(out)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         ok = self.allowed().to(logits.device)
