@@ -175,11 +175,18 @@ class Sampler:
 
     ``constraint``: a grammar the output must follow (:class:`moestream.structured.Constraint`, or anything with
     ``mask(logits) -> logits`` and ``consume(token)``), applied after the penalties; it is this sequence's own (a
-    batch's sequences never share one)."""
+    batch's sequences never share one).
 
-    def __init__(self, params: SamplingParams, constraint: object = None):
+    ``logprobs`` (None: off): per token picked, :attr:`records` gets ``(token, logprob, top)``: its
+    log-probability and the ``logprobs`` most likely tokens' ``[(id, logprob), ...]`` (0: none), by the float32
+    log-softmax of the logits it was given, the model's own: before logit bias, penalties, grammar, temperature and
+    the top-k/top-p/min-p cut (OpenAI's and llama-server's ``logprobs``)."""
+
+    def __init__(self, params: SamplingParams, constraint: object = None, logprobs: int | None = None):
         self.p = params
         self.constraint = constraint
+        self.logprobs = logprobs
+        self.records: list[tuple[int, float, list[tuple[int, float]]]] = []
         self.gen = torch.Generator()
         seed = params.seed if params.seed is not None and params.seed >= 0 else time.time_ns() % 2**63
         self.gen.manual_seed(seed)
@@ -194,6 +201,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         tok = self._pick(logits)
+        if self.logprobs is not None:
+            lp = torch.log_softmax(logits.double().cpu(), dim=-1)  # float64: a float32 sum over 150k entries drifts
+            vals, idx = best_first(lp, self.logprobs) if self.logprobs else (lp[:0], lp[:0])
+            self.records.append((tok, float(lp[tok]), list(zip(idx.tolist(), vals.tolist(), strict=True))))
         if self.constraint is not None:
             self.constraint.consume(tok)
         return tok

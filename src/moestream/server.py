@@ -146,6 +146,10 @@ class Job:
     rid: str = ""
     #: the request's tools (a chat with ``tools``): the log's finish is the response's ("tool_calls"), or None
     tplan: object = None
+    #: log-probabilities asked for: the number of alternatives per token (0: the chosen token's alone), or None
+    logprobs: int | None = None
+    #: the generation's Sampler (set when it starts; its ``records`` hold the log-probabilities)
+    sampler: object = None
     #: time.monotonic() when the request was queued, and when its first token came (None before)
     t_queued: float = field(default_factory=time.monotonic)
     t_first: float | None = None
@@ -354,7 +358,7 @@ class ServerState:
             if job.grammar is not None:
                 from .structured import Constraint
                 constraint = Constraint(job.grammar, tok, ld.model.n_vocab)
-            sampler = Sampler(job.params, constraint)
+            sampler = job.sampler = Sampler(job.params, constraint, logprobs=job.logprobs)
             sampler.accept(job.ids[:n])  # the penalties' window starts with the prompt, cached or not
             gen = SlotEngine(self.scheduler, slot.index).stream(
                 job.ids[n:], job.n_predict, sampler, stop_ids=tok.eos_ids, cache=slot.cache, start=n,
@@ -999,6 +1003,55 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int],  # noqa: ANN001
     return content.strip() or None, calls
 
 
+#: the most alternatives per token a request may ask for (OpenAI's top_logprobs: 0 to 20)
+MAX_TOP_LOGPROBS = 20
+
+
+def logprobs_option(body: dict, chat: bool) -> int | None:
+    """The alternatives per token a request asks log-probabilities for (0: the chosen token's alone), or None:
+    chat's ``logprobs`` (true or false) and ``top_logprobs`` (0 to 20, with ``logprobs`` true), as OpenAI's; the
+    text completion's ``logprobs`` (0 to 20: OpenAI's legacy integer). APIError 400 naming the key."""
+    lp = body.get("logprobs")
+    if chat:
+        on = _opt(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
+        top = _opt(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+                   f"an integer from 0 to {MAX_TOP_LOGPROBS}")
+        if top is not None and not on:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+        return (top or 0) if on else None
+    if lp is None or lp is False:
+        return None
+    _opt(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+         f"an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token)")
+    return int(lp)
+
+
+def _token_text(tok, i: int) -> tuple[str, list[int]]:  # noqa: ANN001
+    """A token's text (its bytes as UTF-8, a partial character replaced) and its bytes."""
+    b = tok.token_bytes(i)
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def logprobs_body(records: list, tok, chat: bool) -> dict:  # noqa: ANN001
+    """OpenAI's ``logprobs`` of a choice from Sampler records ``(token, logprob, [(id, logprob)])``, the
+    end-of-generation token left out: chat's ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``, the
+    text completion's ``{"tokens", "token_logprobs", "top_logprobs" ({token: logprob}), "text_offset"}`` (offsets
+    into the tokens' texts joined, from 0)."""
+    records = [r for r in records if r[0] not in tok.eos_ids]
+    if chat:
+        def entry(i: int, lp: float) -> dict:
+            text, b = _token_text(tok, i)
+            return {"token": text, "logprob": lp, "bytes": b}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                            for t, lp, top in records]}
+    tokens = [_token_text(tok, t)[0] for t, _, _ in records]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in records],
+            "top_logprobs": [{_token_text(tok, i)[0]: v for i, v in top} for _, _, top in records],
+            "text_offset": offsets}
+
+
 def tool_finish(calls: list[dict] | None, finish: str) -> str:
     """The response's finish_reason: "tool_calls" when the reply holds calls and was not cut (a cut one stays
     "length", so the client learns it was cut), else the generation's."""
@@ -1372,11 +1425,9 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         n = body.get("n")
         if n is not None and n != 1:
             raise APIError(400, "'n': one choice per request (n = 1)", param="n", code="invalid_value")
-        for key, off in (("logprobs", (None, False, 0)), ("top_logprobs", (None, 0)), ("echo", (None, False))):
-            if body.get(key) not in off:  # 0 == False: logprobs 0 (completions' int) and false are both off
-                raise APIError(400, f"'{key}' is not supported by moestream serve (no token log-probabilities are "
-                               f"returned): leave it out or send {json.dumps(off[-1])}", param=key,
-                               code="unsupported_parameter")
+        if body.get("echo") not in (None, False):
+            raise APIError(400, "'echo' is not supported by moestream serve (the prompt is not returned): leave it "
+                           "out or send false", param="echo", code="unsupported_parameter")
         stream = _opt(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
         so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
         usage = _opt(so, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
@@ -1423,9 +1474,10 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             raise APIError(400, "the prompt is empty after tokenization", param="prompt", code="invalid_value")
         n_predict = plan(body, ids, ld, "conversation" if chat else "prompt")
         cache_prompt = _opt(body, "cache_prompt", lambda v: isinstance(v, bool), "true or false", True)
+        logprobs = logprobs_option(body, chat)
         grammar = await asyncio.to_thread(request_grammar, body, tplan, tok, ld.model.n_vocab)
         job = Job(ids, n_predict, params, stop, asyncio.get_running_loop(), cache_prompt=bool(cache_prompt), rid=rid,
-                  grammar=grammar, tplan=tplan)
+                  grammar=grammar, tplan=tplan, logprobs=logprobs)
         state.submit(job)
         request.state.job = job
         created, name = int(time.time()), state.names[0]  # the served model's name, whatever the request said
@@ -1433,12 +1485,21 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         if not stream:
             return await complete(request, job, chat, rid, created, name, obj, tplan)
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        sent = 0  # the Sampler records (log-probabilities) sent so far
+
+        def chunk(text: str | None, finish: str | None, role: bool = False, upto: int | None = None) -> dict:
+            """A chunk; ``upto``: it carries the log-probabilities of the tokens before that index not yet sent
+            (with ``logprobs``)."""
+            nonlocal sent
+            lp = None
+            if job.logprobs is not None and upto is not None and upto > sent:
+                lp = logprobs_body(job.sampler.records[sent:upto], tok, chat)
+                sent = upto
             if chat:
                 delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
             return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": name,
                     "choices": [choice]}
 
@@ -1455,7 +1516,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
                     if isinstance(ev, TokenEvent):
                         text = ev.text if watch is None else watch.feed(ev.id, ev.text)
                         if text:
-                            yield sse(chunk(text, None))
+                            yield sse(chunk(text, None, upto=ev.index + 1))
                         continue
                     st = ev.stats
                     if ev.finish_reason == "interrupted":  # shutdown (a client that left reads nothing)
@@ -1473,10 +1534,11 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
                                 {"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}]})
                         finish = tool_finish(calls, finish)
                     elif text:
-                        yield sse(chunk(text, None))
+                        yield sse(chunk(text, None, upto=len(st.tokens)))
                     # the last chunk carries usage and timings: with include_usage OpenAI's extra chunk with no
-                    # choices, else the finish chunk itself (as llama-server; llama-swap reads them)
-                    last = chunk(None, finish)
+                    # choices, else the finish chunk itself (as llama-server; llama-swap reads them); and the
+                    # log-probabilities not sent yet (held-back text, tool calls, the end of generation)
+                    last = chunk(None, finish, upto=len(st.tokens))
                     if include_usage:
                         yield sse(last)
                         last = {**chunk(None, None), "choices": []}
@@ -1514,8 +1576,9 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         message = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = calls
-        choice = ({"index": 0, "message": message, "logprobs": None, "finish_reason": finish} if chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason})
+        lp = None if job.logprobs is None else logprobs_body(job.sampler.records, ld_tok(), chat)
+        choice = ({"index": 0, "message": message, "logprobs": lp, "finish_reason": finish} if chat else
+                  {"index": 0, "text": text, "logprobs": lp, "finish_reason": done.finish_reason})
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": name, "choices": [choice],
                              "usage": _usage(done.stats, job.cached), "timings": _timings(done.stats, job.cached)})
 
