@@ -38,6 +38,33 @@ def test_joined_short_options_are_not_misread() -> None:
     assert a.interactive is False and a.n_predict == 3
 
 
+@pytest.mark.parametrize("value", ["off", "auto", "OFF", "disabled", "0", "-1"])
+def test_flash_attn_off_or_auto_is_taken(value: str) -> None:
+    """llama.cpp's -fa on|off|auto: off and auto (and llama.cpp's other spellings of them) ask for what moestream
+    does (no flash attention), so they are taken without a word; -fa on, and -fa alone, are refused in one line."""
+    p = cli("run", "-n", "1", "--temp", "0", "-fa", value, "-p", "Once")
+    assert p.returncode == 0 and p.stdout.startswith("Once"), p.stderr
+    assert "flash" not in p.stderr
+    assert parse("serve", "--flash-attn", value).port == parse("serve").port
+
+
+@pytest.mark.parametrize("argv", [("-fa", "on"), ("--flash-attn", "on"), ("-fa", "1"), ("-fa",)])
+def test_flash_attn_on_is_refused(argv: tuple[str, ...]) -> None:
+    p = cli("run", "-n", "1", *argv)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "no flash attention" in p.stderr and "-fa off" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("cmd", ["run", "serve", "inspect"])
+@pytest.mark.parametrize("value", ["-1GiB", "-5", "-0.5G"])
+def test_negative_mem_is_one_line_naming_mem(cmd: str, value: str) -> None:
+    """--mem -1GiB: argparse took '-1GiB' for an option ("argument --mem: expected one argument", with the usage);
+    now the value reaches --mem's own check: one line naming --mem, exit status 1."""
+    p = cli(cmd, "--mem", value, *(("--port", "0") if cmd == "serve" else ()))
+    assert p.returncode == 1 and p.stdout == "" and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("moestream: error: --mem: ") and "positive" in p.stderr, p.stderr
+
+
 def test_hf_is_not_help() -> None:
     p = cli("run", "-hf", "unsloth/Qwen3-30B-A3B-GGUF")
     assert p.returncode == 2 and "usage" not in p.stdout
@@ -139,6 +166,56 @@ def test_run_json_schema(how: str, tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("Once") and p.stdout.endswith("\n")
     jsonschema.validate(json.loads(p.stdout[len("Once"):]), schema)
+
+
+#: a schema that says nothing of additionalProperties, at the top and in a nested object
+OPEN_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                "o": {"type": "object", "properties": {"x": {"type": "boolean"}},
+                                                      "required": ["x"]}},
+               "required": ["a", "o"]}
+
+
+def _takes(grammar: str, tok, text: str) -> bool:  # noqa: ANN001
+    """Whether ``text`` is a whole string of ``grammar``, token by token (moestream's Constraint)."""
+    from moestream.structured import Constraint
+
+    c = Constraint(grammar, tok, tok.vocab_size)
+    for t in tok.encode(text, add_special=False):
+        if not c.allowed()[t]:
+            return False
+        c.consume(t)
+    return c.accepting
+
+
+def test_json_schema_without_additional_properties_is_closed() -> None:
+    """llama.cpp's JSON-schema-to-grammar converter writes only the declared keys of an object schema with
+    ``properties`` and no ``additionalProperties`` (examples/json_schema_to_grammar.py, ``_build_object_rule``:
+    extra keys only when additionalProperties is given and not false), where JSON Schema (jsonschema here) allows
+    any other key: run -j and serve's response_format follow llama.cpp, at every level; ``{"type": "object"}``
+    without properties, and ``additionalProperties: true``, still take any key."""
+    import json
+
+    import jsonschema
+
+    from moestream.options import run_grammar
+    from moestream.server import response_grammar
+    from moestream.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer.from_gguf(str(DEFAULT_GGUF))
+    good, extra, nested = '{"a": 1, "o": {"x": true}}', '{"a": 1, "o": {"x": true}, "b": 2}', \
+        '{"a": 1, "o": {"x": true, "y": 2}}'
+    for text in (good, extra, nested):
+        jsonschema.validate(json.loads(text), OPEN_SCHEMA)  # JSON Schema alone would take all three
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": OPEN_SCHEMA}}
+    for grammar in (run_grammar(parse("run", "-j", json.dumps(OPEN_SCHEMA)), tok, tok.vocab_size),
+                    response_grammar({"response_format": rf}, tok, tok.vocab_size)):
+        assert _takes(grammar, tok, good)
+        assert not _takes(grammar, tok, extra) and not _takes(grammar, tok, nested)
+    opened = {**OPEN_SCHEMA, "additionalProperties": True}
+    grammar = run_grammar(parse("run", "-j", json.dumps(opened)), tok, tok.vocab_size)
+    assert _takes(grammar, tok, extra) and not _takes(grammar, tok, nested)
+    grammar = run_grammar(parse("run", "-j", '{"type": "object"}'), tok, tok.vocab_size)
+    assert _takes(grammar, tok, extra)
 
 
 def test_run_grammar_and_logit_bias() -> None:

@@ -156,7 +156,8 @@ def test_terminal_player_fits_an_80x24_terminal(tl):
 
 
 # ------------------------------------------------------------------------------------------------ bad input
-def test_bad_trace_files_are_one_line_and_exit_2(tmp_path, trace_path):
+def test_bad_trace_files_are_one_line_and_exit_1(tmp_path, trace_path):
+    """A bad input file is exit status 1 for replay as for trace (2 is argparse's, for usage errors)."""
     rt = tmp_path / "routing.jsonl"
     assert cli("run", "-n", "2", "--routing-trace", str(rt)).returncode == 0  # a real file of another format
     good = open(trace_path, encoding="utf-8").read().splitlines()
@@ -171,10 +172,14 @@ def test_bad_trace_files_are_one_line_and_exit_2(tmp_path, trace_path):
         path = str(tmp_path / name)
         for extra in ([], ["--html", str(tmp_path / "out.html")]):
             p = cli("replay", path, *extra)
-            assert p.returncode == 2, (name, p.stderr)
+            assert p.returncode == 1, (name, p.stderr)
             assert p.stdout == "" and p.stderr.count("\n") == 1 and path in p.stderr and why in p.stderr, p.stderr
             assert "Traceback" not in p.stderr
     assert not (tmp_path / "out.html").exists()
+    for name in ("missing.jsonl", "garbage.txt"):  # trace: the same kind of error, the same status
+        p = cli("trace", str(tmp_path / name))
+        assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert cli("replay", trace_path, "--speed").returncode == 2  # usage: argparse's status
 
 
 # ------------------------------------------------------------------------------------------------ HTML

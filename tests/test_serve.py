@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -578,7 +579,7 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": 7}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
-    ("POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": USER}, 404, "model"),
+    ("POST", "/v1/chat/completions", {"model": 5, "messages": USER}, 400, "model"),
     ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None),
     ("POST", "/v1/completions", b'{"prompt": "a\\udc00"}', 400, None),
     ("POST", "/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None),
@@ -613,9 +614,94 @@ def test_openai_client_raises_the_status(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=USER, max_tokens=0)
     assert e.value.status_code == 400 and e.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="no-such-model", messages=USER)
     assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=3).choices[0].message.content
+
+
+def test_echo_and_bad_logprobs_are_400s(client: openai.OpenAI) -> None:
+    """echo (the prompt returned) is not supported: a 400 saying so; top_logprobs without logprobs, or out of
+    OpenAI's 0-20, and a completion's logprobs that is not such an integer are 400s naming the key."""
+    for create, what, extra, key, says in (
+            (client.completions.create, {"prompt": "Once"}, {"echo": True}, "echo", "not supported"),
+            (client.chat.completions.create, {"messages": USER}, {"top_logprobs": 2}, "top_logprobs", "needs"),
+            (client.chat.completions.create, {"messages": USER}, {"logprobs": True, "top_logprobs": 21},
+             "top_logprobs", "0 to 20"),
+            (client.completions.create, {"prompt": "Once"}, {"logprobs": 99}, "logprobs", "0 to 20")):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model="tiny", max_tokens=2, **what, **extra)
+        assert e.value.body["param"] == key and says in e.value.body["message"], e.value.body
+
+
+def test_logprobs_are_the_log_softmax_of_the_models_logits(client: openai.OpenAI, oracle: Any) -> None:
+    """logprobs / top_logprobs (chat) and logprobs N (text completion), plain and streamed, through the openai
+    client: each token's log-probability and its alternatives are the log-softmax of the model's logits at that
+    step, computed here in float64 from the library generator's logits, to the bit (the server's logits are the
+    library's; greedy: the chosen token is the first alternative); the tokens' bytes make the reply's text."""
+    model, tok = oracle
+    ids = chat_prompt({"messages": USER}, tok)
+    steps: list[torch.Tensor] = []
+
+    def greedy(logits: torch.Tensor) -> int:
+        steps.append(torch.log_softmax(logits.double(), dim=-1))
+        return int(torch.argmax(logits))
+
+    n = 12
+    want = list(Engine(model, UBATCH).stream(ids, n, greedy, stop_ids=tok.eos_ids, n_ctx=len(ids) + n))
+    assert len(want) == n and not set(want) & set(tok.eos_ids)
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=n, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == n and r.usage.completion_tokens == n
+    assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
+    for k, e in enumerate(content):
+        lp = steps[k]
+        assert e.bytes == list(tok.token_bytes(want[k]))
+        assert e.logprob == float(lp[want[k]]), (k, e.logprob, float(lp[want[k]]))
+        top = torch.topk(lp, 3)
+        assert [a.bytes for a in e.top_logprobs] == [list(tok.token_bytes(int(i))) for i in top.indices]
+        assert [a.logprob for a in e.top_logprobs] == top.values.tolist()
+        assert e.top_logprobs[0].logprob == e.logprob  # greedy: the chosen token is the likeliest
+    streamed = [lp for ch in client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=n, temperature=0, logprobs=True, top_logprobs=3, stream=True)
+        if ch.choices and ch.choices[0].logprobs for lp in ch.choices[0].logprobs.content or []]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # sampled: the log-probabilities are still the model's (before temperature and the top-k/top-p/min-p cut)
+    steps.clear()
+    pick = Sampler(SamplingParams(temp=1.5, top_k=40, top_p=0.95, min_p=0.05, seed=3))
+
+    def sampled(logits: torch.Tensor) -> int:
+        steps.append(torch.log_softmax(logits.double(), dim=-1))
+        return pick(logits)
+
+    got = list(Engine(model, UBATCH).stream(ids, n, sampled, stop_ids=tok.eos_ids, n_ctx=len(ids) + n))
+    rs = client.chat.completions.create(model="tiny", messages=USER, max_tokens=n, temperature=1.5, seed=3,
+                                        logprobs=True)
+    assert [e.bytes for e in rs.choices[0].logprobs.content] == [list(tok.token_bytes(t)) for t in got
+                                                                 if t not in tok.eos_ids]
+    assert [e.logprob for e in rs.choices[0].logprobs.content] == [float(steps[k][t]) for k, t in enumerate(got)
+                                                                   if t not in tok.eos_ids]
+    plain = client.chat.completions.create(model="tiny", messages=USER, max_tokens=n, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
+    # the text completion's legacy shape
+    pids = tok.encode("Once upon a time", add_special=True)
+    steps.clear()
+    want = list(Engine(model, UBATCH).stream(pids, 6, greedy, stop_ids=tok.eos_ids, n_ctx=len(pids) + 6))
+    c = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(want)
+    assert lp.token_logprobs == [float(steps[k][want[k]]) for k in range(len(want))]
+    assert all(len(t) <= 2 and max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs,
+                                                                                  lp.token_logprobs, strict=True))
+    assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == 0
+
+
+def test_any_model_name_is_served_under_the_servers_name(client: openai.OpenAI) -> None:
+    """One model is served: as llama-server, a request naming another model (an agent's default "gpt-4o") is
+    answered, and the reply names the model that answered (--alias), plain, streamed and on /v1/completions."""
+    r = client.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=3, temperature=0)
+    assert r.model == "tiny" and r.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="no-such-model", messages=USER, max_tokens=2, stream=True))
+    assert chunks and {c.model for c in chunks} == {"tiny"}
+    assert client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Once", max_tokens=2).model == "tiny"
 
 
 def test_a_failure_while_generating_is_a_500_and_the_next_request_is_served(srv: Any, client: openai.OpenAI,
@@ -917,6 +1003,19 @@ def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Pa
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"moestream: error: {needle}"), err
         assert "secret" not in err[0]
+
+
+def test_serve_mem_too_small_is_refused_before_it_listens(capsys: pytest.CaptureFixture) -> None:
+    """--mem too small for the model: the memory plan is made from the tensor table before the socket listens, so
+    serve refuses in one line, exit 1, no "listening" line, as run refuses the same budget (the smallest --mem
+    that works named); a --mem that leaves no room for a default context is one line too."""
+    for argv, needle in ((["--mem", "200MiB", "-c", "64"], "--mem 200MiB is too small"),
+                         (["--mem", "100MiB"], "not even a 16-token KV cache fits")):
+        assert main(["serve", "--port", "0", *argv]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("moestream: error: ") and needle in err[0], err
+    assert main(["run", "-n", "2", "--mem", "200MiB", "-c", "64"]) == 1
+    assert "--mem 200MiB is too small" in capsys.readouterr().err
 
 
 def test_serve_trace_records_every_request(tmp_path: Path, oracle: Any) -> None:

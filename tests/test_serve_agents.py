@@ -15,6 +15,7 @@ the constraint writes them.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from typing import Any
 
@@ -27,7 +28,7 @@ import test_serve
 from conftest import load_tool
 from moestream.server import chat_prompt, split_tool_calls, tool_plan
 from moestream.tokenizer import GGUFTokenizer, TokenType
-from test_serve import DEFAULT_GGUF, Running, library_text, sse_events
+from test_serve import DEFAULT_GGUF, Running, library_text, log_lines, sse_events
 
 oracle = test_serve.oracle  # the library generator's model and tokenizer (a fixture)
 srv = test_serve.srv  # the embedded model's own template (DeepSeek-R1's: it does not take tools)
@@ -74,8 +75,17 @@ def family_servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
         s.stop()
 
 
+@functools.cache
+def default_tokenizer() -> GGUFTokenizer:
+    """The embedded model's tokenizer, read once (about 2 s a read on the 2-core machine); never changed: copy it."""
+    return GGUFTokenizer.from_gguf(str(DEFAULT_GGUF))
+
+
+@functools.cache
 def tokenizer_with(family: str) -> GGUFTokenizer:
-    tok = copy.copy(GGUFTokenizer.from_gguf(str(DEFAULT_GGUF)))
+    """The embedded model's tokenizer with ``family``'s template, one per family (shared by the tests that read it:
+    a test that changes it works on a copy)."""
+    tok = copy.copy(default_tokenizer())
     tok.chat_template = template_source(family)
     return tok
 
@@ -84,12 +94,18 @@ def transformers_rendering(tok: GGUFTokenizer, messages: list[dict], tools: list
                            add_generation_prompt: bool = True) -> str:
     """transformers' rendering of ``messages`` with ``tools`` by ``tok``'s template (tool-call arguments as
     objects, transformers' convention)."""
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(tokenizer_object=copy.copy(tok.backend), bos_token=tok.decode([tok.bos_id]),
-                                 eos_token=tok.decode([tok.eos_id]))
+    hf = _hf_tokenizer(tok.backend, tok.decode([tok.bos_id]), tok.decode([tok.eos_id]))
     return hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
                                   chat_template=tok.chat_template)
+
+
+@functools.cache
+def _hf_tokenizer(backend: Any, bos: str, eos: str) -> Any:
+    """transformers' tokenizer around ``backend`` (one per vocabulary: making one takes a second or two here); the
+    template is passed to each rendering."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=copy.copy(backend), bos_token=bos, eos_token=eos)
 
 
 def reply_part(tok: GGUFTokenizer, whole: str) -> str:
@@ -134,11 +150,13 @@ def streamed_calls(stream: Any) -> tuple[list[dict], str, str | None]:
 
 # ------------------------------------------------------------------------------------------------ tool calls
 @pytest.mark.parametrize("family", list(TEMPLATES))
-def test_tool_call_round_trip(family: str, family_servers: Any) -> None:
+def test_tool_call_round_trip(family: str, family_servers: Any, capfd: pytest.CaptureFixture) -> None:
     """tool_choice "required" -> one call whose arguments validate against the function's schema (plain and
-    streamed alike); a named tool_choice calls that function; the assistant's call and a tool result sent back
-    are rendered as transformers renders them, and the model answers in text."""
+    streamed alike; the request log line says finish=tool_calls as the response); a named tool_choice calls that
+    function; the assistant's call and a tool result sent back are rendered as transformers renders them, and the
+    model answers in text."""
     s = family_servers(family)
+    capfd.readouterr()
     client = client_of(s)
     one = {"parallel_tool_calls": False}  # one call (this model would write calls until max_tokens)
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
@@ -155,6 +173,8 @@ def test_tool_call_round_trip(family: str, family_servers: Any) -> None:
         **one))
     assert finish == "tool_calls" and content == ""
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [(call.function.name, args)]
+    logged = [(f["finish"], f["outcome"]) for f in log_lines(capfd.readouterr().err)]
+    assert logged == [("tool_calls", "completed")] * 2, logged
 
     named = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60,
                                            tool_choice={"type": "function", "function": {"name": "get_time"}}, **one)
@@ -365,7 +385,7 @@ def test_template_without_a_known_tool_syntax_is_refused(name: str, why: str) ->
     """DeepSeek's templates: V3.1's and R1's never show the model its tools: a clear 400, at the request."""
     from moestream.server import APIError
 
-    tok = copy.copy(GGUFTokenizer.from_gguf(str(DEFAULT_GGUF)))
+    tok = copy.copy(default_tokenizer())
     tok.chat_template = load_tool("llamacpp").sdist_member(f"models/templates/{name}").decode()
     with pytest.raises(APIError) as e:
         tool_plan({"tools": TOOLS}, tok)
@@ -421,11 +441,12 @@ def close_ban(tok: GGUFTokenizer, close: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def forced_runs(oracle: Any) -> Any:
     """family -> (tokenizer, plan, tokens, ends, bias): the library generator's greedy forced reply (tool_choice
-    "required", parallel calls) to ASK, written on to 160 tokens (calls one after another), and ``bias``, the
-    logit_bias (token id -> bias) that makes a request write it too. Where the end of generation ends a call
-    (every syntax but DSML), it is forbidden in the library (``bias`` -100 on it) and ``ends`` are
-    :class:`EndMargins`' (tokens so far, margin); in DSML, whose calls are invokes inside one block, the block's
-    closing is (:func:`close_ban`) and ``ends`` are (tokens so far, None) where one more invoke is complete.
+    "required", parallel calls) to ASK, written on (calls one after another; at most 160 tokens, until it holds
+    what the tests read), and ``bias``, the logit_bias (token id -> bias) that makes a request write it too. Where
+    the end of generation ends a call (every syntax but DSML), it is forbidden in the library (``bias`` -100 on
+    it) and ``ends`` are :class:`EndMargins`' (tokens so far, margin); in DSML, whose calls are invokes inside one
+    block, the block's closing is (:func:`close_ban`) and ``ends`` are (tokens so far, None) where one more invoke
+    is complete.
     Computed once per family."""
     from moestream.engine import Engine, Sampler, SamplingParams
     from moestream.server import tools_grammar
@@ -447,12 +468,22 @@ def forced_runs(oracle: Any) -> Any:
             else:
                 bias = close_ban(tok, plan.fmt.wrap[1])
                 sampler, margins = Sampler(SamplingParams(temp=0, logit_bias=bias), constraint), None
-            tokens = list(Engine(model, 8).stream(ids, 160, sampler, stop_ids=tok.eos_ids, n_ctx=len(ids) + 160))
-            if margins is not None:
-                ends = margins.ends
-            else:
-                counts = [len(split_tool_calls(plan, tok, tokens[:k], cut=True)[1] or []) for k in range(161)]
-                ends = [(k, None) for k in range(1, 161) if counts[k] > counts[k - 1]]
+            tokens: list[int] = []
+            ends: list[tuple[int, float | None]] = [] if margins is None else margins.ends
+            calls = 0
+            for t in Engine(model, 8).stream(ids, 160, sampler, stop_ids=tok.eos_ids, n_ctx=len(ids) + 160):
+                tokens.append(t)
+                if margins is None:  # DSML: where one more invoke is complete
+                    now = len(split_tool_calls(plan, tok, tokens, cut=True)[1] or [])
+                    if now > calls:
+                        ends.append((len(tokens), None))
+                    calls = now
+                # the greedy reply is the same however far it goes: stop once the tests have what they read, three
+                # whole calls (the cut test) and, where the end may follow a call, the first n >= 2 whose margin
+                # is below every earlier one (test_parallel_tool_calls)
+                m = [e[1] for e in ends]
+                if len(ends) >= 3 and (margins is None or any(m[k] < min(m[:k]) for k in range(1, len(m)))):
+                    break
             done[family] = (tok, plan, tokens, ends, {str(i): v for i, v in bias.items()})
         return done[family]
 
@@ -636,7 +667,7 @@ def test_forced_call_writes_control_markup_as_the_control_token(oracle: Any) -> 
     from moestream.structured import Constraint
 
     model, _ = oracle
-    tok = tokenizer_with("glm4.6")
+    tok = copy.copy(tokenizer_with("glm4.6"))  # its own token types below
     tok.token_types = list(tok.token_types)
     call_id = tok.token_to_id("<tool_call>")
     tok.token_types[call_id] = TokenType.CONTROL

@@ -323,6 +323,23 @@ def test_prefix_reuse_through_the_server(srv: Any, oracle: Any) -> None:
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and r["text"] == want
 
 
+def test_seeded_request_without_cache_prompt_is_reproducible(srv: Any, oracle: Any) -> None:
+    """A seeded sampled request with ``"cache_prompt": false`` (llama-server's per-request switch) is never served
+    from a slot's cache, even when a slot holds its whole prompt: its tokens are the library generator's for that
+    seed, each time (with reuse, its logits are a fresh prefill's only within float rounding, so a sampled token
+    may differ: docs/serving.md)."""
+    tok = oracle[1]
+    content = "Sing of the morning tide."
+    ids = encode_chat(tok, [{"role": "user", "content": content}])
+    want = library(oracle, ids, 24, temp=1.0, seed=11)
+    seeded = {"temperature": 1.0, "seed": 11}
+    chat(srv, content, 24, cache_prompt=True, **seeded)  # a slot now holds the prompt (and the reply)
+    for _ in range(2):
+        r = chat(srv, content, 24, cache_prompt=False, **seeded)
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and r["timings"]["prompt_n"] == len(ids)
+        assert r["text"] == want
+
+
 def test_five_turn_chat_prefills_only_the_new_tokens(srv: Any, oracle: Any) -> None:
     """A 5-turn chat (each turn: the conversation so far + a new user message): turn k's prefill counts only the
     tokens after turn k-1's prompt (the reply and the new message); the rest comes from the slot's cache."""

@@ -774,30 +774,46 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
         from .runtrace import check_trace_path
         check_trace_path(args.trace, [model_path(args)])
     held: list = []
+    from .options import flag_errors
+
+    planned = None
+    if args.mem is not None:  # an explicit budget: its memory plan is made (and refused) before the socket listens
+        with flag_errors(args):
+            planned = _serve_plan(args, template)
 
     def load() -> Loaded:
-        from .options import flag_errors
-
         with flag_errors(args):  # the loader thread: a library error names the flag here too
-            return _serve_load(args, names, held, template)
+            return _serve_load(args, names, held, template, planned)
 
     return names, load, held
 
 
-def _serve_load(args: argparse.Namespace, names: list[str], held: list,  # noqa: ANN202 - server.Loaded
-                template: tuple[str, str] | None = None):
-    """serve_loader's load(): check the options, load the model, size the context (the server's loader thread);
-    ``template``: --chat-template(-file)'s (chat_template_option)."""
-    from .engine import Engine
-    from .server import Loaded
-
+def _serve_plan(args: argparse.Namespace, template: tuple[str, str] | None = None) -> tuple:
+    """``(shape, opts, tok, n_slots, n_ctx)`` of serve's options: the file's tensor table, its tokenizer (loaded
+    first: the memory plan counts what this process holds, and a tokenizer is tens of MiB), the slots and each
+    one's context, with the memory plan of a budget made from the tensor table as the load will make it
+    (models.base.load_model): ConfigError, naming the smallest --mem that works, when it does not fit (as run's)."""
     _check_common(args)
-    threads = args.threads if args.threads is not None else default_threads()
-    args.threads = threads
+    args.threads = args.threads if args.threads is not None else default_threads()
     shape, opts = _open(args, args.moe_stream)
     tok = _tokenizer(shape.gguf, template)
     n_slots = _serve_slots(args, shape)
     n_ctx = _context(args, shape, 0, -1, n_seqs=n_slots)
+    if opts.budgeted:
+        shape.plan_memory(opts, n_ctx, loaded=False, ubatch=args.ubatch, n_seqs=n_slots)
+    return shape, opts, tok, n_slots, n_ctx
+
+
+def _serve_load(args: argparse.Namespace, names: list[str], held: list,  # noqa: ANN202 - server.Loaded
+                template: tuple[str, str] | None = None, planned: tuple | None = None):
+    """serve_loader's load(): check the options, size the context, load the model (the server's loader thread);
+    ``template``: --chat-template(-file)'s (chat_template_option); ``planned``: :func:`_serve_plan`'s, when it ran
+    before the socket listened."""
+    from .engine import Engine
+    from .server import Loaded
+
+    shape, opts, tok, n_slots, n_ctx = planned or _serve_plan(args, template)
+    threads = args.threads
     model = _load(args, shape, opts, n_ctx, n_seqs=n_slots)
     held.append(model)
     print(_describe(model), file=sys.stderr, flush=True)
@@ -1041,7 +1057,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    """``moestream replay TRACE``: a trace that cannot be read is one line on stderr and exit status 2."""
+    """``moestream replay TRACE``: a trace that cannot be read is one line on stderr and exit status 1 (a bad input
+    file, as ``trace``'s; 2 is argparse's, for usage errors)."""
     from .errors import ConfigError
     from .replay import frame_text, make_app, timeline, write_page
     from .runtrace import RunTraceError, read_trace
@@ -1050,7 +1067,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         tl = timeline(read_trace(args.file), args.row)
     except RunTraceError as e:
         print(f"moestream: error: {e}", file=sys.stderr)
-        return 2
+        return 1
     if args.at is not None and not 1 <= args.at <= len(tl):
         raise ConfigError(f"--at {args.at}: {args.file} has tokens 1 to {len(tl)}")
     if not 0 < args.speed <= 1000:

@@ -88,8 +88,9 @@ def default_context(model: MoEModel, share: float = DEFAULT_CTX_MEMORY_SHARE,
         else:
             hi = mid - 1
     if lo < 16:
+        where = "memory available" if memory is None else "memory that --mem leaves besides this process"
         raise ConfigError(f"{os.path.basename(model.gguf.path)}: not even a 16-token KV cache fits in "
-                          f"{share:.0%} of the {budget / share / GiB:.1f} GiB of memory available")
+                          f"{share:.0%} of the {budget / share / GiB:.2f} GiB of {where}")
     return lo, train
 
 
@@ -174,11 +175,18 @@ class Sampler:
 
     ``constraint``: a grammar the output must follow (:class:`moestream.structured.Constraint`, or anything with
     ``mask(logits) -> logits`` and ``consume(token)``), applied after the penalties; it is this sequence's own (a
-    batch's sequences never share one)."""
+    batch's sequences never share one).
 
-    def __init__(self, params: SamplingParams, constraint: object = None):
+    ``logprobs`` (None: off): per token picked, :attr:`records` gets ``(token, logprob, top)``: its
+    log-probability and the ``logprobs`` most likely tokens' ``[(id, logprob), ...]`` (0: none), by the float32
+    log-softmax of the logits it was given, the model's own: before logit bias, penalties, grammar, temperature and
+    the top-k/top-p/min-p cut (OpenAI's and llama-server's ``logprobs``)."""
+
+    def __init__(self, params: SamplingParams, constraint: object = None, logprobs: int | None = None):
         self.p = params
         self.constraint = constraint
+        self.logprobs = logprobs
+        self.records: list[tuple[int, float, list[tuple[int, float]]]] = []
         self.gen = torch.Generator()
         seed = params.seed if params.seed is not None and params.seed >= 0 else time.time_ns() % 2**63
         self.gen.manual_seed(seed)
@@ -193,6 +201,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         tok = self._pick(logits)
+        if self.logprobs is not None:
+            lp = torch.log_softmax(logits.double().cpu(), dim=-1)  # float64: a float32 sum over 150k entries drifts
+            vals, idx = best_first(lp, self.logprobs) if self.logprobs else (lp[:0], lp[:0])
+            self.records.append((tok, float(lp[tok]), list(zip(idx.tolist(), vals.tolist(), strict=True))))
         if self.constraint is not None:
             self.constraint.consume(tok)
         return tok

@@ -16,6 +16,7 @@ docs/llama-cpp-flags.md is the table of both. This module imports nothing heavy:
 from __future__ import annotations
 
 import argparse
+import re
 
 __all__ = ["LOG_REFUSED", "REFUSED", "RUN_REFUSED", "SERVE_REFUSED", "FlagRefused", "Parser", "add_refused",
            "gpu_layers_device"]
@@ -32,6 +33,10 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - argparse's own signature
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        # a value that starts with '-' and a digit is a value, not an option: '--mem -1GiB' reaches --mem's own check
+        # (argparse's matcher takes only '-1' and '-1.5': '-1GiB' was "expected one argument"); no option of
+        # moestream's starts with a digit
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def _get_option_tuples(self, option_string: str) -> list:
         # argparse calls this for an argument that starts with '-' and is not an exact option string (nor
@@ -42,14 +47,17 @@ class Parser(argparse.ArgumentParser):
 
 class _Refuse(argparse.Action):
     """Raises FlagRefused as soon as the flag is met (it takes an optional value, so ``-hf REPO`` and ``-fa`` both
-    reach it)."""
+    reach it), unless its value is one of ``allowed`` (what asks for what moestream does anyway: ``-fa off``)."""
 
-    def __init__(self, option_strings: list[str], dest: str, why: str = "", **kwargs) -> None:  # noqa: ANN003
+    def __init__(self, option_strings: list[str], dest: str, why: str = "",  # noqa: ANN003
+                 allowed: frozenset[str] = frozenset(), **kwargs) -> None:
         super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
-        self.why = why
+        self.why, self.allowed = why, allowed
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:
+        if isinstance(values, str) and values.lower() in self.allowed:
+            return
         raise FlagRefused(f"{parser.prog}: error: {option_string} (llama.cpp's flag): {self.why}")
 
 
@@ -65,8 +73,8 @@ REFUSED: list[tuple[tuple[str, ...], str]] = [
     (("-hft", "--hf-token"), "moestream does not download models: pass the downloaded file with -m FILE"),
     (("-mu", "--model-url"), "moestream does not download models: download the file and pass -m FILE"),
     (("-dr", "--docker-repo"), "moestream does not download models: download the file and pass -m FILE"),
-    (("-fa", "--flash-attn"), "moestream has no flash-attention switch (attention is computed one way per device); "
-     "leave it out"),
+    (("-fa", "--flash-attn"), "moestream has no flash attention (attention is computed one way per device): "
+     "-fa off or -fa auto is taken (that is what it does), -fa on is not; leave it out"),
     (("-ot", "--override-tensor"), "moestream places tensors itself: routed experts are streamed from the file into "
      f"per-layer slot pools, everything else stays resident; {_MEM}"),
     (("-cmoe", "--cpu-moe"), f"experts are streamed from disk into per-layer slot pools; {_MEM}"),
@@ -125,6 +133,11 @@ LOG_REFUSED: list[tuple[tuple[str, ...], str]] = [
 ]
 
 
+#: values a refused flag takes without a word, because they ask for what moestream does anyway: llama.cpp's -fa
+#: off (and auto, which picks; its off spellings "off", "disabled", "false", "0": llama-bench's -fa 0 too)
+ALLOWED_VALUES: dict[str, frozenset[str]] = {"--flash-attn": frozenset({"off", "disabled", "false", "0", "auto", "-1"})}
+
+
 def add_refused(p: argparse.ArgumentParser, table: list[tuple[tuple[str, ...], str]],
                 keep: tuple[str, ...] = ()) -> None:
     """Declare each flag of ``table`` on ``p`` as refused (hidden from --help), skipping any ``p`` already has
@@ -133,7 +146,8 @@ def add_refused(p: argparse.ArgumentParser, table: list[tuple[tuple[str, ...], s
     for flags, why in table:
         free = [f for f in flags if f not in have]
         if free:
-            p.add_argument(*free, action=_Refuse, why=why, dest="llama_" + free[-1].lstrip("-").replace("-", "_"))
+            p.add_argument(*free, action=_Refuse, why=why, dest="llama_" + free[-1].lstrip("-").replace("-", "_"),
+                           allowed=ALLOWED_VALUES.get(flags[-1], frozenset()))
 
 
 def gpu_layers_device(value: str) -> str:

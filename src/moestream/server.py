@@ -25,7 +25,7 @@ running and the process exits (uvicorn's graceful shutdown, at most :data:`GRACE
 connections).
 
 Errors are OpenAI's error objects, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status in
-the response (400 a malformed or invalid request, 401 no valid API key, 404 an unknown route or model, 503 loading
+the response (400 a malformed or invalid request, 401 no valid API key, 404 an unknown route, 503 loading
 or shutting down, 500 a failure while generating, such as a read fault: the next request is served as usual, until
 the model is broken as said above: then 503 for every request).
 """
@@ -144,6 +144,12 @@ class Job:
     grammar: str | None = None
     #: the response's id (``chatcmpl-...`` / ``cmpl-...``): the request log's and /slots' name for it
     rid: str = ""
+    #: the request's tools (a chat with ``tools``): the log's finish is the response's ("tool_calls"), or None
+    tplan: object = None
+    #: log-probabilities asked for: the number of alternatives per token (0: the chosen token's alone), or None
+    logprobs: int | None = None
+    #: the generation's Sampler (set when it starts; its ``records`` hold the log-probabilities)
+    sampler: object = None
     #: time.monotonic() when the request was queued, and when its first token came (None before)
     t_queued: float = field(default_factory=time.monotonic)
     t_first: float | None = None
@@ -352,7 +358,7 @@ class ServerState:
             if job.grammar is not None:
                 from .structured import Constraint
                 constraint = Constraint(job.grammar, tok, ld.model.n_vocab)
-            sampler = Sampler(job.params, constraint)
+            sampler = job.sampler = Sampler(job.params, constraint, logprobs=job.logprobs)
             sampler.accept(job.ids[:n])  # the penalties' window starts with the prompt, cached or not
             gen = SlotEngine(self.scheduler, slot.index).stream(
                 job.ids[n:], job.n_predict, sampler, stop_ids=tok.eos_ids, cache=slot.cache, start=n,
@@ -365,8 +371,11 @@ class ServerState:
             for ev in events:
                 if isinstance(ev, DoneEvent):
                     self._account(ev, n)
-                    self.log_request(job, "cancelled" if ev.finish_reason == "interrupted" else "completed",
-                                     ev.stats, ev.finish_reason)
+                    finish = ev.finish_reason
+                    if job.tplan is not None and finish != "interrupted":  # the response's finish_reason
+                        _, calls = split_tool_calls(job.tplan, tok, ev.stats.tokens, cut=finish == "length")
+                        finish = tool_finish(calls, finish)
+                    self.log_request(job, "cancelled" if finish == "interrupted" else "completed", ev.stats, finish)
                 elif job.t_first is None:
                     job.t_first = time.monotonic()
                 job.put(ev)
@@ -994,6 +1003,61 @@ def split_tool_calls(plan: ToolPlan, tok, tokens: list[int],  # noqa: ANN001
     return content.strip() or None, calls
 
 
+#: the most alternatives per token a request may ask for (OpenAI's top_logprobs: 0 to 20)
+MAX_TOP_LOGPROBS = 20
+
+
+def logprobs_option(body: dict, chat: bool) -> int | None:
+    """The alternatives per token a request asks log-probabilities for (0: the chosen token's alone), or None:
+    chat's ``logprobs`` (true or false) and ``top_logprobs`` (0 to 20, with ``logprobs`` true), as OpenAI's; the
+    text completion's ``logprobs`` (0 to 20: OpenAI's legacy integer). APIError 400 naming the key."""
+    lp = body.get("logprobs")
+    if chat:
+        on = _opt(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
+        top = _opt(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+                   f"an integer from 0 to {MAX_TOP_LOGPROBS}")
+        if top is not None and not on:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+        return (top or 0) if on else None
+    if lp is None or lp is False:
+        return None
+    _opt(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+         f"an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token)")
+    return int(lp)
+
+
+def _token_text(tok, i: int) -> tuple[str, list[int]]:  # noqa: ANN001
+    """A token's text (its bytes as UTF-8, a partial character replaced) and its bytes."""
+    b = tok.token_bytes(i)
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def logprobs_body(records: list, tok, chat: bool) -> dict:  # noqa: ANN001
+    """OpenAI's ``logprobs`` of a choice from Sampler records ``(token, logprob, [(id, logprob)])``, the
+    end-of-generation token left out: chat's ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``, the
+    text completion's ``{"tokens", "token_logprobs", "top_logprobs" ({token: logprob}), "text_offset"}`` (offsets
+    into the tokens' texts joined, from 0)."""
+    records = [r for r in records if r[0] not in tok.eos_ids]
+    if chat:
+        def entry(i: int, lp: float) -> dict:
+            text, b = _token_text(tok, i)
+            return {"token": text, "logprob": lp, "bytes": b}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                            for t, lp, top in records]}
+    tokens = [_token_text(tok, t)[0] for t, _, _ in records]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in records],
+            "top_logprobs": [{_token_text(tok, i)[0]: v for i, v in top} for _, _, top in records],
+            "text_offset": offsets}
+
+
+def tool_finish(calls: list[dict] | None, finish: str) -> str:
+    """The response's finish_reason: "tool_calls" when the reply holds calls and was not cut (a cut one stays
+    "length", so the client learns it was cut), else the generation's."""
+    return "tool_calls" if calls and finish != "length" else finish
+
+
 def tool_call_deltas(calls: list[dict], piece: int = 32) -> list[dict]:
     """OpenAI's streamed ``delta.tool_calls`` items of ``calls``: per call, one with its index, id, type, name
     and empty arguments, then the arguments in pieces of at most ``piece`` characters."""
@@ -1335,10 +1399,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError(400, "'model' must be a string", param="model", code="invalid_type")
-        if model is not None and model not in state.names:
-            raise APIError(404, f"the model '{model}' does not exist (this server serves '{state.names[0]}')",
-                           param="model", code="model_not_found")
-        return body
+        return body  # any model name: one model is served (llama-server ignores the name too)
 
     def plan(body: dict, ids: list[int], ld: Loaded, what: str) -> int:
         """Tokens to generate: ``max_tokens`` (or ``max_completion_tokens``), at most what the context leaves
@@ -1364,9 +1425,9 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         n = body.get("n")
         if n is not None and n != 1:
             raise APIError(400, "'n': one choice per request (n = 1)", param="n", code="invalid_value")
-        if body.get("logprobs") not in (None, False, 0) or body.get("echo") not in (None, False):
-            key = "logprobs" if body.get("logprobs") not in (None, False, 0) else "echo"
-            raise APIError(400, f"'{key}' is not supported", param=key, code="invalid_value")
+        if body.get("echo") not in (None, False):
+            raise APIError(400, "'echo' is not supported by moestream serve (the prompt is not returned): leave it "
+                           "out or send false", param="echo", code="unsupported_parameter")
         stream = _opt(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
         so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
         usage = _opt(so, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
@@ -1413,22 +1474,32 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             raise APIError(400, "the prompt is empty after tokenization", param="prompt", code="invalid_value")
         n_predict = plan(body, ids, ld, "conversation" if chat else "prompt")
         cache_prompt = _opt(body, "cache_prompt", lambda v: isinstance(v, bool), "true or false", True)
+        logprobs = logprobs_option(body, chat)
         grammar = await asyncio.to_thread(request_grammar, body, tplan, tok, ld.model.n_vocab)
         job = Job(ids, n_predict, params, stop, asyncio.get_running_loop(), cache_prompt=bool(cache_prompt), rid=rid,
-                  grammar=grammar)
+                  grammar=grammar, tplan=tplan, logprobs=logprobs)
         state.submit(job)
         request.state.job = job
-        created, name = int(time.time()), body.get("model") or state.names[0]
+        created, name = int(time.time()), state.names[0]  # the served model's name, whatever the request said
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
             return await complete(request, job, chat, rid, created, name, obj, tplan)
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        sent = 0  # the Sampler records (log-probabilities) sent so far
+
+        def chunk(text: str | None, finish: str | None, role: bool = False, upto: int | None = None) -> dict:
+            """A chunk; ``upto``: it carries the log-probabilities of the tokens before that index not yet sent
+            (with ``logprobs``)."""
+            nonlocal sent
+            lp = None
+            if job.logprobs is not None and upto is not None and upto > sent:
+                lp = logprobs_body(job.sampler.records[sent:upto], tok, chat)
+                sent = upto
             if chat:
                 delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
             return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": name,
                     "choices": [choice]}
 
@@ -1445,7 +1516,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
                     if isinstance(ev, TokenEvent):
                         text = ev.text if watch is None else watch.feed(ev.id, ev.text)
                         if text:
-                            yield sse(chunk(text, None))
+                            yield sse(chunk(text, None, upto=ev.index + 1))
                         continue
                     st = ev.stats
                     if ev.finish_reason == "interrupted":  # shutdown (a client that left reads nothing)
@@ -1461,13 +1532,13 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
                         for d in tool_call_deltas(calls):
                             yield sse({**chunk(None, None), "choices": [
                                 {"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}]})
-                        if calls and finish != "length":
-                            finish = "tool_calls"
+                        finish = tool_finish(calls, finish)
                     elif text:
-                        yield sse(chunk(text, None))
+                        yield sse(chunk(text, None, upto=len(st.tokens)))
                     # the last chunk carries usage and timings: with include_usage OpenAI's extra chunk with no
-                    # choices, else the finish chunk itself (as llama-server; llama-swap reads them)
-                    last = chunk(None, finish)
+                    # choices, else the finish chunk itself (as llama-server; llama-swap reads them); and the
+                    # log-probabilities not sent yet (held-back text, tool calls, the end of generation)
+                    last = chunk(None, finish, upto=len(st.tokens))
                     if include_usage:
                         yield sse(last)
                         last = {**chunk(None, None), "choices": []}
@@ -1501,12 +1572,13 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             content, calls = split_tool_calls(tplan, ld_tok(), done.stats.tokens, cut=finish == "length")
             if calls is not None:  # finish_reason "length" stays: the client learns the reply was cut
                 text = content if calls else content or ""
-                finish = "tool_calls" if calls and finish != "length" else finish
+                finish = tool_finish(calls, finish)
         message = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = calls
-        choice = ({"index": 0, "message": message, "logprobs": None, "finish_reason": finish} if chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason})
+        lp = None if job.logprobs is None else logprobs_body(job.sampler.records, ld_tok(), chat)
+        choice = ({"index": 0, "message": message, "logprobs": lp, "finish_reason": finish} if chat else
+                  {"index": 0, "text": text, "logprobs": lp, "finish_reason": done.finish_reason})
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": name, "choices": [choice],
                              "usage": _usage(done.stats, job.cached), "timings": _timings(done.stats, job.cached)})
 

@@ -19,6 +19,7 @@ import threading
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import MoestreamError
@@ -85,9 +86,46 @@ def ll_tokenizer(tok: Any, n_vocab: int) -> Any:
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+#: the keywords whose value is one schema, a list of schemas, or an object of schemas (closed by close_objects)
+_ONE_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+               "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(schema: Any, _in_all_of: bool = False) -> Any:
+    """A copy of JSON schema ``schema`` where every object schema that declares ``properties`` and says nothing of
+    ``additionalProperties`` gets ``"additionalProperties": false``: llama.cpp's JSON-schema-to-grammar converter
+    writes only the declared keys there (JSON Schema itself would allow any other key, and llguidance follows
+    JSON Schema), so a model cannot add keys until it runs out of tokens. The members of an ``allOf`` are not
+    closed themselves (each would forbid the others' keys), their nested schemas are."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _ONE_SCHEMA + ("additionalProperties",):
+        if isinstance(out.get(k), dict):
+            out[k] = close_objects(out[k])
+    for k in _SCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [close_objects(s) for s in out[k]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [close_objects(s, _in_all_of=True) for s in out["allOf"]]
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: close_objects(s) for name, s in out[k].items()}
+    kind = out.get("type")
+    is_object = kind in (None, "object") or isinstance(kind, list) and "object" in kind
+    if (not _in_all_of and is_object and isinstance(out.get("properties"), dict)
+            and "additionalProperties" not in out and "allOf" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema_grammar(schema: dict | bool) -> str:
-    """The llguidance grammar of a JSON schema (a dict, or True: any JSON value). GrammarError when it is not
-    one."""
+    """The llguidance grammar of a JSON schema (a dict, or True: any JSON value), its objects closed as llama.cpp
+    closes them (:func:`close_objects`). GrammarError when it is not one."""
     import llguidance
 
     if schema is True:
@@ -95,7 +133,7 @@ def json_schema_grammar(schema: dict | bool) -> str:
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema must be an object, got {json.dumps(schema)[:80]}")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema), defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"not a JSON schema llguidance takes ({e})") from None
 
@@ -119,7 +157,7 @@ def text_grammar(text: str) -> str:
 
 def json_lark(schema: dict) -> str:
     """``%json {...}``: a JSON schema inside a Lark grammar (llguidance's JSON options as :data:`JSON_OPTIONS`)."""
-    schema = dict(schema)
+    schema = close_objects(schema)
     schema.setdefault("x-guidance", {k: v for k, v in JSON_OPTIONS.items()})
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
@@ -150,17 +188,17 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """bool [n_vocab]: the tokens the grammar allows next."""
-        bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        shifts = torch.arange(8, dtype=torch.uint8)
-        ok = ((bits.unsqueeze(1) >> shifts) & 1).flatten().bool()  # little-endian bits: token 8*b + k
-        out = torch.zeros(self.n_vocab, dtype=torch.bool)
-        n = min(self.n_vocab, ok.numel())
+        # little-endian bits: token 8*b + k is bit k of byte b (numpy's unpackbits: ~50x faster than the same in
+        # torch ops on a 150k vocabulary, where it was most of a constrained step's sampling time)
+        ok = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        out = np.zeros(self.n_vocab, dtype=np.bool_)
+        n = min(self.n_vocab, ok.size)
         out[:n] = ok[:n]
         if self.matcher.is_error():
             raise GrammarError(f"the grammar failed: {self.matcher.get_error()}")
-        if not bool(out.any()):  # nothing fits (the grammar is done): end the generation
+        if not out.any():  # nothing fits (the grammar is done): end the generation
             out[self.eos[:1]] = True
-        return out
+        return torch.from_numpy(out)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         ok = self.allowed().to(logits.device)
