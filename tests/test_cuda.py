@@ -303,7 +303,7 @@ def test_device_planned_step(graphed, pool: str) -> None:  # noqa: ANN001
         store.close()
 
 
-def test_pool_host_budget_holds_in_a_memory_cgroup() -> None:
+def test_pool_host_budget_holds_in_a_memory_cgroup_default_model() -> None:
     """--pool host under a real memory cgroup (issue 24.6): the smallest --mem the plan accepts runs and peaks
     within it (page cache included, 64 MiB of slack), and the default budget (the cgroup's memory less the
     margin) is not OOM-killed."""
