@@ -669,8 +669,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tiles: np.n
     if cfg["WIDE"]:
         vw = cfg["VW"]
         a = vw if align % vw == 0 and w.data_ptr() % vw == 0 and row_bytes % vw == 0 else 1
-        nch = triton.cdiv(n_cols, cfg["NSUB"] * cfg["SUB"])
-        unroll = nch if nch <= 16 else next(u for u in (8, 4, 2, 1) if nch % u == 0)
+        # chunks of 256 per K-loop iteration: about 32 decode steps of straight-line code (loads that the compiler
+        # may issue together), a bounded compile; chunks past n_cols are masked (they add +0.0: no bit changes)
+        unroll = max(1, min(triton.cdiv(n_cols, 256), 32 * vw // cfg["SUB"]))
         lanes = cfg["NSUB"] * vw
         _gemv_kernel[grid](x, w, offsets, tiles_d, src, out, n_rows, row_bytes // a, n_cols,
                            QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NSUB=cfg["NSUB"],
