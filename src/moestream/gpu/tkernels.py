@@ -6,19 +6,40 @@ its weight tile in registers with the same ``@triton.jit`` helpers, so :func:`de
 bit-identical to :func:`moestream.quant.dequantize` and the matmuls multiply exactly those float32 weights.
 
 Loads
-    Weight bytes are loaded as single ``uint8`` lanes and combined with integer shifts, so no alignment is
-    required of anything: a matrix may start at any byte offset of the pool (an O_DIRECT slot with a lead,
-    a row-slice view of a bigger tensor). fp16 scales are widened with integer arithmetic (subnormals, infs
+    Weight bytes are loaded as ``uint8`` lanes and combined with integer shifts (the GEMV kernel lets the
+    compiler merge aligned runs of them into wider loads, see below), so no alignment is required of anything:
+    a matrix may start at any byte offset of the pool (an O_DIRECT slot with a lead, a row-slice view of a
+    bigger tensor). fp16 scales are widened with integer arithmetic (subnormals, infs
     and NaN payloads exact, as numpy does). ``enable_fp_fusion=False`` is passed to every launch, so the
     decoder's ``q * dl - ml`` is never contracted into an FMA (the reference rounds twice).
 
 Kernel configuration (fixed, no autotune), a function of ``(ggml_type, m_hint)`` only:
 
-* ``m_hint <= 8`` (decode): GEMV path. ``BLOCK_M = next_pow2(m_hint)`` x rows, ``BLOCK_N = 16`` weight rows,
-  ``BLOCK_K = 256`` (one k-quant super-block, 8 blocks of 32), 4 warps. Each program decodes its
-  ``16 x 256`` weight tile once per K chunk and multiplies it with each of its x rows: float32 products,
-  ``tl.sum`` over the 32 (16 for Q6_K) elements of a sub-block, then over the sub-blocks, then added to the
-  running sum. A group of at most ``BLOCK_M`` rows is one tile, so each weight byte is read once per launch.
+* ``m_hint <= 8`` (decode), Q4_K, Q6_K, Q4_0, Q8_0 (:data:`GEMV_VW`): ``_gemv_kernel``. ``BLOCK_M =
+  next_pow2(m_hint)`` x rows (one tile; each weight byte read once per launch), 2 warps, one thread per
+  (weight row, sub-block): ``BLOCK_N = 64 / NSUB`` weight rows (8; 4 for Q6_K), ``NSUB`` sub-blocks of ``SUB``
+  elements per 256-element chunk (8 x 32; 16 x 16 for Q6_K). A thread walks its sub-block ``VW`` elements at a
+  time (``VW`` = 4 for Q4_K, 2 for the others: the block sizes 144, 210, 18 and 34 bytes keep runs of VW bytes
+  VW-aligned), each load a [BN, NSUB, VW] tensor: the quant bytes, the fp16 scales and the scale bytes are all
+  read as such runs (fields picked out with exact integer sums) and x as [BN, NSUB, VW] too (the same pointer
+  for every weight row), so all loads and the arithmetic share one register layout: no shared-memory shuffle
+  or barrier in the K loop, and the compiler can issue the loads of a K iteration (up to 32 steps, several
+  chunks) together. Summation order, fixed by the source (element-wise adds only, never ``tl.sum`` on floats):
+  lane ``(g, e)`` of an output (one float32 accumulator per weight row, x row and lane, from +0.0) adds the
+  products ``x[k] * w[n, k]`` of ``k = 256 c + SUB g + VW j + e`` in the order of ``(c, j)``; at the end the
+  ``NSUB * VW`` lanes (index ``VW g + e``) are summed pairwise, ``a[2l] + a[2l+1]`` level by level
+  (tests/test_tkernels.py ``gemv_order`` is this order in torch). The bits are therefore the same on the GPU as
+  in the interpreter, for every ``m_hint <= 8`` and whatever the alignment. Masked elements (a ragged last chunk,
+  chunks past ``n_cols`` in the last K iteration) add ``+0.0`` to an accumulator that cannot be ``-0.0``: no
+  change. Alignment: where the matrix's base address, every used group offset and ``row_bytes`` are multiples of
+  ``VW`` (checked on the host at launch: :func:`alignment`; ``grouped_planned`` takes the caller's ``align``), the
+  compiler is told so and merges each run into one 16/32-bit load; otherwise (``ALIGN = 1``) the same code
+  loads single bytes: the same values, the same bits, only slower.
+* ``m_hint <= 8``, the other types (and every type with ``MOESTREAM_GEMV_WIDE=0``): GEMV branch of
+  ``_matmul_kernel``. ``BLOCK_N = 16`` weight rows, ``BLOCK_K = 256``, 4 warps; byte loads. Each program
+  decodes its ``16 x 256`` weight tile once per K chunk and multiplies it with each of its x rows: float32
+  products, ``tl.sum`` over the 32 (16 for Q6_K) elements of a sub-block, then over the sub-blocks, then added
+  to the running sum (a reduction tree that the compiler's register layout decides, fixed per configuration).
 * ``m_hint > 8`` (prefill): GEMM path. ``BLOCK_M = 32``, ``BLOCK_N = 64``, ``BLOCK_K = 64``, 4 warps: the
   decoded ``64 x 64`` tile goes through ``tl.dot(x, w.T, acc, input_precision="ieee")`` (float32 FMA, never
   tf32).
@@ -29,12 +50,16 @@ the offsets or the row counts. So an output row of a (matrix, x row) pair has th
 matrix sits in the pool, whatever else shares the launch, and through :func:`linear` or :func:`grouped`,
 given the same ``m_hint``.
 
+``MOESTREAM_GEMV_WIDE=0`` in the environment (read at import into :data:`GEMV_WIDE`, which may also be set at
+run time) selects the old GEMV branch for every type, for A/B runs (benchmarks/gemv_ab.py; whole models). The
+two paths sum in different orders, so their outputs differ in the last bits (both within the float32 bound).
+
 K is masked: ``n_cols`` need only be a multiple of the type's block size (no K-chunk multiple required). The
 matmul kernel takes ``n_cols`` as a compile-time constant (one compile per distinct width: a model has a few;
 it also keeps the K loop a plain Python range under the interpreter with numpy 2.4).
 
 Public API: :data:`TYPES`, :func:`computes`, :func:`available`, :func:`dequantize`, :func:`linear`,
-:func:`grouped`.
+:func:`grouped`, :func:`grouped_planned`, :func:`alignment`.
 """
 
 from __future__ import annotations
@@ -53,7 +78,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
 
-__all__ = ["TYPES", "available", "computes", "dequantize", "grouped", "linear"]
+__all__ = ["TYPES", "alignment", "available", "computes", "dequantize", "grouped", "grouped_planned", "linear"]
 
 T = GGMLQuantizationType
 
@@ -171,6 +196,18 @@ if triton is not None:
         return sc, mn
 
     @triton.jit
+    def _q6k_w(bb, t, i, mel, dl):
+        """Q6_K weights (float32) of elements ``i`` of group ``t`` (of 16) of the super-blocks at byte pointers
+        ``bb``, given ``dl = d * sc``: 6-bit quants from ql (low 4 bits) and qh (high 2 bits), ``(q - 32) * dl``."""
+        j = 16 * t + i  # element of the super-block
+        h = j // 128
+        r = j % 128
+        lo4 = (_u8(bb + 64 * h + (r % 64), mel) >> (4 * (r // 64))) & 15
+        hi2 = (_u8(bb + 128 + 32 * h + (r % 32), mel) >> (2 * (r // 32))) & 3
+        w = (lo4 | (hi2 << 4)) - 32
+        return w.to(tl.float32) * dl
+
+    @triton.jit
     def _decode(wp, msub, mel, k0, kv_ptr, QTYPE: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr):
         """Weights ``k0 + SUB*g + i`` (g < NSUB, i < SUB) of the rows at byte pointers ``wp`` [BN, 1, 1].
 
@@ -251,13 +288,7 @@ if triton is not None:
             d = _f16at(bb + 208, msub)
             sc = (_u8(bb + 192 + t, msub) ^ 128) - 128
             dl = d * sc.to(tl.float32)
-            j = 16 * t + i
-            h = j // 128
-            r = j % 128
-            lo4 = (_u8(bb + 64 * h + (r % 64), mel) >> (4 * (r // 64))) & 15
-            hi2 = (_u8(bb + 128 + 32 * h + (r % 32), mel) >> (2 * (r // 32))) & 3
-            w = (lo4 | (hi2 << 4)) - 32
-            w = w.to(tl.float32) * dl
+            w = _q6k_w(bb, t, i, mel, dl)
         elif QTYPE == 23:  # IQ4_XS: fp16 d | u16 scales_h | 4 bytes scales_l | 128 bytes; x = (d*(ls-32)) * kv[q]
             t = s % 8
             bb = wp + 136 * (s // 8)
@@ -379,13 +410,7 @@ if triton is not None:
             d = _f16_bits_to_f32(_pick(_u8(bb + 208 + e, msub), e, 0, 2))
             sc = (_pick(_u8(bb + 192 + 2 * (t // 2) + e, msub), e, t % 2, 1) ^ 128) - 128
             dl = d * sc.to(tl.float32)
-            j = 16 * t + i
-            h = j // 128
-            r = j % 128
-            lo4 = (_u8(bb + 64 * h + (r % 64), mel) >> (4 * (r // 64))) & 15
-            hi2 = (_u8(bb + 128 + 32 * h + (r % 32), mel) >> (2 * (r // 32))) & 3
-            w = (lo4 | (hi2 << 4)) - 32
-            w = w.to(tl.float32) * dl
+            w = _q6k_w(bb, t, i, mel, dl)
         elif QTYPE == 2:  # Q4_0 (VW 2): fp16 d | 16 bytes (element i: low nibble of byte i % 16 for i < 16, else high)
             bb = wp + 18 * s
             d = _f16_bits_to_f32(_pick(_u8(bb + e, msub), e, 0, 2))
