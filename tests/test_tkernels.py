@@ -306,3 +306,112 @@ def test_grouped_out_and_empty(device):
     assert got is out
     assert_bits_equal(out, tkernels.linear(x[[2, 0, 1, 2]].contiguous(), mat.to(device), qtype, n_cols, m_hint=3),
                       "out=")
+
+
+# ---------------------------------------------------------------------------
+# 4. the GEMV path of _gemv_kernel (m_hint <= 8): its documented summation order, whatever the alignment
+# ---------------------------------------------------------------------------
+
+GEMV_TYPES = (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0)
+
+
+def gemv_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """``x @ w.T`` (float32 [T, N]) in _gemv_kernel's order, with float32 torch ops on the CPU (one rounding each):
+    lane (g, e) of an output accumulates ``x[k] * w[n, k]`` for ``k = 256 c + SUB g + VW j + e`` in the order of
+    (c, j), from +0.0; then the lanes ``VW g + e`` are summed pairwise (``a[2l] + a[2l+1]``, level by level)."""
+    sub, vw = (16 if qtype == T.Q6_K else 32), tkernels.GEMV_VW[int(qtype)]
+    n, k = w.shape
+    kp = -(-k // 256) * 256
+    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    for m in range(x.shape[0]):
+        p = torch.zeros((n, kp), dtype=torch.float32)
+        p[:, :k] = w * x[m]
+        p = p.view(n, kp // 256, 256 // sub, sub // vw, vw)
+        acc = torch.zeros((n, 256 // sub, vw), dtype=torch.float32)
+        for c in range(kp // 256):
+            for j in range(sub // vw):
+                acc = acc + p[:, c, :, j, :]
+        a = acc.reshape(n, -1)
+        while a.shape[1] > 1:
+            a = a[:, 0::2] + a[:, 1::2]
+        out[m] = a[:, 0]
+    return out
+
+
+def gemv_cols(qtype: GGMLQuantizationType) -> int:
+    """Two 256-chunks for the k-quants, nine blocks of 32 (a ragged chunk) for Q4_0/Q8_0."""
+    return 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 288
+
+
+@pytest.mark.parametrize("m", (1, 2, 5, 8))
+@pytest.mark.parametrize("qtype", GEMV_TYPES, ids=ids)
+def test_gemv_documented_order(device, qtype, m):
+    """linear at m_hint = T <= 8: bitwise the order of gemv_order (on CUDA as in the interpreter), so the same
+    bits for every m_hint of the GEMV path; and within the float64 bound."""
+    n_cols = gemv_cols(qtype)
+    raw = make_raw(qtype, 9, n_cols, 20 + m)  # 9 rows: a partial block of rows
+    w = quant.dequantize(raw, qtype, n_cols)
+    x = torch.randn(m, n_cols, generator=torch.Generator().manual_seed(m))
+    assert tkernels._config(int(qtype), 9, n_cols, m)["WIDE"]
+    y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=m)
+    assert_bits_equal(y.cpu(), gemv_order(x, w, qtype), f"{qtype.name} m={m}")
+    assert_close_to_f64(y, x, w, f"{qtype.name} m={m}")
+
+
+@pytest.mark.parametrize("m_hint", (1, 5))
+@pytest.mark.parametrize("qtype", GEMV_TYPES, ids=ids)
+def test_gemv_alignment_never_changes_bits(device, qtype, m_hint):
+    """grouped with matrices starting at every byte offset mod 4 (byte loads) and a 16-aligned pool (wide loads),
+    several matrices per launch: every row bitwise equal to linear on the aligned matrix and to gemv_order."""
+    n_exp, n_rows = 4, 8
+    n_cols = 256 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+    mats = [make_raw(qtype, n_rows, n_cols, 40 + e) for e in range(n_exp)]
+    n_tok = 1 if m_hint == 1 else 5
+    groups = route(n_tok, n_exp, 2 if n_tok == 1 else 3, 3, empty=())
+    x = torch.randn(n_tok, n_cols, generator=torch.Generator().manual_seed(4)).to(device)
+    size = mats[0].numel()  # bytes of one matrix
+    # matrices at byte offsets 1, 2, 3 and 0 mod 4 in one pool; and a pool where all start at multiples of 16
+    gaps, pos = [], 1
+    for want in (2, 3, 0, 0):  # matrix e starts at 1 + e mod 4
+        gaps.append((want - pos - size) % 4 + 4)
+        pos += size + gaps[-1]
+    pool_u, off_u = build_pool(mats, [0, 1, 2, 3], lead=1, gaps=gaps)
+    assert sorted(o % 4 for o in off_u) == [0, 1, 2, 3], off_u
+    pool_a, off_a = build_pool(mats, [3, 2, 1, 0], lead=32, gaps=[(-size) % 16] * n_exp)
+    assert tkernels.alignment(off_a) == 16
+    rows_u, _ = launch(x, pool_u.to(device), off_u, groups, range(n_exp), qtype, n_rows, n_cols, m_hint, device)
+    rows_a, _ = launch(x, pool_a.to(device), off_a, groups, range(n_exp), qtype, n_rows, n_cols, m_hint, device)
+    for e in range(n_exp):
+        if not groups[e]:
+            continue
+        xs = x[groups[e]].contiguous()
+        lin = tkernels.linear(xs, mats[e].to(device), qtype, n_cols, m_hint=m_hint)
+        ref = gemv_order(xs.cpu(), quant.dequantize(mats[e], qtype, n_cols), qtype)
+        for j, t in enumerate(groups[e]):
+            what = f"{qtype.name} m_hint={m_hint} expert {e} (offset {off_u[e]} mod 4 = {off_u[e] % 4}) token {t}"
+            assert_bits_equal(rows_u[(e, t)], lin[j], f"{what}: unaligned vs linear")
+            assert_bits_equal(rows_a[(e, t)], lin[j], f"{what}: aligned vs linear")
+            assert_bits_equal(lin[j].cpu(), ref[j], f"{what}: vs gemv_order")
+
+
+def test_gemv_switch(device, monkeypatch):
+    """MOESTREAM_GEMV_WIDE=0 (tkernels.GEMV_WIDE False) selects _matmul_kernel's GEMV branch, which sums each
+    256-chunk with tl.sum first: still within the float64 bound, and (on these blocks) not the bits of the new
+    path; grouped_planned's ``align`` never changes a bit."""
+    qtype, n_cols = T.Q4_K, 256
+    raw = make_raw(qtype, 16, n_cols, 3)
+    w = quant.dequantize(raw, qtype, n_cols)
+    x = torch.randn(1, n_cols, generator=torch.Generator().manual_seed(3))
+    new = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=1)
+    pool = raw.reshape(-1).to(device)
+    args = (x.to(device), pool, torch.zeros(1, dtype=torch.int64, device=device),
+            torch.from_numpy(tkernels.plan_tiles(np.array([0, 1]), 1)).to(device),
+            torch.zeros(1, dtype=torch.int32, device=device), qtype, 16, n_cols, 1)
+    for align in (1, 2, 16):
+        got = tkernels.grouped_planned(*args, torch.empty((1, 16), device=device), align=align)
+        assert_bits_equal(got, new, f"grouped_planned align={align}")
+    monkeypatch.setattr(tkernels, "GEMV_WIDE", False)
+    assert not tkernels._config(int(qtype), 16, n_cols, 1)["WIDE"]
+    old = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=1)
+    assert_close_to_f64(old, x, w, "old path")
+    assert not torch.equal(old.cpu().view(torch.int32), new.cpu().view(torch.int32)), "the switch did not switch"

@@ -135,6 +135,8 @@ class DevicePlan:
         self.scratch_dev = {}
         #: per matrix: int64 [layers, n_experts], each expert's lead in its tier row (= in a slot or scratch row)
         self.lead_dev = {}
+        #: per matrix: the largest power of two (<= 16) dividing every lead (tkernels.alignment), for the kernels
+        self.lead_align = {}
         for name in names:
             rel = np.zeros((len(self.layers), top_k), dtype=np.int64)
             lead = np.zeros((len(self.layers), n_exp), dtype=np.int64)
@@ -144,6 +146,8 @@ class DevicePlan:
                 lead[i, :store.layout.n_experts(la)] = tier.leads[la][name]
             self.scratch_dev[name] = torch.from_numpy(rel).to(dev)
             self.lead_dev[name] = torch.from_numpy(lead).to(dev)
+            o = int(np.bitwise_or.reduce(lead.reshape(-1))) | 16
+            self.lead_align[name] = o & -o
         #: int64 [layers, top_k]: the step's top-k ids of every layer, written on the device by each step
         self.ids_dev = torch.zeros((len(self.layers), top_k), dtype=torch.int64, device=dev)
         gpu = dev.type == "cuda"

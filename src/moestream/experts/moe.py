@@ -353,7 +353,8 @@ class MoE:
             mat = m[name]
             y = torch.empty((p, mat.rows), dtype=torch.float32, device=dev)
             y = tkernels.grouped_planned(v, store.matrix(self.layer, name), i64[k * g:(k + 1) * g], d_tiles,
-                                         rows, mat.ggml_type, mat.rows, mat.cols, m_hint, y)
+                                         rows, mat.ggml_type, mat.rows, mat.cols, m_hint, y,
+                                         align=tkernels.alignment(offs[k]))
             return self._add_bias(name, y, d_real)
 
         if self.merged:
@@ -392,12 +393,17 @@ class MoE:
         const = getattr(self, "_dev_const", None)
         if const is None or const[0] != key:
             names = ["gate_up"] if self.merged else ["gate", "up"]
-            lead = ({} if getattr(store, "plan", None) is not None else
+            plan_of = getattr(store, "plan", None)
+            lead = ({} if plan_of is not None else
                     {n: torch.from_numpy(store.lead(self.layer, n)).to(dev) for n in [*names, "down"]})
             tiles = torch.from_numpy(tkernels.plan_tiles(np.arange(top_k + 1), 1)).to(dev)
+            # a power of two dividing every offset mm() can compute (only lets the kernels load wide words)
+            align = {n: tkernels.alignment(store.matrix(self.layer, n).stride(0),
+                                           store.lead(self.layer, n) if plan_of is None else plan_of.lead_align[n])
+                     for n in [*names, "down"]}
             const = self._dev_const = (key, lead, tiles, torch.zeros(top_k, dtype=torch.int32, device=dev),
-                                       torch.arange(top_k, dtype=torch.int32, device=dev))
-        _, lead, tiles, zeros, rows = const
+                                       torch.arange(top_k, dtype=torch.int32, device=dev), align)
+        _, lead, tiles, zeros, rows, align = const
         if self.expert_scale is not None:
             weights = weights * self.expert_scale[ids]  # real ids (= slot ids here), as in __call__
         flat = ids.reshape(-1)
@@ -412,7 +418,8 @@ class MoE:
             else:
                 offs = plan.offsets(self.layer, name, flat, slots, pool.stride(0))
             y = torch.empty((top_k, mat.rows), dtype=torch.float32, device=dev)
-            y = tkernels.grouped_planned(v, pool, offs, tiles, src, mat.ggml_type, mat.rows, mat.cols, 1, y)
+            y = tkernels.grouped_planned(v, pool, offs, tiles, src, mat.ggml_type, mat.rows, mat.cols, 1, y,
+                                         align=align[name])
             return self._add_bias(name, y, flat)
 
         if self.merged:

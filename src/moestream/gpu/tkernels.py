@@ -6,19 +6,40 @@ its weight tile in registers with the same ``@triton.jit`` helpers, so :func:`de
 bit-identical to :func:`moestream.quant.dequantize` and the matmuls multiply exactly those float32 weights.
 
 Loads
-    Weight bytes are loaded as single ``uint8`` lanes and combined with integer shifts, so no alignment is
-    required of anything: a matrix may start at any byte offset of the pool (an O_DIRECT slot with a lead,
-    a row-slice view of a bigger tensor). fp16 scales are widened with integer arithmetic (subnormals, infs
+    Weight bytes are loaded as ``uint8`` lanes and combined with integer shifts (the GEMV kernel lets the
+    compiler merge aligned runs of them into wider loads, see below), so no alignment is required of anything:
+    a matrix may start at any byte offset of the pool (an O_DIRECT slot with a lead, a row-slice view of a
+    bigger tensor). fp16 scales are widened with integer arithmetic (subnormals, infs
     and NaN payloads exact, as numpy does). ``enable_fp_fusion=False`` is passed to every launch, so the
     decoder's ``q * dl - ml`` is never contracted into an FMA (the reference rounds twice).
 
 Kernel configuration (fixed, no autotune), a function of ``(ggml_type, m_hint)`` only:
 
-* ``m_hint <= 8`` (decode): GEMV path. ``BLOCK_M = next_pow2(m_hint)`` x rows, ``BLOCK_N = 16`` weight rows,
-  ``BLOCK_K = 256`` (one k-quant super-block, 8 blocks of 32), 4 warps. Each program decodes its
-  ``16 x 256`` weight tile once per K chunk and multiplies it with each of its x rows: float32 products,
-  ``tl.sum`` over the 32 (16 for Q6_K) elements of a sub-block, then over the sub-blocks, then added to the
-  running sum. A group of at most ``BLOCK_M`` rows is one tile, so each weight byte is read once per launch.
+* ``m_hint <= 8`` (decode), Q4_K, Q6_K, Q4_0, Q8_0 (:data:`GEMV_VW`): ``_gemv_kernel``. ``BLOCK_M =
+  next_pow2(m_hint)`` x rows (one tile; each weight byte read once per launch), 2 warps, one thread per
+  (weight row, sub-block): ``BLOCK_N = 64 / NSUB`` weight rows (8; 4 for Q6_K), ``NSUB`` sub-blocks of ``SUB``
+  elements per 256-element chunk (8 x 32; 16 x 16 for Q6_K). A thread walks its sub-block ``VW`` elements at a
+  time (``VW`` = 4 for Q4_K, 2 for the others: the block sizes 144, 210, 18 and 34 bytes keep runs of VW bytes
+  VW-aligned), each load a [BN, NSUB, VW] tensor: the quant bytes, the fp16 scales and the scale bytes are all
+  read as such runs (fields picked out with exact integer sums) and x as [BN, NSUB, VW] too (the same pointer
+  for every weight row), so all loads and the arithmetic share one register layout: no shared-memory shuffle
+  or barrier in the K loop, and the compiler can issue the loads of a K iteration (up to 32 steps, several
+  chunks) together. Summation order, fixed by the source (element-wise adds only, never ``tl.sum`` on floats):
+  lane ``(g, e)`` of an output (one float32 accumulator per weight row, x row and lane, from +0.0) adds the
+  products ``x[k] * w[n, k]`` of ``k = 256 c + SUB g + VW j + e`` in the order of ``(c, j)``; at the end the
+  ``NSUB * VW`` lanes (index ``VW g + e``) are summed pairwise, ``a[2l] + a[2l+1]`` level by level
+  (tests/test_tkernels.py ``gemv_order`` is this order in torch). The bits are therefore the same on the GPU as
+  in the interpreter, for every ``m_hint <= 8`` and whatever the alignment. Masked elements (a ragged last chunk,
+  chunks past ``n_cols`` in the last K iteration) add ``+0.0`` to an accumulator that cannot be ``-0.0``: no
+  change. Alignment: where the matrix's base address, every used group offset and ``row_bytes`` are multiples of
+  ``VW`` (checked on the host at launch: :func:`alignment`; ``grouped_planned`` takes the caller's ``align``), the
+  compiler is told so and merges each run into one 16/32-bit load; otherwise (``ALIGN = 1``) the same code
+  loads single bytes: the same values, the same bits, only slower.
+* ``m_hint <= 8``, the other types (and every type with ``MOESTREAM_GEMV_WIDE=0``): GEMV branch of
+  ``_matmul_kernel``. ``BLOCK_N = 16`` weight rows, ``BLOCK_K = 256``, 4 warps; byte loads. Each program
+  decodes its ``16 x 256`` weight tile once per K chunk and multiplies it with each of its x rows: float32
+  products, ``tl.sum`` over the 32 (16 for Q6_K) elements of a sub-block, then over the sub-blocks, then added
+  to the running sum (a reduction tree that the compiler's register layout decides, fixed per configuration).
 * ``m_hint > 8`` (prefill): GEMM path. ``BLOCK_M = 32``, ``BLOCK_N = 64``, ``BLOCK_K = 64``, 4 warps: the
   decoded ``64 x 64`` tile goes through ``tl.dot(x, w.T, acc, input_precision="ieee")`` (float32 FMA, never
   tf32).
@@ -29,12 +50,16 @@ the offsets or the row counts. So an output row of a (matrix, x row) pair has th
 matrix sits in the pool, whatever else shares the launch, and through :func:`linear` or :func:`grouped`,
 given the same ``m_hint``.
 
+``MOESTREAM_GEMV_WIDE=0`` in the environment (read at import into :data:`GEMV_WIDE`, which may also be set at
+run time) selects the old GEMV branch for every type, for A/B runs (benchmarks/gemv_ab.py; whole models). The
+two paths sum in different orders, so their outputs differ in the last bits (both within the float32 bound).
+
 K is masked: ``n_cols`` need only be a multiple of the type's block size (no K-chunk multiple required). The
 matmul kernel takes ``n_cols`` as a compile-time constant (one compile per distinct width: a model has a few;
 it also keeps the K loop a plain Python range under the interpreter with numpy 2.4).
 
 Public API: :data:`TYPES`, :func:`computes`, :func:`available`, :func:`dequantize`, :func:`linear`,
-:func:`grouped`.
+:func:`grouped`, :func:`grouped_planned`, :func:`alignment`.
 """
 
 from __future__ import annotations
@@ -53,7 +78,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
 
-__all__ = ["TYPES", "available", "computes", "dequantize", "grouped", "linear"]
+__all__ = ["TYPES", "alignment", "available", "computes", "dequantize", "grouped", "grouped_planned", "linear"]
 
 T = GGMLQuantizationType
 
@@ -66,6 +91,14 @@ TYPES: frozenset[int] = frozenset(int(t) for t in (
 _IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 GEMV_MAX_M = 8  # m_hint up to this: GEMV path
+
+#: the GEMV path's kernel for these types (ggml type -> bytes per load, VW): _gemv_kernel; the others (and every
+#: type with MOESTREAM_GEMV_WIDE=0) take _matmul_kernel's GEMV branch
+GEMV_VW: dict[int, int] = {int(T.Q4_K): 4, int(T.Q6_K): 2, int(T.Q4_0): 2, int(T.Q8_0): 2}
+#: whether _gemv_kernel is used (the environment's MOESTREAM_GEMV_WIDE at import; "0" selects _matmul_kernel's
+#: GEMV branch for every type, the path before it existed: for A/B runs). Read at each launch: may be changed.
+GEMV_WIDE: bool = os.environ.get("MOESTREAM_GEMV_WIDE", "1") != "0"
+GEMV_WARPS = 2  # _gemv_kernel: warps per program; BLOCK_N = 32 * GEMV_WARPS / NSUB weight rows
 
 
 def available() -> bool:
@@ -99,8 +132,24 @@ def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int) -> dict[str, 
         bm = 1
         while bm < m_hint:
             bm *= 2
-        return dict(BLOCK_M=bm, BLOCK_N=16, NSUB=256 // sub, SUB=sub, GEMM=False, num_warps=4)
-    return dict(BLOCK_M=32, BLOCK_N=64, NSUB=64 // sub, SUB=sub, GEMM=True, num_warps=4)
+        if GEMV_WIDE and ggml_type in GEMV_VW:
+            nsub = 256 // sub
+            return dict(BLOCK_M=bm, BLOCK_N=32 * GEMV_WARPS // nsub, NSUB=nsub, SUB=sub, VW=GEMV_VW[ggml_type],
+                        GEMM=False, WIDE=True, num_warps=GEMV_WARPS)
+        return dict(BLOCK_M=bm, BLOCK_N=16, NSUB=256 // sub, SUB=sub, GEMM=False, WIDE=False, num_warps=4)
+    return dict(BLOCK_M=32, BLOCK_N=64, NSUB=64 // sub, SUB=sub, GEMM=True, WIDE=False, num_warps=4)
+
+
+def alignment(*values: Any) -> int:
+    """The largest power of two, at most 16, dividing every value (ints, int arrays or tensors on the host: a
+    pool's ``data_ptr()``, byte offsets, a row stride)."""
+    o = 0
+    for v in values:
+        a = np.asarray(v, dtype=np.int64).reshape(-1)
+        if a.size:
+            o |= int(np.bitwise_or.reduce(a))
+    o |= 16
+    return o & -o
 
 
 # ---------------------------------------------------------------------------
@@ -145,6 +194,18 @@ if triton is not None:
         sc = tl.where(lo, b_t & 63, (b_t4 & 15) | ((b_lo >> 6) << 4))
         mn = tl.where(lo, b_t4 & 63, (b_t4 >> 4) | ((b_t >> 6) << 4))
         return sc, mn
+
+    @triton.jit
+    def _q6k_w(bb, t, i, mel, dl):
+        """Q6_K weights (float32) of elements ``i`` of group ``t`` (of 16) of the super-blocks at byte pointers
+        ``bb``, given ``dl = d * sc``: 6-bit quants from ql (low 4 bits) and qh (high 2 bits), ``(q - 32) * dl``."""
+        j = 16 * t + i  # element of the super-block
+        h = j // 128
+        r = j % 128
+        lo4 = (_u8(bb + 64 * h + (r % 64), mel) >> (4 * (r // 64))) & 15
+        hi2 = (_u8(bb + 128 + 32 * h + (r % 32), mel) >> (2 * (r // 32))) & 3
+        w = (lo4 | (hi2 << 4)) - 32
+        return w.to(tl.float32) * dl
 
     @triton.jit
     def _decode(wp, msub, mel, k0, kv_ptr, QTYPE: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr):
@@ -227,13 +288,7 @@ if triton is not None:
             d = _f16at(bb + 208, msub)
             sc = (_u8(bb + 192 + t, msub) ^ 128) - 128
             dl = d * sc.to(tl.float32)
-            j = 16 * t + i
-            h = j // 128
-            r = j % 128
-            lo4 = (_u8(bb + 64 * h + (r % 64), mel) >> (4 * (r // 64))) & 15
-            hi2 = (_u8(bb + 128 + 32 * h + (r % 32), mel) >> (2 * (r // 32))) & 3
-            w = (lo4 | (hi2 << 4)) - 32
-            w = w.to(tl.float32) * dl
+            w = _q6k_w(bb, t, i, mel, dl)
         elif QTYPE == 23:  # IQ4_XS: fp16 d | u16 scales_h | 4 bytes scales_l | 128 bytes; x = (d*(ls-32)) * kv[q]
             t = s % 8
             bb = wp + 136 * (s // 8)
@@ -308,6 +363,165 @@ if triton is not None:
                     acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)
         optr = out_ptr + prow.to(tl.int64)[:, None] * n_rows + rn[None, :]
         tl.store(optr, acc, mask=pmask[:, None] & nmask[None, :])
+
+    # --- GEMV path (m_hint <= 8) for the types in GEMV_TYPES: see the module docstring ---------------------
+
+    @triton.jit
+    def _pick(b, e, k, NB: tl.constexpr):
+        """Little-endian ``NB``-byte integer (int32 >= 0, NB <= 2) starting at byte ``NB*k`` of the bytes ``b``
+        [.., VW] (int32 0..255 along the last axis ``e``); keeps that axis as size 1. An integer sum over the
+        vector axis: exact whatever the order."""
+        sh = tl.where(e // NB == k, b << (8 * (e % NB)), 0)
+        return tl.sum(sh, axis=2, keep_dims=True)
+
+    @triton.jit
+    def _gv_decode(wp, rmask, s, i0, e, n_cols, QTYPE: tl.constexpr, SUB: tl.constexpr, VW: tl.constexpr):
+        """Weights ``SUB*s + i0 + e`` (float32 [BN, NSUB, VW], 0 where masked) of the rows at byte pointers
+        ``wp`` [BN, 1, 1]: global sub-blocks ``s`` [1, NSUB, 1], first element ``i0`` (a multiple of VW),
+        ``e`` = arange(VW) [1, 1, VW].
+
+        Every load is a run of ``VW`` bytes at a multiple of ``VW`` in the block (given an aligned row), read into
+        a [BN, NSUB, VW] tensor, so that the compiler gives all of them the layout of the x loads; fp16 fields and
+        scale bytes are picked out of such runs with exact integer sums. The same arithmetic as :func:`_decode`
+        (moestream.quant): the same float32 values.
+        """
+        msub = rmask & (SUB * s < n_cols)
+        i = i0 + e
+        mel = rmask & (SUB * s + i < n_cols)
+        if QTYPE == 12:  # Q4_K (VW 4): fp16 d | fp16 dmin | 12 bytes scales | 128 bytes; x = (d*sc) * q - (dmin*mn)
+            t = s % 8
+            bb = wp + 144 * (s // 8)
+            hdr = _u8(bb + e, msub)  # d, dmin
+            d = _f16_bits_to_f32(_pick(hdr, e, 0, 2))
+            dmin = _f16_bits_to_f32(_pick(hdr, e, 1, 2))
+            b_t = _pick(_u8(bb + 4 + 4 * (t // 4) + e, msub), e, t % 4, 1)  # scale byte t
+            b_t4 = _pick(_u8(bb + 8 + 4 * (t // 4) + e, msub), e, t % 4, 1)  # scale byte t + 4
+            b_lo = _pick(_u8(bb + 4 + e, msub), e, t % 4, 1)  # scale byte t % 4
+            lo = t < 4
+            sc = tl.where(lo, b_t & 63, (b_t4 & 15) | ((b_lo >> 6) << 4))
+            mn = tl.where(lo, b_t4 & 63, (b_t4 >> 4) | ((b_t >> 6) << 4))
+            dl = d * sc.to(tl.float32)
+            ml = dmin * mn.to(tl.float32)
+            q = (_u8(bb + 16 + 32 * (t // 2) + i, mel) >> (4 * (t % 2))) & 15
+            w = q.to(tl.float32) * dl - ml
+        elif QTYPE == 14:  # Q6_K (VW 2): 128 bytes ql | 64 bytes qh | 16 int8 scales | fp16 d; x = (d*sc) * (q - 32)
+            t = s % 16
+            bb = wp + 210 * (s // 16)
+            d = _f16_bits_to_f32(_pick(_u8(bb + 208 + e, msub), e, 0, 2))
+            sc = (_pick(_u8(bb + 192 + 2 * (t // 2) + e, msub), e, t % 2, 1) ^ 128) - 128
+            dl = d * sc.to(tl.float32)
+            w = _q6k_w(bb, t, i, mel, dl)
+        elif QTYPE == 2:  # Q4_0 (VW 2): fp16 d | 16 bytes (element i: low nibble of byte i % 16 for i < 16, else high)
+            bb = wp + 18 * s
+            d = _f16_bits_to_f32(_pick(_u8(bb + e, msub), e, 0, 2))
+            q = (_u8(bb + 2 + (i % 16), mel) >> (4 * (i // 16))) & 15
+            w = (q - 8).to(tl.float32) * d
+        elif QTYPE == 8:  # Q8_0 (VW 2): fp16 d | 32 int8; x = q * d
+            bb = wp + 34 * s
+            d = _f16_bits_to_f32(_pick(_u8(bb + e, msub), e, 0, 2))
+            q = (_u8(bb + 2 + i, mel) ^ 128) - 128
+            w = q.to(tl.float32) * d
+        else:
+            tl.static_assert(False, "tkernels: no GEMV decoder for this ggml type")
+        return tl.where(mel, w, 0.0)
+
+    @triton.jit
+    def _pair_sum(a, R: tl.constexpr, LOGN: tl.constexpr):
+        """float32 [R, 2**LOGN] -> [R]: the pairwise tree ``a[2j] + a[2j+1]``, level by level (LOGN levels).
+
+        Element-wise adds in a fixed order, so the bits never depend on how the compiler lays the tensor out
+        over threads (unlike a float ``tl.sum``)."""
+        for lvl in tl.static_range(LOGN):
+            lo, hi = tl.split(tl.reshape(a, [R, (1 << LOGN) >> (lvl + 1), 2]))
+            a = lo + hi
+        return tl.reshape(a, [R])
+
+    @triton.jit
+    def _gv_xrow(x_ptr, src_ptr, p0, cnt, m: tl.constexpr, n_cols: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Row ``m`` of the tile: (x row pointers [BN, 1, 1], all the same, so that the x loads get the weight
+        tile's shape and register layout: no shuffle between loads and products; whether the row exists)."""
+        ok = m < cnt
+        src = tl.load(src_ptr + p0 + m, mask=ok, other=0).to(tl.int64)
+        return x_ptr + src * n_cols + tl.zeros([BLOCK_N, 1, 1], dtype=tl.int64), ok
+
+    @triton.jit
+    def _gv_acc(acc, w, xp, ok, kel, n_cols: tl.constexpr):
+        """``acc + w * x[kel]`` (float32 [BN, NSUB, VW], one rounding each; x 0 where masked or ``ok`` false)."""
+        return acc + w * tl.load(xp + kel, mask=ok & (kel < n_cols), other=0.0)
+
+    @triton.jit
+    def _gv_store(acc, out_ptr, prow, rn, nmask, ok, n_rows, BLOCK_N: tl.constexpr, LOG2_LANES: tl.constexpr):
+        """Output row ``prow``: each weight row's lanes summed by :func:`_pair_sum`."""
+        part = _pair_sum(tl.reshape(acc, [BLOCK_N, 1 << LOG2_LANES]), BLOCK_N, LOG2_LANES)
+        tl.store(out_ptr + prow.to(tl.int64) * n_rows + rn, part, mask=nmask & ok)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, off_ptr, tiles_ptr, src_ptr, out_ptr, n_rows, row_units,
+                     n_cols: tl.constexpr, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     NSUB: tl.constexpr, SUB: tl.constexpr, VW: tl.constexpr, LOG2_LANES: tl.constexpr,
+                     ALIGN: tl.constexpr, UNROLL: tl.constexpr):
+        # program (tile, n block) as in _matmul_kernel. row_units = row_bytes // ALIGN and every group offset a
+        # multiple of ALIGN (the host checked both), written so that the compiler sees the alignment. The x rows
+        # of the tile (BLOCK_M <= 8) have one accumulator each (acc0 .. acc7; the unused ones compile away).
+        pid_t = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        grp = tl.load(tiles_ptr + 3 * pid_t)
+        p0 = tl.load(tiles_ptr + 3 * pid_t + 1)
+        cnt = tl.load(tiles_ptr + 3 * pid_t + 2)
+        off = tl.load(off_ptr + grp)
+        base = w_ptr + (off // ALIGN) * ALIGN
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < n_rows
+        rmask = nmask[:, None, None]
+        wp = base + rn.to(tl.int64)[:, None, None] * (row_units.to(tl.int64) * ALIGN)  # [BN, 1, 1]
+        g = tl.arange(0, NSUB)[None, :, None]
+        e = tl.arange(0, VW)[None, None, :]
+        xp0, ok0 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 0, n_cols, BLOCK_N)
+        xp1, ok1 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 1, n_cols, BLOCK_N)
+        xp2, ok2 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 2, n_cols, BLOCK_N)
+        xp3, ok3 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 3, n_cols, BLOCK_N)
+        xp4, ok4 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 4, n_cols, BLOCK_N)
+        xp5, ok5 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 5, n_cols, BLOCK_N)
+        xp6, ok6 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 6, n_cols, BLOCK_N)
+        xp7, ok7 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 7, n_cols, BLOCK_N)
+        # lane (n, g, e) of row m accumulates x[m, k] * w[n, k] for k = k0 + SUB*g + VW*j + e, in the order of
+        # (k0 = 0, NSUB*SUB, ...; j = 0 .. SUB/VW - 1); float32, one rounding per product and per addition
+        acc0 = tl.zeros([BLOCK_N, NSUB, VW], dtype=tl.float32)
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
+        acc4 = acc0
+        acc5 = acc0
+        acc6 = acc0
+        acc7 = acc0
+        for kb in range(0, n_cols, UNROLL * NSUB * SUB):
+            for u in tl.static_range(UNROLL):
+                s = (kb + u * NSUB * SUB) // SUB + g  # global sub-block index [1, NSUB, 1]
+                for j in tl.static_range(SUB // VW):
+                    w = _gv_decode(wp, rmask, s, VW * j, e, n_cols, QTYPE, SUB, VW)  # [BN, NSUB, VW]
+                    kel = SUB * s + VW * j + e
+                    acc0 = _gv_acc(acc0, w, xp0, ok0, kel, n_cols)
+                    if BLOCK_M > 1:
+                        acc1 = _gv_acc(acc1, w, xp1, ok1, kel, n_cols)
+                    if BLOCK_M > 2:
+                        acc2 = _gv_acc(acc2, w, xp2, ok2, kel, n_cols)
+                        acc3 = _gv_acc(acc3, w, xp3, ok3, kel, n_cols)
+                    if BLOCK_M > 4:
+                        acc4 = _gv_acc(acc4, w, xp4, ok4, kel, n_cols)
+                        acc5 = _gv_acc(acc5, w, xp5, ok5, kel, n_cols)
+                        acc6 = _gv_acc(acc6, w, xp6, ok6, kel, n_cols)
+                        acc7 = _gv_acc(acc7, w, xp7, ok7, kel, n_cols)
+        _gv_store(acc0, out_ptr, p0, rn, nmask, ok0, n_rows, BLOCK_N, LOG2_LANES)
+        if BLOCK_M > 1:
+            _gv_store(acc1, out_ptr, p0 + 1, rn, nmask, ok1, n_rows, BLOCK_N, LOG2_LANES)
+        if BLOCK_M > 2:
+            _gv_store(acc2, out_ptr, p0 + 2, rn, nmask, ok2, n_rows, BLOCK_N, LOG2_LANES)
+            _gv_store(acc3, out_ptr, p0 + 3, rn, nmask, ok3, n_rows, BLOCK_N, LOG2_LANES)
+        if BLOCK_M > 4:
+            _gv_store(acc4, out_ptr, p0 + 4, rn, nmask, ok4, n_rows, BLOCK_N, LOG2_LANES)
+            _gv_store(acc5, out_ptr, p0 + 5, rn, nmask, ok5, n_rows, BLOCK_N, LOG2_LANES)
+            _gv_store(acc6, out_ptr, p0 + 6, rn, nmask, ok6, n_rows, BLOCK_N, LOG2_LANES)
+            _gv_store(acc7, out_ptr, p0 + 7, rn, nmask, ok7, n_rows, BLOCK_N, LOG2_LANES)
 
 
 # ---------------------------------------------------------------------------
@@ -470,11 +684,25 @@ def _tiles(starts: np.ndarray, block_m: int) -> np.ndarray:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tiles: np.ndarray | torch.Tensor,
             src: torch.Tensor, out: torch.Tensor, ggml_type: int, n_rows: int, n_cols: int, row_bytes: int,
-            cfg: dict) -> None:
+            cfg: dict, align: int) -> None:
+    """One launch; ``align``: a power of two dividing ``w.data_ptr()``, ``row_bytes`` and every used offset
+    (:func:`alignment`; 1 when unknown): picks wide or byte loads in _gemv_kernel, never the bits."""
     if len(tiles) == 0 or n_rows == 0:
         return
     tiles_d = tiles if isinstance(tiles, torch.Tensor) else _upload(tiles, x.device)
     grid = (len(tiles), triton.cdiv(n_rows, cfg["BLOCK_N"]))
+    if cfg["WIDE"]:
+        vw = cfg["VW"]
+        a = vw if align % vw == 0 and w.data_ptr() % vw == 0 and row_bytes % vw == 0 else 1
+        # chunks of 256 per K-loop iteration: about 32 decode steps of straight-line code (loads that the compiler
+        # may issue together), a bounded compile; chunks past n_cols are masked (they add +0.0: no bit changes)
+        unroll = max(1, min(triton.cdiv(n_cols, 256), 32 * vw // cfg["SUB"]))
+        lanes = cfg["NSUB"] * vw
+        _gemv_kernel[grid](x, w, offsets, tiles_d, src, out, n_rows, row_bytes // a, n_cols,
+                           QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NSUB=cfg["NSUB"],
+                           SUB=cfg["SUB"], VW=vw, LOG2_LANES=lanes.bit_length() - 1, ALIGN=a, UNROLL=unroll,
+                           num_warps=cfg["num_warps"], enable_fp_fusion=False)
+        return
     _matmul_kernel[grid](x, w, offsets, tiles_d, src, out, _kv(x.device), n_rows, row_bytes, n_cols,
                          QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                          NSUB=cfg["NSUB"], SUB=cfg["SUB"], BLOCK_K=cfg["NSUB"] * cfg["SUB"], GEMM=cfg["GEMM"],
@@ -494,13 +722,16 @@ def plan_tiles(starts: np.ndarray, m_hint: int) -> np.ndarray:
 
 def grouped_planned(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, tiles: torch.Tensor,
                     src_rows: torch.Tensor, ggml_type: int, n_rows: int, n_cols: int, m_hint: int,
-                    out: torch.Tensor) -> torch.Tensor:
+                    out: torch.Tensor, align: int = 1) -> torch.Tensor:
     """:func:`grouped` with everything already on the device and nothing checked on the host (the caller built
     the arguments: the MoE layer, one upload for all of them): offsets int64 [G], tiles int32 [n_tiles, 3] from
-    :func:`plan_tiles` with the same ``m_hint``, src_rows int32 [P], out float32 [P, n_rows]. The same bits as
-    :func:`grouped`. Returns ``out``."""
+    :func:`plan_tiles` with the same ``m_hint``, src_rows int32 [P], out float32 [P, n_rows]. ``align``: a power
+    of two that the caller guarantees divides every offset (:func:`alignment` of the offsets' parts; 1: no
+    promise); it lets the GEMV path load wide words and never changes a bit. The same bits as :func:`grouped`.
+    Returns ``out``."""
     cfg = _config(int(ggml_type), n_rows, n_cols, int(m_hint))
-    _launch(x, pool, offsets, tiles, src_rows, out, ggml_type, n_rows, n_cols, _row_bytes(ggml_type, n_cols), cfg)
+    _launch(x, pool, offsets, tiles, src_rows, out, ggml_type, n_rows, n_cols, _row_bytes(ggml_type, n_cols), cfg,
+            int(align))
     return out
 
 
@@ -554,7 +785,7 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int, m_hi
         if len(_LINEAR_CONST) > 4096:  # many distinct prefill lengths: keep it bounded
             _LINEAR_CONST.clear()
     offsets, src, tiles_d, _ = const
-    _launch(x, raw, offsets, tiles_d, src, out, ggml_type, rows, n_cols, stride, cfg)
+    _launch(x, raw, offsets, tiles_d, src, out, ggml_type, rows, n_cols, stride, cfg, 16)
     return out
 
 
@@ -621,5 +852,6 @@ def grouped(x: torch.Tensor, pool: torch.Tensor, offsets: Any, starts: Any, src_
     cfg = _config(int(ggml_type), n_rows, n_cols, int(m_hint))
     off_d = _as_tensor(off_h, torch.int64, x.device)
     src_d = _as_tensor(src_rows, torch.int32, x.device)
-    _launch(x, pool, off_d, _tiles(st, cfg["BLOCK_M"]), src_d, out, ggml_type, n_rows, n_cols, nb, cfg)
+    _launch(x, pool, off_d, _tiles(st, cfg["BLOCK_M"]), src_d, out, ggml_type, n_rows, n_cols, nb, cfg,
+            alignment(off_h[used]))
     return out
