@@ -345,7 +345,7 @@ def gemv_cols(qtype: GGMLQuantizationType) -> int:
 
 @pytest.mark.parametrize("m", (1, 2, 5, 8))
 @pytest.mark.parametrize("qtype", GEMV_TYPES, ids=ids)
-def test_gemv_documented_order(device, qtype, m):
+def test_gemv_documented_order(device, qtype, m, monkeypatch):
     """linear at m_hint = T <= 8: bitwise the order of gemv_order (on CUDA as in the interpreter), so the same
     bits for every m_hint of the GEMV path; and within the float64 bound."""
     n_cols = gemv_cols(qtype)
@@ -356,6 +356,12 @@ def test_gemv_documented_order(device, qtype, m):
     y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=m)
     assert_bits_equal(y.cpu(), gemv_order(x, w, qtype), f"{qtype.name} m={m}")
     assert_close_to_f64(y, x, w, f"{qtype.name} m={m}")
+    if not ON_CUDA:  # the interpreter's rows per program (GEMV_INTERP_BLOCK_N) and the GPU's: the same bits
+        gpu_rows = 32 * tkernels.GEMV_WARPS // (256 // tkernels._sub(int(qtype)))
+        monkeypatch.setattr(tkernels, "GEMV_INTERP_BLOCK_N", gpu_rows)
+        assert tkernels._config(int(qtype), 9, n_cols, m)["BLOCK_N"] == gpu_rows < 9
+        y_gpu_rows = tkernels.linear(x, raw, qtype, n_cols, m_hint=m)
+        assert_bits_equal(y_gpu_rows, y, f"{qtype.name} m={m}: {gpu_rows} rows per program")
 
 
 @pytest.mark.parametrize("m_hint", (1, 5))

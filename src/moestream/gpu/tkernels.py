@@ -17,7 +17,8 @@ Kernel configuration (fixed, no autotune), a function of ``(ggml_type, m_hint)``
 
 * ``m_hint <= 8`` (decode), Q4_K, Q6_K, Q4_0, Q8_0 (:data:`GEMV_VW`): ``_gemv_kernel``. ``BLOCK_M =
   next_pow2(m_hint)`` x rows (one tile; each weight byte read once per launch), 2 warps, one thread per
-  (weight row, sub-block): ``BLOCK_N = 64 / NSUB`` weight rows (8; 4 for Q6_K), ``NSUB`` sub-blocks of ``SUB``
+  (weight row, sub-block): ``BLOCK_N = 64 / NSUB`` weight rows (8; 4 for Q6_K; 256 under Triton's interpreter:
+  :data:`GEMV_INTERP_BLOCK_N`), ``NSUB`` sub-blocks of ``SUB``
   elements per 256-element chunk (8 x 32; 16 x 16 for Q6_K). A thread walks its sub-block ``VW`` elements at a
   time (``VW`` = 4 for Q4_K, 2 for the others: the block sizes 144, 210, 18 and 34 bytes keep runs of VW bytes
   VW-aligned), each load a [BN, NSUB, VW] tensor: the quant bytes, the fp16 scales and the scale bytes are all
@@ -99,6 +100,11 @@ GEMV_VW: dict[int, int] = {int(T.Q4_K): 4, int(T.Q6_K): 2, int(T.Q4_0): 2, int(T
 #: GEMV branch for every type, the path before it existed: for A/B runs). Read at each launch: may be changed.
 GEMV_WIDE: bool = os.environ.get("MOESTREAM_GEMV_WIDE", "1") != "0"
 GEMV_WARPS = 2  # _gemv_kernel: warps per program; BLOCK_N = 32 * GEMV_WARPS / NSUB weight rows
+#: _gemv_kernel's weight rows per program under Triton's interpreter (``TRITON_INTERPRET=1``, CPU CI). There a
+#: program costs per operation, not per element, and the GPU's 8 rows made a default-model decode step about 26x
+#: slower than the old kernel (a [16384, 64] Q8_0 GEMV: 259 s vs 9.8 s; 8.5 s at 256 rows). Every weight row sums
+#: its own lanes, so the rows per program never change a bit (tests/test_tkernels.py checks both sizes).
+GEMV_INTERP_BLOCK_N = 256
 
 
 def available() -> bool:
@@ -134,7 +140,8 @@ def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int) -> dict[str, 
             bm *= 2
         if GEMV_WIDE and ggml_type in GEMV_VW:
             nsub = 256 // sub
-            return dict(BLOCK_M=bm, BLOCK_N=32 * GEMV_WARPS // nsub, NSUB=nsub, SUB=sub, VW=GEMV_VW[ggml_type],
+            bn = GEMV_INTERP_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1" else 32 * GEMV_WARPS // nsub
+            return dict(BLOCK_M=bm, BLOCK_N=bn, NSUB=nsub, SUB=sub, VW=GEMV_VW[ggml_type],
                         GEMM=False, WIDE=True, num_warps=GEMV_WARPS)
         return dict(BLOCK_M=bm, BLOCK_N=16, NSUB=256 // sub, SUB=sub, GEMM=False, WIDE=False, num_warps=4)
     return dict(BLOCK_M=32, BLOCK_N=64, NSUB=64 // sub, SUB=sub, GEMM=True, WIDE=False, num_warps=4)
