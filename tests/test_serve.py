@@ -1105,10 +1105,10 @@ def test_health_503_once_the_file_changed_in_place(tmp_path: Path) -> None:
         assert err["type"] == "unavailable_error"
         assert err["message"].startswith(f"the model can no longer compute: {path}: model file changed size")
         assert err["message"].endswith("while in use; restart the server")
-        assert err["code"] == "model_unavailable"
+        assert err["code"] == "model_file_changed"
         rejected = metrics(s)['moestream_requests_total{outcome=rejected}']
         refused = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_unavailable", refused.text
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_file_changed", refused.text
         # /metrics agrees with /health and the request's log line (outcome=rejected status=503)
         m = metrics(s)
         assert m["moestream_model_loaded"] == 0
@@ -1117,11 +1117,13 @@ def test_health_503_once_the_file_changed_in_place(tmp_path: Path) -> None:
         s.stop()
 
 
-def test_health_503_while_the_model_file_cannot_be_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_health_503_while_the_model_file_cannot_be_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """With no request coming (what llama-swap's polls of /health meet): a read of the model file failing with
     EIO (planted in ``os.preadv`` for that file's descriptors, the read path of the expert reads) makes /health
     503 naming the file and the error, while requests are still taken; the fault gone, 200 again. The file's bytes
-    changed in place: 503 from the next poll on, and every request too, without a request having failed first."""
+    changed in place: 503 model_file_changed from the next poll on (the log says so once, naming the file, what
+    changed and the code), and every request too, without a request having failed first."""
     import errno
 
     from moestream import server
@@ -1173,11 +1175,22 @@ def test_health_503_while_the_model_file_cannot_be_read(tmp_path: Path, monkeypa
         assert code == 200
         body = {"prompt": "The history of", "max_tokens": 2, "temperature": 0}
         assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 200
+        capsys.readouterr()
         with open(path, "ab") as f:
             f.write(b"\0" * 16)
-        h = httpx.get(s.base + "/health")
-        assert h.status_code == 503 and "model file changed size" in h.json()["error"]["message"], h.text
-        assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 503
+        for _ in range(2):  # the poll that finds it and the next say the same
+            h = httpx.get(s.base + "/health")
+            err = h.json()["error"]
+            assert h.status_code == 503 and err["code"] == "model_file_changed", h.text
+            assert err["message"] == (f"the model can no longer compute: {path}: model file changed size from "
+                                      f"{DEFAULT_GGUF.stat().st_size} to {DEFAULT_GGUF.stat().st_size + 16} bytes "
+                                      "while in use; restart the server")
+        refused = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_file_changed", refused.text
+        said = [ln for ln in capsys.readouterr().err.splitlines() if "can no longer compute" in ln]
+        assert said == [f"moestream: error: the model can no longer compute ({path}: model file changed size from "
+                        f"{DEFAULT_GGUF.stat().st_size} to {DEFAULT_GGUF.stat().st_size + 16} bytes while in use); "
+                        "GET /health answers 503 code=model_file_changed from now on (restart the server)"]
     finally:
         monkeypatch.setattr(os, "preadv", real)
         s.stop()

@@ -563,7 +563,7 @@ def describe_change(old: tuple[int, int, int, int], new: tuple[int, int, int, in
         return "was replaced by another file"
     if new[2] != old[2]:
         return f"changed size from {old[2]} to {new[2]} bytes"
-    return "was modified"
+    return "was modified (its mtime changed)"
 
 
 class GGUFModel:

@@ -209,6 +209,8 @@ class ServerState:
         self.load_error: str | None = None
         #: why the loaded model can no longer compute (then /health and every request answer 503), or None
         self.broken: str | None = None
+        #: the 503's code while broken: model_file_changed (the file's bytes changed in place) or model_unavailable
+        self.broken_code = "model_unavailable"
         self._read_faults = 0  # requests in a row that failed on an expert read
         self._last_fault: BaseException | None = None
         self.jobs: queue.Queue[Job | None] = queue.Queue()
@@ -428,8 +430,9 @@ class ServerState:
     def _note_fault(self, e: MoestreamError) -> None:
         """Mark the model broken after a change of its file's bytes, or the READ_FAULTS_BROKEN-th read fault in a
         row; says so once on stderr."""
+        code = "model_unavailable"
         if isinstance(e, ModelFileChanged):
-            reason = str(e)
+            reason, code = str(e), "model_file_changed"
         elif isinstance(e, ExpertReadError):
             if e is self._last_fault:  # one fault of a step that several requests shared counts once
                 return
@@ -442,9 +445,14 @@ class ServerState:
             self._read_faults = 0
             return
         if self.broken is None:
+            self.broken_code = code  # before broken: a reader that sees broken sees its code
             self.broken = reason
-            print("moestream: error: the model can no longer compute; GET /health answers 503 from now on (restart "
-                  "the server)", file=sys.stderr, flush=True)
+            print(f"moestream: error: the model can no longer compute ({reason}); GET /health answers 503 "
+                  f"code={code} from now on (restart the server)", file=sys.stderr, flush=True)
+
+    def broken_error(self) -> APIError:
+        """The 503 of /health and of every request once the model is broken (``broken`` set)."""
+        return unavailable(f"the model can no longer compute: {self.broken}; restart the server", self.broken_code)
 
     def log_request(self, job: Job, outcome: str, stats=None, finish: str | None = None,  # noqa: ANN001 - GenStats
                     status: int | None = None) -> None:
@@ -469,6 +477,8 @@ class ServerState:
         except TimeoutError:
             raise unavailable(f"a read of the model file has not returned after {HEALTH_PROBE_TIMEOUT_S:g} s",
                               "model_file_unreadable") from None
+        if self.broken is not None:  # this probe or an earlier one found the bytes changed, or the last read fault
+            raise self.broken_error()
         if why is not None:
             raise unavailable(f"the model file cannot be read: {why}", "model_file_unreadable")
 
@@ -1275,8 +1285,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             raise APIError(500, f"the model failed to load: {state.load_error}", "server_error",
                            code="model_load_failed")
         if state.broken is not None:
-            raise unavailable(f"the model can no longer compute: {state.broken}; restart the server",
-                              "model_unavailable")
+            raise state.broken_error()
         if not state.ready:
             raise unavailable("Loading model", "model_loading")
         return state.loaded  # type: ignore[return-value]
