@@ -709,7 +709,8 @@ def test_a_failure_while_generating_is_a_500_and_the_next_request_is_served(srv:
                                                                            monkeypatch: pytest.MonkeyPatch,
                                                                            capsys: pytest.CaptureFixture) -> None:
     """A read fault (the store's own error type) in the middle of a generation: 500 (a plain reply) or an error
-    event (streamed), each logged as an error, then the next request gets the library's text."""
+    event (streamed), each logged as an error with the reply's status and code (generation_failed, as a rejected
+    request's line gives its own), then the next request gets the library's text."""
     from moestream.errors import ExpertReadError
 
     engine = srv.state.loaded.engine
@@ -724,19 +725,20 @@ def test_a_failure_while_generating_is_a_500_and_the_next_request_is_served(srv:
     monkeypatch.setattr(engine, "forward", failing)
     r = httpx.post(srv.base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 8}, timeout=60)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-    assert "planted read fault" in r.json()["error"]["message"]
+    assert "planted read fault" in r.json()["error"]["message"] and r.json()["error"]["code"] == "generation_failed"
     calls.clear()
     with httpx.stream("POST", srv.base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 8,
                                                                         "stream": True}) as resp:
         evs = sse_events(resp)
     assert "planted read fault" in evs[-1]["error"]["message"] and "[DONE]" not in evs
+    assert evs[-1]["error"]["code"] == "generation_failed"
     monkeypatch.setattr(engine, "forward", real)
     want, _ = library_text(oracle, encode_chat(oracle[1], USER), 8)
     assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=8,
                                           temperature=0).choices[0].message.content == want
     logged = log_lines(capsys.readouterr().err)
-    assert [(d["outcome"], d.get("status")) for d in logged] == [("error", "500"), ("error", "500"),
-                                                                 ("completed", None)], logged
+    assert [(d["outcome"], d.get("status"), d.get("code")) for d in logged] == [
+        ("error", "500", "generation_failed"), ("error", "500", "generation_failed"), ("completed", None, None)], logged
     # the fault came at the third forward pass: a prefill chunk or a decode step, as the slot's cache served
     assert [int(d["completion_tokens"]) < 3 for d in logged] == [True, True, False], logged
 

@@ -333,7 +333,7 @@ class ServerState:
             self._count("error")
             err = APIError(500, f"no KV cache for the request ({type(e).__name__}: {e})", "server_error",
                            code="generation_failed")
-            self.log_request(job, "error", status=500)
+            self.log_request(job, "error", error=err)
             job.put(err)
             return
         slot.tokens = slot.tokens[:n]
@@ -387,14 +387,16 @@ class ServerState:
             self._count("error")
             print(f"moestream: error: {e}", file=sys.stderr, flush=True)
             self._note_fault(e)
-            self.log_request(job, "error", gen.stats if gen is not None else None, status=500)
             then = "; the model can no longer compute: every request answers 503 from now on" if self.broken else ""
-            job.put(APIError(500, f"{e}{then}", "server_error", code="generation_failed"))
+            err = APIError(500, f"{e}{then}", "server_error", code="generation_failed")
+            self.log_request(job, "error", gen.stats if gen is not None else None, error=err)
+            job.put(err)
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             self._count("error")
             print(f"moestream: error: generation failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-            self.log_request(job, "error", gen.stats if gen is not None else None, status=500)
-            job.put(APIError(500, f"generation failed ({type(e).__name__})", "server_error", code="generation_failed"))
+            err = APIError(500, f"generation failed ({type(e).__name__})", "server_error", code="generation_failed")
+            self.log_request(job, "error", gen.stats if gen is not None else None, error=err)
+            job.put(err)
         finally:
             self.scheduler.leave(slot.index)
             self.current.pop(slot.index, None)
@@ -455,10 +457,12 @@ class ServerState:
         return unavailable(f"the model can no longer compute: {self.broken}; restart the server", self.broken_code)
 
     def log_request(self, job: Job, outcome: str, stats=None, finish: str | None = None,  # noqa: ANN001 - GenStats
-                    status: int | None = None) -> None:
-        """Print :func:`request_line` of a request that ended (the worker's side: completed, cancelled, failed)."""
-        print(request_line(job.rid, outcome, job=job, stats=stats, finish=finish, status=status), file=sys.stderr,
-              flush=True)
+                    error: APIError | None = None) -> None:
+        """Print :func:`request_line` of a request that ended (the worker's side: completed, cancelled, failed with
+        ``error``, whose status and code the line gives as a rejected request's does)."""
+        status, code = (error.status, error.code) if error is not None else (None, None)
+        print(request_line(job.rid, outcome, job=job, stats=stats, finish=finish, status=status, code=code),
+              file=sys.stderr, flush=True)
 
     async def check_file(self) -> None:
         """/health's check that the loaded model can still read its file: the descriptors' fstat (bytes changed in
