@@ -1020,6 +1020,26 @@ def test_serve_mem_too_small_is_refused_before_it_listens(capsys: pytest.Capture
     assert "--mem 200MiB is too small" in capsys.readouterr().err
 
 
+def test_serve_context_too_big_is_refused_before_it_listens(capsys: pytest.CaptureFixture) -> None:
+    """-c past the context the file was trained for (its key read here with the gguf package), or, with
+    --override-ctx, whose KV cache cannot fit in the memory: one line, exit 1, no "listening" line (the server
+    would have answered /health 503 for nothing), as run refuses the same -c."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(DEFAULT_GGUF).fields["qwen3moe.context_length"]
+    train = int(field.parts[field.data[0]][0])
+    past = train + 1
+    for argv, needle in ((["-c", str(past)], f"-c {past}: a context of {past} tokens is past the {train} tokens "
+                          "default.gguf was trained for (qwen3moe.context_length)"),
+                         (["-c", "2000000000", "--override-ctx"],
+                          "-c 2000000000: a context of 2000000000 tokens needs ")):
+        assert main(["serve", "--port", "0", *argv]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"moestream: error: {needle}"), err
+        assert main(["run", "-n", "2", *argv]) == 1
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"moestream: error: {needle}")
+
+
 def test_serve_trace_records_every_request(tmp_path: Path, oracle: Any) -> None:
     """``serve --trace FILE``: every generation is recorded (a prefill record, one per token, its end line, tagged
     with its request number); each request's token texts add up to what the client received, which is the
