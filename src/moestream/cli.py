@@ -528,6 +528,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prompt, n_predict = _run_options(args)
     StopStrings(args.stop, "--stop")  # an empty --stop is refused before the model loads
+    constraint = grammar_flags(args)  # a grammar or schema file that cannot be read, an empty one: likewise
+    if args.interactive and constraint is not None:
+        raise ConfigError(f"{constraint[0]} constrains one reply; it does not apply to -cnv")
     template = chat_template_option(args)
     _check_common(args)
     if args.routing_trace is not None:  # before the model runs: a bad path is one line, not a lost run
@@ -560,9 +563,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     tok = early["tok"] if "tok" in early else _tokenizer(shape.gguf, template)
     with flag_errors(args):
         params.check_vocab(tok.vocab_size)
-    if args.interactive and grammar_flags(args) is not None:
-        raise ConfigError(f"{grammar_flags(args)[0]} constrains one reply; it does not apply to -cnv")
-    grammar = run_grammar(args, tok, tok.vocab_size)
+    grammar = run_grammar(args, tok, tok.vocab_size, constraint)
     model = None
     trace = None
     run_trace = None  # --trace: moestream/runtrace.py's writer, opened once the store exists

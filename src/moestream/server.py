@@ -970,14 +970,45 @@ def tools_grammar(plan: ToolPlan, tok, n_vocab: int) -> str:  # noqa: ANN001
     return grammar
 
 
+def text_grammar_of(body: dict, tok, n_vocab: int) -> str | None:  # noqa: ANN001
+    """The llguidance grammar of llama-server's ``grammar`` field (a GBNF or Lark grammar text, as run's --grammar);
+    None without one. APIError 400 naming ``grammar`` for a value that is not a string, an empty one (llama-server
+    would read it as no grammar: refused, so that a client that meant one learns it was not applied) and one the
+    grammar library cannot read or compile."""
+    text = body.get("grammar")
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise APIError(400, "'grammar' must be a string (a GBNF or Lark grammar)", param="grammar",
+                       code="invalid_type")
+    if not text.strip():
+        raise APIError(400, "'grammar' is empty: give a GBNF or Lark grammar (with a root rule), or leave it out",
+                       param="grammar", code="invalid_value")
+    from .structured import GrammarError, check_grammar, text_grammar
+
+    try:
+        grammar = text_grammar(text)
+        check_grammar(grammar, tok, n_vocab)
+    except GrammarError as e:
+        raise APIError(400, f"'grammar': {e}", param="grammar", code="invalid_value") from None
+    return grammar
+
+
 def request_grammar(body: dict, plan: ToolPlan | None, tok, n_vocab: int) -> str | None:  # noqa: ANN001
-    """The grammar the reply must follow: ``response_format``'s (:func:`response_grammar`), or one tool call when
-    ``tool_choice`` forces one (:func:`tools_grammar`); None when neither. APIError 400 when both are asked."""
-    grammar = response_grammar(body, tok, n_vocab)
+    """The grammar the reply must follow: ``response_format``'s (:func:`response_grammar`), ``grammar``'s
+    (:func:`text_grammar_of`), or one tool call when ``tool_choice`` forces one (:func:`tools_grammar`); None when
+    none. APIError 400 when more than one is asked."""
+    grammar, param = response_grammar(body, tok, n_vocab), "response_format"
+    text = text_grammar_of(body, tok, n_vocab)
+    if text is not None:
+        if grammar is not None:
+            raise APIError(400, "'response_format' and 'grammar' cannot both shape the reply", param="grammar",
+                           code="invalid_value")
+        grammar, param = text, "grammar"
     if plan is not None and plan.forced:
         if grammar is not None:
-            raise APIError(400, "'response_format' and a 'tool_choice' that forces a tool call cannot both shape "
-                           "the reply", param="response_format", code="invalid_value")
+            raise APIError(400, f"'{param}' and a 'tool_choice' that forces a tool call cannot both shape "
+                           "the reply", param=param, code="invalid_value")
         return tools_grammar(plan, tok, n_vocab)
     return grammar
 
