@@ -764,7 +764,47 @@ def test_a_length_past_any_file_is_corrupt_not_truncated(tmp_path, default_gguf)
     path = tmp_path / "count.gguf"
     path.write_bytes(bytes(data))
     line = assert_one_line_error(moestream("inspect", "-m", str(path)), str(path))
-    assert line.startswith(f"moestream: error: {path}: corrupt GGUF header (a length field at byte {pos + 8} "), line
+    assert line == (f"moestream: error: {path}: corrupt GGUF header (metadata tokenizer.ggml.tokens: a length field "
+                    f"asks for at least {8 * 2**50} bytes from byte {pos + 8}, the file has {len(data)})"), line
+
+
+def test_a_corrupt_length_field_is_a_corrupt_header_naming_the_key(tmp_path):
+    """A GGUF written by the `gguf` package (a string, a string array, a tensor), a length field then set to more
+    than any header field takes (over 16 MiB: gguf._FIELD_PLAUSIBLE) though under 1 TiB: 'corrupt GGUF header'
+    naming the file and the key (it said 'truncated GGUF'). The file cut inside the array is truncated; so is a
+    length under that bound that runs past the end (a file cut inside its metadata looks the same)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    written = tmp_path / "written.gguf"
+    w = GGUFWriter(str(written), "qwen3moe")
+    w.add_string("general.name", "written by the gguf package")
+    w.add_array("tokenizer.ggml.tokens", [f"token{i}" for i in range(300)])
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = written.read_bytes()
+    fields = GGUFReader(written).fields  # the package's own reader places the length fields
+
+    def after_type(key: str) -> int:  # the byte after the key's length, name and value type
+        return int(fields[key].offset) + sum(int(p.nbytes) for p in fields[key].parts[:3])
+
+    name_len, count = after_type("general.name"), after_type("tokenizer.ggml.tokens") + 4  # + the item type
+    assert int.from_bytes(data[name_len:name_len + 8], "little") == len("written by the gguf package")
+    assert int.from_bytes(data[count:count + 8], "little") == 300
+    path = tmp_path / "bad.gguf"
+    for key, pos, value, asks in (("general.name", name_len, 10**9, 10**9),
+                                  ("tokenizer.ggml.tokens", count, 2**32, 8 * 2**32)):
+        path.write_bytes(data[:pos] + value.to_bytes(8, "little") + data[pos + 8:])
+        line = assert_one_line_error(moestream("inspect", "-m", str(path)), str(path))
+        assert line == (f"moestream: error: {path}: corrupt GGUF header (metadata {key}: a length field asks for at "
+                        f"least {asks} bytes from byte {pos + 8}, the file has {len(data)})"), line
+    for bad in (data[:count + 8 + 40],  # cut inside the array
+                data[:name_len] + (len(data) + 100).to_bytes(8, "little") + data[name_len + 8:]):
+        path.write_bytes(bad)
+        line = assert_one_line_error(moestream("inspect", "-m", str(path)), str(path))
+        assert line.startswith(f"moestream: error: {path}: truncated GGUF: the file ends at byte {len(bad)}, "), line
 
 
 # ------------------------------------------------------------------------------------------------ two outputs, one file

@@ -111,6 +111,25 @@ def test_budget_too_small_is_refused_before_any_weight_is_read(default_gguf, mon
     model.store.close()
 
 
+def test_every_expert_fits_says_resident_mode_reads_them_in_place(default_gguf):
+    """A plan that holds every expert of the file (its expert count read with the gguf package) says so and that
+    --moe-stream off reads them in place (no pools, no reads), in run's line and inspect's report; one that
+    holds fewer says neither."""
+    import dataclasses
+
+    from gguf import GGUFReader
+
+    field = GGUFReader(default_gguf).fields["qwen3moe.expert_count"]
+    n = int(field.parts[field.data[0]][0])
+    plan = open_model(str(default_gguf)).plan_memory(LoadOptions(mem=parse_mem("20GiB"), mem_source="--mem 20GiB"),
+                                                     64, loaded=False)
+    assert plan.all_fit and set(plan.slots.values()) == {n}
+    assert f"of {n}, every expert fits: nothing is evicted; --moe-stream off reads them in place)" in plan.line()
+    assert "every expert fits, nothing is evicted; --moe-stream off reads them in place)" in "\n".join(plan.lines())
+    fewer = dataclasses.replace(plan, slots={la: n // 2 for la in plan.slots}, all_fit=False)
+    assert "every expert fits" not in fewer.line() and "--moe-stream off" not in fewer.line()
+
+
 def test_inspect_mem_prints_the_plan_run_uses(default_gguf):
     """inspect --mem prints the plan run makes: the same dense, KV and scratch figures, the process measured within
     64 MiB of run's own (fresh processes both), and pools = budget less the rest."""

@@ -283,7 +283,7 @@ def test_rewritten_in_place_during_a_read(own_copy, qwen3, monkeypatch):
     err = run_until_error(model, ids, lambda: setattr(fault, "armed", True), "prefill", fault)
     assert isinstance(err, ModelFileChanged), err
     # what follows is the caller's to say (the CLI stops, the server answers 503): test_run_stops_..., test_serve
-    assert str(err) == f"{path}: model file was modified while in use"
+    assert str(err) == f"{path}: model file was modified (its mtime changed) while in use"
     fault.armed = False
     restore()
     check_after_fault(model, model.store, err, ids, ref)

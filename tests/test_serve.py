@@ -709,7 +709,8 @@ def test_a_failure_while_generating_is_a_500_and_the_next_request_is_served(srv:
                                                                            monkeypatch: pytest.MonkeyPatch,
                                                                            capsys: pytest.CaptureFixture) -> None:
     """A read fault (the store's own error type) in the middle of a generation: 500 (a plain reply) or an error
-    event (streamed), each logged as an error, then the next request gets the library's text."""
+    event (streamed), each logged as an error with the reply's status and code (generation_failed, as a rejected
+    request's line gives its own), then the next request gets the library's text."""
     from moestream.errors import ExpertReadError
 
     engine = srv.state.loaded.engine
@@ -724,19 +725,20 @@ def test_a_failure_while_generating_is_a_500_and_the_next_request_is_served(srv:
     monkeypatch.setattr(engine, "forward", failing)
     r = httpx.post(srv.base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 8}, timeout=60)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-    assert "planted read fault" in r.json()["error"]["message"]
+    assert "planted read fault" in r.json()["error"]["message"] and r.json()["error"]["code"] == "generation_failed"
     calls.clear()
     with httpx.stream("POST", srv.base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 8,
                                                                         "stream": True}) as resp:
         evs = sse_events(resp)
     assert "planted read fault" in evs[-1]["error"]["message"] and "[DONE]" not in evs
+    assert evs[-1]["error"]["code"] == "generation_failed"
     monkeypatch.setattr(engine, "forward", real)
     want, _ = library_text(oracle, encode_chat(oracle[1], USER), 8)
     assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=8,
                                           temperature=0).choices[0].message.content == want
     logged = log_lines(capsys.readouterr().err)
-    assert [(d["outcome"], d.get("status")) for d in logged] == [("error", "500"), ("error", "500"),
-                                                                 ("completed", None)], logged
+    assert [(d["outcome"], d.get("status"), d.get("code")) for d in logged] == [
+        ("error", "500", "generation_failed"), ("error", "500", "generation_failed"), ("completed", None, None)], logged
     # the fault came at the third forward pass: a prefill chunk or a decode step, as the slot's cache served
     assert [int(d["completion_tokens"]) < 3 for d in logged] == [True, True, False], logged
 
@@ -1018,6 +1020,26 @@ def test_serve_mem_too_small_is_refused_before_it_listens(capsys: pytest.Capture
     assert "--mem 200MiB is too small" in capsys.readouterr().err
 
 
+def test_serve_context_too_big_is_refused_before_it_listens(capsys: pytest.CaptureFixture) -> None:
+    """-c past the context the file was trained for (its key read here with the gguf package), or, with
+    --override-ctx, whose KV cache cannot fit in the memory: one line, exit 1, no "listening" line (the server
+    would have answered /health 503 for nothing), as run refuses the same -c."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(DEFAULT_GGUF).fields["qwen3moe.context_length"]
+    train = int(field.parts[field.data[0]][0])
+    past = train + 1
+    for argv, needle in ((["-c", str(past)], f"-c {past}: a context of {past} tokens is past the {train} tokens "
+                          "default.gguf was trained for (qwen3moe.context_length)"),
+                         (["-c", "2000000000", "--override-ctx"],
+                          "-c 2000000000: a context of 2000000000 tokens needs ")):
+        assert main(["serve", "--port", "0", *argv]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"moestream: error: {needle}"), err
+        assert main(["run", "-n", "2", *argv]) == 1
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"moestream: error: {needle}")
+
+
 def test_serve_trace_records_every_request(tmp_path: Path, oracle: Any) -> None:
     """``serve --trace FILE``: every generation is recorded (a prefill record, one per token, its end line, tagged
     with its request number); each request's token texts add up to what the client received, which is the
@@ -1105,10 +1127,10 @@ def test_health_503_once_the_file_changed_in_place(tmp_path: Path) -> None:
         assert err["type"] == "unavailable_error"
         assert err["message"].startswith(f"the model can no longer compute: {path}: model file changed size")
         assert err["message"].endswith("while in use; restart the server")
-        assert err["code"] == "model_unavailable"
+        assert err["code"] == "model_file_changed"
         rejected = metrics(s)['moestream_requests_total{outcome=rejected}']
         refused = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_unavailable", refused.text
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_file_changed", refused.text
         # /metrics agrees with /health and the request's log line (outcome=rejected status=503)
         m = metrics(s)
         assert m["moestream_model_loaded"] == 0
@@ -1117,11 +1139,13 @@ def test_health_503_once_the_file_changed_in_place(tmp_path: Path) -> None:
         s.stop()
 
 
-def test_health_503_while_the_model_file_cannot_be_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_health_503_while_the_model_file_cannot_be_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """With no request coming (what llama-swap's polls of /health meet): a read of the model file failing with
     EIO (planted in ``os.preadv`` for that file's descriptors, the read path of the expert reads) makes /health
     503 naming the file and the error, while requests are still taken; the fault gone, 200 again. The file's bytes
-    changed in place: 503 from the next poll on, and every request too, without a request having failed first."""
+    changed in place: 503 model_file_changed from the next poll on (the log says so once, naming the file, what
+    changed and the code), and every request too, without a request having failed first."""
     import errno
 
     from moestream import server
@@ -1173,11 +1197,22 @@ def test_health_503_while_the_model_file_cannot_be_read(tmp_path: Path, monkeypa
         assert code == 200
         body = {"prompt": "The history of", "max_tokens": 2, "temperature": 0}
         assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 200
+        capsys.readouterr()
         with open(path, "ab") as f:
             f.write(b"\0" * 16)
-        h = httpx.get(s.base + "/health")
-        assert h.status_code == 503 and "model file changed size" in h.json()["error"]["message"], h.text
-        assert httpx.post(s.base + "/v1/completions", json=body, timeout=120).status_code == 503
+        for _ in range(2):  # the poll that finds it and the next say the same
+            h = httpx.get(s.base + "/health")
+            err = h.json()["error"]
+            assert h.status_code == 503 and err["code"] == "model_file_changed", h.text
+            assert err["message"] == (f"the model can no longer compute: {path}: model file changed size from "
+                                      f"{DEFAULT_GGUF.stat().st_size} to {DEFAULT_GGUF.stat().st_size + 16} bytes "
+                                      "while in use; restart the server")
+        refused = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_file_changed", refused.text
+        said = [ln for ln in capsys.readouterr().err.splitlines() if "can no longer compute" in ln]
+        assert said == [f"moestream: error: the model can no longer compute ({path}: model file changed size from "
+                        f"{DEFAULT_GGUF.stat().st_size} to {DEFAULT_GGUF.stat().st_size + 16} bytes while in use); "
+                        "GET /health answers 503 code=model_file_changed from now on (restart the server)"]
     finally:
         monkeypatch.setattr(os, "preadv", real)
         s.stop()

@@ -282,6 +282,23 @@ def test_json_object_and_completions(srv: Any, oracle: Any) -> None:
     jsonschema.validate(json.loads(r["choices"][0]["text"]), schema)
 
 
+def test_grammar_field_follows_run_grammar(srv: Any) -> None:
+    """llama-server's ``grammar`` (GBNF): the reply is one of the grammar's strings, and the text run --grammar
+    makes of the same prompt; without it the reply is none of them (the grammar made it so)."""
+    from helpers import cli
+
+    gbnf, prompt = 'root ::= "yes" | "no" | "maybe"', "Once upon a time"
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(srv.base + "/v1/completions", json={**body, "grammar": gbnf}, timeout=300)
+    assert r.status_code == 200, r.text
+    text, finish = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
+    p = cli("run", "-n", "8", "--temp", "0", "-t", "1", "-p", prompt, "--grammar", gbnf)
+    assert p.returncode == 0, p.stderr
+    assert text in ("yes", "no", "maybe") and finish == "stop" and p.stdout == prompt + text + "\n", (text, p.stdout)
+    free = httpx.post(srv.base + "/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+    assert free not in ("yes", "no", "maybe")
+
+
 # ------------------------------------------------------------------------------------------------ penalties, bias
 def test_penalties_and_logit_bias_equal_the_library(srv: Any, oracle: Any) -> None:
     """llama-server's penalties and OpenAI's logit_bias give the library generator's text with the same
@@ -327,6 +344,11 @@ BAD = [
      "response_format", None),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, "response_format",
      None),
+    ({"grammar": ""}, "grammar", "invalid_value"),  # llama-server reads "" as no grammar: refused here
+    ({"grammar": " \n"}, "grammar", "invalid_value"),
+    ({"grammar": 5}, "grammar", "invalid_type"),
+    ({"grammar": "root ::= missing"}, "grammar", "invalid_value"),
+    ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar", "invalid_value"),
     ({"logit_bias": {"abc": 1}}, "logit_bias", None),
     ({"logit_bias": {"5": 500}}, "logit_bias", None),
     ({"logit_bias": {"999999999": 1}}, "logit_bias", None),

@@ -177,6 +177,9 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     #: what the budget covers: "memory" (host) or "GPU memory" (--gpu-mem: pools in VRAM)
     kind: str = "memory"
+    #: where every expert fits, what the lines add about resident mode (the CPU's: "--moe-stream off reads them in
+    #: place"), or ""
+    resident_hint: str = ""
     #: bytes of the host tier (--host-cache) this budget holds besides the pools
     tier: int = 0
     #: KV caches of ``n_ctx`` tokens in ``kv`` (serve -np N: one per slot)
@@ -201,9 +204,12 @@ class MemoryPlan:
         lo, hi = min(self.slots.values()), max(self.slots.values())
         return f"{lo} slots/layer" if lo == hi else f"{lo}-{hi} slots/layer"
 
+    def _hint(self) -> str:
+        return f"; {self.resident_hint}" if self.resident_hint else ""
+
     def line(self) -> str:
         """One line for stderr: the plan's parts."""
-        fit = ", every expert fits: nothing is evicted" if self.all_fit else ""
+        fit = f", every expert fits: nothing is evicted{self._hint()}" if self.all_fit else ""
         return (f"{self.kind} plan: {self.source} = process {self.process / GiB:.2f} + dense {self.dense / GiB:.2f} "
                 f"+ KV "
                 f"{self.kv / GiB:.2f} ({self.ctx_desc}) + scratch {self.scratch / GiB:.2f} + "
@@ -224,7 +230,7 @@ class MemoryPlan:
             *([f"  host tier     {self.tier / GiB:.3f} GiB (--host-cache)"] if self.tier else []),
             f"  slot pools    {self.pools / GiB:.3f} GiB: {self.slots_desc()} of {self.n_experts} experts "
             f"({100 * sum(self.slots.values()) / (self.n_experts * len(self.slots)):.1f}% of experts"
-            + ("; every expert fits, nothing is evicted" if self.all_fit else "") + ")",
+            + (f"; every expert fits, nothing is evicted{self._hint()}" if self.all_fit else "") + ")",
             f"  left          {self.left / GiB:.3f} GiB",
             (f"  minimum       about {self.minimum / GiB:.3f} GiB ({self.top_k} slots per layer, the top-k; "
              f"the process part is this process's, run measures its own, often tens of MiB more: give run --mem "

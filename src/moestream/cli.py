@@ -476,15 +476,17 @@ def _plan_context(args: argparse.Namespace, model, n_prompt: int, n_predict: int
     return n_ctx, option, check_trained_context(model, n_ctx, option, args.override_ctx)
 
 
-def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int, n_seqs: int = 1) -> int:  # noqa: ANN001
+def _context(args: argparse.Namespace, model, n_prompt: int, n_predict: int, n_seqs: int = 1,  # noqa: ANN001
+             hint: str | None = None) -> int:
     """The context size of a run (see the -c help) after the trained-context and memory checks (:func:`_plan_context`)
     on :func:`_open`'s shape, before the load (``n_seqs`` KV caches of it: serve's slots); prints the --override-ctx
-    warning on stderr."""
+    warning on stderr. ``hint``: the flags a KV cache too big for the memory names (default: run's)."""
     from .engine import check_cache_fits
 
     n_ctx, option, warning = _plan_context(args, model, n_prompt, n_predict, n_seqs=n_seqs)
     # before anything is printed: an absurd -n or -c is refused here, not by torch's allocator
-    check_cache_fits(model, n_ctx, option, hint="-c or -np" if n_seqs > 1 else "-n or -c", n_seqs=n_seqs)
+    hint = hint or ("-c or -np" if n_seqs > 1 else "-n or -c")
+    check_cache_fits(model, n_ctx, option, hint=hint, n_seqs=n_seqs)
     if warning:
         print(f"moestream: {warning}", file=sys.stderr, flush=True)
     return n_ctx
@@ -526,6 +528,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prompt, n_predict = _run_options(args)
     StopStrings(args.stop, "--stop")  # an empty --stop is refused before the model loads
+    constraint = grammar_flags(args)  # a grammar or schema file that cannot be read, an empty one: likewise
+    if args.interactive and constraint is not None:
+        raise ConfigError(f"{constraint[0]} constrains one reply; it does not apply to -cnv")
     template = chat_template_option(args)
     _check_common(args)
     if args.routing_trace is not None:  # before the model runs: a bad path is one line, not a lost run
@@ -558,9 +563,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     tok = early["tok"] if "tok" in early else _tokenizer(shape.gguf, template)
     with flag_errors(args):
         params.check_vocab(tok.vocab_size)
-    if args.interactive and grammar_flags(args) is not None:
-        raise ConfigError(f"{grammar_flags(args)[0]} constrains one reply; it does not apply to -cnv")
-    grammar = run_grammar(args, tok, tok.vocab_size)
+    grammar = run_grammar(args, tok, tok.vocab_size, constraint)
     model = None
     trace = None
     run_trace = None  # --trace: moestream/runtrace.py's writer, opened once the store exists
@@ -744,7 +747,9 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
     loaded model to (for closing its store). ConfigError (OptionError for a load option) for a bad --port, -c,
     --alias, -ub, -t, size, load option (--slots, --io-threads ...: LoadOptions' checks, the device's left to the
     load: a GPU one imports torch) or -m (missing, unreadable, not a regular file, empty or not GGUF), all before
-    the socket listens: only what needs the model read is refused after (the server answers /health meanwhile)."""
+    the socket listens; so are an explicit -c past the file's trained context or whose KV caches do not fit in
+    memory (the file's tensor table read, as run's) and a --mem whose memory plan does not fit: only what needs the
+    model read is refused after (the server answers /health meanwhile)."""
     from .errors import ConfigError
     from .server import Loaded
 
@@ -776,43 +781,54 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
     held: list = []
     from .options import flag_errors
 
-    planned = None
+    planned = sized = None
     if args.mem is not None:  # an explicit budget: its memory plan is made (and refused) before the socket listens
         with flag_errors(args):
             planned = _serve_plan(args, template)
+    elif args.ctx_size:  # an explicit -c: checked against the trained context and the memory before it listens
+        with flag_errors(args):
+            sized = _serve_shape(args)
 
     def load() -> Loaded:
         with flag_errors(args):  # the loader thread: a library error names the flag here too
-            return _serve_load(args, names, held, template, planned)
+            return _serve_load(args, names, held, template, planned, sized)
 
     return names, load, held
 
 
-def _serve_plan(args: argparse.Namespace, template: tuple[str, str] | None = None) -> tuple:
-    """``(shape, opts, tok, n_slots, n_ctx)`` of serve's options: the file's tensor table, its tokenizer (loaded
-    first: the memory plan counts what this process holds, and a tokenizer is tens of MiB), the slots and each
-    one's context, with the memory plan of a budget made from the tensor table as the load will make it
-    (models.base.load_model): ConfigError, naming the smallest --mem that works, when it does not fit (as run's)."""
+def _serve_shape(args: argparse.Namespace) -> tuple:
+    """``(shape, opts, n_slots, n_ctx)`` of serve's options: the file's tensor table, the slots and each one's
+    context after the trained-context and KV-memory checks (:func:`_context`, as run's: OptionError / ConfigError
+    naming -c)."""
     _check_common(args)
     args.threads = args.threads if args.threads is not None else default_threads()
     shape, opts = _open(args, args.moe_stream)
-    tok = _tokenizer(shape.gguf, template)
     n_slots = _serve_slots(args, shape)
-    n_ctx = _context(args, shape, 0, -1, n_seqs=n_slots)
+    return shape, opts, n_slots, _context(args, shape, 0, -1, n_seqs=n_slots, hint="-c" if n_slots == 1 else None)
+
+
+def _serve_plan(args: argparse.Namespace, template: tuple[str, str] | None = None, sized: tuple | None = None) -> tuple:
+    """``(shape, opts, tok, n_slots, n_ctx)`` of serve's options: :func:`_serve_shape`'s (``sized``, when it ran
+    before the socket listened), the file's tokenizer (loaded before the plan: it counts what this process holds,
+    and a tokenizer is tens of MiB), with the memory plan of a budget made from the tensor table as the load will
+    make it (models.base.load_model): ConfigError, naming the smallest --mem that works, when it does not fit (as
+    run's)."""
+    shape, opts, n_slots, n_ctx = sized or _serve_shape(args)
+    tok = _tokenizer(shape.gguf, template)
     if opts.budgeted:
         shape.plan_memory(opts, n_ctx, loaded=False, ubatch=args.ubatch, n_seqs=n_slots)
     return shape, opts, tok, n_slots, n_ctx
 
 
 def _serve_load(args: argparse.Namespace, names: list[str], held: list,  # noqa: ANN202 - server.Loaded
-                template: tuple[str, str] | None = None, planned: tuple | None = None):
+                template: tuple[str, str] | None = None, planned: tuple | None = None, sized: tuple | None = None):
     """serve_loader's load(): check the options, size the context, load the model (the server's loader thread);
-    ``template``: --chat-template(-file)'s (chat_template_option); ``planned``: :func:`_serve_plan`'s, when it ran
-    before the socket listened."""
+    ``template``: --chat-template(-file)'s (chat_template_option); ``planned``: :func:`_serve_plan`'s, ``sized``:
+    :func:`_serve_shape`'s, when they ran before the socket listened."""
     from .engine import Engine
     from .server import Loaded
 
-    shape, opts, tok, n_slots, n_ctx = planned or _serve_plan(args, template)
+    shape, opts, tok, n_slots, n_ctx = planned or _serve_plan(args, template, sized)
     threads = args.threads
     model = _load(args, shape, opts, n_ctx, n_seqs=n_slots)
     held.append(model)

@@ -112,22 +112,28 @@ class _CheckedReader(GGUFReader):
         # the base class decodes each key's name with str(..., 'utf-8'): a name that is not UTF-8 raised Python's
         # UnicodeDecodeError ("can't decode byte 0xff in position 4"); here it is named by its index and byte offset
         # (and the key before it) and is a _NotText
+        # A read past the end is named too (_Truncated.where: the key, or the key's index where its name is what
+        # cannot be read), for open_reader to tell a corrupt length from a cut file
         prev = None
         for i in range(int(count)):
-            klen, kdata = self._get_str(offs)
-            _check_text(bytes(kdata), f"metadata key {i} at byte {offs}" + (f" (after {prev})" if prev else "")
-                        + ": its name", offs + 8)
+            where = f"metadata key {i} at byte {offs}" + (f" (after {prev})" if prev else "")
+            with _naming(where + ": its name"):
+                klen, kdata = self._get_str(offs)
+            _check_text(bytes(kdata), where + ": its name", offs + 8)
             prev = bytes(kdata).decode("utf-8")
-            offs = super()._build_fields(offs, 1)
+            with _naming(f"metadata {prev}"):
+                offs = super()._build_fields(offs, 1)
         return offs
 
     def _build_tensor_info(self, offs, count):  # noqa: ANN001, ANN202 - mirrors the base class
         # a tensor name that is not UTF-8 is a _NotText (the base class's str(..., 'utf-8') raised Python's message)
         fields = []
         for i in range(int(count)):
-            _n, name = self._get_str(offs)
+            with _naming(f"tensor {i} at byte {offs}: its name"):
+                _n, name = self._get_str(offs)
             _check_text(bytes(name), f"tensor {i} at byte {offs}: its name", offs + 8)
-            field = self._get_tensor_info_field(offs)
+            with _naming(f"tensor {bytes(name).decode('utf-8')}"):
+                field = self._get_tensor_info_field(offs)
             offs += sum(int(part.nbytes) for part in field.parts)
             fields.append(field)
         return offs, fields
@@ -156,6 +162,11 @@ class _CheckedReader(GGUFReader):
 
 #: a length or offset past this (1 TiB) is garbage, not a file that was cut short
 _PLAUSIBLE = 1 << 40
+#: A header field (a metadata value or key name, a tensor's name or dims) whose length field asks for more bytes
+#: than this (16 MiB) is garbage too, wherever the file ends: the biggest of real models are a few MB (a 262k-token
+#: vocabulary's strings: about 4 MB). Smaller, a read past the end is a cut file: one cut inside its metadata (a
+#: 1000-byte head whose vocabulary array needs a megabyte) has a field longer than the whole file.
+_FIELD_PLAUSIBLE = 16 << 20
 
 
 class _NotText(Exception):
@@ -183,8 +194,27 @@ class _OffsetPastEnd(Exception):
 
 
 class _Truncated(Exception):
+    """A read of bytes ``offset`` to ``need`` past the file's ``size``; ``where``: the header field it was for (None:
+    tensor data, or not known)."""
+
     def __init__(self, offset: int, need: int, size: int):
         self.offset, self.need, self.size = offset, need, size
+        self.where: str | None = None
+
+
+class _naming:  # noqa: N801 - a context manager used as a phrase
+    """Names the header field a _Truncated raised inside was for (the innermost name wins)."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> bool:  # noqa: ANN001
+        if isinstance(e, _Truncated) and e.where is None:
+            e.where = self.where
+        return False
 
 
 def _field_value(field) -> Any:  # noqa: ANN001 - gguf ReaderField
@@ -310,10 +340,12 @@ def open_reader(path: str | os.PathLike[str], fd: int | None = None) -> GGUFRead
                         ) from None
     except _Truncated as e:
         # a file cut short keeps its lengths, so what it needs can be far past its end (a cut inside the header: a
-        # 1000-byte head of a model whose vocabulary takes a megabyte); a length past any file is garbage
-        if e.need > _PLAUSIBLE:
-            raise GGUFError(f"{path}: corrupt GGUF header (a length field at byte {e.offset} points {e.need} bytes "
-                            f"in, the file has {size})") from None
+        # 1000-byte head of a model whose vocabulary takes a megabyte); a length past any file, or a header field's
+        # longer than any real one (_FIELD_PLAUSIBLE), is garbage
+        if e.need > _PLAUSIBLE or e.where is not None and e.need - e.offset > _FIELD_PLAUSIBLE:
+            where = f"{e.where}: " if e.where is not None else ""
+            raise GGUFError(f"{path}: corrupt GGUF header ({where}a length field asks for at least "
+                            f"{e.need - e.offset} bytes from byte {e.offset}, the file has {size})") from None
         raise GGUFError(
             f"{path}: truncated GGUF: the file ends at byte {size}, a read at byte {e.offset} needs at least "
             f"{e.need} bytes"
@@ -563,7 +595,7 @@ def describe_change(old: tuple[int, int, int, int], new: tuple[int, int, int, in
         return "was replaced by another file"
     if new[2] != old[2]:
         return f"changed size from {old[2]} to {new[2]} bytes"
-    return "was modified"
+    return "was modified (its mtime changed)"
 
 
 class GGUFModel:

@@ -202,7 +202,7 @@ def logit_bias_flags(values: list[str]) -> dict[int, float]:
 def grammar_flags(args: argparse.Namespace) -> tuple[str, str, str] | None:
     """``(flag, kind, text)`` of run's ``--json-schema`` / ``--json-schema-file`` (kind ``"json_schema"``) or
     ``--grammar`` / ``--grammar-file`` (kind ``"grammar"``: GBNF or Lark), or None. ConfigError when more than one
-    is given or a file cannot be read."""
+    is given, a file cannot be read, or the text (the file's) is empty or only white space."""
     given = [(f, k, getattr(args, d)) for f, k, d in (("--json-schema", "json_schema", "json_schema"),
                                                       ("--json-schema-file", "json_schema", "json_schema_file"),
                                                       ("--grammar", "grammar", "grammar"),
@@ -213,21 +213,29 @@ def grammar_flags(args: argparse.Namespace) -> tuple[str, str, str] | None:
     if len(given) > 1:
         raise ConfigError(f"{given[0][0]} and {given[1][0]} both constrain the output: give one")
     flag, kind, value = given[0]
+    what = "JSON schema" if kind == "json_schema" else "grammar"
     if flag.endswith("-file"):
         try:
             with open(value, encoding="utf-8") as f:
-                value = f.read()
+                text = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{flag} {value}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        if not text.strip():
+            raise ConfigError(f"{flag} {value}: the file holds no {what} (it is empty or blank)")
+        return flag, kind, text
+    if not value.strip():
+        raise ConfigError(f"{flag}: the {what} is empty")
     return flag, kind, value
 
 
-def run_grammar(args: argparse.Namespace, tok, n_vocab: int) -> str | None:  # noqa: ANN001
-    """The llguidance grammar of run's constraint flags (:func:`grammar_flags`), checked against the vocabulary;
-    None without one. ConfigError naming the flag: a schema that is not JSON, a grammar that does not compile."""
+def run_grammar(args: argparse.Namespace, tok, n_vocab: int,  # noqa: ANN001
+                given: tuple[str, str, str] | None = None) -> str | None:
+    """The llguidance grammar of run's constraint flags (``given``: :func:`grammar_flags`' answer, when the caller
+    has it), checked against the vocabulary; None without one. ConfigError naming the flag: a schema that is not
+    JSON, a grammar that does not compile."""
     import json
 
-    got = grammar_flags(args)
+    got = given or grammar_flags(args)
     if got is None:
         return None
     flag, kind, text = got

@@ -209,6 +209,8 @@ class ServerState:
         self.load_error: str | None = None
         #: why the loaded model can no longer compute (then /health and every request answer 503), or None
         self.broken: str | None = None
+        #: the 503's code while broken: model_file_changed (the file's bytes changed in place) or model_unavailable
+        self.broken_code = "model_unavailable"
         self._read_faults = 0  # requests in a row that failed on an expert read
         self._last_fault: BaseException | None = None
         self.jobs: queue.Queue[Job | None] = queue.Queue()
@@ -331,7 +333,7 @@ class ServerState:
             self._count("error")
             err = APIError(500, f"no KV cache for the request ({type(e).__name__}: {e})", "server_error",
                            code="generation_failed")
-            self.log_request(job, "error", status=500)
+            self.log_request(job, "error", error=err)
             job.put(err)
             return
         slot.tokens = slot.tokens[:n]
@@ -385,14 +387,16 @@ class ServerState:
             self._count("error")
             print(f"moestream: error: {e}", file=sys.stderr, flush=True)
             self._note_fault(e)
-            self.log_request(job, "error", gen.stats if gen is not None else None, status=500)
             then = "; the model can no longer compute: every request answers 503 from now on" if self.broken else ""
-            job.put(APIError(500, f"{e}{then}", "server_error", code="generation_failed"))
+            err = APIError(500, f"{e}{then}", "server_error", code="generation_failed")
+            self.log_request(job, "error", gen.stats if gen is not None else None, error=err)
+            job.put(err)
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             self._count("error")
             print(f"moestream: error: generation failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-            self.log_request(job, "error", gen.stats if gen is not None else None, status=500)
-            job.put(APIError(500, f"generation failed ({type(e).__name__})", "server_error", code="generation_failed"))
+            err = APIError(500, f"generation failed ({type(e).__name__})", "server_error", code="generation_failed")
+            self.log_request(job, "error", gen.stats if gen is not None else None, error=err)
+            job.put(err)
         finally:
             self.scheduler.leave(slot.index)
             self.current.pop(slot.index, None)
@@ -428,8 +432,9 @@ class ServerState:
     def _note_fault(self, e: MoestreamError) -> None:
         """Mark the model broken after a change of its file's bytes, or the READ_FAULTS_BROKEN-th read fault in a
         row; says so once on stderr."""
+        code = "model_unavailable"
         if isinstance(e, ModelFileChanged):
-            reason = str(e)
+            reason, code = str(e), "model_file_changed"
         elif isinstance(e, ExpertReadError):
             if e is self._last_fault:  # one fault of a step that several requests shared counts once
                 return
@@ -442,15 +447,22 @@ class ServerState:
             self._read_faults = 0
             return
         if self.broken is None:
+            self.broken_code = code  # before broken: a reader that sees broken sees its code
             self.broken = reason
-            print("moestream: error: the model can no longer compute; GET /health answers 503 from now on (restart "
-                  "the server)", file=sys.stderr, flush=True)
+            print(f"moestream: error: the model can no longer compute ({reason}); GET /health answers 503 "
+                  f"code={code} from now on (restart the server)", file=sys.stderr, flush=True)
+
+    def broken_error(self) -> APIError:
+        """The 503 of /health and of every request once the model is broken (``broken`` set)."""
+        return unavailable(f"the model can no longer compute: {self.broken}; restart the server", self.broken_code)
 
     def log_request(self, job: Job, outcome: str, stats=None, finish: str | None = None,  # noqa: ANN001 - GenStats
-                    status: int | None = None) -> None:
-        """Print :func:`request_line` of a request that ended (the worker's side: completed, cancelled, failed)."""
-        print(request_line(job.rid, outcome, job=job, stats=stats, finish=finish, status=status), file=sys.stderr,
-              flush=True)
+                    error: APIError | None = None) -> None:
+        """Print :func:`request_line` of a request that ended (the worker's side: completed, cancelled, failed with
+        ``error``, whose status and code the line gives as a rejected request's does)."""
+        status, code = (error.status, error.code) if error is not None else (None, None)
+        print(request_line(job.rid, outcome, job=job, stats=stats, finish=finish, status=status, code=code),
+              file=sys.stderr, flush=True)
 
     async def check_file(self) -> None:
         """/health's check that the loaded model can still read its file: the descriptors' fstat (bytes changed in
@@ -469,6 +481,8 @@ class ServerState:
         except TimeoutError:
             raise unavailable(f"a read of the model file has not returned after {HEALTH_PROBE_TIMEOUT_S:g} s",
                               "model_file_unreadable") from None
+        if self.broken is not None:  # this probe or an earlier one found the bytes changed, or the last read fault
+            raise self.broken_error()
         if why is not None:
             raise unavailable(f"the model file cannot be read: {why}", "model_file_unreadable")
 
@@ -956,14 +970,45 @@ def tools_grammar(plan: ToolPlan, tok, n_vocab: int) -> str:  # noqa: ANN001
     return grammar
 
 
+def text_grammar_of(body: dict, tok, n_vocab: int) -> str | None:  # noqa: ANN001
+    """The llguidance grammar of llama-server's ``grammar`` field (a GBNF or Lark grammar text, as run's --grammar);
+    None without one. APIError 400 naming ``grammar`` for a value that is not a string, an empty one (llama-server
+    would read it as no grammar: refused, so that a client that meant one learns it was not applied) and one the
+    grammar library cannot read or compile."""
+    text = body.get("grammar")
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise APIError(400, "'grammar' must be a string (a GBNF or Lark grammar)", param="grammar",
+                       code="invalid_type")
+    if not text.strip():
+        raise APIError(400, "'grammar' is empty: give a GBNF or Lark grammar (with a root rule), or leave it out",
+                       param="grammar", code="invalid_value")
+    from .structured import GrammarError, check_grammar, text_grammar
+
+    try:
+        grammar = text_grammar(text)
+        check_grammar(grammar, tok, n_vocab)
+    except GrammarError as e:
+        raise APIError(400, f"'grammar': {e}", param="grammar", code="invalid_value") from None
+    return grammar
+
+
 def request_grammar(body: dict, plan: ToolPlan | None, tok, n_vocab: int) -> str | None:  # noqa: ANN001
-    """The grammar the reply must follow: ``response_format``'s (:func:`response_grammar`), or one tool call when
-    ``tool_choice`` forces one (:func:`tools_grammar`); None when neither. APIError 400 when both are asked."""
-    grammar = response_grammar(body, tok, n_vocab)
+    """The grammar the reply must follow: ``response_format``'s (:func:`response_grammar`), ``grammar``'s
+    (:func:`text_grammar_of`), or one tool call when ``tool_choice`` forces one (:func:`tools_grammar`); None when
+    none. APIError 400 when more than one is asked."""
+    grammar, param = response_grammar(body, tok, n_vocab), "response_format"
+    text = text_grammar_of(body, tok, n_vocab)
+    if text is not None:
+        if grammar is not None:
+            raise APIError(400, "'response_format' and 'grammar' cannot both shape the reply", param="grammar",
+                           code="invalid_value")
+        grammar, param = text, "grammar"
     if plan is not None and plan.forced:
         if grammar is not None:
-            raise APIError(400, "'response_format' and a 'tool_choice' that forces a tool call cannot both shape "
-                           "the reply", param="response_format", code="invalid_value")
+            raise APIError(400, f"'{param}' and a 'tool_choice' that forces a tool call cannot both shape "
+                           "the reply", param=param, code="invalid_value")
         return tools_grammar(plan, tok, n_vocab)
     return grammar
 
@@ -1275,8 +1320,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             raise APIError(500, f"the model failed to load: {state.load_error}", "server_error",
                            code="model_load_failed")
         if state.broken is not None:
-            raise unavailable(f"the model can no longer compute: {state.broken}; restart the server",
-                              "model_unavailable")
+            raise state.broken_error()
         if not state.ready:
             raise unavailable("Loading model", "model_loading")
         return state.loaded  # type: ignore[return-value]

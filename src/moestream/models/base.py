@@ -625,6 +625,8 @@ class MoEModel:
                           slot_bytes={la: StreamingStore.slot_bytes(self.layout, la, direct, align) for la in layers},
                           n_experts={la: self.layout.n_experts(la) for la in layers}, top_k=self.top_k,
                           what=self.gguf.path, strict=strict, n_seqs=n_seqs, **extra)
+        if not cuda:  # resident mode addresses the experts in the file's map: no pools, no reads, no slot tables
+            plan.resident_hint = "--moe-stream off reads them in place"
         if cuda and opts.pool == "host":
             plan.notes.append("--pool host: the process part counts what CUDA will add on the host (its context, "
                               "the kernels' modules); dense weights, KV cache and scratch are in GPU memory")
