@@ -41,7 +41,10 @@ from moestream.models.layers import Rope, rope_inv_freq
 from moestream.models.routing import group_topk, sigmoid_group_topk
 
 FAM = Family(fixture="deepseek2-tiny", arch="deepseek2", hf_class="DeepseekV3ForCausalLM", top_k=4, n_experts=16,
-             n_layers=4, moe_layers=3, quant="q4_k_m", llama_tol=3e-4)
+             n_layers=4, moe_layers=3, quant="q4_k_m", llama_tol=3e-4,
+             # float32 vs transformers' float64 over a logit range of 17.4: under 1e-4 on an AMD EPYC, 1.46e-4 on
+             # an Intel Xeon with AVX-512 (torch's float32 kernels block their sums by the CPU's vector width)
+             hf_tol=2.5e-4)
 standard_tests(globals(), FAM)
 
 IDS = [785, 18484, 3493, 572, 5798, 304, 220, 16, 19, 20, 15, 13, 100, 2000, 30000, 151000]  # in-vocabulary

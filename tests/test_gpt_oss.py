@@ -15,8 +15,10 @@ computes each pair's angle as ``pos * theta_scale^i`` by repeated float32 multip
 index), where transformers and moestream multiply the position by a precomputed inverse frequency; the angle error
 grows with the position. FIELD-NOTES' 9e-5 (gpt-oss with truncate true) was over a shorter prompt.
 
-The 264-token test (test_long_prompt_sliding_window_and_sinks): 1.5e-4 against transformers in float64
-(helpers.hf_model). Measured 2026-12-04 at 264 tokens: transformers' own float32 run is 2.04e-4 from its float64
+The 264-token test (test_long_prompt_sliding_window_and_sinks): 2.5e-4 against transformers in float64
+(helpers.hf_model), above transformers' own float32 error (below) and moestream's 1.66e-4 on an Intel Xeon with
+AVX-512 (clean-clone CI run of 2026-12-04; the figures below are from an AMD EPYC). Measured 2026-12-04 at 264
+tokens: transformers' own float32 run is 2.04e-4 from its float64
 run; moestream (--matmul dequant) with float32 RoPE tables 1.95e-4 (torch's attention and RMSNorm) / 1.96e-4 (the C
 step kernels'), with layers.Rope's float64 tables 1.05e-4 / 0.99e-4 (1.01e-4 in one full-suite run: torch's matmul
 rounds by its thread count). Against the float32 run, as before, moestream's float32 tables were 6.0e-5 from it: the
@@ -48,8 +50,9 @@ FAM = Family(fixture="gpt-oss-tiny", arch="gpt-oss", hf_class="GptOssForCausalLM
 standard_tests(globals(), FAM)
 
 TOL = 1e-4
-#: the 264-token test's bound against float64 transformers (module docstring)
-LONG_TOL = 1.5e-4
+#: the 264-token test's bound against float64 transformers (module docstring): under 1.5e-4 on an AMD EPYC, 1.66e-4 on
+#: an Intel Xeon with AVX-512 (torch's float32 kernels block their sums by the CPU's vector width)
+LONG_TOL = 2.5e-4
 
 
 def _ours(path, ids, **opts) -> torch.Tensor:  # noqa: ANN001

@@ -327,7 +327,8 @@ def test_pool_host_plan_counts_cuda_on_the_host(monkeypatch, capsys):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA LoadOptions on this CPU torch
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    opts = LoadOptions(device="cuda", pool="host", mem=1200 * 2**20)
+    # the plan measures this process, which in a test worker may hold GiBs from earlier tests: room above that
+    opts = LoadOptions(device="cuda", pool="host", mem=budget.process_rss() + 1200 * 2**20)
     shape = open_model(str(DEFAULT_GGUF), LoadOptions(moe_stream=False, metadata_only=True))
     host = shape.plan_memory(opts, 160, loaded=False, gpu=True)
     cpu = shape.plan_memory(opts, 160, loaded=False, gpu=False)
