@@ -681,8 +681,8 @@ def test_expert_width_key_contradicting_the_tensors_is_refused(tmp_path, default
 
 
 def test_an_unknown_metadata_value_type_is_one_plain_line(tmp_path, default_gguf):
-    """A metadata value type id the GGUF spec does not define: one line naming the file and the number (it printed
-    numpy's repr, np.uint32(77))."""
+    """A metadata value type id the GGUF spec does not define: one line naming the file, the key and the number (it
+    printed numpy's repr, np.uint32(77); then 'invalid GGUF: 77 is not a valid GGUFValueType', no key)."""
     from ggufedit import read as GGUFReader
 
     field = GGUFReader(str(default_gguf)).fields["general.architecture"]
@@ -693,7 +693,8 @@ def test_an_unknown_metadata_value_type_is_one_plain_line(tmp_path, default_gguf
     path = tmp_path / "type77.gguf"
     path.write_bytes(bytes(data))
     line = assert_one_line_error(moestream("inspect", "-m", str(path)), str(path))
-    assert line == f"moestream: error: {path}: invalid GGUF: 77 is not a valid GGUFValueType"
+    assert line == (f"moestream: error: {path}: corrupt GGUF header (metadata general.architecture: value type 77 is "
+                    "not one of GGUF's 0-12)")
 
 
 def _corrupt_byte(src: Path, dst: Path, pos: int) -> None:
@@ -824,3 +825,20 @@ def test_two_outputs_naming_one_file_are_refused(tmp_path, default_gguf, cmd):
         assert line == (f"moestream: error: {second} {other}: {first} {out} names the same file; give each output "
                         "its own path")
     assert out.read_text() == "keep\n"
+
+
+
+def test_a_corrupt_key_name_length_names_the_key_by_its_place(tmp_path, default_gguf):
+    """The embedded model's first key's name length (at byte 24) set to 255: the name runs into the bytes after it,
+    and the value type read after that is garbage: 'corrupt GGUF header' naming the key by its index, byte and
+    name length (a newcomer saw 'invalid GGUF: 1832087141 is not a valid GGUFValueType'; printing the garbage name
+    would spill control bytes over lines)."""
+    from ggufedit import read as GGUFReader
+
+    assert GGUFReader(str(default_gguf)).fields["general.architecture"].offset == 24
+    data = default_gguf.read_bytes()
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data[:24] + b"\xff" + data[25:])
+    line = assert_one_line_error(moestream("inspect", "-m", str(path)), str(path))
+    assert line == (f"moestream: error: {path}: corrupt GGUF header (metadata key 0 at byte 24 (a name of 255 bytes): "
+                    "value type 1832087141 is not one of GGUF's 0-12)"), line

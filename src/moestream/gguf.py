@@ -121,6 +121,8 @@ class _CheckedReader(GGUFReader):
                 klen, kdata = self._get_str(offs)
             _check_text(bytes(kdata), where + ": its name", offs + 8)
             prev = bytes(kdata).decode("utf-8")
+            if not (prev.isprintable() and len(prev) <= 200):  # a corrupt name length: name the key by its place
+                prev = f"key {i} at byte {offs} (a name of {len(kdata)} bytes)"
             with _naming(f"metadata {prev}"):
                 offs = super()._build_fields(offs, 1)
         return offs
@@ -214,6 +216,8 @@ class _naming:  # noqa: N801 - a context manager used as a phrase
     def __exit__(self, kind, e, tb) -> bool:  # noqa: ANN001
         if isinstance(e, _Truncated) and e.where is None:
             e.where = self.where
+        elif isinstance(e, ValueError) and "GGUFValueType" in str(e) and getattr(e, "where", None) is None:
+            e.where = self.where  # the enum's "N is not a valid GGUFValueType": open_reader names the field
         return False
 
 
@@ -355,6 +359,11 @@ def open_reader(path: str | os.PathLike[str], fd: int | None = None) -> GGUFRead
         m = re.search(r"version (\d+) which we cannot handle", msg)
         if m:
             raise GGUFError(f"{path}: GGUF version {m.group(1)} is not supported (versions 2 and 3 are)") from None
+        m = re.fullmatch(r"(?:np\.\w+\()?(\d+)\)? is not a valid GGUFValueType", msg)
+        if m:  # a value type id no GGUF writer uses: a corrupt byte in the metadata
+            where = getattr(e, "where", None)
+            raise GGUFError(f"{path}: corrupt GGUF header ({where + ': ' if where else ''}value type {m.group(1)} "
+                            "is not one of GGUF's 0-12)") from None
         msg = re.sub(r"np\.\w+\((-?\d+)\)", r"\1", msg)  # numpy's scalar repr, e.g. np.uint32(77) -> 77
         raise GGUFError(f"{path}: invalid GGUF: {msg}") from None
     except Exception as e:  # noqa: BLE001 - gguf raises assorted errors on corrupt headers
