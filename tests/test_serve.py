@@ -836,7 +836,7 @@ def free_port() -> int:
 
 class LlamaSwap:
     """What llama-swap does for one model, minimally: on the first request for ``model`` it starts the entry's
-    ``cmd`` (``${PORT}`` substituted, its own process group), polls ``checkEndpoint`` every second until 200,
+    ``cmd`` (``${PORT}`` substituted, its own process group), polls ``checkEndpoint`` every 0.2 s until 200,
     then forwards requests to ``proxy`` and streams the responses back as they come."""
 
     def __init__(self, config: dict, model: str):
@@ -904,7 +904,8 @@ class LlamaSwap:
                 if code == 200:
                     return
                 assert self.proc.poll() is None, self.proc.stderr.read().decode()
-                time.sleep(1)
+                time.sleep(0.2)  # llama-swap polls every second; the loading window after `serve -c` checked the
+                # context before listening (torch imported then) can be shorter than that
             raise AssertionError("the upstream never became healthy")
 
     def stop(self) -> float:
@@ -935,7 +936,7 @@ def test_llama_swap_config_from_the_docs(capsys: pytest.CaptureFixture) -> None:
         stream = client.chat.completions.create(model="moestream-tiny", messages=[{"role": "user", "content": prompt}],
                                                 max_tokens=16, temperature=0, seed=1, stream=True)
         chunks = list(stream)
-        # polled every second: 503 while loading (the socket listens first), then 200
+        # polled every 0.2 s: 503 while loading (the socket listens first), then 200
         assert swap.health_codes[-1] == 200 and 503 in swap.health_codes, swap.health_codes
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text.strip() and text + "\n" == want
