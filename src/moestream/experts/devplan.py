@@ -137,6 +137,8 @@ class DevicePlan:
         self.lead_dev = {}
         #: per matrix: the largest power of two (<= 16) dividing every lead (tkernels.alignment), for the kernels
         self.lead_align = {}
+        from ..gpu.tkernels import alignment  # the plan computes through the kernels: triton is needed anyway
+
         for name in names:
             rel = np.zeros((len(self.layers), top_k), dtype=np.int64)
             lead = np.zeros((len(self.layers), n_exp), dtype=np.int64)
@@ -146,8 +148,7 @@ class DevicePlan:
                 lead[i, :store.layout.n_experts(la)] = tier.leads[la][name]
             self.scratch_dev[name] = torch.from_numpy(rel).to(dev)
             self.lead_dev[name] = torch.from_numpy(lead).to(dev)
-            o = int(np.bitwise_or.reduce(lead.reshape(-1))) | 16
-            self.lead_align[name] = o & -o
+            self.lead_align[name] = alignment(lead)
         #: int64 [layers, top_k]: the step's top-k ids of every layer, written on the device by each step
         self.ids_dev = torch.zeros((len(self.layers), top_k), dtype=torch.int64, device=dev)
         gpu = dev.type == "cuda"
