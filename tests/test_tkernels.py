@@ -400,6 +400,38 @@ def test_gemv_alignment_never_changes_bits(device, qtype, m_hint):
             assert_bits_equal(lin[j].cpu(), ref[j], f"{what}: vs gemv_order")
 
 
+@pytest.mark.parametrize("qtype", (T.Q4_K, T.Q6_K, T.Q4_0, T.F16), ids=ids)
+def test_grouped_selected(device, qtype, monkeypatch):
+    """grouped_selected (the offsets looked up by expert id in the kernel; two matrices of one launch in two
+    pools, the second addressed by its distance from the first, in both directions) gives each row the bits of
+    linear() on that expert's matrix, on both kernels (the GEMV path and, with MOESTREAM_GEMV_WIDE=0, the
+    older one). A wrong id, table or stride would pick another expert's rows: each expert's blocks differ."""
+    n_exp, n_rows, top_k = 6, 16, 3
+    n_cols = 256 if GGML_QUANT_SIZES[qtype][0] == 256 else 64
+    gate = [make_raw(qtype, n_rows, n_cols, 200 + e) for e in range(n_exp)]
+    up = [make_raw(qtype, n_rows, n_cols, 300 + e) for e in range(n_exp)]
+    x = torch.randn(1, n_cols, generator=torch.Generator().manual_seed(5)).to(device)
+    ids = torch.tensor([4, 0, 5], dtype=torch.int64, device=device)
+    for wide in (True, False):
+        monkeypatch.setattr(tkernels, "GEMV_WIDE", wide)
+        want = {(j, e): tkernels.linear(x, m[e].to(device), qtype, n_cols, m_hint=1)[0]
+                for j, m in enumerate((gate, up)) for e in ids.tolist()}
+        pools = [torch.stack(gate).reshape(n_exp, -1).to(device), torch.stack(up).reshape(n_exp, -1).to(device)]
+        for first, second in ((0, 1), (1, 0)):  # the second pool after, then before the first in memory
+            a, b = pools[first], pools[second]
+            e = torch.arange(n_exp, dtype=torch.int64)
+            table = torch.cat([e * a.stride(0), b.data_ptr() - a.data_ptr() + e * b.stride(0)]).to(device)
+            tiles = torch.from_numpy(tkernels.plan_tiles(np.arange(2 * top_k + 1), 1)).to(device)
+            src = torch.zeros(2 * top_k, dtype=torch.int32, device=device)
+            out = torch.empty((2 * top_k, n_rows), device=device)
+            tkernels.grouped_selected(x, a, table, ids, 2, tiles, src, qtype, n_rows, n_cols, 1, out,
+                                      align=tkernels.alignment(table.cpu()))
+            for j, which in enumerate((first, second)):
+                for i, ex in enumerate(ids.tolist()):
+                    assert_bits_equal(out[j * top_k + i], want[(which, ex)],
+                                      f"{qtype.name} wide={wide} table {j} pair {i} (expert {ex})")
+
+
 def test_gemv_switch(device, monkeypatch):
     """MOESTREAM_GEMV_WIDE=0 (tkernels.GEMV_WIDE False) selects _matmul_kernel's GEMV branch, which sums each
     256-chunk with tl.sum first: still within the float64 bound, and (on these blocks) not the bits of the new

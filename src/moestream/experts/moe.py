@@ -381,8 +381,10 @@ class MoE:
         With a device-planned store (experts/devplan.py: its host tier holds every expert) the pool rows come from
         the device table instead, the misses copied from the tier into scratch rows first (``store.plan.slots``).
 
-        No synchronisation and no host-dependent shapes, so a CUDA graph can capture it (models/graphs.py). The
-        pairs stay in top-k order, one tile each; every pair's row is computed by the same kernel configuration
+        No synchronisation and no host-dependent shapes, so a CUDA graph can capture it (models/graphs.py). Without
+        a device plan the kernels look each pair's expert up in a table of offsets by its id (no kernels to compute
+        offsets), and separate gate and up experts of one type and shape go in one launch. The pairs stay in top-k
+        order, one tile each; every pair's row is computed by the same kernel configuration
         as in ``__call__`` (``m_hint`` 1) and the rows are summed in top-k order, so the bits equal the streaming
         path's. Counts nothing: the graph runner counts each replay's hits."""
         from ..gpu import tkernels
@@ -392,18 +394,8 @@ class MoE:
         key = (id(store), top_k, dev)
         const = getattr(self, "_dev_const", None)
         if const is None or const[0] != key:
-            names = ["gate_up"] if self.merged else ["gate", "up"]
-            plan_of = getattr(store, "plan", None)
-            lead = ({} if plan_of is not None else
-                    {n: torch.from_numpy(store.lead(self.layer, n)).to(dev) for n in [*names, "down"]})
-            tiles = torch.from_numpy(tkernels.plan_tiles(np.arange(top_k + 1), 1)).to(dev)
-            # a power of two dividing every offset mm() can compute (only lets the kernels load wide words)
-            align = {n: tkernels.alignment(store.matrix(self.layer, n).stride(0),
-                                           store.lead(self.layer, n) if plan_of is None else plan_of.lead_align[n])
-                     for n in [*names, "down"]}
-            const = self._dev_const = (key, lead, tiles, torch.zeros(top_k, dtype=torch.int32, device=dev),
-                                       torch.arange(top_k, dtype=torch.int32, device=dev), align)
-        _, lead, tiles, zeros, rows, align = const
+            const = self._dev_const = (key, self._device_tables(store, top_k, dev))
+        c = const[1]
         if self.expert_scale is not None:
             weights = weights * self.expert_scale[ids]  # real ids (= slot ids here), as in __call__
         flat = ids.reshape(-1)
@@ -411,24 +403,63 @@ class MoE:
         plan = getattr(store, "plan", None)
         slots = None if plan is None else plan.slots(self.layer, flat)  # misses copied into scratch rows first
 
-        def mm(name: str, v: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-            mat, pool = self.mats[name], store.matrix(self.layer, name)
-            if plan is None:
-                offs = flat * pool.stride(0) + lead[name].index_select(0, flat)
+        def mm(names: list[str], v: torch.Tensor, src: torch.Tensor) -> list[torch.Tensor]:
+            """The matrices ``names`` (one type and shape) of every pair, in one launch -> [top_k, rows] each."""
+            mat, pool = self.mats[names[0]], store.matrix(self.layer, names[0])
+            n = len(names)
+            y = torch.empty((n * top_k, mat.rows), dtype=torch.float32, device=dev)
+            if plan is None:  # the offsets looked up by the kernel: table[j * E + ids[i]] (tkernels.grouped_selected)
+                tkernels.grouped_selected(v, pool, c["table"][tuple(names)], flat, n, c["tiles"][n], src,
+                                          mat.ggml_type, mat.rows, mat.cols, 1, y, align=c["align"][tuple(names)])
             else:
-                offs = plan.offsets(self.layer, name, flat, slots, pool.stride(0))
-            y = torch.empty((top_k, mat.rows), dtype=torch.float32, device=dev)
-            y = tkernels.grouped_planned(v, pool, offs, tiles, src, mat.ggml_type, mat.rows, mat.cols, 1, y,
-                                         align=align[name])
-            return self._add_bias(name, y, flat)
+                offs = plan.offsets(self.layer, names[0], flat, slots, pool.stride(0))
+                tkernels.grouped_planned(v, pool, offs, c["tiles"][1], src, mat.ggml_type, mat.rows, mat.cols, 1,
+                                         y, align=c["align"][tuple(names)])
+            return [self._add_bias(name, y[j * top_k:(j + 1) * top_k], flat) for j, name in enumerate(names)]
 
         if self.merged:
-            gate, up = mm("gate_up", x, zeros).split(self.n_ff, dim=-1)
+            gate, up = mm(["gate_up"], x, c["zeros"][1])[0].split(self.n_ff, dim=-1)
+        elif c["gate_up_together"]:
+            gate, up = mm(["gate", "up"], x, c["zeros"][2])
         else:
-            gate, up = mm("gate", x, zeros), mm("up", x, zeros)
-        y = mm("down", self.act(gate, up).contiguous(), rows)
+            (gate,), (up,) = mm(["gate"], x, c["zeros"][1]), mm(["up"], x, c["zeros"][1])
+        (y,) = mm(["down"], self.act(gate, up).contiguous(), c["rows"])
         y.mul_(weights.reshape(-1)[:, None])
         return y.view(1, top_k, -1).sum(dim=1)
+
+    def _device_tables(self, store: ExpertStore, top_k: int, dev: torch.device) -> dict:
+        """What :meth:`resident_step` keeps on the device per (store, top_k): tiles and x rows for 1 or 2 matrices
+        per launch; for a store without a device plan, per group of matrices launched together, the table of
+        per-expert byte offsets from the first matrix's pool (``e * stride + lead[e]``; the second matrix's table
+        adds its pool's distance from the first) and its alignment; whether separate gate and up experts (one type
+        and shape) go in one launch."""
+        from ..gpu import tkernels
+
+        names = ["gate_up"] if self.merged else ["gate", "up"]
+        plan = getattr(store, "plan", None)
+        together = (not self.merged and plan is None
+                    and (self.mats["gate"].ggml_type, self.mats["gate"].rows, self.mats["gate"].cols)
+                    == (self.mats["up"].ggml_type, self.mats["up"].rows, self.mats["up"].cols))
+        groups = ([["gate", "up"]] if together else [[n] for n in names]) + [["down"]]
+        table, align = {}, {}
+        for g in groups:
+            first = store.matrix(self.layer, g[0])
+            if plan is not None:  # a power of two dividing every offset plan.offsets can compute
+                align[tuple(g)] = tkernels.alignment(first.stride(0), plan.lead_align[g[0]])
+                continue
+            parts = []
+            for n in g:
+                pool, lead = store.matrix(self.layer, n), store.lead(self.layer, n).astype(np.int64)
+                parts.append(pool.data_ptr() - first.data_ptr() + np.arange(len(lead), dtype=np.int64)
+                             * pool.stride(0) + lead)
+            t = np.concatenate(parts)
+            table[tuple(g)] = torch.from_numpy(t).to(dev)
+            align[tuple(g)] = tkernels.alignment(t)
+        return {"table": table, "align": align, "gate_up_together": together,
+                "tiles": {n: torch.from_numpy(tkernels.plan_tiles(np.arange(n * top_k + 1), 1)).to(dev)
+                          for n in (1, 2)},
+                "zeros": {n: torch.zeros(n * top_k, dtype=torch.int32, device=dev) for n in (1, 2)},
+                "rows": torch.arange(top_k, dtype=torch.int32, device=dev)}
 
     def _add_bias(self, name: str, y: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """y float32 [pairs, rows] of matrix ``name`` plus its per-expert bias rows gathered by ``real`` (int64

@@ -328,16 +328,28 @@ if triton is not None:
         tl.store(out_ptr + rn64 * n_cols + kel, w, mask=mel)
 
     @triton.jit
+    def _group_offset(off_ptr, grp, sel_ptr, n_sel, sel_stride, SELECT: tl.constexpr):
+        """Byte offset (int64) of group ``grp``'s matrix: ``off[grp]``, or with ``SELECT`` a table lookup by
+        selected id, ``off[sel[grp % n_sel] + (grp // n_sel) * sel_stride]`` (the router's top-k ids on the
+        device index a table of per-expert offsets; ``sel_stride`` > 0 stacks several matrices' tables)."""
+        if SELECT:
+            idx = tl.load(sel_ptr + grp % n_sel).to(tl.int64) + (grp // n_sel).to(tl.int64) * sel_stride
+            return tl.load(off_ptr + idx)
+        return tl.load(off_ptr + grp)
+
+    @triton.jit
     def _matmul_kernel(x_ptr, w_ptr, off_ptr, tiles_ptr, src_ptr, out_ptr, kv_ptr, n_rows, row_bytes,
+                       sel_ptr, n_sel, sel_stride,
                        n_cols: tl.constexpr, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NSUB: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, GEMM: tl.constexpr):
+                       NSUB: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, GEMM: tl.constexpr,
+                       SELECT: tl.constexpr):
         # program (tile, n block): tile = (group, first output row, row count <= BLOCK_M)
         pid_t = tl.program_id(0)
         pid_n = tl.program_id(1)
         grp = tl.load(tiles_ptr + 3 * pid_t)
         p0 = tl.load(tiles_ptr + 3 * pid_t + 1)
         cnt = tl.load(tiles_ptr + 3 * pid_t + 2)
-        base = w_ptr + tl.load(off_ptr + grp)  # int64 byte offset of the group's matrix
+        base = w_ptr + _group_offset(off_ptr, grp, sel_ptr, n_sel, sel_stride, SELECT)  # int64 bytes
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < n_rows
         rmask = nmask[:, None, None]
@@ -464,9 +476,10 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, off_ptr, tiles_ptr, src_ptr, out_ptr, n_rows, row_units,
-                     n_cols: tl.constexpr, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NSUB: tl.constexpr, SUB: tl.constexpr, VW: tl.constexpr, LOG2_LANES: tl.constexpr,
-                     ALIGN: tl.constexpr, UNROLL: tl.constexpr):
+                     sel_ptr, n_sel, sel_stride, n_cols: tl.constexpr, QTYPE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
+                     VW: tl.constexpr, LOG2_LANES: tl.constexpr,
+                     ALIGN: tl.constexpr, UNROLL: tl.constexpr, SELECT: tl.constexpr):
         # program (tile, n block) as in _matmul_kernel. row_units = row_bytes // ALIGN and every group offset a
         # multiple of ALIGN (the host checked both), written so that the compiler sees the alignment. The x rows
         # of the tile (BLOCK_M <= 8) have one accumulator each (acc0 .. acc7; the unused ones compile away).
@@ -475,7 +488,7 @@ if triton is not None:
         grp = tl.load(tiles_ptr + 3 * pid_t)
         p0 = tl.load(tiles_ptr + 3 * pid_t + 1)
         cnt = tl.load(tiles_ptr + 3 * pid_t + 2)
-        off = tl.load(off_ptr + grp)
+        off = _group_offset(off_ptr, grp, sel_ptr, n_sel, sel_stride, SELECT)
         base = w_ptr + (off // ALIGN) * ALIGN
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < n_rows
@@ -691,11 +704,14 @@ def _tiles(starts: np.ndarray, block_m: int) -> np.ndarray:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tiles: np.ndarray | torch.Tensor,
             src: torch.Tensor, out: torch.Tensor, ggml_type: int, n_rows: int, n_cols: int, row_bytes: int,
-            cfg: dict, align: int) -> None:
+            cfg: dict, align: int, select: tuple[torch.Tensor, int] | None = None) -> None:
     """One launch; ``align``: a power of two dividing ``w.data_ptr()``, ``row_bytes`` and every used offset
-    (:func:`alignment`; 1 when unknown): picks wide or byte loads in _gemv_kernel, never the bits."""
+    (:func:`alignment`; 1 when unknown): picks wide or byte loads in _gemv_kernel, never the bits. ``select``:
+    (ids [k] on the device, table stride): group g's offset is ``offsets[ids[g % k] + (g // k) * stride]``
+    (_group_offset)."""
     if len(tiles) == 0 or n_rows == 0:
         return
+    sel, n_sel, sel_stride = (offsets, 1, 0) if select is None else (select[0], select[0].numel(), select[1])
     tiles_d = tiles if isinstance(tiles, torch.Tensor) else _upload(tiles, x.device)
     grid = (len(tiles), triton.cdiv(n_rows, cfg["BLOCK_N"]))
     if cfg["WIDE"]:
@@ -705,15 +721,16 @@ def _launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tiles: np.n
         # may issue together), a bounded compile; chunks past n_cols are masked (they add +0.0: no bit changes)
         unroll = max(1, min(triton.cdiv(n_cols, 256), 32 * vw // cfg["SUB"]))
         lanes = cfg["NSUB"] * vw
-        _gemv_kernel[grid](x, w, offsets, tiles_d, src, out, n_rows, row_bytes // a, n_cols,
-                           QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NSUB=cfg["NSUB"],
-                           SUB=cfg["SUB"], VW=vw, LOG2_LANES=lanes.bit_length() - 1, ALIGN=a, UNROLL=unroll,
-                           num_warps=cfg["num_warps"], enable_fp_fusion=False)
+        _gemv_kernel[grid](x, w, offsets, tiles_d, src, out, n_rows, row_bytes // a, sel, n_sel, sel_stride,
+                           n_cols, QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                           NSUB=cfg["NSUB"], SUB=cfg["SUB"], VW=vw, LOG2_LANES=lanes.bit_length() - 1, ALIGN=a,
+                           UNROLL=unroll,
+                           SELECT=select is not None, num_warps=cfg["num_warps"], enable_fp_fusion=False)
         return
-    _matmul_kernel[grid](x, w, offsets, tiles_d, src, out, _kv(x.device), n_rows, row_bytes, n_cols,
-                         QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+    _matmul_kernel[grid](x, w, offsets, tiles_d, src, out, _kv(x.device), n_rows, row_bytes, sel, n_sel, sel_stride,
+                         n_cols, QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                          NSUB=cfg["NSUB"], SUB=cfg["SUB"], BLOCK_K=cfg["NSUB"] * cfg["SUB"], GEMM=cfg["GEMM"],
-                         num_warps=cfg["num_warps"], enable_fp_fusion=False)
+                         SELECT=select is not None, num_warps=cfg["num_warps"], enable_fp_fusion=False)
 
 
 def block_m(ggml_type: int, m_hint: int) -> int:
@@ -739,6 +756,22 @@ def grouped_planned(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, 
     cfg = _config(int(ggml_type), n_rows, n_cols, int(m_hint))
     _launch(x, pool, offsets, tiles, src_rows, out, ggml_type, n_rows, n_cols, _row_bytes(ggml_type, n_cols), cfg,
             int(align))
+    return out
+
+
+def grouped_selected(x: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, ids: torch.Tensor,
+                     n_tables: int, tiles: torch.Tensor, src_rows: torch.Tensor, ggml_type: int, n_rows: int,
+                     n_cols: int, m_hint: int, out: torch.Tensor, align: int = 1) -> torch.Tensor:
+    """:func:`grouped_planned` whose groups are addressed by id on the device: ids int64 [k] (a router's top-k),
+    table int64 [n_tables * E] (byte offsets from ``pool.data_ptr()``, one table of E per matrix, stacked); group
+    g = j * k + i (j < n_tables, i < k) reads the matrix at ``table[j * E + ids[i]]``. So the offsets need no
+    kernel of their own, and several matrices of one shape and type (a layer's separate gate and up experts: the
+    up table holds its pool's distance from the gate pool) go in one launch. tiles from :func:`plan_tiles` over
+    ``n_tables * k`` groups; ``align`` divides every table entry. Each output row has the bits it has from
+    :func:`grouped_planned` (the configuration depends on the type, shape and ``m_hint`` only). Returns ``out``."""
+    cfg = _config(int(ggml_type), n_rows, n_cols, int(m_hint))
+    _launch(x, pool, table, tiles, src_rows, out, ggml_type, n_rows, n_cols, _row_bytes(ggml_type, n_cols), cfg,
+            int(align), select=(ids, table.numel() // n_tables))
     return out
 
 

@@ -464,8 +464,13 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, norm: bool) -> tuple[t
     """Softmax routing: router_logits float32 [T, n_experts] -> (ids int64 [T, top_k], weights float32
     [T, top_k]): the top-k of softmax over all experts, divided by their sum when ``norm`` (transformers'
     ``norm_topk_prob``; llama.cpp build_moe_ffn with softmax gating and ``norm_w``), else as they are. On the CPU
-    the step kernels' router (kernels.route), elsewhere torch's ops."""
+    the step kernels' router (kernels.route), on CUDA one Triton launch (gpu/trouter.py: another summation order,
+    ties to the lowest id), elsewhere torch's ops."""
     if router_logits.device.type == "cpu" and (lib := kernels.step_ops()) is not None:
         return kernels.route(router_logits, top_k, kernels.GATING_SOFTMAX, norm=norm, lib=lib)
+    if router_logits.device.type == "cuda" and router_logits.dtype == torch.float32:
+        from ..gpu import trouter
+        if trouter.available():
+            return trouter.softmax_topk(router_logits, top_k, norm)  # one launch instead of five
     w, ids = torch.topk(torch.softmax(router_logits, dim=-1), top_k, dim=-1)
     return ids, (w / w.sum(dim=-1, keepdim=True) if norm else w)
