@@ -20,6 +20,8 @@ Checks, per case: the new path with wide loads is bitwise equal to the new path 
 (``align=1``: what an unaligned matrix gets); old vs new: not bitwise (the new path sums in another fixed order),
 the max |new - old| relative to max |old| is printed. Exit status 1 if a wide/byte check fails.
 ``MOESTREAM_GEMV_WIDE=0`` in the environment makes the whole engine take the old path (for model-level A/B).
+``--old ks1``: the baseline is ``_gemv_kernel`` with one 256-chunk per lane step (``MOESTREAM_GEMV_KSPLIT=1``, the
+kernel before the K split) instead of the matmul kernel's GEMV branch.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from moestream.gpu import tkernels
 #: (model, matrix, rows, cols, groups of the grouped launch (0: linear), types of the bench file)
 SHAPES = [
     ("qwen3-30b-a3b", "expert gate/up", 768, 2048, 8, (T.Q4_K,)),
+    ("qwen3-30b-a3b", "expert gate+up", 768, 2048, 16, (T.Q4_K,)),  # both in one launch (MoE.resident_step)
     ("qwen3-30b-a3b", "expert down", 2048, 768, 8, (T.Q4_K, T.Q6_K)),
     ("qwen3-30b-a3b", "attn q", 4096, 2048, 0, (T.Q4_K,)),
     ("qwen3-30b-a3b", "attn k/v", 512, 2048, 0, (T.Q4_K, T.Q6_K)),
@@ -117,15 +120,22 @@ def setup(c: dict, dev: torch.device) -> dict:
     return dict(call=call, bytes=groups * rows * nb)
 
 
+def use(old: bool, kind: str) -> None:
+    """Select the baseline (``old``: the matmul kernel's GEMV branch, or with kind "ks1" _gemv_kernel without the
+    K split) or the current path."""
+    tkernels.GEMV_WIDE = not old or kind == "ks1"
+    tkernels.GEMV_KSPLIT = "1" if old and kind == "ks1" else "auto"
+
+
 def warm(c: dict) -> float:
     """Worker: compile (into Triton's disk cache) the kernels of case ``c``; returns the seconds it took."""
     t0 = time.perf_counter()
     dev = torch.device("cuda")
     s = setup(c, dev)
-    for wide in (False, True):
-        tkernels.GEMV_WIDE = wide
+    for old in (True, False):
+        use(old, c["old"])
         s["call"](16)
-        if wide:
+        if not old:
             s["call"](1)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
@@ -164,12 +174,13 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compile workers")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("-n", type=int, default=15)
+    ap.add_argument("--old", choices=("matmul", "ks1"), default="matmul", help="the baseline (see above)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("gemv_ab: needs CUDA", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
-    cs = cases(a.all, a.m)
+    cs = [dict(c, old=a.old) for c in cases(a.all, a.m)]
     if a.jobs > 1:
         import multiprocessing as mp
         with ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as ex:
@@ -182,10 +193,10 @@ def main() -> int:
     print(head)
     for c in cs:
         s = setup(c, dev)
-        tkernels.GEMV_WIDE = False
+        use(True, a.old)
         y_old = s["call"](16).clone()
         t_old = time_call(lambda f=s["call"]: f(16), a.reps, a.n)
-        tkernels.GEMV_WIDE = True
+        use(False, a.old)
         y_new = s["call"](16).clone()
         y_byte = s["call"](1).clone()
         t_new = time_call(lambda f=s["call"]: f(16), a.reps, a.n)

@@ -315,20 +315,24 @@ def test_grouped_out_and_empty(device):
 GEMV_TYPES = (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0)
 
 
-def gemv_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+def gemv_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, ks: int | None = None
+               ) -> torch.Tensor:
     """``x @ w.T`` (float32 [T, N]) in _gemv_kernel's order, with float32 torch ops on the CPU (one rounding each):
-    lane (g, e) of an output accumulates ``x[k] * w[n, k]`` for ``k = 256 c + SUB g + VW j + e`` in the order of
-    (c, j), from +0.0; then the lanes ``VW g + e`` are summed pairwise (``a[2l] + a[2l+1]``, level by level)."""
+    lane (g, e) of an output accumulates ``x[k] * w[n, k]`` for ``k = 256 KS c + SUB g + VW j + e`` in the order of
+    (c, j), from +0.0; then the lanes ``VW g + e`` are summed pairwise (``a[2l] + a[2l+1]``, level by level).
+    ``ks``: KS, by default :func:`tkernels.gemv_ksplit` of the type and width."""
     sub, vw = (16 if qtype == T.Q6_K else 32), tkernels.GEMV_VW[int(qtype)]
     n, k = w.shape
-    kp = -(-k // 256) * 256
+    ks = tkernels.gemv_ksplit(int(qtype), k) if ks is None else ks
+    step = 256 * ks
+    kp = -(-k // step) * step
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
     for m in range(x.shape[0]):
         p = torch.zeros((n, kp), dtype=torch.float32)
         p[:, :k] = w * x[m]
-        p = p.view(n, kp // 256, 256 // sub, sub // vw, vw)
-        acc = torch.zeros((n, 256 // sub, vw), dtype=torch.float32)
-        for c in range(kp // 256):
+        p = p.view(n, kp // step, step // sub, sub // vw, vw)
+        acc = torch.zeros((n, step // sub, vw), dtype=torch.float32)
+        for c in range(kp // step):
             for j in range(sub // vw):
                 acc = acc + p[:, c, :, j, :]
         a = acc.reshape(n, -1)
@@ -357,11 +361,32 @@ def test_gemv_documented_order(device, qtype, m, monkeypatch):
     assert_bits_equal(y.cpu(), gemv_order(x, w, qtype), f"{qtype.name} m={m}")
     assert_close_to_f64(y, x, w, f"{qtype.name} m={m}")
     if not ON_CUDA:  # the interpreter's rows per program (GEMV_INTERP_BLOCK_N) and the GPU's: the same bits
-        gpu_rows = 32 * tkernels.GEMV_WARPS // (256 // tkernels._sub(int(qtype)))
+        gpu_rows = max(1, 32 * tkernels.GEMV_WARPS // (256 // tkernels._sub(int(qtype))
+                                                       * tkernels.gemv_ksplit(int(qtype), n_cols)))
         monkeypatch.setattr(tkernels, "GEMV_INTERP_BLOCK_N", gpu_rows)
         assert tkernels._config(int(qtype), 9, n_cols, m)["BLOCK_N"] == gpu_rows < 9
         y_gpu_rows = tkernels.linear(x, raw, qtype, n_cols, m_hint=m)
         assert_bits_equal(y_gpu_rows, y, f"{qtype.name} m={m}: {gpu_rows} rows per program")
+
+
+@pytest.mark.parametrize("qtype", GEMV_TYPES, ids=ids)
+def test_gemv_ksplit_order(device, qtype, monkeypatch):
+    """Wide rows (K = 2048: 8 chunks side by side for Q4_K, 4 for Q6_K; 2816 = 11 chunks of Q4_0/Q8_0: 8 side by
+    side, the rest masked) in gemv_order's order for the K split gemv_ksplit picks, and with
+    MOESTREAM_GEMV_KSPLIT=1 in the order of one chunk per step; the two orders differ (the knob is real)."""
+    n_cols = 2048 if GGML_QUANT_SIZES[qtype][0] == 256 else 2816
+    raw = make_raw(qtype, 5, n_cols, 41)
+    w = quant.dequantize(raw, qtype, n_cols)
+    x = torch.randn(2, n_cols, generator=torch.Generator().manual_seed(4))
+    ks = tkernels.gemv_ksplit(int(qtype), n_cols)
+    assert ks == (4 if qtype == T.Q6_K else 8)
+    y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=2)
+    assert_bits_equal(y.cpu(), gemv_order(x, w, qtype, ks), f"{qtype.name} KS={ks}")
+    assert_close_to_f64(y, x, w, f"{qtype.name} KS={ks}")
+    monkeypatch.setattr(tkernels, "GEMV_KSPLIT", "1")
+    y1 = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=2)
+    assert_bits_equal(y1.cpu(), gemv_order(x, w, qtype, 1), f"{qtype.name} KS=1")
+    assert not torch.equal(y1.cpu().view(torch.int32), y.cpu().view(torch.int32)), "KS=1 and KS>1: the same bits"
 
 
 @pytest.mark.parametrize("m_hint", (1, 5))

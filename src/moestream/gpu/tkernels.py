@@ -13,29 +13,29 @@ Loads
     and NaN payloads exact, as numpy does). ``enable_fp_fusion=False`` is passed to every launch, so the
     decoder's ``q * dl - ml`` is never contracted into an FMA (the reference rounds twice).
 
-Kernel configuration (fixed, no autotune), a function of ``(ggml_type, m_hint)`` only:
+Kernel configuration (fixed, no autotune), a function of ``(ggml_type, n_cols, m_hint)`` only:
 
 * ``m_hint <= 8`` (decode), Q4_K, Q6_K, Q4_0, Q8_0 (:data:`GEMV_VW`): ``_gemv_kernel``. ``BLOCK_M =
-  next_pow2(m_hint)`` x rows (one tile; each weight byte read once per launch), 2 warps, one thread per
-  (weight row, sub-block): ``BLOCK_N = 64 / NSUB`` weight rows (8; 4 for Q6_K; 256 under Triton's interpreter:
-  :data:`GEMV_INTERP_BLOCK_N`), ``NSUB`` sub-blocks of ``SUB``
-  elements per 256-element chunk (8 x 32; 16 x 16 for Q6_K). A thread walks its sub-block ``VW`` elements at a
-  time (``VW`` = 4 for Q4_K, 2 for the others: the block sizes 144, 210, 18 and 34 bytes keep runs of VW bytes
-  VW-aligned), each load a [BN, NSUB, VW] tensor: the quant bytes, the fp16 scales and the scale bytes are all
-  read as such runs (fields picked out with exact integer sums) and x as [BN, NSUB, VW] too (the same pointer
-  for every weight row), so all loads and the arithmetic share one register layout: no shared-memory shuffle
-  or barrier in the K loop, and the compiler can issue the loads of a K iteration (up to 32 steps, several
-  chunks) together. Summation order, fixed by the source (element-wise adds only, never ``tl.sum`` on floats):
-  lane ``(g, e)`` of an output (one float32 accumulator per weight row, x row and lane, from +0.0) adds the
-  products ``x[k] * w[n, k]`` of ``k = 256 c + SUB g + VW j + e`` in the order of ``(c, j)``; at the end the
-  ``NSUB * VW`` lanes (index ``VW g + e``) are summed pairwise, ``a[2l] + a[2l+1]`` level by level
-  (tests/test_tkernels.py ``gemv_order`` is this order in torch). The bits are therefore the same on the GPU as
-  in the interpreter, for every ``m_hint <= 8`` and whatever the alignment. Masked elements (a ragged last chunk,
-  chunks past ``n_cols`` in the last K iteration) add ``+0.0`` to an accumulator that cannot be ``-0.0``: no
-  change. Alignment: where the matrix's base address, every used group offset and ``row_bytes`` are multiples of
-  ``VW`` (checked on the host at launch: :func:`alignment`; ``grouped_planned`` takes the caller's ``align``), the
-  compiler is told so and merges each run into one 16/32-bit load; otherwise (``ALIGN = 1``) the same code
-  loads single bytes: the same values, the same bits, only slower.
+  next_pow2(m_hint)`` x rows (one tile; each weight byte read once per launch), 2 warps, one thread per (weight row,
+  sub-block lane): ``BLOCK_N = max(1, 64 / NSUB)`` weight rows (256 under Triton's interpreter:
+  :data:`GEMV_INTERP_BLOCK_N`), ``NSUB = KS * 256 / SUB`` sub-block lanes per row: ``KS`` consecutive 256-element
+  chunks side by side (:func:`gemv_ksplit`, from the type and ``n_cols``: 8 chunks of K = 2048 for Q4_K, one row per
+  program), each ``256 / SUB`` sub-blocks of ``SUB`` elements (8 x 32; 16 x 16 for Q6_K). A thread walks its sub-block
+  ``VW`` elements at a time (``VW`` = 4 for Q4_K, 2 for the others: the block sizes 144, 210, 18 and 34 bytes keep
+  runs of VW bytes VW-aligned), each load a [BN, NSUB, VW] tensor: the quant bytes, the fp16 scales and the scale
+  bytes are all read as such runs (fields picked out with exact integer sums) and x as [BN, NSUB, VW] too (the same
+  pointer for every weight row), so all loads and the arithmetic share one register layout: no shared-memory shuffle
+  or barrier in the K loop, and the compiler can issue the loads of a K iteration (up to 32 steps, several chunks)
+  together. Summation order, fixed by the source (element-wise adds only, never ``tl.sum`` on floats): lane ``(g, e)``
+  of an output (one float32 accumulator per weight row, x row and lane, from +0.0) adds the products ``x[k] * w[n,
+  k]`` of ``k = 256 KS c + SUB g + VW j + e`` in the order of ``(c, j)``; at the end the ``NSUB * VW`` lanes (index
+  ``VW g + e``) are summed pairwise, ``a[2l] + a[2l+1]`` level by level (tests/test_tkernels.py ``gemv_order`` is this
+  order in torch). The bits are therefore the same on the GPU as in the interpreter, for every ``m_hint <= 8`` and
+  whatever the alignment. Masked elements (a ragged last chunk, chunks past ``n_cols`` in the last K iteration) add
+  ``+0.0`` to an accumulator that cannot be ``-0.0``: no change. Alignment: where the matrix's base address, every
+  used group offset and ``row_bytes`` are multiples of ``VW`` (checked on the host at launch: :func:`alignment`;
+  ``grouped_planned`` takes the caller's ``align``), the compiler is told so and merges each run into one 16/32-bit
+  load; otherwise (``ALIGN = 1``) the same code loads single bytes: the same values, the same bits, only slower.
 * ``m_hint <= 8``, the other types (and every type with ``MOESTREAM_GEMV_WIDE=0``): GEMV branch of
   ``_matmul_kernel``. ``BLOCK_N = 16`` weight rows, ``BLOCK_K = 256``, 4 warps; byte loads. Each program
   decodes its ``16 x 256`` weight tile once per K chunk and multiplies it with each of its x rows: float32
@@ -105,6 +105,10 @@ GEMV_WARPS = 2  # _gemv_kernel: warps per program; BLOCK_N = 32 * GEMV_WARPS / N
 #: slower than the old kernel (a [16384, 64] Q8_0 GEMV: 259 s vs 9.8 s; 8.5 s at 256 rows). Every weight row sums
 #: its own lanes, so the rows per program never change a bit (tests/test_tkernels.py checks both sizes).
 GEMV_INTERP_BLOCK_N = 256
+#: _gemv_kernel's chunks per lane group: "auto" (:func:`gemv_ksplit`) or a power of two (1: one 256-element chunk
+#: per K step, the order before the split; for A/B runs). The environment's MOESTREAM_GEMV_KSPLIT at import; read
+#: at each launch: may be changed.
+GEMV_KSPLIT: str = os.environ.get("MOESTREAM_GEMV_KSPLIT", "auto")
 
 
 def available() -> bool:
@@ -131,16 +135,33 @@ def _sub(ggml_type: int) -> int:
     return 16 if ggml_type == int(T.Q6_K) else 32
 
 
+def gemv_ksplit(ggml_type: int, n_cols: int) -> int:
+    """256-element chunks that _gemv_kernel's lanes of one weight row cover side by side (``KS``): the largest
+    power of two with ``KS`` chunks in ``n_cols`` and ``KS * 256 / SUB`` lanes (one per sub-block) within the
+    program's ``32 * GEMV_WARPS`` threads; :data:`GEMV_KSPLIT` when that is a number. So a row of K = 2048 (Q4_K:
+    8 chunks) is read by 64 threads at once instead of 8: many more programs and loads in flight for the decode
+    step's small matrices. A function of the type and ``n_cols`` only (the bits depend on it: see the module
+    docstring)."""
+    if GEMV_KSPLIT != "auto":
+        return int(GEMV_KSPLIT)
+    lanes, chunks, ks = 256 // _sub(int(ggml_type)), -(-int(n_cols) // 256), 1
+    while 2 * ks <= chunks and 2 * ks * lanes <= 32 * GEMV_WARPS:
+        ks *= 2
+    return ks
+
+
 def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int) -> dict[str, Any]:
-    """The fixed kernel configuration for ``(ggml_type, n_rows, n_cols, m_hint)`` (only type and m_hint matter)."""
+    """The fixed kernel configuration for ``(ggml_type, n_rows, n_cols, m_hint)`` (type, n_cols and m_hint
+    matter; never the row count)."""
     sub = _sub(ggml_type)
     if m_hint <= GEMV_MAX_M:
         bm = 1
         while bm < m_hint:
             bm *= 2
         if GEMV_WIDE and ggml_type in GEMV_VW:
-            nsub = 256 // sub
-            bn = GEMV_INTERP_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1" else 32 * GEMV_WARPS // nsub
+            nsub = 256 // sub * gemv_ksplit(ggml_type, n_cols)
+            bn = (GEMV_INTERP_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1"
+                  else max(1, 32 * GEMV_WARPS // nsub))
             return dict(BLOCK_M=bm, BLOCK_N=bn, NSUB=nsub, SUB=sub, VW=GEMV_VW[ggml_type],
                         GEMM=False, WIDE=True, num_warps=GEMV_WARPS)
         return dict(BLOCK_M=bm, BLOCK_N=16, NSUB=256 // sub, SUB=sub, GEMM=False, WIDE=False, num_warps=4)
@@ -483,8 +504,9 @@ if triton is not None:
         # program (tile, n block) as in _matmul_kernel. row_units = row_bytes // ALIGN and every group offset a
         # multiple of ALIGN (the host checked both), written so that the compiler sees the alignment. The x rows
         # of the tile (BLOCK_M <= 8) have one accumulator each (acc0 .. acc7; the unused ones compile away).
-        pid_t = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        # Row blocks on grid axis 0 (up to 2**31 - 1 of them: an LM head at one row per program), tiles on axis 1.
+        pid_n = tl.program_id(0)
+        pid_t = tl.program_id(1)
         grp = tl.load(tiles_ptr + 3 * pid_t)
         p0 = tl.load(tiles_ptr + 3 * pid_t + 1)
         cnt = tl.load(tiles_ptr + 3 * pid_t + 2)
@@ -715,11 +737,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tiles: np.n
     tiles_d = tiles if isinstance(tiles, torch.Tensor) else _upload(tiles, x.device)
     grid = (len(tiles), triton.cdiv(n_rows, cfg["BLOCK_N"]))
     if cfg["WIDE"]:
+        grid = grid[::-1]  # _gemv_kernel: row blocks on axis 0
         vw = cfg["VW"]
         a = vw if align % vw == 0 and w.data_ptr() % vw == 0 and row_bytes % vw == 0 else 1
-        # chunks of 256 per K-loop iteration: about 32 decode steps of straight-line code (loads that the compiler
-        # may issue together), a bounded compile; chunks past n_cols are masked (they add +0.0: no bit changes)
-        unroll = max(1, min(triton.cdiv(n_cols, 256), 32 * vw // cfg["SUB"]))
+        # lane-group steps (NSUB * SUB elements) per K-loop iteration: at most about 32 decode steps of
+        # straight-line code (loads that the compiler may issue together), a bounded compile; steps past n_cols
+        # are masked (they add +0.0: no bit changes)
+        unroll = max(1, min(triton.cdiv(n_cols, cfg["NSUB"] * cfg["SUB"]), 32 * vw // cfg["SUB"]))
         lanes = cfg["NSUB"] * vw
         _gemv_kernel[grid](x, w, offsets, tiles_d, src, out, n_rows, row_bytes // a, sel, n_sel, sel_stride,
                            n_cols, QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
