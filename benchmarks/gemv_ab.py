@@ -93,16 +93,13 @@ def setup(c: dict, dev: torch.device) -> dict:
     if groups == 0:
         raw = random_blocks(t, rows * cols // block, gen, dev).view(rows, nb)
 
-        def call(align: int) -> torch.Tensor:
-            if align == 16:
-                return tkernels.linear(x, raw, t, cols, m_hint=m)
-            # the byte variant: the same matrix through grouped_planned with no alignment promise
-            return tkernels.grouped_planned(x, raw.view(-1), lin_off, lin_tiles, lin_src, t, rows, cols, m,
-                                            torch.empty((m, rows), device=dev), align=1)
+        # the byte variant: the same matrix one byte past a 16-byte boundary (linear() then loads single bytes)
+        odd = torch.empty(rows * nb + 1, dtype=torch.uint8, device=dev)[1:].view(rows, nb)
+        odd.copy_(raw)
 
-        lin_off = torch.zeros(1, dtype=torch.int64, device=dev)
-        lin_tiles = torch.from_numpy(tkernels.plan_tiles(np.array([0, m]), m)).to(dev)
-        lin_src = torch.arange(m, dtype=torch.int32, device=dev)
+        def call(align: int) -> torch.Tensor:
+            return tkernels.linear(x, raw if align == 16 else odd, t, cols, m_hint=m)
+
         return dict(call=call, bytes=rows * nb)
     pool = random_blocks(t, N_EXPERTS * rows * cols // block, gen, dev)
     experts = np.sort(np.random.default_rng(7).choice(N_EXPERTS, groups, replace=False))

@@ -320,10 +320,10 @@ def gemv_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, ks
     """``x @ w.T`` (float32 [T, N]) in _gemv_kernel's order, with float32 torch ops on the CPU (one rounding each):
     lane (g, e) of an output accumulates ``x[k] * w[n, k]`` for ``k = 256 KS c + SUB g + VW j + e`` in the order of
     (c, j), from +0.0; then the lanes ``VW g + e`` are summed pairwise (``a[2l] + a[2l+1]``, level by level).
-    ``ks``: KS, by default :func:`tkernels.gemv_ksplit` of the type and width."""
+    ``ks``: KS, by default :func:`tkernels.gemv_ksplit` of the matrix through linear()."""
     sub, vw = (16 if qtype == T.Q6_K else 32), tkernels.GEMV_VW[int(qtype)]
     n, k = w.shape
-    ks = tkernels.gemv_ksplit(int(qtype), k) if ks is None else ks
+    ks = tkernels.gemv_ksplit(int(qtype), k, n) if ks is None else ks
     step = 256 * ks
     kp = -(-k // step) * step
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
@@ -362,7 +362,7 @@ def test_gemv_documented_order(device, qtype, m, monkeypatch):
     assert_close_to_f64(y, x, w, f"{qtype.name} m={m}")
     if not ON_CUDA:  # the interpreter's rows per program (GEMV_INTERP_BLOCK_N) and the GPU's: the same bits
         gpu_rows = max(1, 32 * tkernels.GEMV_WARPS // (256 // tkernels._sub(int(qtype))
-                                                       * tkernels.gemv_ksplit(int(qtype), n_cols)))
+                                                       * tkernels.gemv_ksplit(int(qtype), n_cols, 9)))
         monkeypatch.setattr(tkernels, "GEMV_INTERP_BLOCK_N", gpu_rows)
         assert tkernels._config(int(qtype), 9, n_cols, m)["BLOCK_N"] == gpu_rows < 9
         y_gpu_rows = tkernels.linear(x, raw, qtype, n_cols, m_hint=m)
@@ -378,8 +378,10 @@ def test_gemv_ksplit_order(device, qtype, monkeypatch):
     raw = make_raw(qtype, 5, n_cols, 41)
     w = quant.dequantize(raw, qtype, n_cols)
     x = torch.randn(2, n_cols, generator=torch.Generator().manual_seed(4))
-    ks = tkernels.gemv_ksplit(int(qtype), n_cols)
+    ks = tkernels.gemv_ksplit(int(qtype), n_cols, 5)
     assert ks == (4 if qtype == T.Q6_K else 8)
+    assert tkernels.gemv_ksplit(int(qtype), n_cols, 5, grouped=True) == 1
+    assert tkernels.gemv_ksplit(int(qtype), n_cols, tkernels.GEMV_KSPLIT_MAX_ROWS + 1) == 1
     y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=2)
     assert_bits_equal(y.cpu(), gemv_order(x, w, qtype, ks), f"{qtype.name} KS={ks}")
     assert_close_to_f64(y, x, w, f"{qtype.name} KS={ks}")

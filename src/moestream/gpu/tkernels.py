@@ -13,29 +13,31 @@ Loads
     and NaN payloads exact, as numpy does). ``enable_fp_fusion=False`` is passed to every launch, so the
     decoder's ``q * dl - ml`` is never contracted into an FMA (the reference rounds twice).
 
-Kernel configuration (fixed, no autotune), a function of ``(ggml_type, n_cols, m_hint)`` only:
+Kernel configuration (fixed, no autotune), a function of the matrix (type, shape, linear or grouped) and ``m_hint``
+only:
 
 * ``m_hint <= 8`` (decode), Q4_K, Q6_K, Q4_0, Q8_0 (:data:`GEMV_VW`): ``_gemv_kernel``. ``BLOCK_M =
   next_pow2(m_hint)`` x rows (one tile; each weight byte read once per launch), 2 warps, one thread per (weight row,
   sub-block lane): ``BLOCK_N = max(1, 64 / NSUB)`` weight rows (256 under Triton's interpreter:
   :data:`GEMV_INTERP_BLOCK_N`), ``NSUB = KS * 256 / SUB`` sub-block lanes per row: ``KS`` consecutive 256-element
-  chunks side by side (:func:`gemv_ksplit`, from the type and ``n_cols``: 8 chunks of K = 2048 for Q4_K, one row per
-  program), each ``256 / SUB`` sub-blocks of ``SUB`` elements (8 x 32; 16 x 16 for Q6_K). A thread walks its sub-block
-  ``VW`` elements at a time (``VW`` = 4 for Q4_K, 2 for the others: the block sizes 144, 210, 18 and 34 bytes keep
-  runs of VW bytes VW-aligned), each load a [BN, NSUB, VW] tensor: the quant bytes, the fp16 scales and the scale
-  bytes are all read as such runs (fields picked out with exact integer sums) and x as [BN, NSUB, VW] too (the same
-  pointer for every weight row), so all loads and the arithmetic share one register layout: no shared-memory shuffle
-  or barrier in the K loop, and the compiler can issue the loads of a K iteration (up to 32 steps, several chunks)
-  together. Summation order, fixed by the source (element-wise adds only, never ``tl.sum`` on floats): lane ``(g, e)``
-  of an output (one float32 accumulator per weight row, x row and lane, from +0.0) adds the products ``x[k] * w[n,
-  k]`` of ``k = 256 KS c + SUB g + VW j + e`` in the order of ``(c, j)``; at the end the ``NSUB * VW`` lanes (index
-  ``VW g + e``) are summed pairwise, ``a[2l] + a[2l+1]`` level by level (tests/test_tkernels.py ``gemv_order`` is this
-  order in torch). The bits are therefore the same on the GPU as in the interpreter, for every ``m_hint <= 8`` and
-  whatever the alignment. Masked elements (a ragged last chunk, chunks past ``n_cols`` in the last K iteration) add
-  ``+0.0`` to an accumulator that cannot be ``-0.0``: no change. Alignment: where the matrix's base address, every
-  used group offset and ``row_bytes`` are multiples of ``VW`` (checked on the host at launch: :func:`alignment`;
-  ``grouped_planned`` takes the caller's ``align``), the compiler is told so and merges each run into one 16/32-bit
-  load; otherwise (``ALIGN = 1``) the same code loads single bytes: the same values, the same bits, only slower.
+  chunks side by side (:func:`gemv_ksplit`: for a matrix of at most 2048 rows through :func:`linear`, 8 chunks of K =
+  2048 for Q4_K, one row per program; 1 for the grouped expert launches), each ``256 / SUB`` sub-blocks of ``SUB``
+  elements (8 x 32; 16 x 16 for Q6_K). A thread walks its sub-block ``VW`` elements at a time (``VW`` = 4 for Q4_K, 2
+  for the others: the block sizes 144, 210, 18 and 34 bytes keep runs of VW bytes VW-aligned), each load a [BN, NSUB,
+  VW] tensor: the quant bytes, the fp16 scales and the scale bytes are all read as such runs (fields picked out with
+  exact integer sums) and x as [BN, NSUB, VW] too (the same pointer for every weight row), so all loads and the
+  arithmetic share one register layout: no shared-memory shuffle or barrier in the K loop, and the compiler can issue
+  the loads of a K iteration (up to 32 steps, several chunks) together. Summation order, fixed by the source
+  (element-wise adds only, never ``tl.sum`` on floats): lane ``(g, e)`` of an output (one float32 accumulator per
+  weight row, x row and lane, from +0.0) adds the products ``x[k] * w[n, k]`` of ``k = 256 KS c + SUB g + VW j + e``
+  in the order of ``(c, j)``; at the end the ``NSUB * VW`` lanes (index ``VW g + e``) are summed pairwise, ``a[2l] +
+  a[2l+1]`` level by level (tests/test_tkernels.py ``gemv_order`` is this order in torch). The bits are therefore the
+  same on the GPU as in the interpreter, for every ``m_hint <= 8`` and whatever the alignment. Masked elements (a
+  ragged last chunk, chunks past ``n_cols`` in the last K iteration) add ``+0.0`` to an accumulator that cannot be
+  ``-0.0``: no change. Alignment: where the matrix's base address, every used group offset and ``row_bytes`` are
+  multiples of ``VW`` (checked on the host at launch: :func:`alignment`; ``grouped_planned`` takes the caller's
+  ``align``), the compiler is told so and merges each run into one 16/32-bit load; otherwise (``ALIGN = 1``) the same
+  code loads single bytes: the same values, the same bits, only slower.
 * ``m_hint <= 8``, the other types (and every type with ``MOESTREAM_GEMV_WIDE=0``): GEMV branch of
   ``_matmul_kernel``. ``BLOCK_N = 16`` weight rows, ``BLOCK_K = 256``, 4 warps; byte loads. Each program
   decodes its ``16 x 256`` weight tile once per K chunk and multiplies it with each of its x rows: float32
@@ -135,31 +137,42 @@ def _sub(ggml_type: int) -> int:
     return 16 if ggml_type == int(T.Q6_K) else 32
 
 
-def gemv_ksplit(ggml_type: int, n_cols: int) -> int:
-    """256-element chunks that _gemv_kernel's lanes of one weight row cover side by side (``KS``): the largest
-    power of two with ``KS`` chunks in ``n_cols`` and ``KS * 256 / SUB`` lanes (one per sub-block) within the
-    program's ``32 * GEMV_WARPS`` threads; :data:`GEMV_KSPLIT` when that is a number. So a row of K = 2048 (Q4_K:
-    8 chunks) is read by 64 threads at once instead of 8: many more programs and loads in flight for the decode
-    step's small matrices. A function of the type and ``n_cols`` only (the bits depend on it: see the module
-    docstring)."""
+#: :func:`gemv_ksplit` splits K only for a matrix computed alone (:func:`linear`: attention projections, dense FFNs)
+#: of at most this many rows. Measured on an H200 (benchmarks/gemv_ab.py --old ks1, 2026-12-04, µs per call, KS 1
+#: -> 8): k/v [512, 2048] Q4_K 8.3 -> 3.4, o [2048, 4096] 18.3 -> 12.0; slower: q [4096, 2048] 10.6 -> 12.2, the
+#: Q6_K LM head 310 -> 447, Q8_0 [2816, 2816] 13.0 -> 23.2, and every grouped expert launch (8 or 16 matrices:
+#: Q4_K gate/up 12.7 -> 17.9, Q4_0 [704, 2816] 13.7 -> 39.7), which have rows enough to fill the GPU.
+GEMV_KSPLIT_MAX_ROWS = 2048
+
+
+def gemv_ksplit(ggml_type: int, n_cols: int, n_rows: int = 1, grouped: bool = False) -> int:
+    """256-element chunks that _gemv_kernel's lanes of one weight row cover side by side (``KS``). 1 for grouped
+    launches (experts) and for matrices of more than :data:`GEMV_KSPLIT_MAX_ROWS` rows; otherwise the largest power
+    of two with ``KS`` chunks in ``n_cols`` and ``KS * 256 / SUB`` lanes (one per sub-block) within the program's
+    ``32 * GEMV_WARPS`` threads (a row of K = 2048 Q4_K, 8 chunks, read by 64 threads instead of 8: more programs
+    and loads in flight for a small matrix); :data:`GEMV_KSPLIT` when that is a number. A function of the matrix
+    (type, shape, and whether it goes through :func:`linear` or the grouped launches: a weight always takes the
+    same one), never of the tokens or groups of a call; the bits depend on it (module docstring)."""
     if GEMV_KSPLIT != "auto":
         return int(GEMV_KSPLIT)
+    if grouped or n_rows > GEMV_KSPLIT_MAX_ROWS:
+        return 1
     lanes, chunks, ks = 256 // _sub(int(ggml_type)), -(-int(n_cols) // 256), 1
     while 2 * ks <= chunks and 2 * ks * lanes <= 32 * GEMV_WARPS:
         ks *= 2
     return ks
 
 
-def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int) -> dict[str, Any]:
-    """The fixed kernel configuration for ``(ggml_type, n_rows, n_cols, m_hint)`` (type, n_cols and m_hint
-    matter; never the row count)."""
+def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int, grouped: bool = True) -> dict[str, Any]:
+    """The fixed kernel configuration for a matrix ``(ggml_type, n_rows, n_cols)``, through :func:`linear` or the
+    grouped launches, at ``m_hint`` (never the tokens or groups of a call)."""
     sub = _sub(ggml_type)
     if m_hint <= GEMV_MAX_M:
         bm = 1
         while bm < m_hint:
             bm *= 2
         if GEMV_WIDE and ggml_type in GEMV_VW:
-            nsub = 256 // sub * gemv_ksplit(ggml_type, n_cols)
+            nsub = 256 // sub * gemv_ksplit(ggml_type, n_cols, n_rows, grouped)
             bn = (GEMV_INTERP_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1"
                   else max(1, 32 * GEMV_WARPS // nsub))
             return dict(BLOCK_M=bm, BLOCK_N=bn, NSUB=nsub, SUB=sub, VW=GEMV_VW[ggml_type],
@@ -837,7 +850,7 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int, m_hi
     out = torch.empty((n_tok, rows), dtype=torch.float32, device=x.device)
     if n_tok == 0 or rows == 0:
         return out
-    cfg = _config(int(ggml_type), rows, n_cols, n_tok if m_hint is None else int(m_hint))
+    cfg = _config(int(ggml_type), rows, n_cols, n_tok if m_hint is None else int(m_hint), grouped=False)
     stride = raw.stride(0) if rows > 1 else nb
     key = (x.device, n_tok, cfg["BLOCK_M"])
     const = _LINEAR_CONST.get(key)
