@@ -101,7 +101,12 @@ GEMV_VW: dict[int, int] = {int(T.Q4_K): 4, int(T.Q6_K): 2, int(T.Q4_0): 2, int(T
 #: whether _gemv_kernel is used (the environment's MOESTREAM_GEMV_WIDE at import; "0" selects _matmul_kernel's
 #: GEMV branch for every type, the path before it existed: for A/B runs). Read at each launch: may be changed.
 GEMV_WIDE: bool = os.environ.get("MOESTREAM_GEMV_WIDE", "1") != "0"
-GEMV_WARPS = 2  # _gemv_kernel: warps per program; BLOCK_N = 32 * GEMV_WARPS / NSUB weight rows
+#: _gemv_kernel's warps per program (BLOCK_N = max(1, 32 * GEMV_WARPS / NSUB) weight rows: never a bit of the
+#: result, which each row's lanes sum in a fixed order); MOESTREAM_GEMV_WARPS at import, for A/B runs
+GEMV_WARPS = int(os.environ.get("MOESTREAM_GEMV_WARPS", "2"))
+#: the most lanes (threads) one weight row gets from the K split (:func:`gemv_ksplit`; a constant: the bits
+#: depend on it)
+GEMV_KSPLIT_LANES = 64
 #: _gemv_kernel's weight rows per program under Triton's interpreter (``TRITON_INTERPRET=1``, CPU CI). There a
 #: program costs per operation, not per element, and the GPU's 8 rows made a default-model decode step about 26x
 #: slower than the old kernel (a [16384, 64] Q8_0 GEMV: 259 s vs 9.8 s; 8.5 s at 256 rows). Every weight row sums
@@ -148,8 +153,8 @@ GEMV_KSPLIT_MAX_ROWS = 2048
 def gemv_ksplit(ggml_type: int, n_cols: int, n_rows: int = 1, grouped: bool = False) -> int:
     """256-element chunks that _gemv_kernel's lanes of one weight row cover side by side (``KS``). 1 for grouped
     launches (experts) and for matrices of more than :data:`GEMV_KSPLIT_MAX_ROWS` rows; otherwise the largest power
-    of two with ``KS`` chunks in ``n_cols`` and ``KS * 256 / SUB`` lanes (one per sub-block) within the program's
-    ``32 * GEMV_WARPS`` threads (a row of K = 2048 Q4_K, 8 chunks, read by 64 threads instead of 8: more programs
+    of two with ``KS`` chunks in ``n_cols`` and ``KS * 256 / SUB`` lanes (one per sub-block) within
+    :data:`GEMV_KSPLIT_LANES` (a row of K = 2048 Q4_K, 8 chunks, read by 64 threads instead of 8: more programs
     and loads in flight for a small matrix); :data:`GEMV_KSPLIT` when that is a number. A function of the matrix
     (type, shape, and whether it goes through :func:`linear` or the grouped launches: a weight always takes the
     same one), never of the tokens or groups of a call; the bits depend on it (module docstring)."""
@@ -158,7 +163,7 @@ def gemv_ksplit(ggml_type: int, n_cols: int, n_rows: int = 1, grouped: bool = Fa
     if grouped or n_rows > GEMV_KSPLIT_MAX_ROWS:
         return 1
     lanes, chunks, ks = 256 // _sub(int(ggml_type)), -(-int(n_cols) // 256), 1
-    while 2 * ks <= chunks and 2 * ks * lanes <= 32 * GEMV_WARPS:
+    while 2 * ks <= chunks and 2 * ks * lanes <= GEMV_KSPLIT_LANES:
         ks *= 2
     return ks
 
