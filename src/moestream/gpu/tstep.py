@@ -39,12 +39,14 @@ Triton's interpreter (numpy 2.4 cannot turn its loaded scalars into a Python ran
 
 Where they are used (runtime/step.py, the device decode branch, ``Step.pos`` set, when :func:`applies`):
 
-- ``Step.cached_attention`` (qwen3moe with its q/k norms, olmoe, qwen2moe, mixtral/llama, glm4moe, qwen35moe's
-  gated attention layers, gpt-oss with window and sinks): :func:`norm_rope_store` + :func:`decode_attention`,
-  two launches (three with a split). glm4moe and qwen35moe norm q/k themselves before the call (torch.rms_norm,
-  one launch each) and olmoe over the whole projection; there the kernel only rotates and stores.
+- ``Step.cached_attention`` (qwen3moe, glm4moe and qwen35moe's gated attention layers with their per-head q/k
+  norms; olmoe, qwen2moe, mixtral/llama; gpt-oss with window and sinks): :func:`norm_rope_store` +
+  :func:`decode_attention`, two launches (three with a split). olmoe norms q and k over the whole projection
+  (not per head: torch.rms_norm before the call, one launch each); there the kernel only rotates and stores.
 - ``Step.rope`` / ``Step.rope_into`` (gemma4's q and k, deepseek2's rope parts of q and of the cache row):
-  :func:`norm_rope_store` without norm, one launch instead of ~7; ``Step.store`` stays one ``index_copy_``.
+  :func:`norm_rope_store` without norm, one launch instead of ~6; ``Step.store`` stays one ``index_copy_``
+  (gemma4's v, deepseek2's cache row). gemma4's q/k/v norms and deepseek2's cache-row norm and concatenation
+  stay torch ops.
 - ``Step.attend`` (gemma4: sliding window, a shared-KV layer reading another layer's cache; deepseek2: MLA with
   ``v_dim``): :func:`decode_attention`.
 
