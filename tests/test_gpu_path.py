@@ -90,11 +90,15 @@ def _decode_on_device_path(model, ids: list[int], steps: int, eager: bool) -> li
     return out
 
 
-def test_graphed_decode_step_equals_streaming_step() -> None:
+def test_graphed_decode_step_equals_streaming_step(monkeypatch) -> None:  # noqa: ANN001
     """The step a CUDA graph captures (every MoE layer through ``MoE.resident_step``: pairs in top-k order, slot
     = expert id, nothing on the host) gives the same bits as the streaming store's step through 4 slots (host
     top-k, slot plan, misses read, pairs grouped by expert); both within 1e-5 of the largest logit of the usual
-    CPU forward (attention over 256 masked rows instead of pos + 1: other summation order)."""
+    CPU forward (attention over keys 0..pos in blocks by gpu/tstep.py's kernels, as on CUDA: other summation
+    order)."""
+    from moestream.gpu import tstep
+
+    monkeypatch.setattr(tstep, "ON_CPU", True)  # the attention kernels of a CUDA step, under the interpreter
     model, _ = _grouped_model(4)
     streamed = _decode_on_device_path(model, IDS, 4, eager=True)
     assert model.store.stats.misses > 0

@@ -189,12 +189,10 @@ class Glm4MoE(MoEModel):
         q, k, v = (linear_bias(b[n], h, b[f"attn_{n}.bias"]) for n in "qkv")
         q = q.view(n_tok, self.n_head, self.head_dim)
         k = k.view(n_tok, self.n_kv, self.head_dim)
-        if b["attn_q_norm.weight"] is not None:  # per head, before RoPE
-            q = rms_norm(q, b["attn_q_norm.weight"], self.eps)
-        if b["attn_k_norm.weight"] is not None:
-            k = rms_norm(k, b["attn_k_norm.weight"], self.eps)
+        # the optional per-head norms (before RoPE) inside the attention block: one launch with RoPE on CUDA
         a = step.cached_attention(q, k, v.view(n_tok, self.n_kv, self.head_dim), self.rope, i,
-                                  1.0 / math.sqrt(self.head_dim))
+                                  1.0 / math.sqrt(self.head_dim), q_norm=b["attn_q_norm.weight"],
+                                  k_norm=b["attn_k_norm.weight"], eps=self.eps)
         return x + b["o"].linear(a)
 
     def has_shared(self, i: int) -> bool:

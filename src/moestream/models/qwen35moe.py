@@ -258,10 +258,12 @@ class Qwen35MoE(MoEModel):
         n_tok = h.shape[0]
         qg = b["q"].linear(h).view(n_tok, self.n_head, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
-        q = rms_norm(q, b["q_norm"], self.eps)
-        k = rms_norm(b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim), b["k_norm"], self.eps)
+        k = b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim)
         v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim)
-        a = step.cached_attention(q, k, v, self.rope, i, 1.0 / math.sqrt(self.head_dim))
+        # the q/k norms inside the attention block (one launch with RoPE on CUDA); q, a view of qg, may be
+        # overwritten there: only its half of qg, not the gate's
+        a = step.cached_attention(q, k, v, self.rope, i, 1.0 / math.sqrt(self.head_dim), q_norm=b["q_norm"],
+                                  k_norm=b["k_norm"], eps=self.eps)
         return b["o"].linear(a * elementwise(torch.sigmoid, gate.reshape(n_tok, -1)))
 
     def begin_step(self, step: Step) -> None:

@@ -4,9 +4,10 @@ A decode step dispatched op by op from Python costs far more host time than GPU 
 Qwen3-30B-A3B-shaped model: ~50 ms of host work for ~9 ms of kernels on an H200). When every expert is resident
 where the GPU addresses it (``--moe-stream off`` on CUDA) the step needs nothing from the host: the router's
 top-k picks the pool rows on the device (``MoE.resident_step``), the position lives in a device tensor, and
-attention runs over a fixed number of cache rows with the later ones masked (``layers.attention_at``), so the
-step can be captured once (``torch.cuda.CUDAGraph``) and replayed at every position up to that row count
-(``layers.decode_keys``: powers of two, so a generation captures a handful of graphs).
+attention reads the keys up to that position on the device (gpu/tstep.py; without it, ``layers.attention_at``
+over a fixed number of cache rows with the later ones masked), so the step can be captured once
+(``torch.cuda.CUDAGraph``) and replayed at every position up to that row count (``layers.decode_keys``: powers
+of two, so a generation captures a handful of graphs).
 
 The graphed step runs the same kernels in the same order as the eager one, so the logits have the same bits as
 an eager step of the same code. A streaming step cannot be one graph (each MoE layer's router top-k must reach

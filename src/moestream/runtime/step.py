@@ -10,7 +10,10 @@ are handed (``step.rope``, ``step.rope_into``, ``step.store``, ``step.attend``, 
 - **on the device** (``pos`` given): one sequence, one token, its position held in a device tensor and attention
   over a fixed number of cache rows with the later ones masked (layers.attention_at), so the step has no
   host-dependent value and a CUDA graph can capture it (runtime/graphs.py). Its results equal an eager step's
-  within float rounding (other reduction length), and are the same bits whether captured or not.
+  within float rounding (other reduction length), and are the same bits whether captured or not. On CUDA the
+  norms, RoPE, cache writes and attention of such a step are Triton kernels (gpu/tstep.py: two launches per
+  attention layer, where :func:`~moestream.gpu.tstep.applies`), else the torch ops of layers.rope_at and
+  layers.attention_at.
 
 The projections, norms, routers and experts of a step run once over all its rows; only what is per sequence
 (RoPE angles, cache rows, attention, recurrent state) is split by sequence here.
@@ -57,6 +60,15 @@ def _block_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
     return lib if q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 else None
 
 
+def _tstep(x: torch.Tensor) -> Any:
+    """The gpu.tstep module when a device step computes on ``x`` with its Triton kernels (tstep.applies: CUDA, or
+    its tests' interpreter), else None (the torch ops). Only device steps call it (CUDA, or tests), so the CPU
+    engine never imports triton."""
+    from ..gpu import tstep
+
+    return tstep if tstep.applies(x) else None
+
+
 @dataclass
 class Step:
     """A forward step: tokens int64 [T] (the rows of every sequence, in ``seqs`` order) and the sequences.
@@ -97,6 +109,8 @@ class Step:
     def rope(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
         """x float32 [T, heads, d] rotated at each row's position (layers.Rope), same shape."""
         if self.pos is not None:
+            if (ts := _tstep(x)) is not None:
+                return ts.norm_rope_store(rope, self.pos, q=x)
             return rope_at(rope, x, self.pos)
         return self._cat([rope(xs, s.start) for s, xs in self._rows(x)])
 
@@ -104,7 +118,11 @@ class Step:
         """Rotate x float32 [T, heads, d] and write it into ``cache.<kind>[layer]`` at each row's position
         (eager: straight into the cache rows, ``Rope(out=)``)."""
         if self.pos is not None:
-            _tensor(self.seqs[0].cache, kind, layer).index_copy_(0, self.pos, rope_at(rope, x, self.pos))
+            cache = _tensor(self.seqs[0].cache, kind, layer)
+            if (ts := _tstep(x)) is not None:
+                ts.norm_rope_store(rope, self.pos, k=x, k_cache=cache)
+                return
+            cache.index_copy_(0, self.pos, rope_at(rope, x, self.pos))
             return
         for s, xs in self._rows(x):
             rope(xs, s.start, out=_tensor(s.cache, kind, layer)[s.start:s.end])
@@ -129,6 +147,9 @@ class Step:
 
         if self.pos is not None:
             k, v = kv(self.seqs[0].cache, self.n_keys)
+            if (ts := _tstep(q)) is not None:
+                return ts.decode_attention(q, k, None if v_dim is not None else v, self.pos, self.n_keys, scale,
+                                           window, sinks, v_dim)
             return attention_at(q, k, v, self.pos, self.kpos, scale, window, sinks)
         out = []
         for s, qs in self._rows(q):
@@ -146,7 +167,8 @@ class Step:
         :meth:`attend`. q is scratch (it may be overwritten).
 
         One sequence on the CPU with the step kernels: all of it in one C call (kernels.attn_block, the same bits
-        as the separate ops)."""
+        as the separate ops). A device step on CUDA: two Triton launches (gpu/tstep.py: norms, RoPE and the
+        cache rows in one, attention in the other; a third where the keys are split)."""
         if self.pos is None and self.single and q.device.type == "cpu" and (lib := _block_ops(q, k, v)) is not None:
             s = self.seqs[0]
             rope.reserve(s.end)
@@ -154,6 +176,12 @@ class Step:
             return kernels.attn_block(q, k, v, _tensor(cache, "k", layer), _tensor(cache, "v", layer), s.start, scale,
                                       q_norm, k_norm, eps, rope.cos, rope.sin, rope.interleaved, window, sinks,
                                       lib=lib)
+        if self.pos is not None and (ts := _tstep(q)) is not None:
+            cache = self.seqs[0].cache
+            kc, vc = _tensor(cache, "k", layer), _tensor(cache, "v", layer)
+            q = ts.norm_rope_store(rope, self.pos, q, k, v, kc, vc, q_norm, k_norm, eps)
+            return ts.decode_attention(q, kc[:self.n_keys], vc[:self.n_keys], self.pos, self.n_keys, scale, window,
+                                       sinks)
         if q_norm is not None:
             q = rms_norm(q, q_norm, eps)
         if k_norm is not None:
