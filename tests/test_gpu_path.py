@@ -95,10 +95,12 @@ def test_graphed_decode_step_equals_streaming_step(monkeypatch) -> None:  # noqa
     = expert id, nothing on the host) gives the same bits as the streaming store's step through 4 slots (host
     top-k, slot plan, misses read, pairs grouped by expert); both within 1e-5 of the largest logit of the usual
     CPU forward (attention over keys 0..pos in blocks by gpu/tstep.py's kernels, as on CUDA: other summation
-    order)."""
-    from moestream.gpu import tstep
+    order; the SwiGLU activation and the top-k rows' weighted sum by gpu/tmoe.py's launches, as on CUDA: the
+    streaming step ends with the same weighted sum as the resident one)."""
+    from moestream.gpu import tmoe, tstep
 
     monkeypatch.setattr(tstep, "ON_CPU", True)  # the attention kernels of a CUDA step, under the interpreter
+    monkeypatch.setattr(tmoe, "ON_CPU", True)  # and the MoE layer's activation and weighted sum
     model, _ = _grouped_model(4)
     streamed = _decode_on_device_path(model, IDS, 4, eager=True)
     assert model.store.stats.misses > 0

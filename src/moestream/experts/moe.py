@@ -24,11 +24,30 @@ Activation = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up (Qwen/Mixtral experts)."""
+    """SiLU(gate) * up (Qwen/Mixtral experts); on CUDA one launch (gpu/tmoe.py ``silu_mul``)."""
+    if gate.device.type != "cpu" or _tmoe_on_cpu():
+        from ..gpu import tmoe
+        if tmoe.applies(gate):
+            return tmoe.silu_mul(gate, up)
     return torch.nn.functional.silu(gate) * up
 
 
+def _tmoe_on_cpu() -> bool:
+    """Whether a test asked gpu/tmoe.py's kernels to run on CPU tensors (without importing triton otherwise)."""
+    import sys
+    mod = sys.modules.get("moestream.gpu.tmoe")
+    return bool(mod is not None and mod.ON_CPU)
+
+
 swiglu.kernel_act = kernels.ACT_SILU  # type: ignore[attr-defined]  # the C kernels' code for it
+
+
+def _tmoe_if(t: torch.Tensor):  # noqa: ANN202 - the module or None
+    """gpu/tmoe.py when its kernels apply to ``t`` (CUDA float32, on), else None."""
+    if t.device.type == "cpu" and not _tmoe_on_cpu():
+        return None
+    from ..gpu import tmoe
+    return tmoe if tmoe.applies(t) else None
 
 
 #: Most values of the routed rows [tokens, top_k, hidden] a resident CPU call writes into a buffer kept per layer
@@ -236,6 +255,10 @@ class MoE:
             for ticket in unjoined:
                 store.discard(ticket)
             raise
+        if groups is not None and not cuda and not self.gpu:
+            return topk_sum(out), shared_out
+        if self.gpu and (tmoe := _tmoe_if(out)) is not None:  # _grouped left the rows unweighted
+            return tmoe.weighted_sum(out.view(-1, out.shape[-1]), weights, top_k), shared_out
         if groups is not None and not cuda:
             return topk_sum(out), shared_out
         return out.sum(dim=1), shared_out
@@ -362,7 +385,8 @@ class MoE:
         else:
             gate, up = mm(0, "gate", x, d_tok), mm(1, "up", x, d_tok)
         y = mm(len(names), "down", self.act(gate, up).contiguous(), d_rows)
-        y.mul_(groups.weights.reshape(-1)[d_dst, None])
+        if _tmoe_if(y) is None:  # else the weights are applied by tmoe.weighted_sum at the end of __call__
+            y.mul_(groups.weights.reshape(-1)[d_dst, None])
         out.view(-1, out.shape[-1]).index_copy_(0, d_dst, y)
         store.used(self.layer)
 
@@ -424,6 +448,8 @@ class MoE:
         else:
             (gate,), (up,) = mm(["gate"], x, c["zeros"][1]), mm(["up"], x, c["zeros"][1])
         (y,) = mm(["down"], self.act(gate, up).contiguous(), c["rows"])
+        if (tmoe := _tmoe_if(y)) is not None:  # as __call__ ends on the grouped path: the same bits
+            return tmoe.weighted_sum(y, weights, top_k)
         y.mul_(weights.reshape(-1)[:, None])
         return y.view(1, top_k, -1).sum(dim=1)
 

@@ -83,7 +83,7 @@ BLOCK_N_WIDE = 16
 #: query heads per tile (tl.dot needs at least 16 rows; a larger group takes several programs per KV head)
 BLOCK_G = 16
 #: at most this many keys per program: a larger ``n_keys`` splits the keys (and adds the combine launch)
-SPLIT_KEYS = 256
+SPLIT_KEYS = int(os.environ.get("MOESTREAM_TSTEP_SPLIT_KEYS", "256"))  # env: for A/B runs
 #: at most this many splits per head group
 MAX_SPLITS = 64
 
