@@ -132,34 +132,51 @@ def test_decode_computes_hits_first_and_each_miss_after_its_own_join(qwen3moe_ti
         model.set_store(ResidentStore(model.gguf, model.layout))
 
 
-def test_fused_decode_computes_hits_in_one_call_then_misses_as_their_reads_are_joined(resident, monkeypatch):
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "fast"])
+def test_fused_decode_computes_hits_in_one_call_then_misses_as_their_reads_are_joined(resident, monkeypatch, fast):
     """``--matmul blocks`` (one C call per set of experts): with overlap, a decode step's hits go to the kernels
     in one call before any join; every later call computes misses only, right after a join that covers them
-    (``wait(through=its last expert)``), in read order, each miss once; identical logits: verify above."""
+    (``wait(through=its last expert)``), in read order, each miss once; identical logits: verify above. In the
+    eager step (MoE.__call__) and in the fast decode step (runtime/fastdecode.py, whose calls address the slots:
+    each call's experts are read back from its down matrices' addresses)."""
     from moestream.experts import moe as moe_mod
     from moestream.experts.pool import ResidentStore, StreamingStore
+    from moestream.runtime import fastdecode
     model, ids = resident
     store = model.make_store(LoadOptions(slots=model.n_experts // 2, io_threads=2))
     model.set_store(store)
     events: list[tuple] = []
-    real_wait, real_fused = StreamingStore.wait, moe_mod.MoE._fused
+    moe0 = min(model.layout.layers)
+    real_wait, real_fused, real_moe = StreamingStore.wait, moe_mod.MoE._fused, fastdecode.FastDecode._moe
 
     def wait(self, ticket, through=None):
-        if ticket is not None and ticket.loads[0] == min(model.layout.layers):
+        if ticket is not None and ticket.loads[0] == moe0:
             events.append(("wait", through, tuple(self.reading(ticket))))
         return real_wait(self, ticket, through)
 
     def fused(self, st, groups, experts, slot_of, x, out):
-        if self.layer == min(model.layout.layers):
+        if self.layer == moe0:
             events.append(("compute", tuple(experts)))
         return real_fused(self, st, groups, experts, slot_of, x, out)
 
+    def fast_moe(self, spec, first, n, hp, outp):
+        pool, lead = store.matrix(moe0, "down"), store.lead(moe0, "down")
+        slots = (self.o_addr[2, first:first + n] - pool.data_ptr()) // pool.stride(0)
+        if ((slots >= 0) & (slots < pool.shape[0])).all():
+            assert (self.o_addr[2, first:first + n] == pool.data_ptr() + slots * pool.stride(0) + lead[slots]).all()
+            events.append(("compute", tuple(store.slots[moe0].expert_of[slots].tolist())))
+        return real_moe(self, spec, first, n, hp, outp)
+
+    if not fast:
+        monkeypatch.setattr(fastdecode, "plan", lambda m: None)
     try:
         engine = Engine(model)
         cache = model.new_cache(len(ids) + 8)
         engine.prefill(ids, cache)
+        assert (fastdecode.plan(model) is not None) == fast
         monkeypatch.setattr(StreamingStore, "wait", wait)
         monkeypatch.setattr(moe_mod.MoE, "_fused", fused)
+        monkeypatch.setattr(fastdecode.FastDecode, "_moe", fast_moe)
         seen_mixed = False
         for pos in range(len(ids), len(ids) + 8):
             events.clear()

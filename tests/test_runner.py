@@ -134,8 +134,7 @@ def test_device_step_every_family(path: str) -> None:
 def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any) -> None:
     """The CPU decode step of runtime/fastdecode.py (a few C calls per layer) gives the eager step's bits
     (Runner.run over the same cache contents) at every position of a decode, counts the same expert hits, and writes
-    the same KV cache rows; it runs for the qwen3moe files it fits, resident, and the streaming store runs the eager
-    step."""
+    the same KV cache rows; it runs for the qwen3moe files it fits, resident (streaming: below)."""
     from moestream.runtime import fastdecode
 
     p = str(DEFAULT_GGUF) if which == "default" else str(fixtures_tool.build_fixture(which)["q8_0"])
@@ -159,6 +158,112 @@ def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any) -> N
                 assert_bitwise(a[:pos + 1], b[:pos + 1])
             tok = int(got[0].argmax())
     model.store.close()
-    streaming = load_model(p, LoadOptions(slots=model.top_k))
-    assert fastdecode.plan(streaming) is None
-    streaming.store.close()
+
+
+def _qwen3_q8(fixtures_tool: Any) -> str:
+    return str(fixtures_tool.build_fixture("qwen3moe-tiny")["q8_0"])
+
+
+@pytest.mark.parametrize(("which", "direct", "prefetch", "overlap"), [
+    ("qwen3moe-tiny", False, False, True), ("qwen3moe-tiny", True, False, True), ("qwen3moe-tiny", False, True, True),
+    ("qwen3moe-tiny", True, True, True), ("qwen3moe-tiny", True, False, False), ("default", True, False, True)])
+def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefetch: bool, overlap: bool,
+                                                 fixtures_tool: Any) -> None:
+    """Streaming through top-k slots (nearly every step misses in every layer), buffered or O_DIRECT, with or without
+    the router lookahead and the overlap: the fast step gives, at every position of a decode, the bits of the eager
+    streaming step (Runner.run on a second model with its own store) and of the resident step, writes the same KV
+    cache rows and, without the lookahead (whose counters depend on when reads finish), leaves the store's counters
+    and routing trace as the eager step does."""
+    from moestream.runtime import fastdecode
+
+    p = str(DEFAULT_GGUF) if which == "default" else _qwen3_q8(fixtures_tool)
+    top_k = load_model(p, LoadOptions(metadata_only=True)).top_k
+    opts = LoadOptions(slots=top_k, direct_io=direct, prefetch=prefetch, overlap=overlap, io_threads=4)
+    fast_model, eager_model = load_model(p, opts), load_model(p, opts)
+    resident = load_model(p, LoadOptions(moe_stream=False))
+    if direct and not fast_model.store.direct:
+        pytest.skip("the file system here refuses O_DIRECT")
+    fast = fastdecode.plan(fast_model)
+    assert fast is not None and fast.streaming
+    for m in (fast_model, eager_model):
+        m.store.trace = []
+    models = (fast_model, eager_model, resident)
+    caches = [m.new_cache(24) for m in models]
+    ids = _ids(resident, 9, 5)
+    with torch.inference_mode():
+        for m, c in zip(models, caches, strict=True):
+            m.runner.run(Step(ids, [Seq(c, 0, 9)]))
+        tok = 7
+        for pos in range(9, 20):
+            misses = fast_model.store.stats.misses
+            got = fast.step(torch.tensor([tok]), pos, caches[0])
+            assert fast_model.store.stats.misses > misses or prefetch
+            want = eager_model.runner.run(Step(torch.tensor([tok]), [Seq(caches[1], pos, 1)]))
+            assert_bitwise([got], [want])
+            assert_bitwise([got], [resident.runner.run(Step(torch.tensor([tok]), [Seq(caches[2], pos, 1)]))])
+            for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
+                assert_bitwise([a[:pos + 1]], [b[:pos + 1]])
+            tok = int(got[0].argmax())
+    fs, es = fast_model.store, eager_model.store
+    if not prefetch:
+        assert (fs.stats.hits, fs.stats.misses, fs.layer_counts, fs.trace) == \
+            (es.stats.hits, es.stats.misses, es.layer_counts, es.trace)
+    else:
+        assert fs.stats.prefetch_issued > 0
+    for m in models:
+        m.store.close()
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_fast_decode_streaming_read_error(direct: bool, fixtures_tool: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EIO on an expert read during a fast streaming step stops that step with the reader's one error naming the
+    file, the expert's own offset and size; the failed expert is in no slot, every slot holds its expert's bytes
+    (nothing half-written is mapped), and the model then decodes the resident model's bits again."""
+    import os
+
+    from helpers import assert_slots_hold_their_experts
+    from moestream.errors import ExpertReadError
+    from moestream.runtime import fastdecode
+    from test_read_faults import Fault, eio, expert_at, last_layer_range
+
+    p = _qwen3_q8(fixtures_tool)
+    top_k = load_model(p, LoadOptions(metadata_only=True)).top_k
+    model = load_model(p, LoadOptions(slots=top_k, direct_io=direct, io_threads=2))
+    if direct and not model.store.direct:
+        pytest.skip("the file system here refuses O_DIRECT")
+    resident = load_model(p, LoadOptions(moe_stream=False))
+    fast = fastdecode.plan(model)
+    assert fast is not None and fast.streaming
+    ids = _ids(model, 9, 5)
+    fault = Fault(model.gguf.path, *last_layer_range(model), eio)
+    monkeypatch.setattr(os, "preadv", fault)
+    with torch.inference_mode():
+        cache = model.new_cache(64)
+        model.runner.run(Step(ids, [Seq(cache, 0, 9)]))
+        fault.armed = True
+        tok = 7
+        with pytest.raises(ExpertReadError) as info:
+            for pos in range(9, 64):
+                tok = int(fast.step(torch.tensor([tok]), pos, cache)[0].argmax())
+        fault.armed = False
+    err = info.value
+    assert fault.fired == 1
+    layer, expert = expert_at(model, err.offset)
+    assert layer == max(model.layout.layers) and err.path == model.gguf.path
+    assert err.nbytes == model.layout[layer]["up"].bytes_per_expert
+    assert str(err) == (f"{model.gguf.path}: reading {err.nbytes} bytes of expert data at offset {err.offset} "
+                        f"failed: Input/output error")
+    assert model.store.slots[layer].slot_of[expert] == -1
+    assert assert_slots_hold_their_experts(model, model.store) > 0
+    with torch.inference_mode():
+        got, want = [], []
+        for m, out in ((model, got), (resident, want)):
+            c = m.new_cache(24)
+            m.runner.run(Step(ids, [Seq(c, 0, 9)]))
+            tok = 7
+            for pos in range(9, 20):
+                out.append(m.forward(torch.tensor([tok]), pos, c))
+                tok = int(out[-1][0].argmax())
+    assert_bitwise(got, want)
+    model.store.close()
+    resident.store.close()

@@ -585,13 +585,18 @@ def linear_to(spec: tuple, x: int, n_tok: int, y: int, lib: ctypes.CDLL) -> None
         raise ValueError(f"linear: the kernels do not compute ggml type {spec[0]} with {spec[4]} columns (rc {rc})")
 
 
-def moe_to(spec: tuple, pairs: MoEPairs, n_groups: int, x: int, n_tok: int, y: int) -> None:
+def moe_to(spec: tuple, pairs: MoEPairs, n_groups: int, x: int, n_tok: int, y: int, at: tuple | None = None) -> None:
     """:func:`moe_planned` with addresses: spec = (gate/up type, down type, gate/up row bytes, down row bytes,
-    hidden, n_ff, act); x float32 [n_tok, hidden]; y float32 [n_tok * top_k, hidden]."""
-    _, _, start, tok, w, dst, addr = pairs.ptrs
-    row = 8 * pairs.cap
-    rc = pairs.lib.ms_moe(spec[0], spec[1], addr, addr + row, addr + 2 * row, spec[2], spec[3], spec[4], spec[5],
-                          spec[6], n_groups, start, tok, w, dst, x, n_tok, y, threads())
+    hidden, n_ff, act); x float32 [n_tok, hidden]; y float32 [n_tok * top_k, hidden]. ``at``: the groups' arrays
+    as addresses instead of ``pairs``' own, (gate, up, down, start, tok, w, dst) as :func:`moe` takes them (a
+    streaming decode step's groups in compute order, the experts' slot addresses)."""
+    if at is None:
+        _, _, start, tok, w, dst, addr = pairs.ptrs
+        row = 8 * pairs.cap
+        at = (addr, addr + row, addr + 2 * row, start, tok, w, dst)
+    gate, up, down, start, tok, w, dst = at
+    rc = pairs.lib.ms_moe(spec[0], spec[1], gate, up, down, spec[2], spec[3], spec[4], spec[5], spec[6], n_groups,
+                          start, tok, w, dst, x, n_tok, y, threads())
     if rc == -1:
         raise ValueError(f"moe: the kernels do not compute ggml types {spec[0]} / {spec[1]} at these sizes")
     if rc == -2:

@@ -299,16 +299,26 @@ class MoE:
         key = self._tab_key
         if key is not None and key[0]() is store:
             return key[1]
-        names = ("gate_up", "gate_up", "down") if self.merged else ("gate", "up", "down")
-        n = self.mats["down"].n_experts
-        tabs = np.empty((3, n), dtype=np.int64)
-        for m, name in enumerate(names):
-            pool = store.matrix(self.layer, name)
-            tabs[m] = pool.data_ptr() + np.arange(n, dtype=np.int64) * pool.stride(0) + store.lead(self.layer, name)
-        if self.merged:
-            tabs[1] += self.n_ff * (self.mats["gate_up"].bytes_per_expert // self.mats["gate_up"].rows)
+        tabs, leads = self.slot_rows(store)
+        for m, lead in enumerate(leads):
+            tabs[m] += lead
         self._tab_key = (weakref.ref(store), tabs)
         return tabs
+
+    def slot_rows(self, store: ExpertStore) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(int64 [3, slots], [3 x int64 [slots]]) for a CPU store's pools: each slot's gate, up and down address
+        without its lead (a merged gate_up's ``up`` n_ff rows after its gate), and the store's own lead arrays of
+        those matrices (``store.lead``, updated in place as reads land): slot s's matrix m starts at
+        ``rows[m, s] + leads[m][s]``."""
+        names = ("gate_up", "gate_up", "down") if self.merged else ("gate", "up", "down")
+        n = store.capacity(self.layer)
+        rows = np.empty((3, n), dtype=np.int64)
+        for m, name in enumerate(names):
+            pool = store.matrix(self.layer, name)
+            rows[m] = pool.data_ptr() + np.arange(n, dtype=np.int64) * pool.stride(0)
+        if self.merged:
+            rows[1] += self.n_ff * (self.mats["gate_up"].bytes_per_expert // self.mats["gate_up"].rows)
+        return rows, [store.lead(self.layer, name) for name in names]
 
     def _fused(self, store: ExpertStore, groups: _Groups, experts: list[int], slot_of: dict[int, int],
                x: torch.Tensor, out: torch.Tensor) -> None:

@@ -10,16 +10,27 @@ layer as:
 - ms_attn_block: per-head q/k RMSNorm, RoPE, the cache rows written, attention over the cache;
 - the output projection; ms_residual_norm: x += o, h = RMSNorm(x) by ``ffn_norm``;
 - the router's own ``linear`` (as the eager step calls it); ms_route_plan: softmax top-k, renormalisation and the
-  pairs grouped by expert with each expert's addresses (the store holds every expert in place);
-- ms_moe (kernels.moe_to); ms_residual_norm: x += the sum of the top-k rows, h = RMSNorm(x) by the next layer's
-  ``attn_norm`` (after the last layer ``out_norm``, then the output projection).
+  pairs grouped by expert (resident: with each expert's addresses, the store holds every expert in place);
+- resident: ms_moe (kernels.moe_to) over every expert. Streaming (a CPU StreamingStore, --moe-stream on): the store
+  plans the slots (``store.prepare``: hits, misses, evictions by its policy, this step's experts pinned) and starts
+  the misses' reads at once; the hits are computed first, in one ms_moe call over their slots' addresses, then each
+  batch of misses whose reads are joined (``ready`` / ``wait``), as MoE.__call__ overlaps them;
+- ms_residual_norm: x += the sum of the top-k rows, h = RMSNorm(x) by the next layer's ``attn_norm`` (after the last
+  layer ``out_norm``, then the output projection).
 
-Each of those is the kernel the eager step runs, on the same values in the same order, so the logits are the same
-bits (tools/record_logits.py; tests/test_runner.py). It runs where :func:`plan` finds the model fits it: a family
-class that sets ``fast_decode = True`` itself (not inherited: qwen3moe), every layer routed with per-head q/k norms
-and softmax routing without bias or scale, one sequence of one token on the CPU, every matmul on the C kernels, a
-resident store (--moe-stream off: nothing to read, so nothing to overlap), no synthetic routing, the step kernels
-on (layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
+Each of those is the kernel the eager step runs, on the same values in the same order (the rows of one ms_moe call
+do not depend on which other experts share the call), so the logits are the same bits, streaming or resident
+(tools/record_logits.py; tests/test_runner.py), and the store sees the same calls in the same order (its counters
+and routing trace are the eager step's). With the router lookahead (``--prefetch on``) each layer starts with the
+eager step's own ``MoEModel.begin_layer`` on its input (the family's ``predict``, then ``store.prefetch``). A read
+error is raised by ``store.wait`` as in the eager step; on any error after the slots are planned the step's reads
+settle and their slots are emptied (``store.discard``, as MoE.__call__) before it propagates.
+
+It runs where :func:`plan` finds the model fits it: a family class that sets ``fast_decode = True`` itself (not
+inherited: qwen3moe), every layer routed with per-head q/k norms and softmax routing without bias or scale, one
+sequence of one token on the CPU, every matmul on the C kernels, a resident store or a streaming one with host pools
+on the CPU (not the device-planned step of experts/devplan.py), no synthetic routing, the step kernels on
+(layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ import torch
 
 from .. import kernels
 from ..experts.moe import KEPT_ROWS_FLOATS
-from ..experts.pool import ResidentStore
+from ..experts.pool import ResidentStore, StreamingStore
 from ..models import layers
 
 
@@ -68,6 +79,14 @@ class FastDecode:
         self.w = torch.empty((1, m.top_k), dtype=f32)
         self.out = torch.empty((m.top_k, n), dtype=f32)
         self.pairs = kernels.MoEPairs(m.n_experts, 3, lib=lib)
+        self.streaming = type(self.store) is StreamingStore
+        k = m.top_k
+        # streaming: the step's groups in compute order (hits, then misses in read order), one pair each
+        self.o_addr = np.empty((3, k), dtype=np.int64)  # gate, up, down address of each group's slot
+        self.o_w = np.empty(k, dtype=np.float32)
+        self.o_dst = np.empty(k, dtype=np.int32)
+        self.o_tok = np.zeros(k, dtype=np.int32)  # one token
+        self.o_start = np.arange(k + 1, dtype=np.int32)  # group j is pair j
         self.scale = 1.0 / math.sqrt(hd)  # as Qwen3MoE.mix
         blocks = m.blocks
         self.layers = []
@@ -79,8 +98,11 @@ class FastDecode:
                         down.bytes_per_expert // down.rows, n, moe.n_ff, moe.kernel_act)
             nxt = blocks[i + 1]["attn_norm"] if i + 1 < len(blocks) else m.out_norm
             self.layers.append((i, *specs[i], _ptr(b["q_norm"]), _ptr(b["k_norm"]), _ptr(b["ffn_norm"]), b["router"],
-                                tabs[i].ctypes.data, moe_spec, _ptr(nxt)))
-        self.tabs = tabs  # the address tables the layers point into
+                                None if self.streaming else tabs[i].ctypes.data, moe_spec, _ptr(nxt)))
+        #: resident: int64 [3, n_experts] per layer, each expert's gate, up and down address (the layers point into
+        #: them); streaming: per layer, (int64 [3, n_slots] each slot's matrices' first row, [the store's lead
+        #: arrays of gate, up, down]): a slot's expert starts lead[slot] bytes into its row
+        self.tabs = tabs
         self.attn_norm0 = _ptr(blocks[0]["attn_norm"])
         self._cache: tuple | None = None
 
@@ -110,9 +132,13 @@ class FastDecode:
         inter = int(rope.interleaved)
         kv = self._cache_ptrs(cache)
         kc_p, vc_p = n_kv * hd, n_kv * hdv
-        store = self.store
+        store, streaming = self.store, self.streaming
+        look = streaming and m.opts.prefetch  # the router lookahead
+        overlap = m.opts.overlap
         lib.ms_residual_norm(1, n, xp, None, 0, self.attn_norm0, eps, hp, nt)
         for (i, q_s, k_s, v_s, o_s, qn, kn, fn, router, tabs, moe_s, nxt) in self.layers:
+            if look:
+                m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
             kernels.linear_to(q_s, hp, 1, qp, lib)
             kernels.linear_to(k_s, hp, 1, kp, lib)
             kernels.linear_to(v_s, hp, 1, vp, lib)
@@ -130,10 +156,60 @@ class FastDecode:
                                   ptok, pw, pdst, addr, cap, nt)
             if g < 0:
                 raise ValueError(f"route: top-{top_k} of {logits.shape[1]} experts does not fit (rc {g})")
-            store.prepare(i, self.pairs.experts[:g].tolist())  # counts the hits (and records the routing trace)
-            kernels.moe_to(moe_s, self.pairs, g, hp, 1, outp)
+            chosen = self.pairs.experts[:g].tolist()  # ascending, as MoE.__call__ hands them to the store
+            if streaming:
+                self._streamed(i, moe_s, chosen, overlap, hp, outp)
+            else:
+                store.prepare(i, chosen)  # counts the hits (and records the routing trace)
+                kernels.moe_to(moe_s, self.pairs, g, hp, 1, outp)
             lib.ms_residual_norm(1, n, xp, outp, top_k, nxt, eps, hp, nt)
         return m.output.linear(self.h)
+
+    def _streamed(self, i: int, spec: tuple, experts: list[int], overlap: bool, hp: int, outp: int) -> None:
+        """Layer i's routed experts through the streaming store (``experts``: the step's distinct real ids,
+        ascending, group j = pair j of ``self.pairs``): the slots planned and the misses' reads started, then the
+        hits in one ms_moe call over their slots, then each batch of misses as soon as its reads are joined
+        (``overlap``; else one join, then every expert). On any error the step's reads settle and their slots are
+        emptied before it propagates (MoE.__call__'s ``discard``)."""
+        store = self.store
+        slot_ids, ticket = store.prepare(i, experts)
+        try:
+            reading = store.reading(ticket)
+            if reading and not overlap:
+                store.wait(ticket)
+                reading = []
+            g = len(experts)
+            order = list(range(g))
+            if reading:  # hits first, then the misses in read order
+                late = [experts.index(e) for e in reading]
+                order = [j for j in order if j not in late] + late
+            rows, leads = self.tabs[i]
+            slots = np.asarray(slot_ids, dtype=np.int64)[order]
+            a = self.o_addr
+            a[:, :g] = rows[:, slots]
+            for mat in range(3):
+                a[mat, :g] += leads[mat][slots]  # read after prepare(): a direct read's lead is set there
+            self.o_w[:g] = self.pairs.w[order]
+            self.o_dst[:g] = self.pairs.dst[order]
+            n_hit = g - len(reading)
+            if n_hit:
+                self._moe(spec, 0, n_hit, hp, outp)
+            done = 0
+            while done < len(reading):
+                ready = max(done + 1, store.ready(ticket))
+                store.wait(ticket, through=reading[ready - 1])
+                self._moe(spec, n_hit + done, ready - done, hp, outp)
+                done = ready
+        except BaseException:
+            store.discard(ticket)
+            raise
+
+    def _moe(self, spec: tuple, first: int, n: int, hp: int, outp: int) -> None:
+        """ms_moe over groups first..first+n-1 of the compute-order arrays (``o_*``)."""
+        a, k = self.o_addr.ctypes.data, self.o_addr.shape[1]
+        at = (a + 8 * first, a + 8 * (k + first), a + 8 * (2 * k + first), self.o_start.ctypes.data,
+              self.o_tok.ctypes.data + 4 * first, self.o_w.ctypes.data + 4 * first, self.o_dst.ctypes.data + 4 * first)
+        kernels.moe_to(spec, self.pairs, n, hp, 1, outp, at=at)
 
 
 def plan(model: Any) -> FastDecode | None:
@@ -142,7 +218,8 @@ def plan(model: Any) -> FastDecode | None:
     if not vars(type(model)).get("fast_decode") or model.device.type != "cpu" or model.routing is not None:
         return None
     store = model.store
-    if type(store) is not ResidentStore or not (layers.C_RMS_NORM and layers.C_ATTENTION):
+    streaming = type(store) is StreamingStore and store.device.type == "cpu" and store.plan is None
+    if not (type(store) is ResidentStore or streaming) or not (layers.C_RMS_NORM and layers.C_ATTENTION):
         return None
     lib = kernels.step_ops()
     if lib is None:
@@ -161,7 +238,7 @@ def plan(model: Any) -> FastDecode | None:
         moe = b["moe"]
         if None in s or not moe.fused or moe.expert_scale is not None or moe.routing is not None:
             return None
-        t = moe._tables(store)
+        t = moe.slot_rows(store) if streaming else moe._tables(store)
         if t is None:
             return None
         specs.append(s)
