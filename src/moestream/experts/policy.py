@@ -98,8 +98,9 @@ class CachePolicy:
         keys[occupied] = self._keys(resident[occupied])
         if busy is not None:
             keys[busy] = _BUSY
-        if len(protect):
-            keys[np.isin(resident, protect)] = np.inf
+        if len(protect):  # the slots of the protected experts in the pool (the maps agree: slot_of[expert_of[s]] == s)
+            held = slots.slot_of[protect]
+            keys[held[held >= 0]] = np.inf
         return keys
 
 
