@@ -25,10 +25,8 @@ Activation = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up (Qwen/Mixtral experts); on CUDA one launch (gpu/tmoe.py ``silu_mul``)."""
-    if gate.device.type != "cpu" or _tmoe_on_cpu():
-        from ..gpu import tmoe
-        if tmoe.applies(gate):
-            return tmoe.silu_mul(gate, up)
+    if (tmoe := _tmoe_if(gate)) is not None:
+        return tmoe.silu_mul(gate, up)
     return torch.nn.functional.silu(gate) * up
 
 
@@ -255,8 +253,6 @@ class MoE:
             for ticket in unjoined:
                 store.discard(ticket)
             raise
-        if groups is not None and not cuda and not self.gpu:
-            return topk_sum(out), shared_out
         if self.gpu and (tmoe := _tmoe_if(out)) is not None:  # _grouped left the rows unweighted
             return tmoe.weighted_sum(out.view(-1, out.shape[-1]), weights, top_k), shared_out
         if groups is not None and not cuda:
