@@ -199,9 +199,11 @@ def run_row(cfg: dict) -> dict:
         sync()
         return time.perf_counter() - t0
 
-    # warm-up, as llama-bench does: fills the slot pools and the page cache a little
+    # warm-up, as llama-bench does (tools/llama-bench/llama-bench.cpp: one prompt run of the test's whole size, one
+    # generation step; here 4): compiles the kernels of the test's shapes (on CUDA a 64-token chunk takes other
+    # Triton tiles than a 16-token one) and fills the slot pools, the host tier and the page cache as its run did
     if cfg["n_prompt"]:
-        pp(min(cfg["n_prompt"], 16))
+        pp(cfg["n_prompt"])
     if cfg["n_gen"]:
         tg(min(cfg["n_gen"], 4))
     for name, n, fn in (("pp", cfg["n_prompt"], pp), ("tg", cfg["n_gen"], tg)):

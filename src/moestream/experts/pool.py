@@ -15,13 +15,17 @@ Both expose the same ``prepare`` / ``wait`` / ``matrix`` / ``lead`` calls, so th
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import mmap
 import os
 import random
+import sys
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -1019,10 +1023,48 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     mm = mmap.mmap(-1, max(nbytes, 1))
     arr = np.frombuffer(mm, dtype=np.uint8)
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, _HOST_REGISTER_FLAGS)
-    if int(err) != 0:
+    ptr = arr.ctypes.data
+    err = int(cudart.cudaHostRegister(ptr, arr.nbytes, _HOST_REGISTER_FLAGS))
+    _pin_trace("register", ptr, arr.nbytes, err)
+    if err != 0:
+        _clear_cuda_error()
         del arr
         mm.close()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    weakref.finalize(arr, cudart.cudaHostUnregister, arr.ctypes.data)
+    weakref.finalize(arr, _unregister, cudart, ptr, arr.nbytes)
     return torch.from_numpy(arr)[:nbytes]
+
+
+def _unregister(cudart: Any, ptr: int, nbytes: int) -> None:
+    """The finalizer of :func:`pinned_empty`'s memory: ``cudaHostUnregister``, its error (if any) cleared."""
+    err = int(cudart.cudaHostUnregister(ptr))
+    _pin_trace("unregister", ptr, nbytes, err)
+    if err != 0:
+        _clear_cuda_error()
+
+
+def _pin_trace(what: str, ptr: int, nbytes: int, err: int) -> None:
+    """With ``MOESTREAM_PIN_TRACE=1``: one stderr line per registration and unregistration (diagnostics)."""
+    if os.environ.get("MOESTREAM_PIN_TRACE") == "1":
+        print(f"moestream: pin {what} 0x{ptr:x} {nbytes} bytes -> cuda error {err}", file=sys.stderr, flush=True)
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error on this thread (``cudaGetLastError``). A failed cudaHostRegister or
+    cudaHostUnregister leaves it set, and torch checks it after its next kernel launch, which then raises an
+    error that has nothing to do with that kernel (seen on the H200: cudaErrorHostMemoryAlreadyRegistered from a
+    ``zero_``). The runtime library is the one torch loaded (found in /proc/self/maps); nothing where none is."""
+    global _CUDART_LIB
+    if _CUDART_LIB is None:
+        path = ""
+        with contextlib.suppress(OSError), open("/proc/self/maps") as f:
+            path = next((ln.split()[-1] for ln in f if "libcudart.so" in ln), "")
+        try:
+            _CUDART_LIB = ctypes.CDLL(path) if path else False
+        except OSError:
+            _CUDART_LIB = False
+    if _CUDART_LIB:
+        _CUDART_LIB.cudaGetLastError()
+
+
+_CUDART_LIB: Any = None
