@@ -6,6 +6,7 @@ import copy
 import math
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
@@ -65,6 +66,8 @@ class Weight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., cols] float32 -> [..., rows] float32 (x @ W.T)."""
         if self.dense is not None:
+            if x.is_cuda and (td := _tdense()) is not None and td.linear_applies(x, self.dense):
+                return td.linear(x, self.dense)  # a decode step's router on CUDA: one Triton launch
             return per_sequence(lambda v: torch.nn.functional.linear(v, self.dense), x)
         if self.blocks:
             return kernels.linear(x, self.raw, self.ggml_type, self.cols)
@@ -108,7 +111,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | float, eps: float) -> torch
     w = None if isinstance(weight, float) else weight
     if C_RMS_NORM and x.device.type == "cpu" and x.dtype == torch.float32 and (lib := kernels.step_ops()) is not None:
         return kernels.rms_norm(x, w, eps, lib=lib)
+    if x.is_cuda and (td := _tdense()) is not None and td.norm_applies(x, w):  # CUDA: one Triton launch (gpu/tdense.py)
+        return td.rms_norm(x, w, eps)
     return torch.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def _tdense() -> Any:
+    """gpu/tdense.py where triton imports (it is imported on first use, not by a CPU-only process), else None."""
+    global _TDENSE
+    if _TDENSE is None:
+        try:
+            from ..gpu import tdense
+        except ImportError:  # pragma: no cover - torch without triton
+            tdense = False
+        _TDENSE = tdense
+    return _TDENSE or None
+
+
+_TDENSE: Any = None
 
 
 def rope_inv_freq(base: float, n_rot: int, device: torch.device | str = "cpu") -> torch.Tensor:
