@@ -8,8 +8,9 @@ imported). References are float64 torch ops on the same inputs; the bars are der
   a 12-level tree (tl.sum over one block): relative error <= 28 u; the mean (one division), sqrt (halves the
   relative error, plus one rounding), the reciprocal, x times it and times w add 5 more roundings: each output
   element within 24 u relative of float64 (bar: 64 u).
-- ``linear``: each lane adds K / 256 products in column order (every product and sum rounded once), then tl.sum's
-  8-level tree over 256 lanes: |error| <= (K / 256 + 9) u * sum_k |x_k w_k| (bar: twice that).
+- ``linear``: each of B = block_k(K) lanes adds ceil(K / B) products in column order (every product and sum
+  rounded once), then tl.sum's log2(B)-level tree: |error| <= (ceil(K / B) + log2(B) + 1) u * sum_k |x_k w_k|
+  (bar: twice that).
 
 Also: two launches give the same bits; a row's result does not depend on the other rows of the call (a token
 alone or in a batch of decode steps); on CUDA, where layers.py routes ``rms_norm`` and a float32 ``Weight``'s
@@ -90,8 +91,9 @@ def test_linear_within_bound_and_batch_invariant(t: int, rows: int, cols: int) -
     got = tdense.linear(x.to(DEV), w.to(DEV)).cpu()
     ref = x.double() @ w.double().t()
     scale = x.double().abs() @ w.double().abs().t()
-    k_seq = -(-cols // tdense.BLOCK_K)
-    assert bool(((got.double() - ref).abs() <= 2 * (k_seq + 9) * U * scale).all())
+    bk = tdense.block_k(cols)
+    k_seq, levels = -(-cols // bk), bk.bit_length() - 1
+    assert bool(((got.double() - ref).abs() <= 2 * (k_seq + levels + 1) * U * scale).all())
     for i in range(t):  # a token alone gives the bits it gets in the batch
         alone = tdense.linear(x[i:i + 1].to(DEV), w.to(DEV))
         assert torch.equal(bits(alone), bits(got[i:i + 1]))

@@ -8,7 +8,7 @@
 - :func:`linear`: ``x @ W.T`` for a float32 weight ``W`` [rows, cols] and at most :data:`MAX_TOKENS` rows of x
   (decode steps: the routers of every family, kept float32 at load). torch ran cuBLAS's gemv as two kernels
   (``dot_kernel`` + ``reduce_1Block_kernel``, 4.4 us per router in the graphed step); here one launch, blocks of
-  :data:`BLOCK_R` weight rows per program, each row's products accumulated over ``BLOCK_K``-wide lanes in
+  :data:`BLOCK_R` weight rows per program, each row's products accumulated over :func:`block_k` lanes in
   column order, then the lanes summed by ``tl.sum``. An output element depends only on its own x row and weight
   row, so a token's result is the same alone or in a batch of up to :data:`MAX_TOKENS`.
 
@@ -37,9 +37,18 @@ ON_CPU = False
 MAX_NORM = 16384
 #: at most this many x rows through :func:`linear` (more: cuBLAS, which tiles a prompt chunk better)
 MAX_TOKENS = 8
-#: weight rows per program of :func:`linear`, and the lanes across a row
-BLOCK_R = 4
-BLOCK_K = 256
+#: weight rows per program of :func:`linear` (one: a router's 128 rows are 128 programs, each one pass over its
+#: row when it has at most :data:`MAX_BLOCK_K` columns; the H200's graphed q32 step took 4.2 us per router with
+#: 4 rows and 256 lanes per program, 8 passes)
+BLOCK_R = 1
+#: the most lanes across a row of :func:`linear` (:func:`block_k`)
+MAX_BLOCK_K = 4096
+
+
+def block_k(n_cols: int) -> int:
+    """Lanes across a weight row in :func:`linear`: the power of two covering ``n_cols``, at most
+    :data:`MAX_BLOCK_K` (each lane then adds ``ceil(n_cols / block_k)`` products in column order)."""
+    return min(_pow2(n_cols), MAX_BLOCK_K)
 
 
 def applies(t: torch.Tensor) -> bool:
@@ -128,7 +137,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], n_rows), dtype=torch.float32, device=x.device)
     if x2.shape[0] and n_rows:
+        bk = block_k(n_cols)
         _linear_kernel[(triton.cdiv(n_rows, BLOCK_R), x2.shape[0])](x2, w, out, n_rows, n_cols=n_cols, BLOCK_R=BLOCK_R,
-                                                                    BLOCK_K=BLOCK_K, num_warps=4,
+                                                                    BLOCK_K=bk, num_warps=4 if bk <= 2048 else 8,
                                                                     enable_fp_fusion=False)
     return out.view(*x.shape[:-1], n_rows)
