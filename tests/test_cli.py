@@ -88,6 +88,7 @@ def test_bench_writes_table_and_json(tmp_path):
     for r in rows:
         assert {t["test"] for t in r["tests"]} == {"pp8", "tg4"}
         assert all(t["tok_s_mean"] > 0 for t in r["tests"])
+        assert all(t["host_cpu_pct"] > 0 and t["host_ms_per_token"] > 0 for t in r["tests"])  # this process's CPU
     assert rows[0]["tests"][0]["streamed_gib"] > 0 and rows[2]["tests"][0]["streamed_gib"] == 0
 
 

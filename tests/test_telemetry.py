@@ -146,5 +146,9 @@ def test_table_shows_gpu_columns_only_with_telemetry() -> None:
     table = bench.format_table([row])
     head, line = table.splitlines()[0], table.splitlines()[2]
     assert "GPU util | GPU W | GPU mem GiB" in head and "| 87% | 412 | 20.50 |" in line and "| cuda |" in line
+    row["tests"][0].update(host_cpu_pct=153.2, host_ms_per_token=2.5)  # issue 24: the host's share beside the GPU's
+    table = bench.format_table([row])
+    head, line = table.splitlines()[0], table.splitlines()[2]
+    assert "GPU mem GiB | host CPU % | host ms/token" in head and "| 20.50 | 153% | 2.50 |" in line
     row["tests"][0].pop("gpu")
     assert "GPU util" not in bench.format_table([row])

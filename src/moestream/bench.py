@@ -210,10 +210,12 @@ def run_row(cfg: dict) -> dict:
         if not n:
             continue
         s0, i0 = snapshot(), len(trace or ())
+        c0 = _cpu_seconds()
         w0 = time.monotonic()
         secs = [fn(n, None if tw is None else {"row": cfg["trace"]["row"], "test": f"{name}{n}", "rep": r})
                 for r in range(1, cfg["repetitions"] + 1)]
         w1 = time.monotonic()
+        c1 = _cpu_seconds()
         s1 = snapshot()
         tps = [n / s for s in secs]
         hits, misses = s1[0] - s0[0], s1[1] - s0[1]
@@ -226,6 +228,10 @@ def run_row(cfg: dict) -> dict:
             "disk_bytes_per_token": (s1[3] - s0[3]) / (n * cfg["repetitions"]),
             "streamed_bytes_per_token": (s1[2] - s0[2]) / (n * cfg["repetitions"]),
             "io_stall_fraction": (s1[4] - s0[4]) / sum(secs),
+            # the process's CPU time over the test (every thread: compute, IO, launches): as a share of one core
+            # (100% = one core busy throughout) and per token
+            "host_cpu_pct": 100.0 * (c1 - c0) / max(w1 - w0, 1e-9),
+            "host_ms_per_token": 1000.0 * (c1 - c0) / (n * cfg["repetitions"]),
             # router lookahead (None without predictions, i.e. prefetch off or streaming off): see StoreStats
             "prefetch_recall": d.recall, "miss_bytes_ready": d.ready_share if d.recall is not None else None,
             "prefetch_issued": d.prefetch_issued, "prefetch_wasted": d.prefetch_wasted,
@@ -572,7 +578,7 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
         cols.append("cgroup peak GiB")
     cols.append("IO limit t/s")
     if gpu:
-        cols += ["GPU util", "GPU W", "GPU mem GiB"]
+        cols += ["GPU util", "GPU W", "GPU mem GiB", "host CPU %", "host ms/token"]
     if vs:
         cols.append("moestream / llama.cpp")
     out = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
@@ -602,13 +608,22 @@ def format_table(rows: list[dict], bandwidth: float | None = None) -> str:
             if gpu:
                 g = t.get("gpu") or {}
                 row += [_num(g.get("util_mean_pct"), 0, "%"), _num(g.get("power_mean_w"), 0),
-                        _num(g.get("mem_peak_gib"), 2)]
+                        _num(g.get("mem_peak_gib"), 2), _num(t.get("host_cpu_pct"), 0, "%"),
+                        _num(t.get("host_ms_per_token"), 2)]
             if vs:
                 ref = llama.get(t["test"])
                 ours = r.get("engine") not in LLAMA_ENGINES
                 row.append(f"{t['tok_s_mean'] / ref:.3g}" if ours and ref else "-")
             out.append("| " + " | ".join(row) + " |")
     return "\n".join(out)
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (every thread; ``getrusage(RUSAGE_SELF)``)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _cuda_available() -> bool:
