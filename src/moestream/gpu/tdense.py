@@ -19,9 +19,9 @@ Deterministic (no atomics; configurations depend on shapes only). ``MOESTREAM_TD
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from . import env_on, runs_on
 
 try:  # the CUDA path needs triton; the CPU path never imports it
     import triton
@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
 #: whether CUDA steps use these launches (``MOESTREAM_TDENSE=0`` at import: torch's ops)
-ENABLED: bool = os.environ.get("MOESTREAM_TDENSE", "1").strip().lower() not in ("0", "off", "false", "no")
+ENABLED: bool = env_on("MOESTREAM_TDENSE")
 #: tests only: run on CPU tensors too (under Triton's interpreter)
 ON_CPU = False
 #: the widest row :func:`rms_norm` takes in one block (wider rows: torch)
@@ -54,11 +54,7 @@ def block_k(n_cols: int) -> int:
 def applies(t: torch.Tensor) -> bool:
     """Whether the kernels run for tensor ``t``: on, triton importable, float32, a CUDA tensor (or :data:`ON_CPU`
     under ``TRITON_INTERPRET=1``)."""
-    if not ENABLED or triton is None or t.dtype != torch.float32:
-        return False
-    if t.device.type == "cuda":
-        return True
-    return ON_CPU and t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return runs_on(t, ENABLED, ON_CPU, triton is not None)
 
 
 def _pow2(n: int) -> int:

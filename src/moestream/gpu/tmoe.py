@@ -15,9 +15,9 @@ code (the C kernels' activation and in-order top-k sum).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from . import env_on, runs_on
 
 try:  # the CUDA path needs triton; the CPU path never imports it
     import triton
@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
 #: whether the CUDA MoE layer uses these launches (``MOESTREAM_MOE_FUSED=0`` at import: torch's ops)
-ENABLED: bool = os.environ.get("MOESTREAM_MOE_FUSED", "1").strip().lower() not in ("0", "off", "false", "no")
+ENABLED: bool = env_on("MOESTREAM_MOE_FUSED")
 #: tests only: run on CPU tensors too (under Triton's interpreter)
 ON_CPU = False
 BLOCK = 1024
@@ -35,11 +35,7 @@ BLOCK = 1024
 def applies(t: torch.Tensor) -> bool:
     """Whether the kernels run for tensor ``t``: on, triton importable, a CUDA tensor (or :data:`ON_CPU` under
     ``TRITON_INTERPRET=1``), float32."""
-    if not ENABLED or triton is None or t.dtype != torch.float32:
-        return False
-    if t.device.type == "cuda":
-        return True
-    return ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"
+    return runs_on(t, ENABLED, ON_CPU, triton is not None)
 
 
 if triton is not None:
