@@ -315,40 +315,42 @@ def test_grouped_out_and_empty(device):
 GEMV_TYPES = (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0)
 
 
-def gemv2_lane_order(qtype: GGMLQuantizationType, n_cols: int, ks: int) -> np.ndarray:
+def gemv2_lane_order(qtype: GGMLQuantizationType, n_cols: int, ks: int, lpb: int = 8) -> np.ndarray:
     """int [steps, lanes * 4]: the elements k that _gemv2_kernel's lane-element ``4 g + e`` of a row multiplies, in
-    its documented order (module docstring of tkernels): lane ``g = LPB c + li`` (``LPB`` = 8), K steps ``kb = 0, KS,
-    ...`` over super-blocks ``sb = kb + c``; Q4_K: ``p = li // 2``, ``k0 = 256 sb + 64 p + 16 (li % 2)``, then for
-    r = 0..3, for half = 0, 1: ``k0 + 32 half + 4 r + e``; Q6_K: ``h = li // 4``, ``k0 = 256 sb + 128 h + 8 (li %
-    4)``, then for v = 0, 1, for q = 0..3: ``k0 + 32 q + 4 v + e``. Written from the ggml block layouts, not from the
-    kernel's code."""
-    lpb, n_sb = 8, n_cols // 256
+    its documented order (module docstring of tkernels): lane ``g = LPB c + li``, K steps ``kb = 0, KS, ...`` over
+    super-blocks ``sb = kb + c``; Q4_K (``B = 128 / LPB`` bytes per lane from ``B li = 32 p + o``): for r < B/4, for
+    half = 0, 1: ``256 sb + 64 p + o + 32 half + 4 r + e``; Q6_K (``R = 64 / LPB``, ``h = li // (LPB/2)``, ``l = R (li
+    % (LPB/2))``): for v < R/4, for q = 0..3: ``256 sb + 128 h + l + 32 q + 4 v + e``. Written from the ggml block
+    layouts, not from the kernel's code."""
+    n_sb = n_cols // 256
     assert n_sb % ks == 0
+    b, r_len, half_lanes = 128 // lpb, 64 // lpb, lpb // 2
+    inner = ([(r, half) for r in range(b // 4) for half in range(2)] if qtype == T.Q4_K else
+             [(v, q) for v in range(r_len // 4) for q in range(4)])
     steps = []
     for kb in range(0, n_sb, ks):
-        inner = [(r, half) for r in range(4) for half in range(2)] if qtype == T.Q4_K else \
-            [(v, q) for v in range(2) for q in range(4)]
-        for a, b in inner:
+        for i, j in inner:
             row = []
             for g in range(lpb * ks):
                 c, li = divmod(g, lpb)
                 sb = kb + c
-                for e in range(4):
-                    if qtype == T.Q4_K:
-                        row.append(256 * sb + 64 * (li // 2) + 16 * (li % 2) + 32 * b + 4 * a + e)
-                    else:
-                        row.append(256 * sb + 128 * (li // 4) + 8 * (li % 4) + 32 * b + 4 * a + e)
+                if qtype == T.Q4_K:
+                    first = 256 * sb + 64 * (b * li // 32) + (b * li) % 32 + 32 * j + 4 * i
+                else:
+                    first = 256 * sb + 128 * (li // half_lanes) + r_len * (li % half_lanes) + 32 * j + 4 * i
+                row += [first + e for e in range(4)]
             steps.append(row)
     idx = np.array(steps)
     assert sorted(idx.reshape(-1).tolist()) == list(range(n_cols)), "every element exactly once"
     return idx
 
 
-def gemv2_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, ks: int) -> torch.Tensor:
+def gemv2_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, ks: int, lpb: int | None = None
+                ) -> torch.Tensor:
     """``x @ w.T`` (float32 [T, N]) in _gemv2_kernel's order with float32 torch ops (one rounding each): each
     lane-element accumulates its products in :func:`gemv2_lane_order`'s order from +0.0, then the ``4 LANES``
     lane-elements are summed pairwise (``a[2l] + a[2l+1]``, level by level)."""
-    idx = torch.from_numpy(gemv2_lane_order(qtype, w.shape[1], ks))
+    idx = torch.from_numpy(gemv2_lane_order(qtype, w.shape[1], ks, tkernels.GEMV2_LPB if lpb is None else lpb))
     out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
     for m in range(x.shape[0]):
         acc = torch.zeros((w.shape[0], idx.shape[1]), dtype=torch.float32)
@@ -543,14 +545,16 @@ def test_gemv_switch(device, monkeypatch):
 GEMV2_TYPES = (T.Q4_K, T.Q6_K)
 
 
-@pytest.mark.parametrize("m", (1, 3, 8))
+@pytest.mark.parametrize("m,lpb", ((1, 8), (3, 8), (8, 8), (2, 4)))
 @pytest.mark.parametrize("qtype", GEMV2_TYPES, ids=ids)
-def test_gemv2_order(device, qtype, m, monkeypatch):
+def test_gemv2_order(device, qtype, m, lpb, monkeypatch):
     """linear on _gemv2_kernel: bitwise gemv2_order for the K split gemv2_ksplit picks (K = 2048: 8 super-blocks
     side by side for a small matrix; 1 with GEMV2_THREADS lowered, as an LM head gets; K = 768: 3 super-blocks, KS 1),
     within the float64 bound, the same bits at the GPU's rows per program and from a matrix at an odd address (byte
-    loads) or 2 mod 4 (16-bit loads); the grouped launch (KS 1) equals gemv2_order with KS 1."""
+    loads) or 2 mod 4 (16-bit loads); the grouped launch (KS 1) equals gemv2_order with KS 1. At 8 and 4 lanes per
+    super-block (MOESTREAM_GEMV2_LPB)."""
     monkeypatch.setattr(tkernels, "GEMV2", "all")
+    monkeypatch.setattr(tkernels, "GEMV2_LPB", lpb)
     for n_rows, n_cols, threads, want_ks in ((5, 2048, tkernels.GEMV2_THREADS, 8), (5, 2048, 1, 1),
                                              (9, 768, tkernels.GEMV2_THREADS, 1)):
         monkeypatch.setattr(tkernels, "GEMV2_THREADS", threads)
@@ -575,6 +579,7 @@ def test_gemv2_order(device, qtype, m, monkeypatch):
             assert_bits_equal(tkernels.linear(x, raw, qtype, n_cols, m_hint=m), ref, f"{what}: {gpu_rows} rows")
             monkeypatch.undo()
             monkeypatch.setattr(tkernels, "GEMV2", "all")
+            monkeypatch.setattr(tkernels, "GEMV2_LPB", lpb)
         g = tkernels.grouped(x.to(device), raw.reshape(-1).to(device), [0], [0, m], np.arange(m), qtype, n_rows,
                              n_cols, m)
         assert_bits_equal(g.cpu(), gemv2_order(x, w, qtype, 1), f"{what}: grouped")

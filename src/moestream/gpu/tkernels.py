@@ -42,24 +42,26 @@ only:
   "linear", "grouped" or "0" for the kernel above): ``_gemv2_kernel``. The kernel above spends ~23 (Q6_K) / ~14
   (Q4_K) SASS instructions per weight on sm_90 (per-element byte picks, 64-bit addresses, I2F): issue-bound, not
   memory-bound (an LM head at 822 GB/s of the H200's ~4 TB/s). Here a lane owns a run of one super-block's quant
-  bytes and decodes its header once per K step: Q4_K, 8 lanes per super-block, lane ``li`` the 16 bytes ``qs[32 p +
-  16 hh ..]`` (``p = li // 2``, ``hh = li % 2``: 32 weights of sub-blocks 2p and 2p + 1) as four 32-bit words;
-  Q6_K, 8 lanes, lane ``li`` of half ``h = li // 4`` at ``l = 8 (li % 4)``: ``ql[64 h + l ..+8]``, ``ql[64 h + 32 + l
-  ..+8]``, ``qh[32 h + l ..+8]`` (32 weights of 4 groups of 16, scales ``sc[8 h + 2 q + l // 16]``) as 16-bit
-  loads (a 210-byte block leaves odd blocks 2-aligned). Quants are extracted four per word (``0x0F0F0F0F`` masks, qh
-  bits shifted in place), each byte ORed into the mantissa of a power of two and that power subtracted (``q`` or
-  ``q - 32`` as an exact float32 without I2F); x is read as [BN, LANES, 4] runs (16-byte loads), the weights
-  multiply it in the same register layout: ~9-10 instructions per weight. ``KS`` super-blocks of a row side by side
-  (:func:`gemv2_ksplit`: 1 for grouped launches and tall matrices, up to 8 for small ``linear`` ones; always a
-  divisor of the row's super-blocks, so there are no masked lanes), ``LANES = 8 KS`` threads per row, ``BLOCK_N =
-  32 GEMV2_WARPS / LANES`` rows per program (4 warps; 256 rows under the interpreter); rows past the matrix read
-  its last row and are not stored, so the K loop has no masked loads. Summation order (tests/test_tkernels.py
-  ``gemv2_lane_order``/``gemv2_order``): lane-element ``(g, e)`` (``g = 8 c + li``, ``e < 4``) of an output adds
-  from +0.0, for K steps ``kb = 0, KS, ..`` (super-block ``sb = kb + c``): Q4_K, for r = 0..3, low then high
-  nibble: ``k = 256 sb + 64 p + 16 hh + 32 half + 4 r + e``; Q6_K, for v = 0, 1, for q = 0..3: ``k = 256 sb + 128
-  h + l + 32 q + 4 v + e``; then the ``4 LANES`` lane-elements (index ``4 g + e``) are summed pairwise as above.
-  Alignment: 32-bit (Q4_K) / 16-bit (Q6_K) loads where the matrix's address, offsets and row bytes allow, byte
-  loads otherwise: the same bits. fp16 scales use the hardware conversion (exact but for NaN payloads).
+  bytes and decodes its header once per K step; ``LPB`` lanes per super-block (:data:`GEMV2_LPB`, 8 or 4). Q4_K:
+  lane ``li`` reads the ``B = 128 / LPB`` quant bytes from ``B li = 32 p + o`` as 32-bit words: weights ``64 p + o +
+  (0..B-1)`` (low nibbles, sub-block 2p) and the same + 32 (high nibbles, sub-block 2p + 1). Q6_K: lane ``li`` of
+  half ``h = li // (LPB/2)`` at ``l = R (li % (LPB/2))``, ``R = 64 / LPB``, reads ``ql[64 h + l ..+R]``, ``ql[64 h +
+  32 + l ..+R]`` and ``qh[32 h + l ..+R]`` as 16-bit loads (a 210-byte block leaves odd blocks 2-aligned): weights
+  ``128 h + 32 q + l + (0..R-1)``, q = 0..3, scales ``sc[8 h + 2 q + l // 16]``. Quants are extracted four per word
+  (``0x0F0F0F0F`` masks, qh bits shifted in place), each byte ORed into the mantissa of a power of two and that
+  power subtracted (``q`` or ``q - 32`` as an exact float32 without I2F); x is read as [LANES, BN, 4] runs (16-byte
+  loads), the weights multiply it in the same register layout: ~8 (Q6_K) / ~9 (Q4_K) instructions per weight at
+  LPB 8. ``KS`` super-blocks of a row side by side (:func:`gemv2_ksplit`: 1 for grouped launches and tall
+  matrices, up to 8 for small ``linear`` ones; always a divisor of the row's super-blocks, so no lane is masked),
+  ``LANES = LPB KS`` threads per row, ``BLOCK_N = 32 GEMV2_WARPS / LANES`` rows per program (4 warps; 256 rows under
+  the interpreter); rows past the matrix read its last row and are not stored, so the K loop has no masked loads.
+  Summation order (tests/test_tkernels.py ``gemv2_lane_order``/``gemv2_order``): lane-element ``(g, e)`` (``g = LPB
+  c + li``, ``e < 4``) of an output adds from +0.0, for K steps ``kb = 0, KS, ..`` (super-block ``sb = kb + c``):
+  Q4_K, for r = 0..B/4-1, low then high nibble: ``k = 256 sb + 64 p + o + 32 half + 4 r + e``; Q6_K, for v =
+  0..R/4-1, for q = 0..3: ``k = 256 sb + 128 h + l + 32 q + 4 v + e``; then the ``4 LANES`` lane-elements (index
+  ``4 g + e``) are summed pairwise as above. Alignment: 32-bit (Q4_K) / 16-bit (Q6_K) loads where the matrix's
+  address, offsets and row bytes allow, byte loads otherwise: the same bits. fp16 scales use the hardware
+  conversion (exact but for NaN payloads).
 * ``m_hint <= 8``, the other types (and every type with ``MOESTREAM_GEMV_WIDE=0``): GEMV branch of
   ``_matmul_kernel``. ``BLOCK_N = 16`` weight rows, ``BLOCK_K = 256``, 4 warps; byte loads. Each program
   decodes its ``16 x 256`` weight tile once per K chunk and multiplies it with each of its x rows: float32
@@ -138,10 +140,13 @@ GEMV_INTERP_BLOCK_N = 256
 #: per K step, the order before the split; for A/B runs). The environment's MOESTREAM_GEMV_KSPLIT at import; read
 #: at each launch: may be changed.
 GEMV_KSPLIT: str = os.environ.get("MOESTREAM_GEMV_KSPLIT", "auto")
-#: the k-quant lane kernel's types (ggml type -> bytes per load VW, lanes per 256-element super-block LPB):
-#: _gemv2_kernel (Q4_K: 8 lanes of 16 quant bytes; Q6_K: 16 lanes of 12 bytes, 2-byte loads: a Q6_K block is 210
-#: bytes, so its odd blocks are only 2-aligned)
-GEMV2_TYPES: dict[int, tuple[int, int]] = {int(T.Q4_K): (4, 8), int(T.Q6_K): (2, 8)}
+#: the k-quant lane kernel's types (ggml type -> alignment of its word loads): _gemv2_kernel (Q4_K: 32-bit loads;
+#: Q6_K: 16-bit loads: a Q6_K block is 210 bytes, so its odd blocks are only 2-aligned)
+GEMV2_TYPES: dict[int, int] = {int(T.Q4_K): 4, int(T.Q6_K): 2}
+#: _gemv2_kernel's lanes per 256-element super-block, 8 (32 weights per lane and K step) or 4 (64: the header
+#: decoded half as often, twice the registers and fewer threads); MOESTREAM_GEMV2_LPB at import, read at each
+#: launch. The bits depend on it (the lanes' order changes).
+GEMV2_LPB = int(os.environ.get("MOESTREAM_GEMV2_LPB", "8"))
 #: which GEMV launches of the GEMV2_TYPES take _gemv2_kernel: "all", "linear" (matrices through linear() only),
 #: "grouped" (the expert launches only) or "0" (none: _gemv_kernel, the kernel before it; for A/B runs). The
 #: environment's MOESTREAM_GEMV2 at import; read at each launch: may be changed. The two kernels sum in different
@@ -220,7 +225,7 @@ def gemv2_ksplit(ggml_type: int, n_cols: int, n_rows: int = 1, grouped: bool = F
     program), a [4096, 2048] Q4_K projection gets 4. A function of the matrix only; the bits depend on it."""
     if grouped:
         return 1
-    lpb = GEMV2_TYPES[int(ggml_type)][1]
+    lpb = GEMV2_LPB
     n_sb, ks = int(n_cols) // 256, 1
     while n_sb % (2 * ks) == 0 and 2 * ks * lpb <= GEMV2_MAX_LANES and n_rows * ks * lpb < GEMV2_THREADS:
         ks *= 2
@@ -236,7 +241,7 @@ def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int, grouped: bool
         while bm < m_hint:
             bm *= 2
         if gemv2_uses(ggml_type, grouped):
-            wa, lpb = GEMV2_TYPES[int(ggml_type)]
+            wa, lpb = GEMV2_TYPES[int(ggml_type)], GEMV2_LPB
             lanes = lpb * gemv2_ksplit(ggml_type, n_cols, n_rows, grouped)
             bn = (GEMV_INTERP_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1"
                   else max(1, 32 * GEMV2_WARPS // lanes))
@@ -561,12 +566,18 @@ if triton is not None:
         return tl.reshape(a, [R])
 
     @triton.jit
-    def _gv_xrow(x_ptr, src_ptr, p0, cnt, m: tl.constexpr, n_cols: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Row ``m`` of the tile: (x row pointers [BN, 1, 1], all the same, so that the x loads get the weight
-        tile's shape and register layout: no shuffle between loads and products; whether the row exists)."""
+    def _gv_xrow(x_ptr, src_ptr, p0, cnt, m: tl.constexpr, n_cols: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LANE_MAJOR: tl.constexpr = False):
+        """Row ``m`` of the tile: (x row pointers [BN, 1, 1] ([1, BN, 1] with ``LANE_MAJOR``), all the same, so that
+        the x loads get the weight tile's shape and register layout: no shuffle between loads and products; whether
+        the row exists)."""
         ok = m < cnt
         src = tl.load(src_ptr + p0 + m, mask=ok, other=0).to(tl.int64)
-        return x_ptr + src * n_cols + tl.zeros([BLOCK_N, 1, 1], dtype=tl.int64), ok
+        if LANE_MAJOR:
+            z = tl.zeros([1, BLOCK_N, 1], dtype=tl.int64)
+        else:
+            z = tl.zeros([BLOCK_N, 1, 1], dtype=tl.int64)
+        return x_ptr + src * n_cols + z, ok
 
     @triton.jit
     def _gv_acc(acc, w, xp, ok, kel, n_cols: tl.constexpr):
@@ -591,16 +602,17 @@ if triton is not None:
         return p0, cnt, w_ptr + (off // ALIGN) * ALIGN
 
     @triton.jit
-    def _gv_xrows(x_ptr, src_ptr, p0, cnt, n_cols: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _gv_xrows(x_ptr, src_ptr, p0, cnt, n_cols: tl.constexpr, BLOCK_N: tl.constexpr,
+                  LANE_MAJOR: tl.constexpr = False):
         """:func:`_gv_xrow` for the 8 rows of a tile: 8 pointers, then 8 flags (rows past ``cnt``: unused)."""
-        xp0, ok0 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 0, n_cols, BLOCK_N)
-        xp1, ok1 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 1, n_cols, BLOCK_N)
-        xp2, ok2 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 2, n_cols, BLOCK_N)
-        xp3, ok3 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 3, n_cols, BLOCK_N)
-        xp4, ok4 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 4, n_cols, BLOCK_N)
-        xp5, ok5 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 5, n_cols, BLOCK_N)
-        xp6, ok6 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 6, n_cols, BLOCK_N)
-        xp7, ok7 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 7, n_cols, BLOCK_N)
+        xp0, ok0 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 0, n_cols, BLOCK_N, LANE_MAJOR)
+        xp1, ok1 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 1, n_cols, BLOCK_N, LANE_MAJOR)
+        xp2, ok2 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 2, n_cols, BLOCK_N, LANE_MAJOR)
+        xp3, ok3 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 3, n_cols, BLOCK_N, LANE_MAJOR)
+        xp4, ok4 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 4, n_cols, BLOCK_N, LANE_MAJOR)
+        xp5, ok5 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 5, n_cols, BLOCK_N, LANE_MAJOR)
+        xp6, ok6 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 6, n_cols, BLOCK_N, LANE_MAJOR)
+        xp7, ok7 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 7, n_cols, BLOCK_N, LANE_MAJOR)
         return xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7
 
     @triton.jit
@@ -763,32 +775,36 @@ if triton is not None:
         # super-blocks side by side, LPB lanes each (Q4_K: 8 lanes of 16 quant bytes = 32 weights of 2 sub-blocks;
         # Q6_K: 16 lanes of 4 ql + 4 ql + 4 qh bytes = 16 weights of 4 groups). A lane decodes its super-block's
         # header (fp16 scales, sub-block scales) once per K step and then only its quant bytes, VW at a time;
-        # every tensor is [BLOCK_N, LANES, VW] (or [.., 1] broadcast), one register layout, no shuffles.
+        # every tensor is [LANES, BLOCK_N, VW] (or [.., 1] broadcast), one register layout, no shuffles.
         pid_n = tl.program_id(0)
         p0, cnt, base = _gv_tile(w_ptr, off_ptr, tiles_ptr, sel_ptr, n_sel, sel_stride, ALIGN, SELECT)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < n_rows
         # rows past the matrix read its last row (never stored): no masked loads in the K loop
         rc = tl.minimum(rn, n_rows - 1)
-        wp = base + rc.to(tl.int64)[:, None, None] * (row_units.to(tl.int64) * ALIGN)  # [BN, 1, 1]
-        g = tl.arange(0, LANES)[None, :, None]
+        # tensors are [LANES, BLOCK_N, VW], lanes first: the compiler orders threads by the first dimension when no
+        # dimension of a load is contiguous (the weight words), so a warp's threads take neighbouring lanes of a row
+        # (its loads touch few cache lines), not the same lane of many rows
+        wp = base + rc.to(tl.int64)[None, :, None] * (row_units.to(tl.int64) * ALIGN)  # [1, BN, 1]
+        g = tl.arange(0, LANES)[:, None, None]
         e = tl.arange(0, VW)[None, None, :]
         c = g // LPB  # super-block of the lane within a K step
         li = g % LPB  # lane within the super-block
         xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7 = _gv_xrows(
-            x_ptr, src_ptr, p0, cnt, n_cols, BLOCK_N)
-        acc0 = tl.zeros([BLOCK_N, LANES, VW], dtype=tl.float32)  # one per x row of the tile (unused ones vanish)
+            x_ptr, src_ptr, p0, cnt, n_cols, BLOCK_N, True)
+        acc0 = tl.zeros([LANES, BLOCK_N, VW], dtype=tl.float32)  # one per x row of the tile (unused ones vanish)
         acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
         N_SB: tl.constexpr = n_cols // 256
         KS: tl.constexpr = LANES // LPB
         tl.static_assert(N_SB % KS == 0, "_gemv2_kernel: KS must divide the super-blocks of a row")
         for kb in range(0, N_SB, KS):
-            sb = kb + c  # super-block [1, LANES, 1], always < N_SB: no masks
+            sb = kb + c  # super-block [LANES, 1, 1], always < N_SB: no masks
             if QTYPE == 12:  # Q4_K: fp16 d | fp16 dmin | 12 bytes scales | 128 bytes; x = (d*sc) * q - (dmin*mn)
-                # lane li: quant bytes 32 p + 16 hh + (0..15), p = li // 2, hh = li % 2, as 4 words: the low nibbles
-                # are elements 64 p + 16 hh + (0..15) (sub-block 2p), the high ones the same + 32 (sub-block 2p + 1)
+                # lane li: the B = 128 / LPB quant bytes from 32 p + o = B li (p = B li // 32) as B / 4 words: the low
+                # nibbles are elements 64 p + o + (0..B-1) (sub-block 2p), the high ones the same + 32 (sub-block 2p+1)
+                BPL: tl.constexpr = 128 // LPB
                 bb = wp + 144 * sb
-                p = li // 2
+                p = li // (32 // BPL)
                 dd = _w32(bb, ALIGN)  # fp16 d | fp16 dmin
                 d = _f16w(dd & 0xFFFF)
                 dmin = _f16w(dd >> 16)
@@ -798,9 +814,9 @@ if triton is not None:
                 ml0 = dmin * mn0.to(tl.float32)
                 dl1 = d * sc1.to(tl.float32)
                 ml1 = dmin * mn1.to(tl.float32)
-                k0 = 256 * sb + 64 * p + 16 * (li % 2)
-                for r in tl.static_range(4):
-                    word = _w32(bb + 16 + 16 * li + 4 * r, ALIGN)  # [BN, LANES, 1]
+                k0 = 256 * sb + 64 * p + BPL * (li % (32 // BPL))  # (a form whose divisibility the compiler sees)
+                for r in tl.static_range(BPL // 4):
+                    word = _w32(bb + 16 + BPL * li + 4 * r, ALIGN)  # [LANES, BN, 1]
                     lo = word & 0x0F0F0F0F
                     hi = (word >> 4) & 0x0F0F0F0F
                     w_lo = _gv_bytes_f(lo, e, 0.0, magic0) * dl0 - ml0
@@ -815,21 +831,22 @@ if triton is not None:
                             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w,
                             xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel, BLOCK_M)
             else:  # Q6_K (14): 128 bytes ql | 64 bytes qh | 16 int8 scales | fp16 d; x = (d*sc) * (q - 32)
-                # lane li: half h = li // 4 of the super-block, l = 8 (li % 4): elements 128 h + 32 q + l + (0..7)
-                # (q = 0..3) from ql[64 h + 32 (q % 2) + l + i] (nibble q // 2) and qh[32 h + l + i] (bits 2q, 2q+1),
-                # scale sc[8 h + 2 q + l // 16]; words of 4 elements, v = 0, 1
+                # lane li: half h = li // (LPB / 2) of the super-block, l = R (li % (LPB / 2)) (R = 64 / LPB elements):
+                # elements 128 h + 32 q + l + (0..R-1) (q = 0..3) from ql[64 h + 32 (q % 2) + l + i] (nibble q // 2)
+                # and qh[32 h + l + i] (bits 2q, 2q+1), scale sc[8 h + 2 q + l // 16]; words of 4 elements
+                RL: tl.constexpr = 64 // LPB
                 bb = wp + 210 * sb
-                h = li // 4
-                l8 = 8 * (li % 4)
+                h = li // (LPB // 2)
+                l8 = RL * (li % (LPB // 2))
                 d = _f16w(_w16(bb + 208, ALIGN))
-                sp = bb + 192 + 8 * h + (li % 4) // 2
+                sp = bb + 192 + 8 * h + l8 // 16
                 dl0 = d * ((tl.load(sp).to(tl.int32) ^ 128) - 128).to(tl.float32)
                 dl1 = d * ((tl.load(sp + 2).to(tl.int32) ^ 128) - 128).to(tl.float32)
                 dl2 = d * ((tl.load(sp + 4).to(tl.int32) ^ 128) - 128).to(tl.float32)
                 dl3 = d * ((tl.load(sp + 6).to(tl.int32) ^ 128) - 128).to(tl.float32)
                 k0 = 256 * sb + 128 * h + l8
-                for v in tl.static_range(2):
-                    qa = _w32(bb + 64 * h + l8 + 4 * v, ALIGN)  # [BN, LANES, 1]
+                for v in tl.static_range(RL // 4):
+                    qa = _w32(bb + 64 * h + l8 + 4 * v, ALIGN)  # [LANES, BN, 1]
                     qb = _w32(bb + 64 * h + 32 + l8 + 4 * v, ALIGN)
                     qh = _w32(bb + 128 + 32 * h + l8 + 4 * v, ALIGN)
                     for q in tl.static_range(4):
@@ -851,7 +868,9 @@ if triton is not None:
                         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_acc8(
                             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w,
                             xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel, BLOCK_M)
-        _gv_store8(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7,
+        _gv_store8(tl.permute(acc0, (1, 0, 2)), tl.permute(acc1, (1, 0, 2)), tl.permute(acc2, (1, 0, 2)),
+                   tl.permute(acc3, (1, 0, 2)), tl.permute(acc4, (1, 0, 2)), tl.permute(acc5, (1, 0, 2)),
+                   tl.permute(acc6, (1, 0, 2)), tl.permute(acc7, (1, 0, 2)), ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7,
                    out_ptr, p0, rn, nmask, n_rows, BLOCK_M, BLOCK_N, LOG2_LANES)
 
 
