@@ -21,7 +21,14 @@ Checks, per case: the new path with wide loads is bitwise equal to the new path 
 the max |new - old| relative to max |old| is printed. Exit status 1 if a wide/byte check fails.
 ``MOESTREAM_GEMV_WIDE=0`` in the environment makes the whole engine take the old path (for model-level A/B).
 ``--old ks1``: the baseline is ``_gemv_kernel`` with one 256-chunk per lane step (``MOESTREAM_GEMV_KSPLIT=1``, the
-kernel before the K split) instead of the matmul kernel's GEMV branch.
+kernel before the K split) instead of the matmul kernel's GEMV branch. ``--old gemv1``: the baseline is
+``_gemv_kernel`` as it is (K split "auto") and the new path ``_gemv2_kernel`` for Q4_K/Q6_K (``MOESTREAM_GEMV2``;
+the other types run the same kernel on both sides).
+
+``--check``: the new path's output against the float64 product of the exactly decoded weights (tkernels.dequantize,
+bit-identical to moestream.quant) on up to 2048 rows per matrix: every |new - ref| within the float32 bound
+``gamma_K * sum |x| |w|`` (the bound of tests/test_tkernels.py); the worst ratio err / bound is printed (exit 1 if
+above 1). With ``--old gemv1`` the wide == byte check also runs the matrix at 2 mod 4 (16-bit loads of Q6_K).
 """
 
 from __future__ import annotations
@@ -97,10 +104,13 @@ def setup(c: dict, dev: torch.device) -> dict:
         odd = torch.empty(rows * nb + 1, dtype=torch.uint8, device=dev)[1:].view(rows, nb)
         odd.copy_(raw)
 
-        def call(align: int) -> torch.Tensor:
-            return tkernels.linear(x, raw if align == 16 else odd, t, cols, m_hint=m)
+        two = torch.empty(rows * nb + 2, dtype=torch.uint8, device=dev)[2:].view(rows, nb)
+        two.copy_(raw)
 
-        return dict(call=call, bytes=rows * nb)
+        def call(align: int) -> torch.Tensor:
+            return tkernels.linear(x, {16: raw, 2: two}.get(align, odd), t, cols, m_hint=m)
+
+        return dict(call=call, bytes=rows * nb, x=x, mats=[raw], m=m)
     pool = random_blocks(t, N_EXPERTS * rows * cols // block, gen, dev)
     experts = np.sort(np.random.default_rng(7).choice(N_EXPERTS, groups, replace=False))
     offsets = torch.from_numpy(experts * rows * nb).to(dev)
@@ -112,16 +122,36 @@ def setup(c: dict, dev: torch.device) -> dict:
 
     def call(align: int) -> torch.Tensor:
         return tkernels.grouped_planned(x, pool, offsets, tiles, src, t, rows, cols, m, torch.empty_like(out),
-                                        align=tkernels.alignment(experts * rows * nb) if align == 16 else 1)
+                                        align=tkernels.alignment(experts * rows * nb) if align == 16 else align)
 
-    return dict(call=call, bytes=groups * rows * nb)
+    mats = [pool[int(o):int(o) + rows * nb].view(rows, nb) for o in experts * rows * nb]
+    return dict(call=call, bytes=groups * rows * nb, x=x, mats=mats, m=m)
+
+
+def bound_ratio(c: dict, s: dict, y: torch.Tensor) -> float:
+    """max over up to 2048 rows per matrix of |y - ref| / (gamma_K sum |x| |w|) (float64 on the device; <= 1: within
+    the float32 bound of any summation order). ``y``: [groups * m, rows] (grouped: group-major) or [m, rows]."""
+    t = T[c["type"]]
+    k = c["cols"]
+    gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+    x = s["x"].double()
+    worst = 0.0
+    for gi, raw in enumerate(s["mats"]):
+        sel = torch.linspace(0, raw.shape[0] - 1, min(2048, raw.shape[0]), device=raw.device).long()
+        w = tkernels.dequantize(raw[sel], t, k).double()
+        ref = x @ w.T
+        bound = gamma * (x.abs() @ w.abs().T)
+        got = y[gi * s["m"]:(gi + 1) * s["m"]][:, sel].double()
+        worst = max(worst, ((got - ref).abs() / bound.clamp_min(1e-300)).max().item())
+    return worst
 
 
 def use(old: bool, kind: str) -> None:
     """Select the baseline (``old``: the matmul kernel's GEMV branch, or with kind "ks1" _gemv_kernel without the
     K split) or the current path."""
-    tkernels.GEMV_WIDE = not old or kind == "ks1"
+    tkernels.GEMV_WIDE = not old or kind in ("ks1", "gemv1")
     tkernels.GEMV_KSPLIT = "1" if old and kind == "ks1" else "auto"
+    tkernels.GEMV2 = "0" if old or kind != "gemv1" else "all"
 
 
 def warm(c: dict) -> float:
@@ -134,6 +164,7 @@ def warm(c: dict) -> float:
         s["call"](16)
         if not old:
             s["call"](1)
+            s["call"](2)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
@@ -171,13 +202,15 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compile workers")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("-n", type=int, default=15)
-    ap.add_argument("--old", choices=("matmul", "ks1"), default="matmul", help="the baseline (see above)")
+    ap.add_argument("--old", choices=("matmul", "ks1", "gemv1"), default="gemv1", help="the baseline (see above)")
+    ap.add_argument("--check", action="store_true", help="the new path within the float64 bound (see above)")
+    ap.add_argument("--only", default="", help="run only the matrices whose name contains this (e.g. 'lm head')")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("gemv_ab: needs CUDA", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
-    cs = [dict(c, old=a.old) for c in cases(a.all, a.m)]
+    cs = [dict(c, old=a.old) for c in cases(a.all, a.m) if a.only in c["matrix"]]
     if a.jobs > 1:
         import multiprocessing as mp
         with ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as ex:
@@ -186,7 +219,7 @@ def main() -> int:
     dev = torch.device("cuda")
     rows_out, ok = [], True
     head = (f"{'model':16} {'matrix':15} {'type':5} {'rows x cols':>14} {'G':>2} {'old us':>8} {'new us':>8} "
-            f"{'old GB/s':>8} {'new GB/s':>8} {'speedup':>7}  wide==byte  |new-old|/max|old|")
+            f"{'old GB/s':>8} {'new GB/s':>8} {'speedup':>7}  wide==byte  |new-old|/max|old|  err/bound  new")
     print(head)
     for c in cs:
         s = setup(c, dev)
@@ -196,26 +229,35 @@ def main() -> int:
         use(False, a.old)
         y_new = s["call"](16).clone()
         y_byte = s["call"](1).clone()
+        y_two = s["call"](2).clone()
         t_new = time_call(lambda f=s["call"]: f(16), a.reps, a.n)
-        same = bool(torch.equal(y_new.view(torch.int32), y_byte.view(torch.int32)))
+        same = bool(torch.equal(y_new.view(torch.int32), y_byte.view(torch.int32))
+                    and torch.equal(y_new.view(torch.int32), y_two.view(torch.int32)))
         ok &= same
+        ratio = bound_ratio(c, s, y_new) if a.check else float("nan")
+        ok &= not ratio > 1.0
         rel = ((y_new - y_old).abs().max() / y_old.abs().max().clamp_min(1e-30)).item()
         r = dict(c, old_us=t_old, new_us=t_new, old_gbs=s["bytes"] / t_old / 1e3, new_gbs=s["bytes"] / t_new / 1e3,
                  speedup=t_old / t_new, wide_equals_byte=same, old_equals_new=bool(torch.equal(y_new, y_old)),
-                 rel_diff=rel, weight_bytes=s["bytes"])
+                 rel_diff=rel, weight_bytes=s["bytes"], err_over_bound=ratio,
+                 new_kernel="gemv2" if a.old == "gemv1" and tkernels.gemv2_uses(int(T[c["type"]]), c["groups"] > 0)
+                 else "same" if a.old == "gemv1" else "gemv")
         rows_out.append(r)
         print(f"{c['model']:16} {c['matrix']:15} {c['type']:5} {c['rows']:>7}x{c['cols']:<6} {c['groups']:>2} "
               f"{t_old:8.2f} {t_new:8.2f} {r['old_gbs']:8.0f} {r['new_gbs']:8.0f} {r['speedup']:7.2f}  "
-              f"{str(same):10}  {rel:.2e}")
+              f"{str(same):10}  {rel:.2e}  {ratio:.3f}  {r['new_kernel']}")
         del s
         torch.cuda.empty_cache()
     tkernels.GEMV_WIDE = os.environ.get("MOESTREAM_GEMV_WIDE", "1") != "0"
+    tkernels.GEMV2 = os.environ.get("MOESTREAM_GEMV2", "all")
     total = time.perf_counter() - t_start
     meta = dict(device=torch.cuda.get_device_name(), m=a.m, reps=a.reps, n=a.n, seconds=total,
-                triton=__import__("triton").__version__, torch=torch.__version__, all_wide_equal_byte=ok)
+                triton=__import__("triton").__version__, torch=torch.__version__, all_wide_equal_byte=ok, check=a.check,
+                old=a.old)
     with open(a.json, "w") as f:
         json.dump(dict(meta=meta, cases=rows_out), f, indent=1)
-    print(f"{len(rows_out)} cases in {total:.1f} s; wide == byte everywhere: {ok}; wrote {a.json}")
+    print(f"{len(rows_out)} cases in {total:.1f} s; wide == byte (and within the bound with --check) everywhere: "
+          f"{ok}; wrote {a.json}")
     return 0 if ok else 1
 
 

@@ -315,15 +315,65 @@ def test_grouped_out_and_empty(device):
 GEMV_TYPES = (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0)
 
 
-def gemv_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, ks: int | None = None
-               ) -> torch.Tensor:
+def gemv2_lane_order(qtype: GGMLQuantizationType, n_cols: int, ks: int, lpb: int = 8) -> np.ndarray:
+    """int [steps, lanes * 4]: the elements k that _gemv2_kernel's lane-element ``4 g + e`` of a row multiplies, in
+    its documented order (module docstring of tkernels): lane ``g = LPB c + li``, K steps ``kb = 0, KS, ...`` over
+    super-blocks ``sb = kb + c``; Q4_K (``B = 128 / LPB`` bytes per lane from ``B li = 32 p + o``): for r < B/4, for
+    half = 0, 1: ``256 sb + 64 p + o + 32 half + 4 r + e``; Q6_K (``R = 64 / LPB``, ``h = li // (LPB/2)``, ``l = R (li
+    % (LPB/2))``): for v < R/4, for q = 0..3: ``256 sb + 128 h + l + 32 q + 4 v + e``. Written from the ggml block
+    layouts, not from the kernel's code."""
+    n_sb = n_cols // 256
+    assert n_sb % ks == 0
+    b, r_len, half_lanes = 128 // lpb, 64 // lpb, lpb // 2
+    inner = ([(r, half) for r in range(b // 4) for half in range(2)] if qtype == T.Q4_K else
+             [(v, q) for v in range(r_len // 4) for q in range(4)])
+    steps = []
+    for kb in range(0, n_sb, ks):
+        for i, j in inner:
+            row = []
+            for g in range(lpb * ks):
+                c, li = divmod(g, lpb)
+                sb = kb + c
+                if qtype == T.Q4_K:
+                    first = 256 * sb + 64 * (b * li // 32) + (b * li) % 32 + 32 * j + 4 * i
+                else:
+                    first = 256 * sb + 128 * (li // half_lanes) + r_len * (li % half_lanes) + 32 * j + 4 * i
+                row += [first + e for e in range(4)]
+            steps.append(row)
+    idx = np.array(steps)
+    assert sorted(idx.reshape(-1).tolist()) == list(range(n_cols)), "every element exactly once"
+    return idx
+
+
+def gemv2_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, ks: int, lpb: int | None = None
+                ) -> torch.Tensor:
+    """``x @ w.T`` (float32 [T, N]) in _gemv2_kernel's order with float32 torch ops (one rounding each): each
+    lane-element accumulates its products in :func:`gemv2_lane_order`'s order from +0.0, then the ``4 LANES``
+    lane-elements are summed pairwise (``a[2l] + a[2l+1]``, level by level)."""
+    idx = torch.from_numpy(gemv2_lane_order(qtype, w.shape[1], ks, tkernels.GEMV2_LPB if lpb is None else lpb))
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+    for m in range(x.shape[0]):
+        acc = torch.zeros((w.shape[0], idx.shape[1]), dtype=torch.float32)
+        for st in idx:
+            acc = acc + w[:, st] * x[m, st]
+        while acc.shape[1] > 1:
+            acc = acc[:, 0::2] + acc[:, 1::2]
+        out[m] = acc[:, 0]
+    return out
+
+
+def gemv_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, ks: int | None = None,
+               grouped: bool = False) -> torch.Tensor:
     """``x @ w.T`` (float32 [T, N]) in _gemv_kernel's order, with float32 torch ops on the CPU (one rounding each):
     lane (g, e) of an output accumulates ``x[k] * w[n, k]`` for ``k = 256 KS c + SUB g + VW j + e`` in the order of
     (c, j), from +0.0; then the lanes ``VW g + e`` are summed pairwise (``a[2l] + a[2l+1]``, level by level).
-    ``ks``: KS, by default :func:`tkernels.gemv_ksplit` of the matrix through linear()."""
-    sub, vw = (16 if qtype == T.Q6_K else 32), tkernels.GEMV_VW[int(qtype)]
+    ``ks``: KS, by default :func:`tkernels.gemv_ksplit` of the matrix through linear() (or the grouped launches).
+    Where the matrix takes _gemv2_kernel (:func:`tkernels.gemv2_uses`), :func:`gemv2_order` with its KS instead."""
     n, k = w.shape
-    ks = tkernels.gemv_ksplit(int(qtype), k, n) if ks is None else ks
+    if tkernels.gemv2_uses(int(qtype), grouped):
+        return gemv2_order(x, w, qtype, tkernels.gemv2_ksplit(int(qtype), k, n, grouped) if ks is None else ks)
+    sub, vw = (16 if qtype == T.Q6_K else 32), tkernels.GEMV_VW[int(qtype)]
+    ks = tkernels.gemv_ksplit(int(qtype), k, n, grouped) if ks is None else ks
     step = 256 * ks
     kp = -(-k // step) * step
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
@@ -361,8 +411,10 @@ def test_gemv_documented_order(device, qtype, m, monkeypatch):
     assert_bits_equal(y.cpu(), gemv_order(x, w, qtype), f"{qtype.name} m={m}")
     assert_close_to_f64(y, x, w, f"{qtype.name} m={m}")
     if not ON_CUDA:  # the interpreter's rows per program (GEMV_INTERP_BLOCK_N) and the GPU's: the same bits
-        gpu_rows = max(1, 32 * tkernels.GEMV_WARPS // (256 // tkernels._sub(int(qtype))
-                                                       * tkernels.gemv_ksplit(int(qtype), n_cols, 9)))
+        cfg = tkernels._config(int(qtype), 9, n_cols, m, grouped=False)
+        gpu_rows = (max(1, 32 * tkernels.GEMV2_WARPS // cfg["NSUB"]) if cfg.get("K2") else
+                    max(1, 32 * tkernels.GEMV_WARPS // (256 // tkernels._sub(int(qtype))
+                                                        * tkernels.gemv_ksplit(int(qtype), n_cols, 9))))
         monkeypatch.setattr(tkernels, "GEMV_INTERP_BLOCK_N", gpu_rows)
         assert tkernels._config(int(qtype), 9, n_cols, m)["BLOCK_N"] == gpu_rows < 9
         y_gpu_rows = tkernels.linear(x, raw, qtype, n_cols, m_hint=m)
@@ -373,7 +425,9 @@ def test_gemv_documented_order(device, qtype, m, monkeypatch):
 def test_gemv_ksplit_order(device, qtype, monkeypatch):
     """Wide rows (K = 2048: 8 chunks side by side for Q4_K, 4 for Q6_K; 2816 = 11 chunks of Q4_0/Q8_0: 8 side by
     side, the rest masked) in gemv_order's order for the K split gemv_ksplit picks, and with
-    MOESTREAM_GEMV_KSPLIT=1 in the order of one chunk per step; the two orders differ (the knob is real)."""
+    MOESTREAM_GEMV_KSPLIT=1 in the order of one chunk per step; the two orders differ (the knob is real). On
+    _gemv_kernel (MOESTREAM_GEMV2=0 for Q4_K/Q6_K)."""
+    monkeypatch.setattr(tkernels, "GEMV2", "0")
     n_cols = 2048 if GGML_QUANT_SIZES[qtype][0] == 256 else 2816
     raw = make_raw(qtype, 5, n_cols, 41)
     w = quant.dequantize(raw, qtype, n_cols)
@@ -419,7 +473,9 @@ def test_gemv_alignment_never_changes_bits(device, qtype, m_hint):
             continue
         xs = x[groups[e]].contiguous()
         lin = tkernels.linear(xs, mats[e].to(device), qtype, n_cols, m_hint=m_hint)
-        ref = gemv_order(xs.cpu(), quant.dequantize(mats[e], qtype, n_cols), qtype)
+        ref = gemv_order(xs.cpu(), quant.dequantize(mats[e], qtype, n_cols), qtype, grouped=True)
+        assert torch.equal(ref.view(torch.int32), gemv_order(xs.cpu(), quant.dequantize(mats[e], qtype, n_cols),
+                                                             qtype).view(torch.int32))  # one order here
         for j, t in enumerate(groups[e]):
             what = f"{qtype.name} m_hint={m_hint} expert {e} (offset {off_u[e]} mod 4 = {off_u[e] % 4}) token {t}"
             assert_bits_equal(rows_u[(e, t)], lin[j], f"{what}: unaligned vs linear")
@@ -480,3 +536,76 @@ def test_gemv_switch(device, monkeypatch):
     old = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=1)
     assert_close_to_f64(old, x, w, "old path")
     assert not torch.equal(old.cpu().view(torch.int32), new.cpu().view(torch.int32)), "the switch did not switch"
+
+
+# ---------------------------------------------------------------------------
+# 5. _gemv2_kernel (Q4_K, Q6_K): its documented order, its K split, its switch
+# ---------------------------------------------------------------------------
+
+GEMV2_TYPES = (T.Q4_K, T.Q6_K)
+
+
+@pytest.mark.parametrize("m,lpb", ((1, 8), (3, 8), (8, 8), (2, 4)))
+@pytest.mark.parametrize("qtype", GEMV2_TYPES, ids=ids)
+def test_gemv2_order(device, qtype, m, lpb, monkeypatch):
+    """linear on _gemv2_kernel: bitwise gemv2_order for the K split gemv2_ksplit picks (K = 2048: 8 super-blocks
+    side by side for a small matrix; 1 with GEMV2_THREADS lowered, as an LM head gets; K = 768: 3 super-blocks, KS 1),
+    within the float64 bound, the same bits at the GPU's rows per program and from a matrix at an odd address (byte
+    loads) or 2 mod 4 (16-bit loads); the grouped launch (KS 1) equals gemv2_order with KS 1. At 8 and 4 lanes per
+    super-block (MOESTREAM_GEMV2_LPB)."""
+    monkeypatch.setattr(tkernels, "GEMV2", "all")
+    monkeypatch.setattr(tkernels, "GEMV2_LPB", lpb)
+    for n_rows, n_cols, threads, want_ks in ((5, 2048, tkernels.GEMV2_THREADS, 8), (5, 2048, 1, 1),
+                                             (9, 768, tkernels.GEMV2_THREADS, 1)):
+        monkeypatch.setattr(tkernels, "GEMV2_THREADS", threads)
+        raw = make_raw(qtype, n_rows, n_cols, 50 + m)
+        w = quant.dequantize(raw, qtype, n_cols)
+        x = torch.randn(m, n_cols, generator=torch.Generator().manual_seed(m))
+        cfg = tkernels._config(int(qtype), n_rows, n_cols, m, grouped=False)
+        assert cfg.get("K2") and tkernels.gemv2_ksplit(int(qtype), n_cols, n_rows) == want_ks
+        what = f"{qtype.name} {n_rows}x{n_cols} m={m} KS={want_ks}"
+        y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=m)
+        ref = gemv2_order(x, w, qtype, want_ks)
+        assert_bits_equal(y.cpu(), ref, what)
+        assert_close_to_f64(y, x, w, what)
+        for lead in (1, 2):
+            big = torch.zeros(lead + raw.numel(), dtype=torch.uint8)
+            big[lead:] = raw.reshape(-1)
+            yu = tkernels.linear(x.to(device), big.to(device)[lead:].view(raw.shape), qtype, n_cols, m_hint=m)
+            assert_bits_equal(yu.cpu(), ref, f"{what}: matrix at {lead} mod 16")
+        if not ON_CUDA:
+            gpu_rows = max(1, 32 * tkernels.GEMV2_WARPS // cfg["NSUB"])
+            monkeypatch.setattr(tkernels, "GEMV_INTERP_BLOCK_N", gpu_rows)
+            assert_bits_equal(tkernels.linear(x, raw, qtype, n_cols, m_hint=m), ref, f"{what}: {gpu_rows} rows")
+            monkeypatch.undo()
+            monkeypatch.setattr(tkernels, "GEMV2", "all")
+            monkeypatch.setattr(tkernels, "GEMV2_LPB", lpb)
+        g = tkernels.grouped(x.to(device), raw.reshape(-1).to(device), [0], [0, m], np.arange(m), qtype, n_rows,
+                             n_cols, m)
+        assert_bits_equal(g.cpu(), gemv2_order(x, w, qtype, 1), f"{what}: grouped")
+
+
+@pytest.mark.parametrize("qtype", GEMV2_TYPES, ids=ids)
+def test_gemv2_switch(device, qtype, monkeypatch):
+    """MOESTREAM_GEMV2: "0" takes _gemv_kernel (gemv_order's _gemv_kernel order), "linear" only linear(), "grouped"
+    only the grouped launches; the two kernels' bits differ (the switch is real), both within the float64 bound."""
+    n_rows, n_cols = 6, 512
+    raw = make_raw(qtype, n_rows, n_cols, 77)
+    w = quant.dequantize(raw, qtype, n_cols)
+    x = torch.randn(1, n_cols, generator=torch.Generator().manual_seed(7))
+    out = {}
+    for mode in ("all", "0", "linear", "grouped"):
+        monkeypatch.setattr(tkernels, "GEMV2", mode)
+        lin = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=1).cpu()
+        grp = tkernels.grouped(x.to(device), raw.reshape(-1).to(device), [0], [0, 1], [0], qtype, n_rows, n_cols,
+                               1).cpu()
+        assert tkernels.gemv2_uses(int(qtype), False) == (mode in ("all", "linear"))
+        assert tkernels.gemv2_uses(int(qtype), True) == (mode in ("all", "grouped"))
+        assert_bits_equal(lin, gemv_order(x, w, qtype), f"{mode}: linear")
+        assert_bits_equal(grp, gemv_order(x, w, qtype, grouped=True), f"{mode}: grouped")
+        assert_close_to_f64(lin, x, w, mode)
+        out[mode] = (lin, grp)
+    assert not torch.equal(out["all"][0].view(torch.int32), out["0"][0].view(torch.int32)), "GEMV2=0 did not switch"
+    assert_bits_equal(out["linear"][0], out["all"][0], "linear mode, linear")
+    assert_bits_equal(out["linear"][1], out["0"][1], "linear mode, grouped")
+    assert_bits_equal(out["grouped"][1], out["all"][1], "grouped mode, grouped")

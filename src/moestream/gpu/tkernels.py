@@ -38,6 +38,30 @@ only:
   multiples of ``VW`` (checked on the host at launch: :func:`alignment`; ``grouped_planned`` takes the caller's
   ``align``), the compiler is told so and merges each run into one 16/32-bit load; otherwise (``ALIGN = 1``) the same
   code loads single bytes: the same values, the same bits, only slower.
+* ``m_hint <= 8``, Q4_K and Q6_K (:data:`GEMV2_TYPES`; :data:`GEMV2`, ``MOESTREAM_GEMV2``: "all" by default,
+  "linear", "grouped" or "0" for the kernel above): ``_gemv2_kernel``. The kernel above spends ~23 (Q6_K) / ~14
+  (Q4_K) SASS instructions per weight on sm_90 (per-element byte picks, 64-bit addresses, I2F): issue-bound, not
+  memory-bound (an LM head at 822 GB/s of the H200's ~4 TB/s). Here a lane owns a run of one super-block's quant
+  bytes and decodes its header once per K step; ``LPB`` lanes per super-block (:data:`GEMV2_LPB`, 8 or 4). Q4_K:
+  lane ``li`` reads the ``B = 128 / LPB`` quant bytes from ``B li = 32 p + o`` as 32-bit words: weights ``64 p + o +
+  (0..B-1)`` (low nibbles, sub-block 2p) and the same + 32 (high nibbles, sub-block 2p + 1). Q6_K: lane ``li`` of
+  half ``h = li // (LPB/2)`` at ``l = R (li % (LPB/2))``, ``R = 64 / LPB``, reads ``ql[64 h + l ..+R]``, ``ql[64 h +
+  32 + l ..+R]`` and ``qh[32 h + l ..+R]`` as 16-bit loads (a 210-byte block leaves odd blocks 2-aligned): weights
+  ``128 h + 32 q + l + (0..R-1)``, q = 0..3, scales ``sc[8 h + 2 q + l // 16]``. Quants are extracted four per word
+  (``0x0F0F0F0F`` masks, qh bits shifted in place), each byte ORed into the mantissa of a power of two and that
+  power subtracted (``q`` or ``q - 32`` as an exact float32 without I2F); x is read as [LANES, BN, 4] runs (16-byte
+  loads), the weights multiply it in the same register layout: ~8 (Q6_K) / ~9 (Q4_K) instructions per weight at
+  LPB 8. ``KS`` super-blocks of a row side by side (:func:`gemv2_ksplit`: 1 for grouped launches and tall
+  matrices, up to 8 for small ``linear`` ones; always a divisor of the row's super-blocks, so no lane is masked),
+  ``LANES = LPB KS`` threads per row, ``BLOCK_N = 32 GEMV2_WARPS / LANES`` rows per program (4 warps; 256 rows under
+  the interpreter); rows past the matrix read its last row and are not stored, so the K loop has no masked loads.
+  Summation order (tests/test_tkernels.py ``gemv2_lane_order``/``gemv2_order``): lane-element ``(g, e)`` (``g = LPB
+  c + li``, ``e < 4``) of an output adds from +0.0, for K steps ``kb = 0, KS, ..`` (super-block ``sb = kb + c``):
+  Q4_K, for r = 0..B/4-1, low then high nibble: ``k = 256 sb + 64 p + o + 32 half + 4 r + e``; Q6_K, for v =
+  0..R/4-1, for q = 0..3: ``k = 256 sb + 128 h + l + 32 q + 4 v + e``; then the ``4 LANES`` lane-elements (index
+  ``4 g + e``) are summed pairwise as above. Alignment: 32-bit (Q4_K) / 16-bit (Q6_K) loads where the matrix's
+  address, offsets and row bytes allow, byte loads otherwise: the same bits. fp16 scales use the hardware
+  conversion (exact but for NaN payloads).
 * ``m_hint <= 8``, the other types (and every type with ``MOESTREAM_GEMV_WIDE=0``): GEMV branch of
   ``_matmul_kernel``. ``BLOCK_N = 16`` weight rows, ``BLOCK_K = 256``, 4 warps; byte loads. Each program
   decodes its ``16 x 256`` weight tile once per K chunk and multiplies it with each of its x rows: float32
@@ -116,6 +140,24 @@ GEMV_INTERP_BLOCK_N = 256
 #: per K step, the order before the split; for A/B runs). The environment's MOESTREAM_GEMV_KSPLIT at import; read
 #: at each launch: may be changed.
 GEMV_KSPLIT: str = os.environ.get("MOESTREAM_GEMV_KSPLIT", "auto")
+#: the k-quant lane kernel's types (ggml type -> alignment of its word loads): _gemv2_kernel (Q4_K: 32-bit loads;
+#: Q6_K: 16-bit loads: a Q6_K block is 210 bytes, so its odd blocks are only 2-aligned)
+GEMV2_TYPES: dict[int, int] = {int(T.Q4_K): 4, int(T.Q6_K): 2}
+#: _gemv2_kernel's lanes per 256-element super-block, 8 (32 weights per lane and K step) or 4 (64: the header
+#: decoded half as often, twice the registers and fewer threads); MOESTREAM_GEMV2_LPB at import, read at each
+#: launch. The bits depend on it (the lanes' order changes).
+GEMV2_LPB = int(os.environ.get("MOESTREAM_GEMV2_LPB", "8"))
+#: which GEMV launches of the GEMV2_TYPES take _gemv2_kernel: "all", "linear" (matrices through linear() only),
+#: "grouped" (the expert launches only) or "0" (none: _gemv_kernel, the kernel before it; for A/B runs). The
+#: environment's MOESTREAM_GEMV2 at import; read at each launch: may be changed. The two kernels sum in different
+#: fixed orders: a weight's bits depend on it (set it for a whole run).
+GEMV2: str = os.environ.get("MOESTREAM_GEMV2", "all")
+#: _gemv2_kernel's warps per program (BLOCK_N = 32 * GEMV2_WARPS / LANES rows; never a bit of the result)
+GEMV2_WARPS = int(os.environ.get("MOESTREAM_GEMV2_WARPS", "4"))
+#: _gemv2_kernel, :func:`linear` launches: the K split doubles (up to the super-blocks of a row and
+#: GEMV2_MAX_LANES lanes) while the launch has fewer than this many threads (132 SMs x ~1000 resident)
+GEMV2_THREADS = 1 << 17
+GEMV2_MAX_LANES = 128
 
 
 def available() -> bool:
@@ -168,6 +210,28 @@ def gemv_ksplit(ggml_type: int, n_cols: int, n_rows: int = 1, grouped: bool = Fa
     return ks
 
 
+def gemv2_uses(ggml_type: int, grouped: bool) -> bool:
+    """Whether a GEMV launch of this type (through :func:`linear`, or grouped) takes _gemv2_kernel (:data:`GEMV2`)."""
+    if int(ggml_type) not in GEMV2_TYPES or not GEMV_WIDE:
+        return False
+    return GEMV2 == "all" or GEMV2 == ("grouped" if grouped else "linear")
+
+
+def gemv2_ksplit(ggml_type: int, n_cols: int, n_rows: int = 1, grouped: bool = False) -> int:
+    """Super-blocks that _gemv2_kernel's lanes of one weight row cover side by side (``KS``; a power of two). 1 for
+    grouped launches (experts: 8-16 matrices, rows enough); for :func:`linear`, doubled while ``2 KS`` super-blocks
+    fit in the row, ``2 KS LPB`` lanes within :data:`GEMV2_MAX_LANES` and the launch has fewer than
+    :data:`GEMV2_THREADS` threads (``n_rows * KS * LPB``): an LM head keeps 1 (16 lanes per Q6_K row, 8 rows per
+    program), a [4096, 2048] Q4_K projection gets 4. A function of the matrix only; the bits depend on it."""
+    if grouped:
+        return 1
+    lpb = GEMV2_LPB
+    n_sb, ks = int(n_cols) // 256, 1
+    while n_sb % (2 * ks) == 0 and 2 * ks * lpb <= GEMV2_MAX_LANES and n_rows * ks * lpb < GEMV2_THREADS:
+        ks *= 2
+    return ks
+
+
 def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int, grouped: bool = True) -> dict[str, Any]:
     """The fixed kernel configuration for a matrix ``(ggml_type, n_rows, n_cols)``, through :func:`linear` or the
     grouped launches, at ``m_hint`` (never the tokens or groups of a call)."""
@@ -176,6 +240,13 @@ def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int, grouped: bool
         bm = 1
         while bm < m_hint:
             bm *= 2
+        if gemv2_uses(ggml_type, grouped):
+            wa, lpb = GEMV2_TYPES[int(ggml_type)], GEMV2_LPB
+            lanes = lpb * gemv2_ksplit(ggml_type, n_cols, n_rows, grouped)
+            bn = (GEMV_INTERP_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1"
+                  else max(1, 32 * GEMV2_WARPS // lanes))
+            return dict(BLOCK_M=bm, BLOCK_N=bn, NSUB=lanes, SUB=sub, VW=4, WA=wa, LPB=lpb, GEMM=False, WIDE=True,
+                        K2=True, num_warps=GEMV2_WARPS)
         if GEMV_WIDE and ggml_type in GEMV_VW:
             nsub = 256 // sub * gemv_ksplit(ggml_type, n_cols, n_rows, grouped)
             bn = (GEMV_INTERP_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1"
@@ -495,12 +566,18 @@ if triton is not None:
         return tl.reshape(a, [R])
 
     @triton.jit
-    def _gv_xrow(x_ptr, src_ptr, p0, cnt, m: tl.constexpr, n_cols: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Row ``m`` of the tile: (x row pointers [BN, 1, 1], all the same, so that the x loads get the weight
-        tile's shape and register layout: no shuffle between loads and products; whether the row exists)."""
+    def _gv_xrow(x_ptr, src_ptr, p0, cnt, m: tl.constexpr, n_cols: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LANE_MAJOR: tl.constexpr = False):
+        """Row ``m`` of the tile: (x row pointers [BN, 1, 1] ([1, BN, 1] with ``LANE_MAJOR``), all the same, so that
+        the x loads get the weight tile's shape and register layout: no shuffle between loads and products; whether
+        the row exists)."""
         ok = m < cnt
         src = tl.load(src_ptr + p0 + m, mask=ok, other=0).to(tl.int64)
-        return x_ptr + src * n_cols + tl.zeros([BLOCK_N, 1, 1], dtype=tl.int64), ok
+        if LANE_MAJOR:
+            z = tl.zeros([1, BLOCK_N, 1], dtype=tl.int64)
+        else:
+            z = tl.zeros([BLOCK_N, 1, 1], dtype=tl.int64)
+        return x_ptr + src * n_cols + z, ok
 
     @triton.jit
     def _gv_acc(acc, w, xp, ok, kel, n_cols: tl.constexpr):
@@ -514,6 +591,48 @@ if triton is not None:
         tl.store(out_ptr + prow.to(tl.int64) * n_rows + rn, part, mask=nmask & ok)
 
     @triton.jit
+    def _gv_tile(w_ptr, off_ptr, tiles_ptr, sel_ptr, n_sel, sel_stride, ALIGN: tl.constexpr, SELECT: tl.constexpr):
+        """The GEMV program's tile (grid axis 1): (first output row, rows, its matrix's base pointer). The base is
+        written as a multiple of ALIGN (the host checked the offsets) so that the compiler sees the alignment."""
+        pid_t = tl.program_id(1)
+        grp = tl.load(tiles_ptr + 3 * pid_t)
+        p0 = tl.load(tiles_ptr + 3 * pid_t + 1)
+        cnt = tl.load(tiles_ptr + 3 * pid_t + 2)
+        off = _group_offset(off_ptr, grp, sel_ptr, n_sel, sel_stride, SELECT)
+        return p0, cnt, w_ptr + (off // ALIGN) * ALIGN
+
+    @triton.jit
+    def _gv_xrows(x_ptr, src_ptr, p0, cnt, n_cols: tl.constexpr, BLOCK_N: tl.constexpr,
+                  LANE_MAJOR: tl.constexpr = False):
+        """:func:`_gv_xrow` for the 8 rows of a tile: 8 pointers, then 8 flags (rows past ``cnt``: unused)."""
+        xp0, ok0 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 0, n_cols, BLOCK_N, LANE_MAJOR)
+        xp1, ok1 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 1, n_cols, BLOCK_N, LANE_MAJOR)
+        xp2, ok2 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 2, n_cols, BLOCK_N, LANE_MAJOR)
+        xp3, ok3 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 3, n_cols, BLOCK_N, LANE_MAJOR)
+        xp4, ok4 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 4, n_cols, BLOCK_N, LANE_MAJOR)
+        xp5, ok5 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 5, n_cols, BLOCK_N, LANE_MAJOR)
+        xp6, ok6 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 6, n_cols, BLOCK_N, LANE_MAJOR)
+        xp7, ok7 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 7, n_cols, BLOCK_N, LANE_MAJOR)
+        return xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7
+
+    @triton.jit
+    def _gv_store8(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7,
+                   out_ptr, p0, rn, nmask, n_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   LOG2_LANES: tl.constexpr):
+        """:func:`_gv_store` of the tile's first ``BLOCK_M`` rows."""
+        _gv_store(acc0, out_ptr, p0, rn, nmask, ok0, n_rows, BLOCK_N, LOG2_LANES)
+        if BLOCK_M > 1:
+            _gv_store(acc1, out_ptr, p0 + 1, rn, nmask, ok1, n_rows, BLOCK_N, LOG2_LANES)
+        if BLOCK_M > 2:
+            _gv_store(acc2, out_ptr, p0 + 2, rn, nmask, ok2, n_rows, BLOCK_N, LOG2_LANES)
+            _gv_store(acc3, out_ptr, p0 + 3, rn, nmask, ok3, n_rows, BLOCK_N, LOG2_LANES)
+        if BLOCK_M > 4:
+            _gv_store(acc4, out_ptr, p0 + 4, rn, nmask, ok4, n_rows, BLOCK_N, LOG2_LANES)
+            _gv_store(acc5, out_ptr, p0 + 5, rn, nmask, ok5, n_rows, BLOCK_N, LOG2_LANES)
+            _gv_store(acc6, out_ptr, p0 + 6, rn, nmask, ok6, n_rows, BLOCK_N, LOG2_LANES)
+            _gv_store(acc7, out_ptr, p0 + 7, rn, nmask, ok7, n_rows, BLOCK_N, LOG2_LANES)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, off_ptr, tiles_ptr, src_ptr, out_ptr, n_rows, row_units,
                      sel_ptr, n_sel, sel_stride, n_cols: tl.constexpr, QTYPE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
@@ -524,26 +643,15 @@ if triton is not None:
         # of the tile (BLOCK_M <= 8) have one accumulator each (acc0 .. acc7; the unused ones compile away).
         # Row blocks on grid axis 0 (up to 2**31 - 1 of them: an LM head at one row per program), tiles on axis 1.
         pid_n = tl.program_id(0)
-        pid_t = tl.program_id(1)
-        grp = tl.load(tiles_ptr + 3 * pid_t)
-        p0 = tl.load(tiles_ptr + 3 * pid_t + 1)
-        cnt = tl.load(tiles_ptr + 3 * pid_t + 2)
-        off = _group_offset(off_ptr, grp, sel_ptr, n_sel, sel_stride, SELECT)
-        base = w_ptr + (off // ALIGN) * ALIGN
+        p0, cnt, base = _gv_tile(w_ptr, off_ptr, tiles_ptr, sel_ptr, n_sel, sel_stride, ALIGN, SELECT)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < n_rows
         rmask = nmask[:, None, None]
         wp = base + rn.to(tl.int64)[:, None, None] * (row_units.to(tl.int64) * ALIGN)  # [BN, 1, 1]
         g = tl.arange(0, NSUB)[None, :, None]
         e = tl.arange(0, VW)[None, None, :]
-        xp0, ok0 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 0, n_cols, BLOCK_N)
-        xp1, ok1 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 1, n_cols, BLOCK_N)
-        xp2, ok2 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 2, n_cols, BLOCK_N)
-        xp3, ok3 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 3, n_cols, BLOCK_N)
-        xp4, ok4 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 4, n_cols, BLOCK_N)
-        xp5, ok5 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 5, n_cols, BLOCK_N)
-        xp6, ok6 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 6, n_cols, BLOCK_N)
-        xp7, ok7 = _gv_xrow(x_ptr, src_ptr, p0, cnt, 7, n_cols, BLOCK_N)
+        xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7 = _gv_xrows(
+            x_ptr, src_ptr, p0, cnt, n_cols, BLOCK_N)
         # lane (n, g, e) of row m accumulates x[m, k] * w[n, k] for k = k0 + SUB*g + VW*j + e, in the order of
         # (k0 = 0, NSUB*SUB, ...; j = 0 .. SUB/VW - 1); float32, one rounding per product and per addition
         acc0 = tl.zeros([BLOCK_N, NSUB, VW], dtype=tl.float32)
@@ -571,17 +679,199 @@ if triton is not None:
                         acc5 = _gv_acc(acc5, w, xp5, ok5, kel, n_cols)
                         acc6 = _gv_acc(acc6, w, xp6, ok6, kel, n_cols)
                         acc7 = _gv_acc(acc7, w, xp7, ok7, kel, n_cols)
-        _gv_store(acc0, out_ptr, p0, rn, nmask, ok0, n_rows, BLOCK_N, LOG2_LANES)
+        _gv_store8(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7,
+                   out_ptr, p0, rn, nmask, n_rows, BLOCK_M, BLOCK_N, LOG2_LANES)
+
+    @triton.jit
+    def _w32(p, ALIGN: tl.constexpr):
+        """Little-endian 32-bit word (uint32) at byte pointer(s) ``p``, unmasked: one 32-bit load where ``ALIGN`` is a
+        multiple of 4, two 16-bit loads where it is 2, four bytes otherwise (the caller guarantees that ``p`` is a
+        multiple of ``ALIGN``). The same value whatever the alignment."""
+        if ALIGN % 4 == 0:
+            wv = tl.load(p.to(tl.pointer_type(tl.uint32)))
+        elif ALIGN % 2 == 0:
+            p16 = p.to(tl.pointer_type(tl.uint16))
+            wv = tl.load(p16).to(tl.uint32) | (tl.load(p16 + 1).to(tl.uint32) << 16)
+        else:
+            wv = (tl.load(p).to(tl.uint32) | (tl.load(p + 1).to(tl.uint32) << 8)
+                  | (tl.load(p + 2).to(tl.uint32) << 16) | (tl.load(p + 3).to(tl.uint32) << 24))
+        return wv
+
+    @triton.jit
+    def _w16(p, ALIGN: tl.constexpr):
+        """Little-endian 16-bit word (uint32 0..65535) at byte pointer(s) ``p``, unmasked (as :func:`_w32`)."""
+        if ALIGN % 2 == 0:
+            wv = tl.load(p.to(tl.pointer_type(tl.uint16))).to(tl.uint32)
+        else:
+            wv = tl.load(p).to(tl.uint32) | (tl.load(p + 1).to(tl.uint32) << 8)
+        return wv
+
+    @triton.jit
+    def _f16w(h):
+        """fp16 bit patterns (uint32 0..65535) to float32 with the hardware conversion: exact for every finite,
+        subnormal and infinite value (a NaN scale stays NaN; its payload may differ from numpy's)."""
+        return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _k4_sm_w(sp, t, ALIGN: tl.constexpr):
+        """:func:`_k4_scale_min` from the 12-byte table at ``sp`` read as three words (``t`` 0..7)."""
+        w0 = _w32(sp, ALIGN)
+        w1 = _w32(sp + 4, ALIGN)
+        w2 = _w32(sp + 8, ALIGN)
+        sh = (8 * (t % 4)).to(tl.uint32)
+        b_t = (tl.where(t < 4, w0, w1) >> sh) & 0xFF  # byte t
+        b_t4 = (tl.where(t < 4, w1, w2) >> sh) & 0xFF  # byte t + 4
+        b_lo = (w0 >> sh) & 0xFF  # byte t % 4
+        lo = t < 4
+        sc = tl.where(lo, b_t & 63, (b_t4 & 15) | ((b_lo >> 6) << 4))
+        mn = tl.where(lo, b_t4 & 63, (b_t4 >> 4) | ((b_t >> 6) << 4))
+        return sc.to(tl.int32), mn.to(tl.int32)
+
+    @triton.jit
+    def _gv2_acc(acc, w, xp, kel):
+        """``acc + w * x[kel]`` (float32, one rounding each), unmasked (``kel`` < n_cols; a missing x row reads
+        row 0 and is never stored)."""
+        return acc + w * tl.load(xp + kel)
+
+    @triton.jit
+    def _gv_bytes_f(packed, e, bias, magic0):
+        """float32 ``b - bias`` for byte ``b`` (< 64) number ``e`` (arange [1, 1, 4]) of the words ``packed`` [.., 1]
+        (uint32); [.., 4]. Exact, without int-to-float conversions: byte ``e <= 2`` is kept in place and ORed into
+        the mantissa of ``M = 2**(23 - 8e)`` (the float ``M + b``), byte 3 is first shifted down one byte and
+        treated as byte 2; then ``(M + b) - (M + bias)`` (one exact float subtraction). ``magic0``: 0x4B000000, the
+        bits of 2**23, a run-time argument so that the compiler keeps it in a register and fuses mask and OR into
+        one LOP3."""
+        m = tl.minimum(e, 2)
+        magic = magic0 - (m << 26)  # float bits of 2**(23 - 8m)
+        t = (packed >> (8 * (e - m)).to(tl.uint32)) & (0x3F << (8 * m)).to(tl.uint32)
+        mf = magic.to(tl.float32, bitcast=True)
+        return (t | magic.to(tl.uint32)).to(tl.float32, bitcast=True) - (mf + bias)
+
+    @triton.jit
+    def _gv2_acc8(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel,
+                  BLOCK_M: tl.constexpr):
+        """:func:`_gv2_acc` for the tile's first ``BLOCK_M`` x rows (the others returned as they are)."""
+        acc0 = _gv2_acc(acc0, w, xp0, kel)
         if BLOCK_M > 1:
-            _gv_store(acc1, out_ptr, p0 + 1, rn, nmask, ok1, n_rows, BLOCK_N, LOG2_LANES)
+            acc1 = _gv2_acc(acc1, w, xp1, kel)
         if BLOCK_M > 2:
-            _gv_store(acc2, out_ptr, p0 + 2, rn, nmask, ok2, n_rows, BLOCK_N, LOG2_LANES)
-            _gv_store(acc3, out_ptr, p0 + 3, rn, nmask, ok3, n_rows, BLOCK_N, LOG2_LANES)
+            acc2 = _gv2_acc(acc2, w, xp2, kel)
+            acc3 = _gv2_acc(acc3, w, xp3, kel)
         if BLOCK_M > 4:
-            _gv_store(acc4, out_ptr, p0 + 4, rn, nmask, ok4, n_rows, BLOCK_N, LOG2_LANES)
-            _gv_store(acc5, out_ptr, p0 + 5, rn, nmask, ok5, n_rows, BLOCK_N, LOG2_LANES)
-            _gv_store(acc6, out_ptr, p0 + 6, rn, nmask, ok6, n_rows, BLOCK_N, LOG2_LANES)
-            _gv_store(acc7, out_ptr, p0 + 7, rn, nmask, ok7, n_rows, BLOCK_N, LOG2_LANES)
+            acc4 = _gv2_acc(acc4, w, xp4, kel)
+            acc5 = _gv2_acc(acc5, w, xp5, kel)
+            acc6 = _gv2_acc(acc6, w, xp6, kel)
+            acc7 = _gv2_acc(acc7, w, xp7, kel)
+        return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+    # --- GEMV path, k-quant lane kernel (_gemv2_kernel: Q4_K, Q6_K; GEMV2_TYPES): see the module docstring -------
+
+    @triton.jit
+    def _gemv2_kernel(x_ptr, w_ptr, off_ptr, tiles_ptr, src_ptr, out_ptr, n_rows, row_units,
+                      sel_ptr, n_sel, sel_stride, magic0, n_cols: tl.constexpr, QTYPE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, LPB: tl.constexpr,
+                      VW: tl.constexpr, LOG2_LANES: tl.constexpr, ALIGN: tl.constexpr, SELECT: tl.constexpr):
+        # program (tile, n block) as in _gemv_kernel. A weight row has LANES threads: KS = LANES / LPB
+        # super-blocks side by side, LPB lanes each (Q4_K: 8 lanes of 16 quant bytes = 32 weights of 2 sub-blocks;
+        # Q6_K: 16 lanes of 4 ql + 4 ql + 4 qh bytes = 16 weights of 4 groups). A lane decodes its super-block's
+        # header (fp16 scales, sub-block scales) once per K step and then only its quant bytes, VW at a time;
+        # every tensor is [LANES, BLOCK_N, VW] (or [.., 1] broadcast), one register layout, no shuffles.
+        pid_n = tl.program_id(0)
+        p0, cnt, base = _gv_tile(w_ptr, off_ptr, tiles_ptr, sel_ptr, n_sel, sel_stride, ALIGN, SELECT)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < n_rows
+        # rows past the matrix read its last row (never stored): no masked loads in the K loop
+        rc = tl.minimum(rn, n_rows - 1)
+        # tensors are [LANES, BLOCK_N, VW], lanes first: the compiler orders threads by the first dimension when no
+        # dimension of a load is contiguous (the weight words), so a warp's threads take neighbouring lanes of a row
+        # (its loads touch few cache lines), not the same lane of many rows
+        wp = base + rc.to(tl.int64)[None, :, None] * (row_units.to(tl.int64) * ALIGN)  # [1, BN, 1]
+        g = tl.arange(0, LANES)[:, None, None]
+        e = tl.arange(0, VW)[None, None, :]
+        c = g // LPB  # super-block of the lane within a K step
+        li = g % LPB  # lane within the super-block
+        xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7 = _gv_xrows(
+            x_ptr, src_ptr, p0, cnt, n_cols, BLOCK_N, True)
+        acc0 = tl.zeros([LANES, BLOCK_N, VW], dtype=tl.float32)  # one per x row of the tile (unused ones vanish)
+        acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
+        N_SB: tl.constexpr = n_cols // 256
+        KS: tl.constexpr = LANES // LPB
+        tl.static_assert(N_SB % KS == 0, "_gemv2_kernel: KS must divide the super-blocks of a row")
+        for kb in range(0, N_SB, KS):
+            sb = kb + c  # super-block [LANES, 1, 1], always < N_SB: no masks
+            if QTYPE == 12:  # Q4_K: fp16 d | fp16 dmin | 12 bytes scales | 128 bytes; x = (d*sc) * q - (dmin*mn)
+                # lane li: the B = 128 / LPB quant bytes from 32 p + o = B li (p = B li // 32) as B / 4 words: the low
+                # nibbles are elements 64 p + o + (0..B-1) (sub-block 2p), the high ones the same + 32 (sub-block 2p+1)
+                BPL: tl.constexpr = 128 // LPB
+                bb = wp + 144 * sb
+                p = li // (32 // BPL)
+                dd = _w32(bb, ALIGN)  # fp16 d | fp16 dmin
+                d = _f16w(dd & 0xFFFF)
+                dmin = _f16w(dd >> 16)
+                sc0, mn0 = _k4_sm_w(bb + 4, 2 * p, ALIGN)
+                sc1, mn1 = _k4_sm_w(bb + 4, 2 * p + 1, ALIGN)
+                dl0 = d * sc0.to(tl.float32)
+                ml0 = dmin * mn0.to(tl.float32)
+                dl1 = d * sc1.to(tl.float32)
+                ml1 = dmin * mn1.to(tl.float32)
+                k0 = 256 * sb + 64 * p + BPL * (li % (32 // BPL))  # (a form whose divisibility the compiler sees)
+                for r in tl.static_range(BPL // 4):
+                    word = _w32(bb + 16 + BPL * li + 4 * r, ALIGN)  # [LANES, BN, 1]
+                    lo = word & 0x0F0F0F0F
+                    hi = (word >> 4) & 0x0F0F0F0F
+                    w_lo = _gv_bytes_f(lo, e, 0.0, magic0) * dl0 - ml0
+                    w_hi = _gv_bytes_f(hi, e, 0.0, magic0) * dl1 - ml1
+                    for half in tl.static_range(2):
+                        if half == 0:
+                            w = w_lo
+                        else:
+                            w = w_hi
+                        kel = k0 + 32 * half + 4 * r + e
+                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_acc8(
+                            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w,
+                            xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel, BLOCK_M)
+            else:  # Q6_K (14): 128 bytes ql | 64 bytes qh | 16 int8 scales | fp16 d; x = (d*sc) * (q - 32)
+                # lane li: half h = li // (LPB / 2) of the super-block, l = R (li % (LPB / 2)) (R = 64 / LPB elements):
+                # elements 128 h + 32 q + l + (0..R-1) (q = 0..3) from ql[64 h + 32 (q % 2) + l + i] (nibble q // 2)
+                # and qh[32 h + l + i] (bits 2q, 2q+1), scale sc[8 h + 2 q + l // 16]; words of 4 elements
+                RL: tl.constexpr = 64 // LPB
+                bb = wp + 210 * sb
+                h = li // (LPB // 2)
+                l8 = RL * (li % (LPB // 2))
+                d = _f16w(_w16(bb + 208, ALIGN))
+                sp = bb + 192 + 8 * h + l8 // 16
+                dl0 = d * ((tl.load(sp).to(tl.int32) ^ 128) - 128).to(tl.float32)
+                dl1 = d * ((tl.load(sp + 2).to(tl.int32) ^ 128) - 128).to(tl.float32)
+                dl2 = d * ((tl.load(sp + 4).to(tl.int32) ^ 128) - 128).to(tl.float32)
+                dl3 = d * ((tl.load(sp + 6).to(tl.int32) ^ 128) - 128).to(tl.float32)
+                k0 = 256 * sb + 128 * h + l8
+                for v in tl.static_range(RL // 4):
+                    qa = _w32(bb + 64 * h + l8 + 4 * v, ALIGN)  # [LANES, BN, 1]
+                    qb = _w32(bb + 64 * h + 32 + l8 + 4 * v, ALIGN)
+                    qh = _w32(bb + 128 + 32 * h + l8 + 4 * v, ALIGN)
+                    for q in tl.static_range(4):
+                        # the bytes of 6-bit quants q, then q - 32 as float32 (exact)
+                        if q == 0:
+                            packed = (qa & 0x0F0F0F0F) | ((qh << 4) & 0x30303030)
+                            dl = dl0
+                        elif q == 1:
+                            packed = (qb & 0x0F0F0F0F) | ((qh << 2) & 0x30303030)
+                            dl = dl1
+                        elif q == 2:
+                            packed = ((qa >> 4) & 0x0F0F0F0F) | (qh & 0x30303030)
+                            dl = dl2
+                        else:
+                            packed = ((qb >> 4) & 0x0F0F0F0F) | ((qh >> 2) & 0x30303030)
+                            dl = dl3
+                        w = _gv_bytes_f(packed, e, 32.0, magic0) * dl
+                        kel = k0 + 32 * q + 4 * v + e
+                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_acc8(
+                            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w,
+                            xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel, BLOCK_M)
+        _gv_store8(tl.permute(acc0, (1, 0, 2)), tl.permute(acc1, (1, 0, 2)), tl.permute(acc2, (1, 0, 2)),
+                   tl.permute(acc3, (1, 0, 2)), tl.permute(acc4, (1, 0, 2)), tl.permute(acc5, (1, 0, 2)),
+                   tl.permute(acc6, (1, 0, 2)), tl.permute(acc7, (1, 0, 2)), ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7,
+                   out_ptr, p0, rn, nmask, n_rows, BLOCK_M, BLOCK_N, LOG2_LANES)
 
 
 # ---------------------------------------------------------------------------
@@ -758,6 +1048,16 @@ def _launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tiles: np.n
         grid = grid[::-1]  # _gemv_kernel: row blocks on axis 0
         vw = cfg["VW"]
         a = vw if align % vw == 0 and w.data_ptr() % vw == 0 and row_bytes % vw == 0 else 1
+        if cfg.get("K2"):
+            wa = cfg["WA"]
+            a = wa if align % wa == 0 and w.data_ptr() % wa == 0 and row_bytes % wa == 0 else 1
+            lanes = cfg["NSUB"] * vw
+            _gemv2_kernel[grid](x, w, offsets, tiles_d, src, out, n_rows, row_bytes // a, sel, n_sel, sel_stride,
+                                0x4B000000, n_cols, QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"],
+                                BLOCK_N=cfg["BLOCK_N"], LANES=cfg["NSUB"], LPB=cfg["LPB"], VW=vw,
+                                LOG2_LANES=lanes.bit_length() - 1, ALIGN=a, SELECT=select is not None,
+                                num_warps=cfg["num_warps"], enable_fp_fusion=False)
+            return
         # lane-group steps (NSUB * SUB elements) per K-loop iteration: at most about 32 decode steps of
         # straight-line code (loads that the compiler may issue together), a bounded compile; steps past n_cols
         # are masked (they add +0.0: no bit changes)
