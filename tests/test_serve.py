@@ -38,11 +38,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from moestream.chat import encode_chat
-from moestream.cli import api_keys, build_parser, main, serve_loader
+from moestream.cli import api_keys, build_parser, cors_origins, main, serve_loader
 from moestream.engine import Engine, Sampler, SamplingParams
 from moestream.models.base import LoadOptions, load_model
 from moestream.runtrace import TraceWriter, read_trace
-from moestream.server import ServerState, chat_prompt, listen, make_server, run_server
+from moestream.server import GRACEFUL_SHUTDOWN_S, ServerState, chat_prompt, create_app, listen, make_server, run_server
 from moestream.textgen import DoneEvent, text_events
 from moestream.tokenizer import GGUFTokenizer, TokenType
 
@@ -60,7 +60,8 @@ class Running:
         args = build_parser().parse_args(["serve", *argv])
         self.names, load, self.held = serve_loader(args)
         self.state = ServerState(load, self.names)
-        self.server = make_server(self.state, api_keys=api_keys(args))
+        self.server = make_server(self.state, api_keys=api_keys(args), request_timeout=args.timeout,
+                                  cors_origins=cors_origins(args))
         sock = listen("127.0.0.1", 0)
         self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.thread = threading.Thread(target=lambda: asyncio.run(run_server(self.server, self.state, sock)),
@@ -589,7 +590,10 @@ BAD = [
     ("POST", "/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
     ("POST", "/detokenize", {"tokens": ["hi"]}, 400, "tokens"),
     ("POST", "/detokenize", {}, 400, "tokens"),
+    ("POST", "/v1/chat/completions", b'{"messages": [], "max_tokens": ' + b"9" * 5000 + b"}", 400, "max_tokens"),
+    ("POST", "/v1/completions", b'{"prompt": [1, ' + b"1" * 4301 + b"]}", 400, "prompt[1]"),
     ("POST", "/v1/nothing", {"messages": USER}, 404, None),
+    ("GET", "/v1/models/gpt-4o", None, 404, "model"),
     ("GET", "/v2/models", None, 404, None),
     ("GET", "/v1/chat/completions", None, 405, None),
 ]
@@ -606,6 +610,9 @@ def test_bad_request_is_an_openai_error_and_the_server_goes_on(srv: Any, method:
     assert err["param"] == param
     if isinstance(body, dict) and ("word " in json.dumps(body) or "world " in json.dumps(body)):
         assert err["code"] == "context_length_exceeded"
+    if isinstance(body, bytes) and len(body) > 4300 and param is not None:  # a long number: not Python's advice
+        assert err["message"].endswith("digits is too large") and "set_int_max_str_digits" not in err["message"]
+    assert "\n" not in err["message"]
     good = httpx.post(srv.base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, timeout=60)
     assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
@@ -983,10 +990,17 @@ def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Pa
         f"moestream: error: cannot listen on 127.0.0.1:{port} (Address already in use)"]
     assert main(["serve", "--port", "70000"]) == 1
     assert capsys.readouterr().err.strip() == "moestream: error: --port must be from 0 to 65535, got 70000"
+    # a value argparse's type refuses: one line (not its 13-line usage), its status 2, as a refused llama.cpp flag
+    for argv, said in ((["--port", "abc"], "argument --port: invalid int value: 'abc'"),
+                       (["--timeout", "soon"], "argument -to/--timeout: invalid float value: 'soon'"),
+                       (["--cache-prompt", "maybe"], "argument --cache-prompt: expected on or off, got 'maybe'")):
+        assert main(["serve", *argv]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"moestream serve: error: {said}"]
     # what needs no torch is refused before the socket listens: one line, no "listening" (a newcomer saw one)
     (tmp_path / "empty").write_text("\n  \n")
     (tmp_path / "spaced").write_text("good-key\nsecret key\n")
     (tmp_path / "text.gguf").write_text("not a gguf file at all")
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m.content }\n")
     for argv, needle in ((["--mem", "5XB"], "--mem: cannot read '5XB'"), (["-t", "0"], "-t must be at least 1"),
                          (["-m", str(tmp_path / "none.gguf")], f"{tmp_path / 'none.gguf'}: no such file"),
                          (["-m", str(tmp_path / "text.gguf")], f"{tmp_path / 'text.gguf'}: not a GGUF file"),
@@ -1001,7 +1015,13 @@ def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Pa
                           "no key"),
                          (["--api-key-file", str(tmp_path / "spaced")], f"--api-key-file {tmp_path / 'spaced'}: "
                           "line 2: an API key must be printable ASCII"),
-                         (["--api-key", "ok", "--api-key", "secret key"], "--api-key (key 2 of 2): an API key must")):
+                         (["--api-key", "ok", "--api-key", "secret key"], "--api-key (key 2 of 2): an API key must"),
+                         # a template that does not compile: refused as run --chat refuses it, not a 400 per request
+                         (["--chat-template-file", str(tmp_path / "bad.jinja")], f"{tmp_path / 'bad.jinja'}: the chat "
+                          "template does not compile (TemplateSyntaxError: unexpected '}')"),
+                         (["--chat-template", "{% if %}"], "--chat-template: the chat template does not compile"),
+                         (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+                         (["--cors-origin", "localhost:3000/"], "--cors-origin localhost:3000/: an origin is")):
         assert main(["serve", "--port", "0", *argv]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"moestream: error: {needle}"), err
@@ -1093,6 +1113,129 @@ def test_plain_request_disconnect_during_decode_cancels_it(srv: Any, oracle: Any
     cancelled, done = log_lines(capsys.readouterr().err)
     assert (cancelled["outcome"], cancelled["finish"], done["outcome"]) == ("cancelled", "interrupted", "completed")
     assert 0 < int(cancelled["completion_tokens"]) < 100 and cancelled["prompt_tokens"] == str(len(ids))
+
+
+def half_post(base: str, sent: bytes = b'{"messages":', length: int = 100) -> socket.socket:
+    """A POST whose headers and part of the body (``sent`` of ``length`` bytes) are sent; the rest never comes."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (length, sent))
+    return sock
+
+
+def read_reply(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and the seconds it took."""
+    sock.settimeout(timeout)
+    t0, data = time.monotonic(), b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data, time.monotonic() - t0
+
+
+def test_half_sent_bodies_disconnect_timeout_and_shutdown(capsys: pytest.CaptureFixture) -> None:
+    """A newcomer's trial: a client that disconnected mid-body made uvicorn log a 68-line ClientDisconnect traceback
+    and no request line; one that stalled mid-body held its connection forever, and at SIGTERM uvicorn cancelled it
+    after its graceful shutdown ('Cancel 1 running task(s)', tracebacks). Now: one line, outcome=disconnected; a
+    408 after --timeout, the connection closed; at shutdown a 503 at once and no task left to cancel."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    s = Running(["-c", "64", "-np", "1", "--timeout", "1"])
+    logging.getLogger("uvicorn.error").addHandler(handler)  # after uvicorn's logging config, which drops handlers
+    try:
+        s.wait_ready()
+        capsys.readouterr()
+        half_post(s.base).close()  # the repro: part of the body, then gone
+        m = wait_metric(s, "moestream_requests_total{outcome=disconnected}", lambda v: v == 1, timeout=10)
+        assert m["moestream_requests_total{outcome=rejected}"] == 0
+        (line,) = log_lines(capsys.readouterr().err)
+        assert line["outcome"] == "disconnected" and line["id"].startswith("chatcmpl-") and "status" not in line
+        stalled = half_post(s.base)
+        reply, took = read_reply(stalled, 30)
+        stalled.close()
+        assert reply.startswith(b"HTTP/1.1 408 ") and b"connection: close" in reply.lower(), reply
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        assert 0.9 < took < 10, took
+        (line,) = log_lines(capsys.readouterr().err)
+        assert (line["outcome"], line["status"], line["code"]) == ("rejected", "408", "request_timeout")
+        # the server still serves, and a body sent in two parts within the timeout is read whole
+        sock = half_post(s.base, b'{"prompt": "Once", ', 35)
+        time.sleep(0.3)
+        sock.sendall(b'"max_tokens": 2}')
+        sock.settimeout(30)
+        reply = b""
+        while not reply.endswith(b"}}"):  # headers and body come in two writes
+            reply += sock.recv(65536)
+        sock.close()
+        assert reply.startswith(b"HTTP/1.1 400 ") and b'"param":"messages"' in reply, reply  # read whole: no 408
+        waiting = half_post(s.base)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        s.stop()  # SIGTERM's path while a body is arriving
+        assert time.monotonic() - t0 < GRACEFUL_SHUTDOWN_S and not s.thread.is_alive()
+        reply, _ = read_reply(waiting, 5)
+        waiting.close()
+        assert reply.startswith(b"HTTP/1.1 503 ") and b"server_shutting_down" in reply, reply
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+        if s.thread.is_alive():
+            s.stop()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    said = [r.getMessage() for r in records]
+    assert not [r for r in records if r.levelno >= logging.WARNING], said  # no 'Cancel N running task(s)', no trace
+
+
+def test_routes_openai_clients_and_llama_server_users_call(srv: Any, client: openai.OpenAI) -> None:
+    """OpenAI's models.retrieve (GET /v1/models/{model}: any name the server answers to; another is a 404 the
+    client raises as NotFoundError), llama-server's routes without /v1, HEAD on the GET routes."""
+    for name in ("tiny",):
+        got = client.models.retrieve(name)
+        assert (got.id, got.object, got.owned_by) == ("tiny", "model", "moestream")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and "gpt-4o" in e.value.body["message"]
+    assert httpx.get(srv.base + "/models", timeout=30).json() == httpx.get(srv.base + "/v1/models", timeout=30).json()
+    bare = openai.OpenAI(base_url=srv.base, api_key="none", max_retries=0, timeout=120)  # llama-server's routes
+    want = client.chat.completions.create(model="tiny", messages=USER, max_tokens=3, temperature=0)
+    got = bare.chat.completions.create(model="tiny", messages=USER, max_tokens=3, temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert bare.completions.create(model="tiny", prompt="Once", max_tokens=2).choices[0].text is not None
+    for path in ("/health", "/v1/models", "/models/tiny", "/metrics", "/props", "/slots"):
+        r = httpx.head(srv.base + path, timeout=30)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+        assert r.headers["content-length"] == httpx.get(srv.base + path, timeout=30).headers["content-length"] \
+            or path in ("/metrics", "/slots")  # (their text changes between two calls)
+    assert httpx.head(srv.base + "/v1/chat/completions", timeout=30).status_code == 405
+
+
+def test_cors_only_for_the_origins_given() -> None:
+    """--cors-origin: a browser page from that origin may call the server (the preflight answered before the key
+    check, the answers carrying Access-Control-Allow-Origin); another origin gets no CORS headers, and without the
+    flag none does. (The app alone, no model: Starlette's test client.)"""
+    from starlette.testclient import TestClient
+
+    state = ServerState(lambda: None, ["tiny"])  # never loaded: /v1/models answers from the names
+    page = "http://localhost:3000"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    with TestClient(create_app(state, ["k"], cors_origins=cors_origins(build_parser().parse_args(
+            ["serve", "--cors-origin", page])))) as c:
+        r = c.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page, r.headers
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = c.get("/v1/models", headers={"Origin": page, "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = c.get("/v1/models", headers={"Origin": page})  # the key is still needed
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == page
+        r = c.get("/v1/models", headers={"Origin": "http://evil.example", "Authorization": "Bearer k"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    with TestClient(create_app(state)) as c:
+        assert "access-control-allow-origin" not in c.get("/v1/models", headers={"Origin": page}).headers
+        assert c.options("/v1/chat/completions", headers=preflight).status_code == 405
 
 
 # ------------------------------------------------------------------------------------------------ the file's lifetime

@@ -399,6 +399,35 @@ def test_bad_tools_on_a_template_with_tools(family_servers: Any, extra: dict, pa
     assert r.json()["error"]["param"] == param, r.text
 
 
+def _one_arg(schema: dict) -> dict:
+    return {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+
+
+#: (the request's schema field, the schema, what the one-line message says); a newcomer saw llguidance's Lark
+#: grammar listed over several lines for 'not' in a tool's parameters, and 3 lines for a bad 'pattern'
+UNENFORCEABLE = [
+    ("tools", _one_arg({"not": {"type": "string"}}), "the keyword 'not' is not supported"),
+    ("tools", _one_arg({"type": "string", "pattern": "(["}),
+     "the regex \"([\" (a 'pattern') cannot be read: unclosed character class"),
+    ("response_format", _one_arg({"not": {"type": "string"}}), "the keyword 'not' is not supported"),
+    ("response_format", _one_arg({"type": "string", "pattern": "a{2,1}"}),
+     "the regex \"a{2,1}\" (a 'pattern') cannot be read: invalid repetition count range"),
+]
+
+
+@pytest.mark.parametrize("field,schema,says", UNENFORCEABLE, ids=[f"{u[0]}-{i}" for i, u in enumerate(UNENFORCEABLE)])
+def test_schema_it_cannot_enforce_is_one_line(family_servers: Any, field: str, schema: dict, says: str) -> None:
+    extra = ({"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+              "tool_choice": "required"} if field == "tools" else
+             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    r = httpx.post(family_servers("qwen3").base + "/v1/chat/completions", timeout=60,
+                   json={"messages": ASK, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == field, err
+    assert says in err["message"] and "\n" not in err["message"] and "%json" not in err["message"], err["message"]
+
+
 @pytest.mark.parametrize("name,why", [
     ("deepseek-ai-DeepSeek-V3.1.jinja", "never reads 'tools'"),  # renders an assistant's calls, never the tool list
     ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "never reads 'tools'"),

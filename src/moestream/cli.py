@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import math
 import os
 import sys
 import types
@@ -124,8 +125,8 @@ class _DeviceFlag(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001, ANN204
         try:
             device = gpu_layers_device(values)
-        except argparse.ArgumentTypeError as e:
-            raise argparse.ArgumentError(self, str(e)) from None
+        except argparse.ArgumentTypeError as e:  # one line, as a value another option's type refuses
+            raise FlagRefused(f"{parser.prog}: error: {argparse.ArgumentError(self, str(e))}") from None
         setattr(namespace, self.dest, device)
         namespace.device_flag = (option_string, values)
 
@@ -755,6 +756,8 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be from 0 to 65535, got {args.port}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.ctx_size is not None and not 0 <= args.ctx_size <= 2**31:
         raise ConfigError(f"-c must be from 0 (the default context) to 2^31, got {args.ctx_size}")
     if args.alias is not None and not args.alias.strip():
@@ -772,6 +775,9 @@ def serve_loader(args: argparse.Namespace):  # noqa: ANN201
     if args.trace is not None and args.parallel not in (None, -1, 1):
         raise ConfigError(f"--trace records one generation at a time: use -np 1 with it (not -np {args.parallel})")
     template = chat_template_option(args)
+    if template is not None:  # refused before listening, not on every request (run --chat refuses it upfront too)
+        from .tokenizer import compile_chat_template
+        compile_chat_template(*template)
     base = os.path.basename(model_path(args))
     names = [args.alias] if args.alias else list(dict.fromkeys([base.removesuffix(".gguf"), base]))
     args.interactive = False
@@ -905,6 +911,21 @@ def api_keys(args: argparse.Namespace) -> list[str]:
     return keys
 
 
+def cors_origins(args: argparse.Namespace) -> list[str]:
+    """serve's ``--cors-origin`` values: ``*`` or an origin, ``scheme://host[:port]`` (what a browser sends in its
+    Origin header: no path, no trailing slash). ConfigError naming the flag for another, before the socket listens."""
+    import re
+
+    from .errors import ConfigError
+
+    out = []
+    for origin in args.cors_origin or []:
+        if origin != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+", origin):
+            raise ConfigError(f"--cors-origin {origin}: an origin is scheme://host[:port] (no path), or * for any")
+        out.append(origin)
+    return out
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """``moestream serve``: the OpenAI-compatible server (moestream.server) on one model. The socket listens first
     (GET /health answers 503 at once); the option checks that need torch and the load run in the server's loader
@@ -915,7 +936,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     names, load, held = serve_loader(args)
     keys = api_keys(args)
     try:
-        return serve(load, names, args.host, args.port, keys)
+        return serve(load, names, args.host, args.port, keys, args.timeout, cors_origins(args))
     finally:
         for obj in held:
             if isinstance(obj, TraceWriter):
@@ -1333,6 +1354,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "machine can read a command line: prefer --api-key-file)")
     sv.add_argument("--api-key-file", default=None, metavar="FILE",
                     help="require one of the keys in FILE (one per line) as --api-key does")
+    sv.add_argument("-to", "--timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="seconds a request's body may take to arrive (llama-server's flag and default: 600); a "
+                    "client that sends part of a body and stalls is answered 408 and its connection closed")
+    sv.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                    help="let web pages from ORIGIN (e.g. http://localhost:3000; * for any) call the server from a "
+                    "browser (CORS; repeat for more). Default: none (llama-server allows any origin)")
     _add_chat_template(sv)
     add_refused(sv, SERVE_REFUSED)
     sv.set_defaults(func=cmd_serve)

@@ -23,7 +23,8 @@ __all__ = ["LOG_REFUSED", "REFUSED", "RUN_REFUSED", "SERVE_REFUSED", "FlagRefuse
 
 
 class FlagRefused(Exception):
-    """A llama.cpp flag moestream does not take; ``str(e)`` is the one line to print (the flag, what to do)."""
+    """A llama.cpp flag moestream does not take, or a value an option's type refuses; ``str(e)`` is the one line to
+    print (the flag, what to do), exit status 2 (argparse's)."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -37,6 +38,21 @@ class Parser(argparse.ArgumentParser):
         # (argparse's matcher takes only '-1' and '-1.5': '-1GiB' was "expected one argument"); no option of
         # moestream's starts with a digit
         self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> object:
+        # a value its type refuses (--port abc): one line, as a refused flag, not argparse's usage block
+        try:
+            return super()._get_value(action, arg_string)
+        except argparse.ArgumentError as e:
+            raise FlagRefused(f"{self.prog}: error: {e}") from None
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        try:  # a value not among the choices: one line too
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:
+            if isinstance(action, argparse._SubParsersAction):  # an unknown command: the usage lists them
+                raise
+            raise FlagRefused(f"{self.prog}: error: {e}") from None
 
     def _get_option_tuples(self, option_string: str) -> list:
         # argparse calls this for an argument that starts with '-' and is not an exact option string (nor

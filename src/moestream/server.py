@@ -3,14 +3,17 @@
 Routes: ``POST /v1/chat/completions`` (the file's chat template, message text tokenized as plain text: see
 :mod:`moestream.chat`), ``POST /v1/completions`` (a raw prompt: control-token text in it is parsed, as llama.cpp
 does with a raw prompt), both streaming (server-sent events, ``data: [DONE]`` at the end) or not;
-``GET /v1/models``; ``GET /health`` (503 while the model loads, 200 once it is ready: the socket listens before
-the model is loaded, so a supervisor such as llama-swap can poll it; 503 while a probe read of the model file fails
-(:meth:`ServerState.check_file`), and for good, with the reason, once the model can no longer compute -- its file's
-bytes changed in place, or :data:`READ_FAULTS_BROKEN` reads failed in a row -- so that the supervisor restarts the
-server); ``GET /metrics`` (Prometheus text format); llama-server's ``POST /tokenize``, ``POST /detokenize``,
-``GET /props`` and ``GET /slots``. With API keys (``--api-key``) every route but /health needs one
-(:class:`APIKeyCheck`). Each request that reaches a completion route leaves one line on stderr when it ends
-(:func:`request_line`).
+``GET /v1/models`` and ``GET /v1/models/{model}`` (OpenAI's models.retrieve); ``GET /health`` (503 while the model
+loads, 200 once it is ready: the socket listens before the model is loaded, so a supervisor such as llama-swap can
+poll it; 503 while a probe read of the model file fails (:meth:`ServerState.check_file`), and for good, with the
+reason, once the model can no longer compute -- its file's bytes changed in place, or :data:`READ_FAULTS_BROKEN`
+reads failed in a row -- so that the supervisor restarts the server); ``GET /metrics`` (Prometheus text format);
+llama-server's ``POST /tokenize``, ``POST /detokenize``, ``GET /props`` and ``GET /slots``, and its aliases without
+/v1 (``/chat/completions``, ``/completions``, ``/models``). Every GET route answers HEAD too. With API keys
+(``--api-key``) every route but /health needs one (:class:`APIKeyCheck`); with ``--cors-origin`` browser pages from
+those origins may call it (CORS, off by default). A request's body must arrive within ``--timeout`` seconds (else
+408, the connection closed). Each request that reaches a completion route leaves one line on stderr when it ends
+(:func:`request_line`; ``outcome=disconnected`` for a client gone before its body had arrived).
 
 Up to ``-np N`` generations run at once, each in a slot (its own KV cache), decoded together: one forward step
 of the model for all of them (continuous batching, :mod:`moestream.batching`: a request joins with its first
@@ -33,6 +36,7 @@ the model is broken as said above: then 503 for every request).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import itertools
@@ -50,8 +54,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .errors import ConfigError, ExpertReadError, ModelFileChanged, MoestreamError, OptionError
 from .limits import MAX_TOKENS, check_tokens
@@ -66,6 +71,11 @@ if TYPE_CHECKING:  # torch comes with the engine: the server listens before it i
 GRACEFUL_SHUTDOWN_S = 3.0
 #: Seconds between two checks of a plain (not streamed) request's connection while it generates
 DISCONNECT_POLL_S = 0.25
+#: Seconds a request's body may take to arrive (serve --timeout, llama-server's flag and default): a client that
+#: sends its headers and part of a body, then stalls, is answered 408 and its connection closed
+REQUEST_TIMEOUT_S = 600.0
+#: Seconds between two checks for shutdown while a request's body arrives
+BODY_POLL_S = 0.25
 _NOTHING = object()
 #: The most UTF-8 bytes of text /tokenize takes (a bound on the thread it holds, as _surely_too_long for prompts)
 MAX_TOKENIZE_BYTES = 8 << 20
@@ -102,9 +112,16 @@ class APIError(Exception):
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        #: headers of the response (``Connection: close`` after a body that did not all arrive), or None
+        self.headers: dict[str, str] | None = None
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request's body had arrived: nothing is answered (the request log's
+    ``outcome=disconnected``)."""
 
 
 def unavailable(message: str, code: str) -> APIError:
@@ -167,7 +184,8 @@ class Job:
 class Counters:
     """Totals since start for /metrics (seconds, tokens, bytes)."""
 
-    requests: dict = field(default_factory=lambda: {"completed": 0, "cancelled": 0, "error": 0, "rejected": 0})
+    requests: dict = field(default_factory=lambda: {"completed": 0, "cancelled": 0, "error": 0, "rejected": 0,
+                                                    "disconnected": 0})
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     generated_tokens: int = 0
@@ -538,7 +556,8 @@ class ServerState:
             ("moestream_model_loaded", "gauge", "1 once the model is loaded and the server takes requests (0 again "
              "once it can no longer compute: /health 503)", [("", 1.0 if self.ready and self.broken is None else 0.0)]),
             ("moestream_requests_total", "counter", "generations by outcome (rejected: refused before they "
-             "started: a bad request, or a 503 while loading, broken or shutting down)",
+             "started: a bad request, or a 503 while loading, broken or shutting down; disconnected: the client went "
+             "away before its request's body had arrived)",
              [(f'{{outcome="{k}"}}', v) for k, v in reqs.items()]),
             ("moestream_requests_processing", "gauge", "generations running now (0 to -np)", [("", running)]),
             ("moestream_slots", "gauge", "generations that can run at once (-np)",
@@ -631,6 +650,37 @@ def _num(v: float) -> str:
 
 
 # --- request parsing ---------------------------------------------------------------------------------------------
+
+#: The most digits of an integer in a request (Python's own limit on converting one, sys.get_int_max_str_digits)
+MAX_INT_DIGITS = 4300
+
+
+class _BigInt:
+    """An integer of a request's JSON with more than :data:`MAX_INT_DIGITS` digits (refused by read_body)."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int | _BigInt:
+    digits = len(text.lstrip("-"))
+    return _BigInt(digits) if digits > MAX_INT_DIGITS else int(text)
+
+
+def _find_big_int(value: object, where: str = "") -> tuple[str, int] | None:
+    """(its path, e.g. ``messages[0].content``, and its digits) of the first :class:`_BigInt` in ``value``, or
+    None. Iterative: a body may be nested thousands of levels deep."""
+    todo = [(value, where)]
+    while todo:
+        v, at = todo.pop()
+        if isinstance(v, _BigInt):
+            return at, v.digits
+        if isinstance(v, dict):
+            todo += reversed([(x, f"{at}.{k}" if at else str(k)) for k, x in v.items()])
+        elif isinstance(v, list):
+            todo += reversed([(x, f"{at}[{i}]") for i, x in enumerate(v)])
+    return None
+
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -1289,15 +1339,22 @@ class APIKeyCheck:
         await JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
-def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
+def create_app(state: ServerState, api_keys: list[str] = (), request_timeout: float = REQUEST_TIMEOUT_S,  # noqa: ANN201
+               cors_origins: list[str] = ()):
     """The FastAPI application over ``state``; with ``api_keys``, every route but /health needs one
-    (:class:`APIKeyCheck`)."""
+    (:class:`APIKeyCheck`); ``request_timeout``: the seconds a request's body may take to arrive (then 408);
+    ``cors_origins``: the origins whose browser pages may call the server (CORS; ``*``: any), none by default."""
     app = FastAPI(title="moestream", docs_url=None, redoc_url=None, openapi_url=None)
     if api_keys:
         app.add_middleware(APIKeyCheck, keys=list(api_keys))
+    if cors_origins:  # added last: outside the key check, so that a browser's preflight (no key) is answered
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "HEAD", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Api-Key"], max_age=600)
+    get = functools.partial(app.api_route, methods=["GET", "HEAD"])  # HEAD: the same answer without its body
 
     def error(e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -1313,6 +1370,10 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return error(exc)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # never sent: the client is gone
+
     def check_ready() -> Loaded:
         if state.shutting_down.is_set():
             raise unavailable(SHUTTING_DOWN, "server_shutting_down")
@@ -1325,7 +1386,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             raise unavailable("Loading model", "model_loading")
         return state.loaded  # type: ignore[return-value]
 
-    @app.get("/health")
+    @get("/health")
     async def health() -> JSONResponse:
         try:
             check_ready()
@@ -1334,14 +1395,27 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             return error(e)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(state.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    def model_object() -> dict:
+        return {"id": state.names[0], "object": "model", "created": state.created, "owned_by": "moestream"}
+
+    @get("/v1/models")
+    @get("/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": state.names[0], "object": "model", "created": state.created, "owned_by": "moestream"}]})
+        return JSONResponse({"object": "list", "data": [model_object()]})
+
+    @get("/v1/models/{model:path}")
+    @get("/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        """OpenAI's models.retrieve: the served model under any of its names (--alias, or the file name without and
+        with .gguf); 404 ``model_not_found`` for another."""
+        if model not in state.names:
+            raise APIError(404, f"the model {model!r} is not served here (this server serves {state.names[0]!r})",
+                           param="model", code="model_not_found")
+        return JSONResponse(model_object())
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -1383,7 +1457,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
                            code="invalid_value")
         return JSONResponse({"content": await asyncio.to_thread(ld.tok.decode, ids)})
 
-    @app.get("/props")
+    @get("/props")
     async def props() -> JSONResponse:
         """llama-server's /props: the context per slot and the sampling defaults a request starts from, the
         slots, the chat template, the model file, the build."""
@@ -1405,7 +1479,7 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             "chat_template": tok.chat_template or "", "bos_token": text(tok.bos_id), "eos_token": text(tok.eos_id),
             "modalities": {"vision": False, "audio": False}, "build_info": f"moestream {version()}"})
 
-    @app.get("/slots")
+    @get("/slots")
     async def slots() -> JSONResponse:
         """What each slot holds: ``id``, ``n_ctx``, ``is_processing``, ``request_id`` (the response id of the
         request it serves, None when idle), ``n_cached`` (tokens its KV cache holds: while idle, what the next
@@ -1425,14 +1499,44 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             out.append(d)
         return JSONResponse(out)
 
-    async def read_body(request: Request) -> dict:
-        raw = await request.body()
+    async def receive_body(request: Request) -> bytes:
+        """The request's body, as it arrives. ClientGone when the client disconnects first; APIError 408 (the
+        connection then closed) when it has not all arrived after ``request_timeout`` seconds, 503 when the server
+        starts shutting down meanwhile (so that its graceful shutdown need not cancel the request)."""
+        read = asyncio.ensure_future(request.body())
+        end = time.monotonic() + request_timeout
         try:
-            body = json.loads(raw)
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=min(BODY_POLL_S, max(0.0, end - time.monotonic())))
+                if done:
+                    return read.result()
+                if state.shutting_down.is_set():
+                    raise APIError(503, f"{SHUTTING_DOWN}; the request's body had not all arrived",
+                                   "unavailable_error", code="server_shutting_down")
+                if time.monotonic() >= end:
+                    raise APIError(408, f"the request's body did not all arrive within {request_timeout:g} s "
+                                   f"(serve --timeout)", code="request_timeout")
+        except ClientDisconnect:
+            raise ClientGone() from None
+        except APIError as e:
+            e.headers = {"Connection": "close"}  # the rest of the body may still come: no next request on it
+            raise
+        finally:
+            read.cancel()
+
+    async def read_body(request: Request) -> dict:
+        raw = await receive_body(request)
+        try:
+            body = json.loads(raw, parse_int=_parse_int)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
         except RecursionError:
             raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+        big = _find_big_int(body)
+        if big is not None:
+            where, n = big
+            raise APIError(400, f"{f'{where!r}: ' if where else ''}a number of {n} digits is too large",
+                           param=where or None, code="invalid_value")
         try:  # JSON's \ud800-style escapes can spell lone UTF-16 surrogates, which are not text
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
@@ -1633,6 +1737,10 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
             return await handle(request, chat, rid)
+        except ClientGone:  # nothing to answer: one line, no traceback
+            state._count("disconnected")
+            print(request_line(rid, "disconnected"), file=sys.stderr, flush=True)
+            return Response(status_code=499)
         except APIError as e:
             # not queued: refused before it started, whatever the status (400 a bad request, 503 loading, broken
             # or shutting down); a queued one the worker counted and logged (cancelled, error)
@@ -1642,18 +1750,22 @@ def create_app(state: ServerState, api_keys: list[str] = ()):  # noqa: ANN201
             raise
 
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")  # llama-server's aliases without /v1
     async def chat_completions(request: Request) -> object:
         return await refused_counted(request, chat=True)
 
     @app.post("/v1/completions")
+    @app.post("/completions")
     async def completions(request: Request) -> object:
         return await refused_counted(request, chat=False)
 
     return app
 
 
-def make_server(state: ServerState, log_level: str = "warning", api_keys: list[str] = ()):  # noqa: ANN201
-    """A uvicorn server for ``state``'s app (``api_keys``: see :func:`create_app`) whose exit (SIGTERM/SIGINT, or
+def make_server(state: ServerState, log_level: str = "warning", api_keys: list[str] = (),  # noqa: ANN201
+                request_timeout: float = REQUEST_TIMEOUT_S, cors_origins: list[str] = ()):
+    """A uvicorn server for ``state``'s app (``api_keys``, ``request_timeout``, ``cors_origins``: see
+    :func:`create_app`) whose exit (SIGTERM/SIGINT, or
     ``handle_exit``) first cancels the generations. Run it with :func:`run_server` on a bound socket."""
     import uvicorn
 
@@ -1662,8 +1774,8 @@ def make_server(state: ServerState, log_level: str = "warning", api_keys: list[s
             state.shutdown()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(create_app(state, api_keys), log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off")
+    config = uvicorn.Config(create_app(state, api_keys, request_timeout, cors_origins), log_level=log_level,
+                            access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off")
     return Server(config)
 
 
@@ -1704,16 +1816,18 @@ async def run_server(server, state: ServerState, sock, on_started: Callable[[], 
     await server.shutdown(sockets=[sock])
 
 
-def serve(load: Callable[[], Loaded], names: list[str], host: str, port: int, api_keys: list[str] = ()) -> int:
+def serve(load: Callable[[], Loaded], names: list[str], host: str, port: int, api_keys: list[str] = (),
+          request_timeout: float = REQUEST_TIMEOUT_S, cors_origins: list[str] = ()) -> int:
     """Listen on ``host:port`` at once, load the model in a thread (``load``), serve until SIGTERM/SIGINT
-    (which cancel the generations; the process then exits 0); ``api_keys``: see :func:`create_app`. Returns 1
+    (which cancel the generations; the process then exits 0); ``api_keys``, ``request_timeout``, ``cors_origins``:
+    see :func:`create_app`. Returns 1
     when the model failed to load (one line on stderr). ConfigError when the address cannot be bound."""
     import ipaddress
     import signal
 
     failed: list[str] = []
     state = ServerState(load, names)
-    server = make_server(state, api_keys=api_keys)
+    server = make_server(state, api_keys=api_keys, request_timeout=request_timeout, cors_origins=cors_origins)
 
     def load_failed(message: str) -> None:
         failed.append(message)

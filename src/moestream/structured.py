@@ -15,6 +15,7 @@ marked special (llguidance's 0xFF prefix: a grammar's text never matches them; a
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from typing import Any
@@ -135,7 +136,7 @@ def json_schema_grammar(schema: dict | bool) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema), defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:
-        raise GrammarError(f"not a JSON schema llguidance takes ({e})") from None
+        raise GrammarError(f"not a JSON schema llguidance takes ({one_line_error(str(e))})") from None
 
 
 def lark_grammar(lark: str) -> str:
@@ -152,7 +153,7 @@ def text_grammar(text: str) -> str:
     try:
         return llguidance.grammar_from("grammar", text)
     except ValueError as e:
-        raise GrammarError(str(e).splitlines()[0] if str(e) else "the grammar cannot be read") from None
+        raise GrammarError(one_line_error(str(e)) if str(e) else "the grammar cannot be read") from None
 
 
 def json_lark(schema: dict) -> str:
@@ -162,13 +163,39 @@ def json_lark(schema: dict) -> str:
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 
+_REGEX_ERROR = re.compile(r"(?:invalid regex .*?: )?regex parse error:\n {4}(?P<regex>.*)\n.*?\nerror: (?P<why>[^\n]*)",
+                          re.S)
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(?P<keys>[^\]]*)\]")
+
+
+def one_line_error(message: str, schema: bool = False) -> str:
+    """llguidance's error message as one line that names the problem: without the position in the grammar it built
+    and the listing of that grammar (internal: a request's schema is a line of it); a regex that cannot be read as
+    ``the regex "..." (a 'pattern') cannot be read: why``; unimplemented keys as the JSON schema keywords that
+    cannot be enforced. ``schema``: the grammar holds a JSON schema (a regex there is a ``pattern``'s)."""
+    text = re.sub(r"^at \d+\(\d+\): ", "", message.strip())
+    text = text.removeprefix("failed to compile JSON schema: ")
+    if m := _REGEX_ERROR.search(text):
+        where = " (a 'pattern')" if schema or "JSON schema" in message else ""
+        return f"the regex {json.dumps(m['regex'], ensure_ascii=False)}{where} cannot be read: {m['why']}"
+    if m := _UNIMPLEMENTED.search(text):
+        keys = [k.strip() for k in m["keys"].split(",") if k.strip()]
+        names = ", ".join(f"'{k.strip(chr(34))}'" for k in keys)
+        return (f"the keyword{'s' if len(keys) > 1 else ''} {names} {'are' if len(keys) > 1 else 'is'} not "
+                f"supported (leave {'them' if len(keys) > 1 else 'it'} out, or check the value after the reply)")
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else "the grammar does not compile"
+
+
 def check_grammar(grammar: str, tok: Any, n_vocab: int) -> None:
-    """GrammarError with llguidance's message when ``grammar`` does not compile for this vocabulary."""
+    """GrammarError with llguidance's message (:func:`one_line_error`) when ``grammar`` does not compile for this
+    vocabulary."""
     import llguidance
 
     bad, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer(tok, n_vocab))
     if bad:
-        raise GrammarError(messages[0] if messages else "the grammar does not compile")
+        schema = "%json" in grammar or "json_schema" in grammar
+        raise GrammarError(one_line_error(messages[0], schema) if messages else "the grammar does not compile")
 
 
 class Constraint:
@@ -183,7 +210,7 @@ class Constraint:
         self.llt = ll_tokenizer(tok, n_vocab)
         self.matcher = llguidance.LLMatcher(self.llt, grammar, log_level=0)
         if self.matcher.is_error():
-            raise GrammarError(self.matcher.get_error())
+            raise GrammarError(one_line_error(self.matcher.get_error()))
         self.eos = sorted(tok.eos_ids)
 
     def allowed(self) -> torch.Tensor:

@@ -785,11 +785,7 @@ class GGUFTokenizer:
         if self.chat_template is None:
             raise TokenizerError(f"{self.path}: the GGUF has no tokenizer.chat_template (--chat-template NAME or "
                                  f"--chat-template-file FILE gives one)")
-        try:
-            template = _compile_template(self.chat_template)
-        except Exception as e:  # noqa: BLE001 - jinja2 syntax / security errors
-            raise TokenizerError(f"{self.template_origin}: the chat template does not compile ({_one_line(e)})"
-                                 ) from None
+        template = compile_chat_template(self.chat_template, self.template_origin)
         chat = [_alias_reasoning(_plain({k: v for k, v in dict(m).items() if v is not None})) for m in messages]
         variables = {**self._template_tokens, **_plain(template_vars)}
         try:
@@ -1170,6 +1166,16 @@ def _plain(value: Any) -> Any:
     if callable(item) and type(value).__module__ == "numpy":
         return _plain(item())
     return f"<{type(value).__name__}>"
+
+
+def compile_chat_template(source: str, origin: str) -> Any:
+    """The compiled chat template ``source`` (:func:`_compile_template`); TokenizerError naming ``origin`` (the
+    file or flag it came from) when it does not compile: what ``apply_chat_template`` checks first, and ``serve``
+    before it listens."""
+    try:
+        return _compile_template(source)
+    except Exception as e:  # noqa: BLE001 - jinja2 syntax / security errors
+        raise TokenizerError(f"{origin}: the chat template does not compile ({_one_line(e)})") from None
 
 
 @lru_cache(maxsize=8)
