@@ -399,9 +399,26 @@ def test_tier_prefill_equals_resident(monkeypatch, mode, batch) -> None:  # noqa
         return real(self, store, plan, mode, groups, x, out, shared)
 
     monkeypatch.setattr(type(moes[0]), "_tier_prefill", spy)
+    ops: list[tuple[str, int]] = []  # the scratch's calls in host order: (fill | ready | release, buffer)
+    if plan.prefill is not None:
+        def logged(op: str, real):  # noqa: ANN001, ANN202
+            def log(*args):  # noqa: ANN002, ANN202
+                ops.append((op, args[1] if op == "fill" else args[0]))
+                return real(*args)
+            return log
+
+        for op in ("fill", "ready", "release"):
+            monkeypatch.setattr(plan.prefill, op, logged(op, getattr(plan.prefill, op)))
     maps = {la: sm.slot_of.copy() for la, sm in store.slots.items()}
     read = store.bytes_read
     tiered = logits_of(model, PROMPT, 0, 6)
+    state: dict[int, str] = {}  # per buffer: fill, then its kernels (ready), then release, before the next fill
+    for op, buf in ops:
+        want = {"fill": ("release", None), "ready": ("fill",), "release": ("ready",)}[op]
+        assert state.get(buf) in want, (op, buf, state.get(buf))
+        state[buf] = op
+    if ops:  # two buffers in flight: batch j + 1 filled before batch j computes
+        assert [o for o, _ in ops[:3]] == ["fill", "fill", "ready"] and len({b for _, b in ops}) == 2
     assert len(chunks) == 2 * len(moes) and max(len(e) for _, e, _ in chunks) > max(2 * batch, 4)
     assert all(held == 4 for _, _, held in chunks[:len(moes)]), "the slots' experts are hits"
     assert all((store.slots[la].slot_of == maps[la]).all() for la in maps), "the prefill moved an expert"
