@@ -91,6 +91,53 @@ def gather_misses(tier: torch.Tensor, big: torch.Tensor, ids: torch.Tensor, slot
                          BLOCK=_GATHER_BLOCK)
 
 
+#: MOESTREAM_TIER_PREFILL: how a prompt chunk's experts that have no slot reach the expert kernels when the tier
+#: holds every expert (:class:`PrefillScratch`): "copy" (default: contiguous runs of tier rows copied by the copy
+#: engine into double-buffered VRAM scratch on a copy stream, overlapping the kernels of the batch before),
+#: "gather" (the same scratch filled by :func:`gather_misses`' copy kernel, one launch per matrix and batch),
+#: "direct" (no scratch: the expert kernels read the mapped pinned tier rows themselves) or "off" (through the
+#: pool's slots in tiles, the streaming store's own path)
+PREFILL_MODES = ("copy", "gather", "direct", "off")
+#: experts per scratch batch by default (MOESTREAM_TIER_PREFILL_BATCH): 8 Qwen3-30B-A3B Q4_K_M experts are
+#: about 23 MiB, 0.5 ms at 50 GB/s, long enough to hide one batch's kernel launches
+PREFILL_BATCH = 8
+#: scratch buffers the batches rotate through (double buffering: batch i + 1 is copied while batch i computes)
+PREFILL_BUFFERS = 2
+
+
+def prefill_mode() -> str:
+    """MOESTREAM_TIER_PREFILL (one of :data:`PREFILL_MODES`; default "copy"); ValueError for another value."""
+    mode = os.environ.get("MOESTREAM_TIER_PREFILL", "copy").strip().lower() or "copy"
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"MOESTREAM_TIER_PREFILL={mode!r}: expected one of {', '.join(PREFILL_MODES)}")
+    return mode
+
+
+def prefill_batch() -> int:
+    """Experts per scratch batch (MOESTREAM_TIER_PREFILL_BATCH, default :data:`PREFILL_BATCH`, at least 1)."""
+    return max(1, int(os.environ.get("MOESTREAM_TIER_PREFILL_BATCH", PREFILL_BATCH)))
+
+
+def prefill_scratch_bytes(strides: dict[int, dict[str, int]], n_experts: int) -> int:
+    """Bytes of :class:`PrefillScratch` for pools of slot strides ``strides`` ({layer: {matrix: bytes}}) and
+    layers of at most ``n_experts`` experts: :data:`PREFILL_BUFFERS` buffers of a batch of experts of the widest
+    layer; 0 where the mode needs no scratch ("direct", "off")."""
+    if prefill_mode() not in ("copy", "gather") or not strides:
+        return 0
+    return PREFILL_BUFFERS * min(prefill_batch(), n_experts) * max(sum(s.values()) for s in strides.values())
+
+
+def _stream_after(stream: Any, *events: Any) -> contextlib.AbstractContextManager:
+    """``torch.cuda.stream(stream)`` once ``stream`` waits (on the GPU) for every event of ``events`` that is not
+    None; a null context when ``stream`` is None (a CPU device: everything is synchronous)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    for ev in events:
+        if ev is not None:
+            stream.wait_event(ev)
+    return torch.cuda.stream(stream)
+
+
 def mapped(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor on ``device`` over pinned host tensor ``t``'s memory (unified addressing: the GPU reads it over
     PCIe through the same address); ``t`` itself on a CPU device. The caller keeps ``t`` alive."""
@@ -160,15 +207,19 @@ class DevicePlan:
         self._copy = torch.cuda.Stream(dev) if gpu else None
         self.dirty = True  # host_table must be rebuilt from the slot maps and uploaded before the next step
         self.steps = 0
+        mode = prefill_mode()
+        #: the prompt chunks' scratch (PrefillScratch; None in the modes "direct" and "off")
+        self.prefill = PrefillScratch(self, mode, prefill_batch()) if mode in ("copy", "gather") else None
         #: promotions started (tier row -> slot copies) and bytes they copied
         self.promotions = 0
         self.bytes_promoted = 0
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of the scratch rows (top_k rows of each distinct group tensor)."""
+        """Bytes of the scratch rows (top_k rows of each distinct group tensor) and of the prompt chunks' scratch
+        (:class:`PrefillScratch`)."""
         seen = {id(t): t.shape[1] * self.top_k for mats in self.scratch.values() for t, _ in mats.values()}
-        return sum(seen.values())
+        return sum(seen.values()) + (self.prefill.nbytes if self.prefill is not None else 0)
 
     # --- on the device, inside the step -------------------------------------------------------------------
     def slots(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
@@ -278,13 +329,7 @@ class DevicePlan:
             self.promotions += 1
             self._pending.append((i, e, s, _HostCopy(self, layer, e, s, row, after)))
             return
-        if gpu:
-            if after is not None:
-                self._copy.wait_event(after)
-            ctx = torch.cuda.stream(self._copy)
-        else:
-            ctx = contextlib.nullcontext()
-        with ctx:
+        with _stream_after(self._copy, after):
             for name, pool in store.pools[layer].items():
                 src = store.tier.pools[layer][name][row]
                 pool[s].copy_(src, non_blocking=gpu)
@@ -334,6 +379,99 @@ class DevicePlan:
     def close(self) -> None:
         if self._copy is not None:
             self._copy.synchronize()
+        if self.prefill is not None:
+            self.prefill.close()
+
+
+class PrefillScratch:
+    """VRAM scratch for a prompt chunk's experts that have no slot, when the tier holds every expert (issue 24,
+    item 5): :data:`PREFILL_BUFFERS` buffers of ``batch`` experts, each a row of every matrix at the layer's slot
+    stride, allocated once (one flat uint8 tensor of :func:`prefill_scratch_bytes`) and shared by every layer.
+
+    A chunk's misses go in batches of ``batch`` experts, batch j into buffer ``j % PREFILL_BUFFERS``. :meth:`fill`
+    enqueues a batch's copies from the pinned tier rows on the copy stream, after the kernels that last read the
+    buffer (:meth:`release`'s event); the expert kernels of the batch wait (on the GPU) for its copies
+    (:meth:`ready`). The host enqueues batch j + 1's copies before batch j's kernels, so the copy engine moves the
+    next experts while the SMs compute the current ones, and never waits on the host.
+
+    mode "copy": each run of consecutive tier rows in a batch is one copy per matrix (cudaMemcpyAsync from pinned
+    memory: the copy engine at PCIe speed); "gather": one :func:`gather_misses` launch per matrix (SMs reading the
+    mapped tier). On a CPU device (tests) every copy is synchronous."""
+
+    def __init__(self, plan: DevicePlan, mode: str, batch: int):
+        store = plan.store
+        self.plan, self.mode, self.device = plan, mode, plan.device
+        n_exp = max(store.layout.n_experts(la) for la in plan.layers)
+        self.batch = min(batch, n_exp)
+        strides = {la: {n: p.shape[1] for n, p in store.pools[la].items()} for la in plan.layers}
+        self.nbytes = prefill_scratch_bytes(strides, n_exp)
+        self.flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        rows = PREFILL_BUFFERS * self.batch
+        #: per layer and matrix: uint8 [PREFILL_BUFFERS * batch, stride]; buffer h is rows h * batch ..
+        self.views: dict[int, dict[str, torch.Tensor]] = {}
+        for la, sts in strides.items():
+            at, self.views[la] = 0, {}
+            for name, st in sts.items():
+                self.views[la][name] = self.flat[at:at + rows * st].view(rows, st)
+                at += rows * st
+        gpu = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if gpu else None
+        #: per buffer: the event after the kernels that last read it (None: nothing in flight)
+        self._free: list[Any] = [None] * PREFILL_BUFFERS
+        #: per buffer: the event after its last copies
+        self._ready: list[Any] = [None] * PREFILL_BUFFERS
+        #: int32 [n_experts] of -1: gather_misses' slot table that copies every row it is given
+        self._none = torch.full((n_exp,), -1, dtype=torch.int32, device=self.device)
+        #: copies enqueued (one per run of rows and matrix, or one launch per matrix) and bytes they copy
+        self.copies = 0
+        self.bytes_copied = 0
+
+    def fill(self, layer: int, buf: int, rows: np.ndarray, rows_dev: torch.Tensor | None = None,
+             after: Any = None) -> None:
+        """Enqueue the copies of tier rows ``rows`` (int64 [n <= batch] of ``layer``'s tier) into rows
+        ``buf * batch ..`` of ``layer``'s scratch (buffer ``buf``), on the copy stream after the kernels that
+        last read the buffer. "gather" mode: ``rows_dev`` is ``rows`` on the device (int64 [n]), ``after`` an
+        event after its upload (None: nothing to wait for)."""
+        tier = self.plan.store.tier.pools[layer]
+        views = self.views[layer]
+        row0 = buf * self.batch
+        gpu = self.stream is not None
+        with _stream_after(self.stream, self._free[buf], after):
+            if self.mode == "gather":
+                for name, t in self.plan.tier_dev[layer].items():
+                    gather_misses(t, views[name], rows_dev, self._none, row0)
+                    self.copies += 1
+                if gpu:
+                    rows_dev.record_stream(self.stream)
+            else:  # one copy per run of consecutive tier rows and matrix
+                cut = (np.flatnonzero(np.diff(rows) != 1) + 1).tolist()
+                for a, b in zip([0, *cut], [*cut, len(rows)], strict=True):
+                    r = int(rows[a])
+                    for name, src in tier.items():
+                        views[name][row0 + a:row0 + b].copy_(src[r:r + b - a], non_blocking=gpu)
+                        self.copies += 1
+            self.bytes_copied += len(rows) * sum(v.shape[1] for v in views.values())
+            if gpu:
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                self._ready[buf] = ev
+
+    def ready(self, buf: int) -> None:
+        """Before the kernels that read buffer ``buf``: the current stream waits for its copies (on the GPU)."""
+        if self.stream is not None and self._ready[buf] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready[buf])
+
+    def release(self, buf: int) -> None:
+        """After the kernels that read buffer ``buf`` were enqueued (current stream): its next copies wait for
+        them."""
+        if self.stream is not None:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._free[buf] = ev
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 class _HostCopy:

@@ -163,6 +163,11 @@ class MoE:
         tiles fill the pool and each load waits for the previous tile's compute. Each token's top-k outputs are
         summed in top-k order at the end and every expert sees the same tokens either way, so neither tiling
         nor overlap changes a bit of the result.
+
+        On the grouped (CUDA) path with a device-planned store (its host tier holds every expert), a chunk that
+        selects more experts than the pool holds skips the tiles: :meth:`_tier_prefill` computes the experts
+        with a slot from the pool and the rest from the tier rows (MOESTREAM_TIER_PREFILL, experts/devplan.py),
+        without changing a slot.
         """
         if self.routing is not None:  # synthetic routing: other expert ids, the router's weights
             ids = self.routing(self.layer, ids)
@@ -184,6 +189,13 @@ class MoE:
             groups = _Groups(ids.cpu(), weights, keep=True)  # the router's choice to the host: one sync per layer
             batch = self._grouped
             out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
+            plan = getattr(store, "plan", None)
+            if (plan is not None and len(groups.experts) > store.capacity(self.layer)  # a chunk wider than the pool
+                    and not store._pending[self.layer] and not store._draining[self.layer]):  # no prefetch in flight
+                from .devplan import prefill_mode
+                if (mode := prefill_mode()) != "off":
+                    shared_out = self._tier_prefill(store, plan, mode, groups, x, out, shared)
+                    return self._finish(out, weights, groups, cuda), shared_out
         elif self.fused and not cuda:
             x = x.contiguous()
             groups = _Groups(ids, weights, pairs=self._pairs())
@@ -253,11 +265,16 @@ class MoE:
             for ticket in unjoined:
                 store.discard(ticket)
             raise
+        return self._finish(out, weights, groups, cuda), shared_out
+
+    def _finish(self, out: torch.Tensor, weights: torch.Tensor, groups: _Groups | None, cuda: bool) -> torch.Tensor:
+        """The routed output [tokens, hidden] from the rows ``out`` float32 [tokens, top_k, hidden], each token's
+        top-k rows summed in top-k order (the grouped path on CUDA: weighted there, gpu/tmoe.py)."""
         if self.gpu and (tmoe := _tmoe_if(out)) is not None:  # _grouped left the rows unweighted
-            return tmoe.weighted_sum(out.view(-1, out.shape[-1]), weights, top_k), shared_out
+            return tmoe.weighted_sum(out.view(-1, out.shape[-1]), weights, out.shape[1])
         if groups is not None and not cuda:
-            return topk_sum(out), shared_out
-        return out.sum(dim=1), shared_out
+            return topk_sum(out)
+        return out.sum(dim=1)
 
     def _resident(self, store: ExpertStore, tabs: np.ndarray, x: torch.Tensor, ids: torch.Tensor,
                   weights: torch.Tensor, shared: Callable[[torch.Tensor], torch.Tensor] | None,
@@ -355,46 +372,182 @@ class MoE:
         each batch of joined misses, resident: all) never changes a bit."""
         from ..gpu import tkernels
 
-        m = self.mats
         slots = np.fromiter((slot_of[e] for e in experts), dtype=np.int64, count=len(experts))
         start, tok, _, dst = groups.select(experts)
-        names = ["gate_up"] if self.merged else ["gate", "up"]
-        mats = [*names, "down"]
-        g, p = len(experts), len(tok)
-        m_hint = out.shape[0]
-        tiles = tkernels.plan_tiles(start, m_hint)  # the same tiles for every matrix (BLOCK_M: m_hint's)
-        # everything the launches need in one upload: slot offsets + pair positions (int64), pair rows + tiles
+        mats = self._mat_names()
         offs = [slots * store.matrix(self.layer, n).stride(0) + store.lead(self.layer, n)[slots] for n in mats]
-        dev = x.device
-        # each pair's real expert id (pairs are grouped by expert: experts[j] owns start[j]..start[j+1]), for the
-        # biases, which are indexed by real id
-        real = np.repeat(np.asarray(experts, dtype=np.int64), np.diff(start)) if self.bias is not None else []
-        h64 = np.concatenate([*offs, dst.astype(np.int64), real]).astype(np.int64, copy=False)
-        h32 = np.concatenate([tok, np.arange(p, dtype=np.int32), tiles.reshape(-1)]).astype(np.int32, copy=False)
-        blob = tkernels._upload(np.concatenate([h64.view(np.uint8), h32.view(np.uint8)]), dev)  # one upload
-        i64, i32 = blob[:h64.nbytes].view(torch.int64), blob[h64.nbytes:].view(torch.int32)
-        d_tok, d_rows, d_tiles = i32[:p], i32[p:2 * p], i32[2 * p:].view(-1, 3)
-        d_dst = i64[len(mats) * g:len(mats) * g + p]  # the (token, k) pairs' flat index: weights, output rows
-        d_real = i64[len(mats) * g + p:]
+        (launch,) = self._upload_launches([(offs, start, tok, dst, np.asarray(experts, dtype=np.int64))], out, x.device)
         store.device_ready(self.layer)
+        self._run({n: store.matrix(self.layer, n) for n in mats}, launch, [tkernels.alignment(o) for o in offs],
+                  groups, x, out)
+        store.used(self.layer)
+
+    def _mat_names(self) -> list[str]:
+        """The layer's matrices in launch order: gate_up or gate and up, then down."""
+        return ["gate_up", "down"] if self.merged else ["gate", "up", "down"]
+
+    def _upload_launches(self, launches: list[tuple], out: torch.Tensor, dev: torch.device,
+                         extra: np.ndarray | None = None) -> list[tuple]:
+        """Everything the grouped launches of ``launches`` need, on the device in one upload (no host sync).
+
+        launches: per launch ``(offs, start, tok, dst, experts)``: offs a list of int64 [G] byte offsets (one per
+        matrix, :meth:`_mat_names` order) from the pool the launch reads; start int [G + 1] (the pairs of group g are
+        start[g]..start[g + 1]); tok int [P] (each pair's row of x); dst int [P] (each pair's row of ``out`` viewed
+        [tokens * top_k, hidden]); experts int64 [G] (real ids: the biases). extra: int64 [n] uploaded with them
+        (returned last; None: nothing). Returns per launch ``(offsets [int64 [G] per matrix], tiles int32
+        [n_tiles, 3], tok int32 [P], rows int32 [P] (0..P-1), dst int64 [P], real int64 [P] (or empty), P)``,
+        tiles planned for ``m_hint`` = the call's token count, followed by ``extra`` on the device when given."""
+        from ..gpu import tkernels
+
+        m_hint = out.shape[0]
+        h64, h32, spans = [], [], []
+        for offs, start, tok, dst, experts in launches:
+            start = np.asarray(start, dtype=np.int64)
+            p, g = int(start[-1]), len(start) - 1
+            tiles = tkernels.plan_tiles(start, m_hint)
+            real = np.repeat(experts, np.diff(start)) if self.bias is not None else np.zeros(0, np.int64)
+            spans.append((g, p, len(real), len(tiles)))
+            h64 += [*offs, np.asarray(dst, dtype=np.int64), real]
+            h32 += [np.asarray(tok, dtype=np.int32), np.arange(p, dtype=np.int32), tiles.reshape(-1)]
+        if extra is not None:
+            h64.append(extra)
+        a64 = np.concatenate(h64).astype(np.int64, copy=False)
+        a32 = np.concatenate(h32).astype(np.int32, copy=False)
+        blob = tkernels._upload(np.concatenate([a64.view(np.uint8), a32.view(np.uint8)]), dev)  # one upload
+        i64, i32 = blob[:a64.nbytes].view(torch.int64), blob[a64.nbytes:].view(torch.int32)
+        res, at64, at32 = [], 0, 0
+        n_mats = len(self._mat_names())
+        for g, p, n_real, n_tiles in spans:
+            offs_dev = [i64[at64 + k * g:at64 + (k + 1) * g] for k in range(n_mats)]
+            at64 += n_mats * g
+            d_dst, d_real = i64[at64:at64 + p], i64[at64 + p:at64 + p + n_real]
+            at64 += p + n_real
+            d_tok, d_rows = i32[at32:at32 + p], i32[at32 + p:at32 + 2 * p]
+            d_tiles = i32[at32 + 2 * p:at32 + 2 * p + 3 * n_tiles].view(-1, 3)
+            at32 += 2 * p + 3 * n_tiles
+            res.append((offs_dev, d_tiles, d_tok, d_rows, d_dst, d_real, p))
+        if extra is not None:
+            res.append(i64[at64:at64 + len(extra)])
+        return res
+
+    def _run(self, pools: dict[str, torch.Tensor], launch: tuple, aligns: list[int], groups: _Groups,
+             x: torch.Tensor, out: torch.Tensor) -> None:
+        """One grouped launch per matrix of ``launch`` (from :meth:`_upload_launches`) over ``pools`` (matrix name
+        -> uint8 [rows, stride], the tensor its offsets address; ``aligns``: a power of two dividing each matrix's
+        offsets), the activation, and the pairs' rows scattered into ``out`` [tokens, top_k, hidden] (weighted
+        here unless gpu/tmoe.py weights them at the end)."""
+        from ..gpu import tkernels
+
+        offs, d_tiles, d_tok, d_rows, d_dst, d_real, p = launch
+        m, dev, m_hint = self.mats, x.device, out.shape[0]
 
         def mm(k: int, name: str, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             mat = m[name]
             y = torch.empty((p, mat.rows), dtype=torch.float32, device=dev)
-            y = tkernels.grouped_planned(v, store.matrix(self.layer, name), i64[k * g:(k + 1) * g], d_tiles,
-                                         rows, mat.ggml_type, mat.rows, mat.cols, m_hint, y,
-                                         align=tkernels.alignment(offs[k]))
+            y = tkernels.grouped_planned(v, pools[name], offs[k], d_tiles, rows, mat.ggml_type, mat.rows, mat.cols,
+                                         m_hint, y, align=aligns[k])
             return self._add_bias(name, y, d_real)
 
         if self.merged:
             gate, up = mm(0, "gate_up", x, d_tok).split(self.n_ff, dim=-1)
+            y = mm(1, "down", self.act(gate, up).contiguous(), d_rows)
         else:
             gate, up = mm(0, "gate", x, d_tok), mm(1, "up", x, d_tok)
-        y = mm(len(names), "down", self.act(gate, up).contiguous(), d_rows)
+            y = mm(2, "down", self.act(gate, up).contiguous(), d_rows)
         if _tmoe_if(y) is None:  # else the weights are applied by tmoe.weighted_sum at the end of __call__
             y.mul_(groups.weights.reshape(-1)[d_dst, None])
         out.view(-1, out.shape[-1]).index_copy_(0, d_dst, y)
-        store.used(self.layer)
+
+    def _tier_prefill(self, store: ExpertStore, plan: object, mode: str, groups: _Groups, x: torch.Tensor,
+                      out: torch.Tensor, shared: Callable[[torch.Tensor], torch.Tensor] | None,
+                      ) -> torch.Tensor | None:
+        """A prompt chunk's experts when the store's host tier holds every expert (experts/devplan.py; issue 24,
+        item 5): one pass over each selected expert, its tokens in tiles, nothing read from the disk and no slot
+        changed. Writes the rows of ``out`` float32 [tokens, top_k, hidden] as :meth:`_grouped` does; returns the
+        shared/dense FFN's output (or None), computed while the first copies run.
+
+        The experts that hold a slot are computed from the pool in one launch per matrix. The others (misses)
+        come from the pinned tier rows, by ``mode`` (devplan.PREFILL_MODES): "copy"/"gather" in batches of
+        ``plan.prefill.batch`` experts through the double-buffered VRAM scratch (batch j + 1's copies run on the
+        copy stream while batch j computes, devplan.PrefillScratch); "direct": one launch per matrix whose kernels
+        read the mapped tier rows themselves (each expert's bytes cross PCIe once per tile of tokens). Host work
+        per layer: the one sync that brought the ids to the host (``__call__``), one upload, the copies (one per
+        run of consecutive tier rows and matrix) and the launches; no allocation beyond the launches' outputs.
+        The kernels and their configuration (``m_hint`` = the chunk's tokens) are those of every other path, so
+        only the addresses differ: the bits equal the resident store's and streaming off's."""
+        from ..gpu import tkernels
+        from .devplan import PREFILL_BUFFERS
+
+        la = self.layer
+        plan.flush()  # promotions' copies done: the slot maps say what each slot holds
+        experts = np.asarray(groups.experts, dtype=np.int64)
+        slot = store.slots[la].slot_of[experts].astype(np.int64)
+        hit = np.flatnonzero(slot >= 0)
+        miss = np.flatnonzero(slot < 0)
+        tier = store.tier
+        if store.trace is not None:  # the routing trace, as prepare() records it
+            store.trace.append((la, tuple(groups.experts), ()))
+        store.stats.hits += len(hit)
+        store.stats.misses += len(miss)
+        store.stats.miss_bytes += store._expert_bytes[la] * len(miss)
+        store.layer_counts[la][0] += len(hit)
+        store.layer_counts[la][1] += len(miss)
+        tier.hits += len(miss)
+        names = self._mat_names()
+        sc = plan.prefill if mode in ("copy", "gather") else None
+        size = sc.batch if sc is not None else max(len(miss), 1)
+        batches = [miss[i:i + size] for i in range(0, len(miss), size)]
+        rows = tier.slots[la].slot_of[experts].astype(np.int64)  # each expert's tier row
+        launches, pools, aligns = [], [], []
+        if len(hit):
+            offs = [slot[hit] * store.matrix(la, n).stride(0) + store.lead(la, n)[slot[hit]] for n in names]
+            launches.append((offs, *groups.subset(hit), experts[hit]))
+            pools.append({n: store.matrix(la, n) for n in names})
+            aligns.append([tkernels.alignment(o) for o in offs])
+        for j, b in enumerate(batches):
+            if sc is not None:  # scratch rows of buffer j % PREFILL_BUFFERS
+                at = (j % PREFILL_BUFFERS) * sc.batch + np.arange(len(b), dtype=np.int64)
+                src = sc.views[la]
+            else:  # the tier rows themselves, through their device address
+                at, src = rows[b], plan.tier_dev[la]
+            offs = [at * src[n].stride(0) + tier.leads[la][n][experts[b]] for n in names]
+            launches.append((offs, *groups.subset(b), experts[b]))
+            pools.append({n: src[n] for n in names})
+            aligns.append([tkernels.alignment(o) for o in offs])
+        gather = sc is not None and sc.mode == "gather"
+        extra = rows[miss] if gather and len(miss) else None
+        launches_dev = self._upload_launches(launches, out, x.device, extra=extra) if launches else []
+        rows_dev = launches_dev.pop() if extra is not None else None
+        after = None
+        if rows_dev is not None and x.device.type == "cuda":  # gather kernels on the copy stream read the upload
+            after = torch.cuda.Event()
+            after.record()
+        n_hit = 1 if len(hit) else 0
+
+        def fill(j: int) -> None:
+            b = batches[j]
+            ids = None if rows_dev is None else rows_dev[j * sc.batch:j * sc.batch + len(b)]
+            sc.fill(la, j % PREFILL_BUFFERS, rows[b], ids, after)
+
+        if sc is not None:
+            for j in range(min(PREFILL_BUFFERS, len(batches))):
+                fill(j)
+            tier.bytes_copied += sum(len(b) for b in batches) * sum(v.shape[1] for v in sc.views[la].values())
+        store.device_ready(la)  # (nothing staged into the slots is pending here; kept for the ordering contract)
+        shared_out = shared(x) if shared is not None else None  # while the first copies run
+        if n_hit:
+            self._run(pools[0], launches_dev[0], aligns[0], groups, x, out)
+        for j in range(len(batches)):
+            k = n_hit + j
+            if sc is not None:
+                sc.ready(j % PREFILL_BUFFERS)
+            self._run(pools[k], launches_dev[k], aligns[k], groups, x, out)
+            if sc is not None:
+                sc.release(j % PREFILL_BUFFERS)
+                if j + PREFILL_BUFFERS < len(batches):
+                    fill(j + PREFILL_BUFFERS)
+        store.used(la)
+        return shared_out
 
     def on_device(self, store: ExpertStore) -> bool:
         """Whether :meth:`resident_step` can compute this layer: Triton kernels, every expert addressed by the GPU
@@ -575,6 +728,16 @@ class _Groups:
             bounds = self._start.tolist()
             self._span = {e: (bounds[g], bounds[g + 1]) for g, e in enumerate(self.experts)}
         return self._span
+
+    def subset(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start int64 [len(idx) + 1], tok int32, dst int32) of the pairs of the groups ``idx`` (int64 indices
+        into ``experts``, in that order), without a loop over them."""
+        first = self._all[0].astype(np.int64)
+        cnt = first[idx + 1] - first[idx]
+        start = np.zeros(len(idx) + 1, dtype=np.int64)
+        np.cumsum(cnt, out=start[1:])
+        pos = np.repeat(first[idx] - start[:-1], cnt) + np.arange(start[-1], dtype=np.int64)
+        return start, self.tok[pos], self.dst[pos]
 
     def select(self, experts: list[int]) -> tuple:
         """(start int32 [len(experts) + 1], tok int32, w float32 (None for GPU weights), dst int32) of ``experts``'

@@ -634,8 +634,9 @@ class MoEModel:
 
     def _device_plan_scratch(self, opts: LoadOptions, direct: bool, align: int) -> int:
         """Bytes of the device-planned step's scratch rows (experts/devplan.py: top-k experts' matrices per
-        (matrix, stride) group of the pools) when ``opts``' host tier will hold every expert, else 0. The same
-        test as ``StreamingStore._plannable`` on the tier's size."""
+        (matrix, stride) group of the pools) and of the prompt chunks' scratch (devplan.PrefillScratch) when
+        ``opts``' host tier will hold every expert, else 0. The same test as ``StreamingStore._plannable`` on the
+        tier's size."""
         if not opts.host_cache:  # before importing devplan (and Triton)
             return 0
         from ..experts import devplan
@@ -649,7 +650,8 @@ class MoEModel:
         if opts.host_cache // max(per_slot, 1) < max(self.layout.n_experts(la) for la in strides):
             return 0
         groups = {(name, st) for sts in strides.values() for name, st in sts.items()}
-        return self.top_k * sum(st for _, st in groups)
+        n_exp = max(self.layout.n_experts(la) for la in strides)
+        return self.top_k * sum(st for _, st in groups) + devplan.prefill_scratch_bytes(strides, n_exp)
 
     def make_store(self, opts: LoadOptions, n_ctx: int | None = None, logits_rows: int = 1,
                    ubatch: int = 128, plan: Any = None, n_seqs: int = 1) -> ExpertStore:
