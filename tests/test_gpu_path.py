@@ -411,7 +411,11 @@ def test_tier_prefill_equals_resident(monkeypatch, mode, batch) -> None:  # noqa
             monkeypatch.setattr(plan.prefill, op, logged(op, getattr(plan.prefill, op)))
     maps = {la: sm.slot_of.copy() for la, sm in store.slots.items()}
     read = store.bytes_read
+    store.trace = []  # bench's routing trace: replayed through a pool, so no request wider than the pool
     tiered = logits_of(model, PROMPT, 0, 6)
+    assert store.trace and max(len(e) for _, e, _ in store.trace) <= 4
+    assert sum(len(e) for _, e, _ in store.trace) == sum(len(e) for _, e, _ in chunks)  # every chunk's experts
+    store.trace = None
     state: dict[int, str] = {}  # per buffer: fill, then its kernels (ready), then release, before the next fill
     for op, buf in ops:
         want = {"fill": ("release", None), "ready": ("fill",), "release": ("ready",)}[op]

@@ -92,11 +92,12 @@ def gather_misses(tier: torch.Tensor, big: torch.Tensor, ids: torch.Tensor, slot
 
 
 #: MOESTREAM_TIER_PREFILL: how a prompt chunk's experts that have no slot reach the expert kernels when the tier
-#: holds every expert (:class:`PrefillScratch`): "copy" (default: contiguous runs of tier rows copied by the copy
+#: holds every expert (:class:`PrefillScratch`): "copy" (contiguous runs of tier rows copied by the copy
 #: engine into double-buffered VRAM scratch on a copy stream, overlapping the kernels of the batch before),
 #: "gather" (the same scratch filled by :func:`gather_misses`' copy kernel, one launch per matrix and batch),
 #: "direct" (no scratch: the expert kernels read the mapped pinned tier rows themselves) or "off" (through the
-#: pool's slots in tiles, the streaming store's own path)
+#: pool's slots in tiles, the streaming store's own path; the default: "copy" gave the same bits as every expert
+#: resident on the H200 (tests/test_cuda.py, 2026-12-04) but its speed has not been measured there yet)
 PREFILL_MODES = ("copy", "gather", "direct", "off")
 #: experts per scratch batch by default (MOESTREAM_TIER_PREFILL_BATCH): 8 Qwen3-30B-A3B Q4_K_M experts are
 #: about 23 MiB, 0.5 ms at 50 GB/s, long enough to hide one batch's kernel launches
@@ -106,8 +107,8 @@ PREFILL_BUFFERS = 2
 
 
 def prefill_mode() -> str:
-    """MOESTREAM_TIER_PREFILL (one of :data:`PREFILL_MODES`; default "copy"); ValueError for another value."""
-    mode = os.environ.get("MOESTREAM_TIER_PREFILL", "copy").strip().lower() or "copy"
+    """MOESTREAM_TIER_PREFILL (one of :data:`PREFILL_MODES`; default "off"); ValueError for another value."""
+    mode = os.environ.get("MOESTREAM_TIER_PREFILL", "off").strip().lower() or "off"
     if mode not in PREFILL_MODES:
         raise ValueError(f"MOESTREAM_TIER_PREFILL={mode!r}: expected one of {', '.join(PREFILL_MODES)}")
     return mode

@@ -485,8 +485,10 @@ class MoE:
         hit = np.flatnonzero(slot >= 0)
         miss = np.flatnonzero(slot < 0)
         tier = store.tier
-        if store.trace is not None:  # the routing trace, as prepare() records it
-            store.trace.append((la, tuple(groups.experts), ()))
+        if store.trace is not None:  # the routing trace, in requests a pool can hold (bench replays it through one)
+            cap = store.capacity(la)
+            for i in range(0, len(groups.experts), cap):
+                store.trace.append((la, tuple(groups.experts[i:i + cap]), ()))
         store.stats.hits += len(hit)
         store.stats.misses += len(miss)
         store.stats.miss_bytes += store._expert_bytes[la] * len(miss)
