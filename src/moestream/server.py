@@ -50,7 +50,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -479,8 +479,7 @@ class ServerState:
         """Print :func:`request_line` of a request that ended (the worker's side: completed, cancelled, failed with
         ``error``, whose status and code the line gives as a rejected request's does)."""
         status, code = (error.status, error.code) if error is not None else (None, None)
-        print(request_line(job.rid, outcome, job=job, stats=stats, finish=finish, status=status, code=code),
-              file=sys.stderr, flush=True)
+        log_line(request_line(job.rid, outcome, job=job, stats=stats, finish=finish, status=status, code=code))
 
     async def check_file(self) -> None:
         """/health's check that the loaded model can still read its file: the descriptors' fstat (bytes changed in
@@ -605,6 +604,13 @@ class ServerState:
             out.append(f"# TYPE {name} {kind}")
             out += [f"{name}{labels} {_num(v)}" for labels, v in samples]
         return "\n".join(out) + "\n"
+
+
+def log_line(line: str) -> None:
+    """``line`` and its newline to stderr in one write (``print`` writes them apart, so two threads' lines could
+    run together on one line), flushed."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def request_line(rid: str, outcome: str, job: Job | None = None, stats=None, finish: str | None = None,  # noqa: ANN001
@@ -1047,7 +1053,8 @@ def text_grammar_of(body: dict, tok, n_vocab: int) -> str | None:  # noqa: ANN00
 def request_grammar(body: dict, plan: ToolPlan | None, tok, n_vocab: int) -> str | None:  # noqa: ANN001
     """The grammar the reply must follow: ``response_format``'s (:func:`response_grammar`), ``grammar``'s
     (:func:`text_grammar_of`), or one tool call when ``tool_choice`` forces one (:func:`tools_grammar`); None when
-    none. APIError 400 when more than one is asked."""
+    none. APIError 400 when more than one is asked, or when a tool's parameters cannot be enforced (with "auto"
+    too: the same 400 whatever ``tool_choice`` says)."""
     grammar, param = response_grammar(body, tok, n_vocab), "response_format"
     text = text_grammar_of(body, tok, n_vocab)
     if text is not None:
@@ -1060,6 +1067,8 @@ def request_grammar(body: dict, plan: ToolPlan | None, tok, n_vocab: int) -> str
             raise APIError(400, f"'{param}' and a 'tool_choice' that forces a tool call cannot both shape "
                            "the reply", param=param, code="invalid_value")
         return tools_grammar(plan, tok, n_vocab)
+    if plan is not None and plan.tools:  # "auto": a call the model makes must be enforceable too; checked, not used
+        tools_grammar(replace(plan, forced=plan.tools), tok, n_vocab)
     return grammar
 
 
@@ -1739,14 +1748,14 @@ def create_app(state: ServerState, api_keys: list[str] = (), request_timeout: fl
             return await handle(request, chat, rid)
         except ClientGone:  # nothing to answer: one line, no traceback
             state._count("disconnected")
-            print(request_line(rid, "disconnected"), file=sys.stderr, flush=True)
+            log_line(request_line(rid, "disconnected"))
             return Response(status_code=499)
         except APIError as e:
             # not queued: refused before it started, whatever the status (400 a bad request, 503 loading, broken
             # or shutting down); a queued one the worker counted and logged (cancelled, error)
             if getattr(request.state, "job", None) is None:
                 state._count("rejected")
-                print(request_line(rid, "rejected", status=e.status, code=e.code), file=sys.stderr, flush=True)
+                log_line(request_line(rid, "rejected", status=e.status, code=e.code))
             raise
 
     @app.post("/v1/chat/completions")
