@@ -62,10 +62,13 @@ def test_grouped_path_identity_and_oracle() -> None:
         assert float((g - w).abs().max()) <= 1e-5 * scale
 
 
-def _decode_on_device_path(model, ids: list[int], steps: int, eager: bool) -> list[torch.Tensor]:  # noqa: ANN001
+def _decode_on_device_path(model, ids: list[int], steps: int, eager: bool,  # noqa: ANN001
+                           lean: str | None = None) -> list[torch.Tensor]:
     """Prefill ``ids`` through the usual forward, then ``steps`` greedy steps through the CUDA decode body
     (the step runner's ``body``: device position, attention over a fixed row count, and either the store's MoE
-    path (``eager``) or ``MoE.resident_step``, what a CUDA graph captures)."""
+    path (``eager``) or ``MoE.resident_step``, what a CUDA graph captures). ``lean``: "body" (``body`` with
+    ``lean``: slots planned on the host, experts through ``resident_step`` at the offsets written) or "segments"
+    (``Runner._segmented_lean`` with graphs off: each segment run as its graph would be)."""
     from moestream.models.layers import decode_keys
 
     eng = Engine(model, 8)
@@ -81,8 +84,12 @@ def _decode_on_device_path(model, ids: list[int], steps: int, eager: bool) -> li
             plan = getattr(model.store, "plan", None)  # the device-planned step: the runner's hooks around it
             if plan is not None:
                 plan.before_step()
-            logits = model.runner.body(torch.tensor([tok]), torch.tensor([pos]), decode_keys(pos, cache.n_ctx),
-                                        cache, eager=eager)
+            if lean == "segments":
+                logits = model.runner._segmented_lean(torch.tensor([tok]), torch.tensor([pos]),
+                                                      decode_keys(pos, cache.n_ctx), cache, ())
+            else:
+                logits = model.runner.body(torch.tensor([tok]), torch.tensor([pos]),
+                                           decode_keys(pos, cache.n_ctx), cache, eager=eager, lean=lean == "body")
             if plan is not None:
                 plan.after_step()
         out.append(logits)
@@ -112,6 +119,49 @@ def test_graphed_decode_step_equals_streaming_step(monkeypatch) -> None:  # noqa
     for g, w in zip(graphed[1:], want[1:], strict=True):
         assert int(g.argmax()) == int(w.argmax())
         assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
+
+
+def test_lean_segmented_step_equals_resident_step(monkeypatch) -> None:  # noqa: ANN001
+    """The segmented streaming step with its experts inside the segments (issue 24 item 2; Runner._segmented_lean,
+    devplan.SegmentOffsets: the host plans each layer's slots in one prepare(), joins the reads and writes the top-k
+    pairs' pool offsets; the next segment computes the experts through ``MoE.resident_step`` at them) gives the
+    bits of the resident step and of the eager streaming step through 4 slots of 64 (misses every step); the
+    store counts every layer's top-k (hits and misses as the eager step's, the same routing trace), writes the
+    offsets once per MoE layer and step, and after each write the offsets name the slots that hold the experts."""
+    from moestream.gpu import tmoe, tstep
+
+    monkeypatch.setattr(tstep, "ON_CPU", True)
+    monkeypatch.setattr(tmoe, "ON_CPU", True)
+    model, moes = _grouped_model(4)
+    assert model.runner.lean()
+    runs, counts, traces = {}, {}, {}
+    for how in ("eager", "body", "segments"):
+        model.set_store(model.make_store(LoadOptions(slots=4, matmul="dequant")))
+        model.store.trace = []
+        if how == "segments":
+            model.runner.graphs.off_reason = "test: every segment eagerly"
+        runs[how] = _decode_on_device_path(model, IDS, 4, eager=how == "eager", lean=None if how == "eager" else how)
+        st = model.store.stats
+        counts[how] = (st.hits, st.misses)
+        traces[how] = list(model.store.trace)
+        if how != "eager":
+            offs = model.store._segment_offsets
+            assert offs.writes == 4 * len(moes)
+            for la in offs.names:  # the last step's offsets: each pair's expert in the slot they point at
+                sm = model.store.slots[la]
+                last = [e for t_la, e, _ in traces[how] if t_la == la][-1]
+                for k, name in enumerate(offs.names[la]):
+                    stride = model.store.pools[la][name].stride(0)
+                    got = sorted(int(sm.expert_of[o // stride]) for o in offs.dev[la][k].tolist())
+                    assert set(got) == set(last), (la, name)
+    assert counts["eager"][1] > 0
+    assert counts["body"] == counts["segments"] == counts["eager"]
+    assert traces["body"] == traces["segments"] == traces["eager"]
+    model.set_store(ResidentStore(model.gguf, model.layout))
+    model.runner.graphs.off_reason = None
+    resident = _decode_on_device_path(model, IDS, 4, eager=False)
+    for how in ("eager", "body", "segments"):
+        assert_bitwise(runs[how][1:], resident[1:])
 
 
 def test_device_planned_step_equals_resident_step(monkeypatch) -> None:  # noqa: ANN001

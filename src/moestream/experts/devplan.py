@@ -96,8 +96,9 @@ def gather_misses(tier: torch.Tensor, big: torch.Tensor, ids: torch.Tensor, slot
 #: engine into double-buffered VRAM scratch on a copy stream, overlapping the kernels of the batch before),
 #: "gather" (the same scratch filled by :func:`gather_misses`' copy kernel, one launch per matrix and batch),
 #: "direct" (no scratch: the expert kernels read the mapped pinned tier rows themselves) or "off" (through the
-#: pool's slots in tiles, the streaming store's own path; the default: "copy" gave the same bits as every expert
-#: resident on the H200 (tests/test_cuda.py, 2026-12-04) but its speed has not been measured there yet)
+#: pool's slots in tiles, the streaming store's own path). Default "gather": on the H200 (q32, --gpu-mem 4GiB
+#: --host-cache 16GiB, pp64, 2026-12-04, benchmarks/gpu-h200/2026-12-04-session7) gather 150.68 tok/s, direct
+#: 132.58, off 113.47, copy 41.77 (one copy per run of rows: the copy engine's per-copy cost)
 PREFILL_MODES = ("copy", "gather", "direct", "off")
 #: experts per scratch batch by default (MOESTREAM_TIER_PREFILL_BATCH): 8 Qwen3-30B-A3B Q4_K_M experts are
 #: about 23 MiB, 0.5 ms at 50 GB/s, long enough to hide one batch's kernel launches
@@ -107,8 +108,8 @@ PREFILL_BUFFERS = 2
 
 
 def prefill_mode() -> str:
-    """MOESTREAM_TIER_PREFILL (one of :data:`PREFILL_MODES`; default "off"); ValueError for another value."""
-    mode = os.environ.get("MOESTREAM_TIER_PREFILL", "off").strip().lower() or "off"
+    """MOESTREAM_TIER_PREFILL (one of :data:`PREFILL_MODES`; default "gather"); ValueError for another value."""
+    mode = os.environ.get("MOESTREAM_TIER_PREFILL", "gather").strip().lower() or "gather"
     if mode not in PREFILL_MODES:
         raise ValueError(f"MOESTREAM_TIER_PREFILL={mode!r}: expected one of {', '.join(PREFILL_MODES)}")
     return mode
@@ -496,3 +497,73 @@ class _HostCopy:
             pool[self.s].copy_(src)
             store._leads[layer][name][self.s] = store.tier.leads[layer][name][self.e]
             self.plan.bytes_promoted += src.numel()
+
+
+def lean_segments() -> bool:
+    """False when ``MOESTREAM_LEAN_SEGMENTS`` is ``0``/``off``/``false``/``no`` (default on): the segmented
+    streaming step then computes each MoE layer's experts eagerly through ``MoE.__call__`` between two replays
+    (the path before :class:`SegmentOffsets`; for A/B runs)."""
+    from ..gpu import env_on
+
+    return env_on("MOESTREAM_LEAN_SEGMENTS")
+
+
+class SegmentOffsets:
+    """The expert addresses of the segmented streaming decode step (issue 24, item 2: the tier does not hold every
+    expert, so each MoE layer's top-k goes to the host, which plans the slots and reads the misses from the disk).
+
+    The host plans a layer's slots (``store.prepare``: one call), joins its reads and writes, per matrix, the byte
+    offset of each top-k pair's expert in the layer's pool (``slot * stride + lead``, in the router's top-k order)
+    into a pinned row that one asynchronous copy takes to the device (:meth:`write`). The next segment's CUDA graph
+    then computes the layer's experts through ``MoE.resident_step`` with these offsets (:meth:`offsets`, read on
+    the device) before the layer's combine: the expert kernels are inside the graph, and the host does no expert
+    launch, tile plan or upload of its own per layer. The kernels and their configuration are the resident
+    step's, so the bits are those of every other path (tests/test_gpu_path.py, tests/test_cuda.py).
+
+    The pinned row of a layer is written again only at the next token, after the host has synchronised on that
+    layer's next top-k, which the GPU computes after the copy from the row: no copy reads a row being written.
+
+    store: a StreamingStore; top_k: experts per token."""
+
+    def __init__(self, store: Any, top_k: int):
+        self.store = store
+        dev = store.device
+        gpu = dev.type == "cuda"
+        from ..gpu.tkernels import alignment
+
+        #: per layer: its matrices' names in pool order (rows of the offset tables)
+        self.names = {la: list(p) for la, p in store.pools.items()}
+        self.row = {la: {n: k for k, n in enumerate(names)} for la, names in self.names.items()}
+        #: per layer: int64 [matrices, top_k] byte offsets, on the host (pinned) and on the device
+        self.host = {la: torch.zeros((len(n), top_k), dtype=torch.int64, pin_memory=gpu)
+                     for la, n in self.names.items()}
+        self.dev = {la: torch.zeros((len(n), top_k), dtype=torch.int64, device=dev) for la, n in self.names.items()}
+        #: per matrix: a power of two dividing every lead a slot of it can get (the file offset of an expert
+        #: modulo the direct-IO alignment, or 0): with the pool's stride, the alignment the kernels are promised
+        self.lead_align: dict[str, int] = {}
+        for mats in store.layout.layers.values():
+            for name, m in mats.items():
+                a = alignment(m.offset, m.bytes_per_expert)
+                self.lead_align[name] = min(a, self.lead_align.get(name, a))
+        self.writes = 0
+
+    def write(self, layer: int, ids: np.ndarray, experts: list[int], slot_ids: list[int]) -> None:
+        """After ``store.prepare(layer, experts)`` gave ``slot_ids`` and its reads were joined: the offsets of the
+        top-k pairs ``ids`` (int64 [top_k], real ids in the router's order) to the device, in stream order."""
+        slot_of = dict(zip(experts, slot_ids, strict=True))
+        s = np.fromiter((slot_of[int(e)] for e in ids), dtype=np.int64, count=len(ids))
+        h = self.host[layer].numpy()
+        store = self.store
+        for k, name in enumerate(self.names[layer]):
+            h[k] = s * store.pools[layer][name].stride(0) + store.lead(layer, name)[s]
+        self.dev[layer].copy_(self.host[layer], non_blocking=self.dev[layer].is_cuda)
+        self.writes += 1
+
+    # --- on the device, inside the step (the DevicePlan interface of MoE.resident_step) ----------------------
+    def slots(self, layer: int, ids: torch.Tensor) -> None:
+        """Nothing to look up on the device: every pair's expert is in a slot (the host joined its reads)."""
+        return None
+
+    def offsets(self, layer: int, name: str, ids: torch.Tensor, slots: Any, stride: int) -> torch.Tensor:
+        """int64 [top_k]: the byte offsets :meth:`write` put on the device for ``layer``'s matrix ``name``."""
+        return self.dev[layer][self.row[layer][name]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -560,11 +561,13 @@ class MoE:
                 and (planned or (isinstance(store, ResidentStore) and getattr(store, "trace", None) is None)))
 
     def resident_step(self, store: ExpertStore, x: torch.Tensor, ids: torch.Tensor,
-                      weights: torch.Tensor) -> torch.Tensor:
+                      weights: torch.Tensor, planned: Any = None) -> torch.Tensor:
         """One decode token's routed experts with nothing on the host: x float32 [1, hidden], ids int64 [1, top_k]
         real expert ids (= slot ids: every expert is resident), weights float32 [1, top_k] -> [1, hidden].
         With a device-planned store (experts/devplan.py: its host tier holds every expert) the pool rows come from
         the device table instead, the misses copied from the tier into scratch rows first (``store.plan.slots``).
+        ``planned`` (a streaming store's segmented step, devplan.SegmentOffsets): the pairs' byte offsets in the
+        pools were written to the device by the host, after it planned this token's slots and joined its reads.
 
         No synchronisation and no host-dependent shapes, so a CUDA graph can capture it (models/graphs.py). Without
         a device plan the kernels look each pair's expert up in a table of offsets by its id (no kernels to compute
@@ -576,16 +579,16 @@ class MoE:
 
         dev = x.device
         top_k = ids.shape[1]
-        key = (id(store), top_k, dev)
+        plan = getattr(store, "plan", None) if planned is None else planned
+        key = (id(store), top_k, dev, id(plan))
         const = getattr(self, "_dev_const", None)
         if const is None or const[0] != key:
-            const = self._dev_const = (key, self._device_tables(store, top_k, dev))
+            const = self._dev_const = (key, self._device_tables(store, top_k, dev, plan))
         c = const[1]
         if self.expert_scale is not None:
             weights = weights * self.expert_scale[ids]  # real ids (= slot ids here), as in __call__
         flat = ids.reshape(-1)
         x = x.contiguous()
-        plan = getattr(store, "plan", None)
         slots = None if plan is None else plan.slots(self.layer, flat)  # misses copied into scratch rows first
 
         def mm(names: list[str], v: torch.Tensor, src: torch.Tensor) -> list[torch.Tensor]:
@@ -614,16 +617,15 @@ class MoE:
         y.mul_(weights.reshape(-1)[:, None])
         return y.view(1, top_k, -1).sum(dim=1)
 
-    def _device_tables(self, store: ExpertStore, top_k: int, dev: torch.device) -> dict:
-        """What :meth:`resident_step` keeps on the device per (store, top_k): tiles and x rows for 1 or 2 matrices
-        per launch; for a store without a device plan, per group of matrices launched together, the table of
-        per-expert byte offsets from the first matrix's pool (``e * stride + lead[e]``; the second matrix's table
-        adds its pool's distance from the first) and its alignment; whether separate gate and up experts (one type
-        and shape) go in one launch."""
+    def _device_tables(self, store: ExpertStore, top_k: int, dev: torch.device, plan: Any) -> dict:
+        """What :meth:`resident_step` keeps on the device per (store, top_k, plan): tiles and x rows for 1 or 2
+        matrices per launch; without a ``plan`` (a DevicePlan or SegmentOffsets), per group of matrices launched
+        together, the table of per-expert byte offsets from the first matrix's pool (``e * stride + lead[e]``; the
+        second matrix's table adds its pool's distance from the first) and its alignment; whether separate gate and
+        up experts (one type and shape) go in one launch."""
         from ..gpu import tkernels
 
         names = ["gate_up"] if self.merged else ["gate", "up"]
-        plan = getattr(store, "plan", None)
         together = (not self.merged and plan is None
                     and (self.mats["gate"].ggml_type, self.mats["gate"].rows, self.mats["gate"].cols)
                     == (self.mats["up"].ggml_type, self.mats["up"].rows, self.mats["up"].cols))

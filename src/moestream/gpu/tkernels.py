@@ -38,11 +38,10 @@ only:
   multiples of ``VW`` (checked on the host at launch: :func:`alignment`; ``grouped_planned`` takes the caller's
   ``align``), the compiler is told so and merges each run into one 16/32-bit load; otherwise (``ALIGN = 1``) the same
   code loads single bytes: the same values, the same bits, only slower.
-* ``m_hint <= 8``, Q4_K and Q6_K (:data:`GEMV2_TYPES`; :data:`GEMV2`, ``MOESTREAM_GEMV2``: "0" by default (the
-  kernel above), "all", "linear" or "grouped"): ``_gemv2_kernel``. Opt-in until its order tests have passed on a
-  GPU: on the H200 it made the q32 decode step 1.31x faster (tg32 330.75 vs 253.28, 2026-12-04), but the run of
-  its tests there was cut before they finished, and test_cuda.py's model (Q8_0) does not reach it.
-  The kernel above spends ~23 (Q6_K) / ~14
+* ``m_hint <= 8``, Q4_K and Q6_K (:data:`GEMV2_TYPES`; :data:`GEMV2`, ``MOESTREAM_GEMV2``: "all" by default,
+  "linear", "grouped" or "0" (the kernel above)): ``_gemv2_kernel``. On the H200 it made the q32 decode step 1.31x
+  faster (tg32 330.75 vs 253.28, 2026-12-04); its order tests and the matmul tests with it passed on CUDA there
+  (2026-12-04, benchmarks/gpu-h200/2026-12-04-session7). The kernel above spends ~23 (Q6_K) / ~14
   (Q4_K) SASS instructions per weight on sm_90 (per-element byte picks, 64-bit addresses, I2F): issue-bound, not
   memory-bound (an LM head at 822 GB/s of the H200's ~4 TB/s). Here a lane owns a run of one super-block's quant
   bytes and decodes its header once per K step; ``LPB`` lanes per super-block (:data:`GEMV2_LPB`, 8 or 4). Q4_K:
@@ -153,9 +152,8 @@ GEMV2_LPB = int(os.environ.get("MOESTREAM_GEMV2_LPB", "8"))
 #: which GEMV launches of the GEMV2_TYPES take _gemv2_kernel: "all", "linear" (matrices through linear() only),
 #: "grouped" (the expert launches only) or "0" (none: _gemv_kernel, the kernel before it; for A/B runs). The
 #: environment's MOESTREAM_GEMV2 at import; read at each launch: may be changed. The two kernels sum in different
-#: fixed orders: a weight's bits depend on it (set it for a whole run). Default "0" (module docstring: not yet
-#: verified on a GPU).
-GEMV2: str = os.environ.get("MOESTREAM_GEMV2", "0")
+#: fixed orders: a weight's bits depend on it (set it for a whole run). Default "all".
+GEMV2: str = os.environ.get("MOESTREAM_GEMV2", "all")
 #: _gemv2_kernel's warps per program (BLOCK_N = 32 * GEMV2_WARPS / LANES rows; never a bit of the result)
 GEMV2_WARPS = int(os.environ.get("MOESTREAM_GEMV2_WARPS", "4"))
 #: _gemv2_kernel, :func:`linear` launches: the K split doubles (up to the super-blocks of a row and

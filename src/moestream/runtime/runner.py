@@ -204,11 +204,13 @@ class Runner:
         return (m.head(step.last_rows(x), step),)
 
     def body(self, tokens: torch.Tensor, pos: torch.Tensor, n_keys: int, cache: Any,
-             eager: bool = False) -> torch.Tensor:
+             eager: bool = False, lean: bool = False) -> torch.Tensor:
         """The device decode step: tokens int64 [1], pos int64 [1] on the device; attention over the first
         ``n_keys`` cache rows. ``eager``: the MoE layers go through the store (router top-k to the host, slots
-        planned, misses read; with the router lookahead); else ``MoE.resident_step`` (nothing on the host,
-        capturable). The same segments as :meth:`_segmented`, so every path gives the same bits."""
+        planned, misses read; with the router lookahead); ``lean``: the store plans and reads on the host, the
+        experts run through ``MoE.resident_step`` at the offsets it wrote (:meth:`_plan_layer`, what
+        :meth:`_segmented` replays); else ``MoE.resident_step`` alone (nothing on the host, capturable). The same
+        segments as :meth:`_segmented`, so every path gives the same bits."""
         m = self.model
         step = self._device_step(tokens, pos, n_keys, cache)
         segs = self.segments()
@@ -223,9 +225,52 @@ class Runner:
             if eager:
                 routed, sh = moe(h, ids, w, shared=self._shared(i, x, h))
             else:
-                routed = moe.resident_step(m.store, h, ids, w)
+                planned = self._plan_layer(i, ids) if lean else None
+                routed = moe.resident_step(m.store, h, ids, w, planned=planned)
                 sh = m.shared(i, x, h) if m.has_shared(i) else None
+                if lean:
+                    m.store.used(i)
         raise AssertionError("unreachable: the last segment returns the logits")
+
+    def lean(self) -> bool:
+        """Whether the streaming step computes its experts inside the segments' graphs (:meth:`_plan_layer`,
+        devplan.SegmentOffsets): Triton expert kernels on every MoE layer, a streaming store whose pools the GPU
+        addresses in place (``--pool device``) without a device plan, no synthetic routing, no router lookahead
+        (whose reads the eager MoE call starts), and ``MOESTREAM_LEAN_SEGMENTS`` not off."""
+        from ..experts import devplan
+        from ..experts.pool import StreamingStore
+
+        m = self.model
+        store = m.store
+        in_place = store.place == "device" or store.device.type != "cuda"  # (a CPU device: tests, interpreted)
+        if not (isinstance(store, StreamingStore) and store.plan is None and in_place
+                and not m.opts.prefetch and devplan.lean_segments()):
+            return False
+        return all(m.experts(i).gpu and m.experts(i).routing is None for i in m.layout.moe_layers)
+
+    def _plan_layer(self, i: int, ids: torch.Tensor) -> Any:
+        """MoE layer i's slots for one token's top-k ``ids`` (int64 [1, top_k] on the device): the router's choice
+        to the host (the one synchronisation of the layer), ``store.prepare``, every read joined, the copies into
+        the slots ordered before the next kernels (``device_ready``), and the pairs' pool offsets written to the
+        device (devplan.SegmentOffsets.write). Returns the SegmentOffsets for ``MoE.resident_step``. On a read
+        error the layer's reads settle and their slots are emptied before it is raised (as ``MoE.__call__``)."""
+        from ..experts.devplan import SegmentOffsets
+
+        store = self.model.store
+        offs = getattr(store, "_segment_offsets", None)
+        if offs is None:
+            offs = store._segment_offsets = SegmentOffsets(store, self.model.top_k)
+        row = ids.reshape(-1).cpu().numpy()
+        experts = sorted(set(row.tolist()))
+        slot_ids, ticket = store.prepare(i, experts)
+        try:
+            store.wait(ticket)
+        except BaseException:
+            store.discard(ticket)
+            raise
+        store.device_ready(i)
+        offs.write(i, row, experts, slot_ids)
+        return offs
 
     def _segmented(self, tokens: torch.Tensor, start: int, n_keys: int, cache: Any, key: tuple) -> torch.Tensor:
         """:meth:`decode_device` while streaming: each segment a graph replay, each MoE layer through the store.
@@ -234,6 +279,8 @@ class Runner:
         m = self.model
         segs = self.segments()
         pos = torch.full((1,), start, dtype=torch.int64, device=m.device)
+        if self.lean():
+            return self._segmented_lean(tokens, pos, n_keys, cache, key)
         x, routed, sh, data = tokens, None, None, ()
         for j in range(len(segs)):
             def seg(x_in: torch.Tensor, r_in: torch.Tensor | None, s_in: torch.Tensor | None, p_in: torch.Tensor,
@@ -254,4 +301,42 @@ class Runner:
             x, h, ids, w, *data = out
             i = segs[j][-1]
             routed, sh = m.experts(i)(h, ids, w, shared=self._shared(i, x, h))
+        raise AssertionError("unreachable: the last segment returns the logits")
+
+    def _segmented_lean(self, tokens: torch.Tensor, pos: torch.Tensor, n_keys: int, cache: Any,
+                        key: tuple) -> torch.Tensor:
+        """:meth:`_segmented` with each MoE layer's experts inside the next segment's graph: between two replays
+        the host only plans the layer's slots and joins its reads (:meth:`_plan_layer`); segment j + 1 starts with
+        MoE layer j's ``MoE.resident_step`` at the offsets the host wrote, then its shared FFN and combine. The
+        same kernels in the same order as :meth:`body` with ``lean``, so the same bits."""
+        m = self.model
+        segs = self.segments()
+        store = m.store
+        x, h, ids, w, data = tokens, None, None, None, ()
+        planned = None
+        for j in range(len(segs)):
+            def seg(x_in: torch.Tensor, h_in: torch.Tensor | None, ids_in: torch.Tensor | None,
+                    w_in: torch.Tensor | None, p_in: torch.Tensor, *d_in: torch.Tensor,
+                    j: int = j, planned: Any = planned) -> tuple[torch.Tensor, ...]:
+                step = self._device_step(x_in if j == 0 else tokens, p_in, n_keys, cache)
+                routed = sh = None
+                if j:
+                    step.data = dict(zip(self._data_keys, d_in, strict=True))
+                    i = segs[j - 1][-1]
+                    routed = m.experts(i).resident_step(store, h_in, ids_in, w_in, planned=planned)
+                    sh = m.shared(i, x_in, h_in) if m.has_shared(i) else None
+                out = self.segment(j, step, x_in, routed, sh)
+                if j == 0:
+                    self._data_keys = sorted(step.data)
+                return (*out, *(step.data[k] for k in self._data_keys)) if j < len(segs) - 1 else out
+
+            out = self.graphs.segment((n_keys, j, "lean"), seg, (x, h, ids, w, pos, *data), cache, key)
+            if out is None:  # a capture failed: the rest of this step (and every later one) eagerly
+                out = seg(x, h, ids, w, pos, *data)
+            if j:
+                store.used(segs[j - 1][-1])  # the kernels reading that layer's slots are enqueued
+            if j == len(segs) - 1:
+                return out[0].clone()
+            x, h, ids, w, *data = out
+            planned = self._plan_layer(segs[j][-1], ids)
         raise AssertionError("unreachable: the last segment returns the logits")
