@@ -417,20 +417,20 @@ def test_gemv_documented_order(device, qtype, m, monkeypatch):
     """linear at m_hint = T <= 8: bitwise the order of gemv_order (on CUDA as in the interpreter), so the same
     bits for every m_hint of the GEMV path; and within the float64 bound."""
     n_cols = gemv_cols(qtype)
-    raw = make_raw(qtype, 9, n_cols, 20 + m)  # 9 rows: a partial block of rows
+    raw = make_raw(qtype, 17, n_cols, 20 + m)  # 17 rows: a partial block of rows (programs of 2 to 16 rows)
     w = quant.dequantize(raw, qtype, n_cols)
     x = torch.randn(m, n_cols, generator=torch.Generator().manual_seed(m))
-    assert tkernels._config(int(qtype), 9, n_cols, m)["WIDE"]
+    assert tkernels._config(int(qtype), 17, n_cols, m)["WIDE"]
     y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=m)
     assert_bits_equal(y.cpu(), gemv_order(x, w, qtype), f"{qtype.name} m={m}")
     assert_close_to_f64(y, x, w, f"{qtype.name} m={m}")
     if not ON_CUDA:  # the interpreter's rows per program (GEMV_INTERP_BLOCK_N) and the GPU's: the same bits
-        cfg = tkernels._config(int(qtype), 9, n_cols, m, grouped=False)
+        cfg = tkernels._config(int(qtype), 17, n_cols, m, grouped=False)
         gpu_rows = (max(1, 32 * tkernels.GEMV2_WARPS // cfg["NSUB"]) if cfg.get("K2") else
                     max(1, 32 * tkernels.GEMV_WARPS // (256 // tkernels._sub(int(qtype))
-                                                        * tkernels.gemv_ksplit(int(qtype), n_cols, 9))))
+                                                        * tkernels.gemv_ksplit(int(qtype), n_cols, 17))))
         monkeypatch.setattr(tkernels, "GEMV_INTERP_BLOCK_N", gpu_rows)
-        assert tkernels._config(int(qtype), 9, n_cols, m)["BLOCK_N"] == gpu_rows < 9
+        assert tkernels._config(int(qtype), 17, n_cols, m)["BLOCK_N"] == gpu_rows < 17
         y_gpu_rows = tkernels.linear(x, raw, qtype, n_cols, m_hint=m)
         assert_bits_equal(y_gpu_rows, y, f"{qtype.name} m={m}: {gpu_rows} rows per program")
 
@@ -459,7 +459,7 @@ def test_gemv_ksplit_order(device, qtype, monkeypatch):
     assert not torch.equal(y1.cpu().view(torch.int32), y.cpu().view(torch.int32)), "KS=1 and KS>1: the same bits"
 
 
-@pytest.mark.parametrize("gemv2", ("0", "all"))
+@pytest.mark.parametrize("gemv2", ("0", "all"), ids=("gemv", "gemv2"))
 @pytest.mark.parametrize("m_hint", (1, 5))
 @pytest.mark.parametrize("qtype", GEMV_TYPES, ids=ids)
 def test_gemv_alignment_never_changes_bits(device, qtype, m_hint, gemv2, monkeypatch):
