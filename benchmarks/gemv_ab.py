@@ -22,13 +22,16 @@ the max |new - old| relative to max |old| is printed. Exit status 1 if a wide/by
 ``MOESTREAM_GEMV_WIDE=0`` in the environment makes the whole engine take the old path (for model-level A/B).
 ``--old ks1``: the baseline is ``_gemv_kernel`` with one 256-chunk per lane step (``MOESTREAM_GEMV_KSPLIT=1``, the
 kernel before the K split) instead of the matmul kernel's GEMV branch. ``--old gemv1``: the baseline is
-``_gemv_kernel`` as it is (K split "auto") and the new path ``_gemv2_kernel`` for Q4_K/Q6_K (``MOESTREAM_GEMV2``;
-the other types run the same kernel on both sides).
+``_gemv_kernel`` as it is (K split "auto") and the new path ``_gemv2_kernel`` for every type here (Q4_K, Q6_K, Q4_0,
+Q8_0: ``tkernels.GEMV2_TYPES``, ``MOESTREAM_GEMV2``; a type outside them would run the same kernel on both sides).
+Its lanes per block come from the environment of the run: ``MOESTREAM_GEMV2_LPB`` (Q4_K, Q6_K: 8 or 4) and
+``MOESTREAM_GEMV2_LPB32`` (Q4_0, Q8_0: 1, 2 or 4), read by the compile workers too.
 
 ``--check``: the new path's output against the float64 product of the exactly decoded weights (tkernels.dequantize,
 bit-identical to moestream.quant) on up to 2048 rows per matrix: every |new - ref| within the float32 bound
 ``gamma_K * sum |x| |w|`` (the bound of tests/test_tkernels.py); the worst ratio err / bound is printed (exit 1 if
-above 1). With ``--old gemv1`` the wide == byte check also runs the matrix at 2 mod 4 (16-bit loads of Q6_K).
+above 1). With ``--old gemv1`` the wide == byte check also runs the matrix at 2 mod 4 (16-bit loads of Q6_K, Q4_0 and
+Q8_0; byte loads for Q4_K, whose words are 32-bit).
 """
 
 from __future__ import annotations

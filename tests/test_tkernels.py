@@ -317,45 +317,59 @@ GEMV_TYPES = (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0)
 
 def gemv2_lane_order(qtype: GGMLQuantizationType, n_cols: int, ks: int, lpb: int = 8) -> np.ndarray:
     """int [steps, lanes * 4]: the elements k that _gemv2_kernel's lane-element ``4 g + e`` of a row multiplies, in
-    its documented order (module docstring of tkernels): lane ``g = LPB c + li``, K steps ``kb = 0, KS, ...`` over
-    super-blocks ``sb = kb + c``; Q4_K (``B = 128 / LPB`` bytes per lane from ``B li = 32 p + o``): for r < B/4, for
-    half = 0, 1: ``256 sb + 64 p + o + 32 half + 4 r + e``; Q6_K (``R = 64 / LPB``, ``h = li // (LPB/2)``, ``l = R (li
-    % (LPB/2))``): for v < R/4, for q = 0..3: ``256 sb + 128 h + l + 32 q + 4 v + e``. Written from the ggml block
-    layouts, not from the kernel's code."""
-    n_sb = n_cols // 256
-    assert n_sb % ks == 0
-    b, r_len, half_lanes = 128 // lpb, 64 // lpb, lpb // 2
-    inner = ([(r, half) for r in range(b // 4) for half in range(2)] if qtype == T.Q4_K else
-             [(v, q) for v in range(r_len // 4) for q in range(4)])
+    its documented order (module docstring of tkernels), -1 where it multiplies nothing (a ragged last K step): lane
+    ``g = LPB c + li``, K steps ``kb = 0, KS, ...`` over blocks ``b = kb + c``. Super-blocks of 256: Q4_K (``B = 128 /
+    LPB`` bytes per lane from ``B li = 32 p + o``): for r < B/4, for half = 0, 1: ``256 b + 64 p + o + 32 half + 4 r +
+    e``; Q6_K (``R = 64 / LPB``, ``h = li // (LPB/2)``, ``l = R (li % (LPB/2))``): for v < R/4, for q = 0..3: ``256 b +
+    128 h + l + 32 q + 4 v + e``. Blocks of 32 (``QB = 16 / LPB`` quant bytes per lane for Q4_0, ``32 / LPB`` for
+    Q8_0, from ``QB li``; -1 for ``b`` past the row): Q4_0, for r < QB/4, for half = 0, 1 (low, high nibbles): ``32 b +
+    16 half + QB li + 4 r + e``; Q8_0, for r < QB/4: ``32 b + QB li + 4 r + e``. Written from the ggml block layouts,
+    not from the kernel's code."""
+    unit = 256 if qtype in (T.Q4_K, T.Q6_K) else 32
+    n_b = n_cols // unit
+    assert unit == 32 or n_b % ks == 0
+    b_len, r_len, half_lanes = 128 // lpb, 64 // lpb, lpb // 2
+    qb = (16 if qtype == T.Q4_0 else 32) // lpb
+    inner = {T.Q4_K: [(r, half) for r in range(b_len // 4) for half in range(2)],
+             T.Q6_K: [(v, q) for v in range(r_len // 4) for q in range(4)],
+             T.Q4_0: [(r, half) for r in range(qb // 4) for half in range(2)],
+             T.Q8_0: [(r, 0) for r in range(qb // 4)]}[qtype]
     steps = []
-    for kb in range(0, n_sb, ks):
+    for kb in range(0, n_b, ks):
         for i, j in inner:
             row = []
             for g in range(lpb * ks):
                 c, li = divmod(g, lpb)
-                sb = kb + c
-                if qtype == T.Q4_K:
-                    first = 256 * sb + 64 * (b * li // 32) + (b * li) % 32 + 32 * j + 4 * i
-                else:
-                    first = 256 * sb + 128 * (li // half_lanes) + r_len * (li % half_lanes) + 32 * j + 4 * i
-                row += [first + e for e in range(4)]
+                b = kb + c
+                if b >= n_b:
+                    first = None
+                elif qtype == T.Q4_K:
+                    first = 256 * b + 64 * (b_len * li // 32) + (b_len * li) % 32 + 32 * j + 4 * i
+                elif qtype == T.Q6_K:
+                    first = 256 * b + 128 * (li // half_lanes) + r_len * (li % half_lanes) + 32 * j + 4 * i
+                else:  # Q4_0 (j: the half), Q8_0 (j = 0)
+                    first = 32 * b + 16 * j + qb * li + 4 * i
+                row += [-1] * 4 if first is None else [first + e for e in range(4)]
             steps.append(row)
     idx = np.array(steps)
-    assert sorted(idx.reshape(-1).tolist()) == list(range(n_cols)), "every element exactly once"
+    assert sorted(idx[idx >= 0].tolist()) == list(range(n_cols)), "every element exactly once"
     return idx
 
 
 def gemv2_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, ks: int, lpb: int | None = None
                 ) -> torch.Tensor:
     """``x @ w.T`` (float32 [T, N]) in _gemv2_kernel's order with float32 torch ops (one rounding each): each
-    lane-element accumulates its products in :func:`gemv2_lane_order`'s order from +0.0, then the ``4 LANES``
-    lane-elements are summed pairwise (``a[2l] + a[2l+1]``, level by level)."""
-    idx = torch.from_numpy(gemv2_lane_order(qtype, w.shape[1], ks, tkernels.GEMV2_LPB if lpb is None else lpb))
+    lane-element accumulates its products in :func:`gemv2_lane_order`'s order from +0.0 (its -1 entries add
+    nothing), then the ``4 LANES`` lane-elements are summed pairwise (``a[2l] + a[2l+1]``, level by level). ``lpb``:
+    by default :func:`tkernels.gemv2_lpb` of the type."""
+    idx = torch.from_numpy(gemv2_lane_order(qtype, w.shape[1], ks,
+                                            tkernels.gemv2_lpb(int(qtype)) if lpb is None else lpb))
     out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
     for m in range(x.shape[0]):
         acc = torch.zeros((w.shape[0], idx.shape[1]), dtype=torch.float32)
         for st in idx:
-            acc = acc + w[:, st] * x[m, st]
+            used, k = st >= 0, st.clamp_min(0)
+            acc = torch.where(used, acc + w[:, k] * x[m, k], acc)
         while acc.shape[1] > 1:
             acc = acc[:, 0::2] + acc[:, 1::2]
         out[m] = acc[:, 0]
@@ -403,20 +417,20 @@ def test_gemv_documented_order(device, qtype, m, monkeypatch):
     """linear at m_hint = T <= 8: bitwise the order of gemv_order (on CUDA as in the interpreter), so the same
     bits for every m_hint of the GEMV path; and within the float64 bound."""
     n_cols = gemv_cols(qtype)
-    raw = make_raw(qtype, 9, n_cols, 20 + m)  # 9 rows: a partial block of rows
+    raw = make_raw(qtype, 17, n_cols, 20 + m)  # 17 rows: a partial block of rows (programs of 2 to 16 rows)
     w = quant.dequantize(raw, qtype, n_cols)
     x = torch.randn(m, n_cols, generator=torch.Generator().manual_seed(m))
-    assert tkernels._config(int(qtype), 9, n_cols, m)["WIDE"]
+    assert tkernels._config(int(qtype), 17, n_cols, m)["WIDE"]
     y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=m)
     assert_bits_equal(y.cpu(), gemv_order(x, w, qtype), f"{qtype.name} m={m}")
     assert_close_to_f64(y, x, w, f"{qtype.name} m={m}")
     if not ON_CUDA:  # the interpreter's rows per program (GEMV_INTERP_BLOCK_N) and the GPU's: the same bits
-        cfg = tkernels._config(int(qtype), 9, n_cols, m, grouped=False)
+        cfg = tkernels._config(int(qtype), 17, n_cols, m, grouped=False)
         gpu_rows = (max(1, 32 * tkernels.GEMV2_WARPS // cfg["NSUB"]) if cfg.get("K2") else
                     max(1, 32 * tkernels.GEMV_WARPS // (256 // tkernels._sub(int(qtype))
-                                                        * tkernels.gemv_ksplit(int(qtype), n_cols, 9))))
+                                                        * tkernels.gemv_ksplit(int(qtype), n_cols, 17))))
         monkeypatch.setattr(tkernels, "GEMV_INTERP_BLOCK_N", gpu_rows)
-        assert tkernels._config(int(qtype), 9, n_cols, m)["BLOCK_N"] == gpu_rows < 9
+        assert tkernels._config(int(qtype), 17, n_cols, m)["BLOCK_N"] == gpu_rows < 17
         y_gpu_rows = tkernels.linear(x, raw, qtype, n_cols, m_hint=m)
         assert_bits_equal(y_gpu_rows, y, f"{qtype.name} m={m}: {gpu_rows} rows per program")
 
@@ -445,11 +459,14 @@ def test_gemv_ksplit_order(device, qtype, monkeypatch):
     assert not torch.equal(y1.cpu().view(torch.int32), y.cpu().view(torch.int32)), "KS=1 and KS>1: the same bits"
 
 
+@pytest.mark.parametrize("gemv2", ("0", "all"), ids=("gemv", "gemv2"))
 @pytest.mark.parametrize("m_hint", (1, 5))
 @pytest.mark.parametrize("qtype", GEMV_TYPES, ids=ids)
-def test_gemv_alignment_never_changes_bits(device, qtype, m_hint):
+def test_gemv_alignment_never_changes_bits(device, qtype, m_hint, gemv2, monkeypatch):
     """grouped with matrices starting at every byte offset mod 4 (byte loads) and a 16-aligned pool (wide loads),
-    several matrices per launch: every row bitwise equal to linear on the aligned matrix and to gemv_order."""
+    several matrices per launch: every row bitwise equal to linear on the aligned matrix and to gemv_order. On
+    _gemv_kernel and on _gemv2_kernel (MOESTREAM_GEMV2=all)."""
+    monkeypatch.setattr(tkernels, "GEMV2", gemv2)
     n_exp, n_rows = 4, 8
     n_cols = 256 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
     mats = [make_raw(qtype, n_rows, n_cols, 40 + e) for e in range(n_exp)]
@@ -539,31 +556,47 @@ def test_gemv_switch(device, monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# 5. _gemv2_kernel (Q4_K, Q6_K): its documented order, its K split, its switch
+# 5. _gemv2_kernel (Q4_K, Q6_K, Q4_0, Q8_0): its documented order, its K split, its switch
 # ---------------------------------------------------------------------------
 
-GEMV2_TYPES = (T.Q4_K, T.Q6_K)
+GEMV2_KQ_TYPES = (T.Q4_K, T.Q6_K)
+GEMV2_B32_TYPES = (T.Q4_0, T.Q8_0)
+GEMV2_TYPES = GEMV2_KQ_TYPES + GEMV2_B32_TYPES
 
 
-@pytest.mark.parametrize("m,lpb", ((1, 8), (3, 8), (8, 8), (2, 4)))
-@pytest.mark.parametrize("qtype", GEMV2_TYPES, ids=ids)
+def test_gemv2_types():
+    """Every type the kernel computes is in tkernels.GEMV2_TYPES (MOESTREAM_GEMV2=all takes them) and tested here."""
+    assert set(tkernels.GEMV2_TYPES) == {int(t) for t in GEMV2_TYPES}
+
+
+@pytest.mark.parametrize("qtype,m,lpb", [pytest.param(q, m, lpb, id=f"{q.name}-{m}-{lpb}") for q in GEMV2_TYPES
+                                          for m, lpb in (((1, 8), (3, 8), (8, 8), (2, 4)) if q in GEMV2_KQ_TYPES
+                                                         else ((1, 1), (3, 2), (8, 1), (2, 4)))])
 def test_gemv2_order(device, qtype, m, lpb, monkeypatch):
-    """linear on _gemv2_kernel: bitwise gemv2_order for the K split gemv2_ksplit picks (K = 2048: 8 super-blocks
-    side by side for a small matrix; 1 with GEMV2_THREADS lowered, as an LM head gets; K = 768: 3 super-blocks, KS 1),
-    within the float64 bound, the same bits at the GPU's rows per program and from a matrix at an odd address (byte
-    loads) or 2 mod 4 (16-bit loads); the grouped launch (KS 1) equals gemv2_order with KS 1. At 8 and 4 lanes per
-    super-block (MOESTREAM_GEMV2_LPB)."""
+    """linear on _gemv2_kernel: bitwise gemv2_order for the K split gemv2_ksplit picks, within the float64 bound, the
+    same bits at the GPU's rows per program and from a matrix at an odd address (byte loads) or 2 mod 16 (16-bit
+    loads: Q6_K, Q4_0, Q8_0); the grouped launch equals gemv2_order with its KS. Q4_K, Q6_K at 8 and 4 lanes per
+    super-block (MOESTREAM_GEMV2_LPB): K = 2048, 8 super-blocks side by side for a small matrix, 1 with GEMV2_THREADS
+    lowered (as an LM head gets); K = 768: 3 super-blocks, KS 1; grouped KS 1. Q4_0, Q8_0 at 1, 2 and 4 lanes per
+    block (MOESTREAM_GEMV2_LPB32): K = 2816, 88 blocks: KS 32, the last of 3 K steps ragged (24 blocks); KS 8 / LPB
+    with GEMV2_THREADS lowered, 11 or more whole steps; K = 704, 22 blocks as Gemma's expert down rows: KS 8, the
+    last step ragged; grouped KS 8 / LPB."""
+    b32 = qtype in GEMV2_B32_TYPES
+    knob = "GEMV2_LPB32" if b32 else "GEMV2_LPB"
     monkeypatch.setattr(tkernels, "GEMV2", "all")
-    monkeypatch.setattr(tkernels, "GEMV2_LPB", lpb)
-    for n_rows, n_cols, threads, want_ks in ((5, 2048, tkernels.GEMV2_THREADS, 8), (5, 2048, 1, 1),
-                                             (9, 768, tkernels.GEMV2_THREADS, 1)):
+    monkeypatch.setattr(tkernels, knob, lpb)
+    threads = tkernels.GEMV2_THREADS
+    cases = (((5, 2816, threads, 32), (5, 2816, 1, 8 // lpb), (9, 704, threads, 8)) if b32 else
+             ((5, 2048, threads, 8), (5, 2048, 1, 1), (9, 768, threads, 1)))
+    for n_rows, n_cols, threads, want_ks in cases:
         monkeypatch.setattr(tkernels, "GEMV2_THREADS", threads)
         raw = make_raw(qtype, n_rows, n_cols, 50 + m)
         w = quant.dequantize(raw, qtype, n_cols)
         x = torch.randn(m, n_cols, generator=torch.Generator().manual_seed(m))
         cfg = tkernels._config(int(qtype), n_rows, n_cols, m, grouped=False)
         assert cfg.get("K2") and tkernels.gemv2_ksplit(int(qtype), n_cols, n_rows) == want_ks
-        what = f"{qtype.name} {n_rows}x{n_cols} m={m} KS={want_ks}"
+        assert cfg["NSUB"] == want_ks * lpb and cfg["LPB"] == lpb
+        what = f"{qtype.name} {n_rows}x{n_cols} m={m} LPB={lpb} KS={want_ks}"
         y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=m)
         ref = gemv2_order(x, w, qtype, want_ks)
         assert_bits_equal(y.cpu(), ref, what)
@@ -579,10 +612,29 @@ def test_gemv2_order(device, qtype, m, lpb, monkeypatch):
             assert_bits_equal(tkernels.linear(x, raw, qtype, n_cols, m_hint=m), ref, f"{what}: {gpu_rows} rows")
             monkeypatch.undo()
             monkeypatch.setattr(tkernels, "GEMV2", "all")
-            monkeypatch.setattr(tkernels, "GEMV2_LPB", lpb)
+            monkeypatch.setattr(tkernels, knob, lpb)
+        ks_g = tkernels.gemv2_ksplit(int(qtype), n_cols, n_rows, grouped=True)
+        assert ks_g == (8 // lpb if b32 else 1)
         g = tkernels.grouped(x.to(device), raw.reshape(-1).to(device), [0], [0, m], np.arange(m), qtype, n_rows,
                              n_cols, m)
-        assert_bits_equal(g.cpu(), gemv2_order(x, w, qtype, 1), f"{what}: grouped")
+        assert_bits_equal(g.cpu(), gemv2_order(x, w, qtype, ks_g), f"{what}: grouped")
+
+
+@pytest.mark.parametrize("qtype", GEMV2_B32_TYPES, ids=ids)
+def test_gemv2_b32_edge_scales(device, qtype, monkeypatch):
+    """Q4_0 / Q8_0 blocks whose fp16 d is subnormal (the smallest too), +-0, tiny or huge: _gemv2_kernel still
+    multiplies exactly moestream.quant's weights in gemv2_order's order (a ragged K step: 9 blocks, KS 8)."""
+    monkeypatch.setattr(tkernels, "GEMV2", "all")
+    scales = np.array([5.96e-8, -1.2e-7, 3.0e-6, -6.0e-5, 6.1e-5, 0.0, -0.0, 0.33, -2.0, 65504.0])
+    n_rows, n_cols = 12, 288
+    raw = torch.from_numpy(random_blocks(qtype, n_rows, n_cols // 32, 8, scales=scales))
+    w = quant.dequantize(raw, qtype, n_cols)
+    x = torch.randn(2, n_cols, generator=torch.Generator().manual_seed(8))
+    ks = tkernels.gemv2_ksplit(int(qtype), n_cols, n_rows)
+    assert ks * tkernels.gemv2_lpb(int(qtype)) == 8
+    y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=2)
+    assert_bits_equal(y.cpu(), gemv2_order(x, w, qtype, ks), qtype.name)
+    assert_close_to_f64(y, x, w, qtype.name)
 
 
 @pytest.mark.parametrize("qtype", GEMV2_TYPES, ids=ids)

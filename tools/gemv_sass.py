@@ -1,6 +1,6 @@
 """Static SASS of the GEMV kernels (gpu/tkernels.py) for sm_90, without a GPU: instructions per weight.
 
-    PYTHONPATH=src python3 tools/gemv_sass.py [--lpb 8] [--m 1]
+    PYTHONPATH=src python3 tools/gemv_sass.py [--lpb 8] [--lpb32 1] [--m 1] [--only Q4_0]
 
 Triton compiles each kernel for ``GPUTarget("cuda", 90, 32)`` with its bundled ptxas and nvdisasm (no device
 needed), for the configuration ``tkernels._config`` picks for a matrix (type, rows, cols, linear or grouped, the
@@ -33,6 +33,10 @@ CASES = [
     ("expert gate/up Q4_K", 12, 768, 2048, True),
     ("expert down Q4_K", 12, 2048, 768, True),
     ("expert down Q6_K", 14, 2048, 768, True),
+    ("g expert g/u Q4_0", 2, 704, 2816, True),  # Gemma-4 26B-A4B shapes (benchmarks/gemv_ab.py)
+    ("g expert down Q4_0", 2, 2816, 704, True),
+    ("g attn Q8_0", 8, 2816, 2816, False),
+    ("g expert g/u Q8_0", 8, 704, 2816, True),
 ]
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 COMMON = dict(x_ptr="*fp32", w_ptr="*u8", off_ptr="*i64", tiles_ptr="*i32", src_ptr="*i32", out_ptr="*fp32",
@@ -48,7 +52,7 @@ def compile_case(qtype: int, rows: int, cols: int, grouped: bool, m: int, new: b
         fn, sig = tk._gemv2_kernel, dict(COMMON, magic0="i32")
         consts.update(LANES=cfg["NSUB"], LPB=cfg["LPB"], VW=4, LOG2_LANES=(cfg["NSUB"] * 4).bit_length() - 1,
                       ALIGN=cfg["WA"])
-        per_iter = 256 // cfg["LPB"]
+        per_iter = (256 if qtype in (12, 14) else 32) // cfg["LPB"]
     else:
         fn, sig = tk._gemv_kernel, dict(COMMON)
         vw = cfg["VW"]
@@ -94,12 +98,17 @@ def loop_body(text: str) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lpb", type=int, default=tk.GEMV2_LPB, help="_gemv2_kernel's lanes per super-block (8, 4)")
+    ap.add_argument("--lpb32", type=int, default=tk.GEMV2_LPB32, help="lanes per block of Q4_0/Q8_0 (1, 2, 4)")
     ap.add_argument("--m", type=int, default=1, help="tokens (m_hint), 1..8")
+    ap.add_argument("--only", default="", help="only the cases whose name contains this")
     a = ap.parse_args()
     tk.GEMV2_LPB = a.lpb
+    tk.GEMV2_LPB32 = a.lpb32
     print(f"{'matrix':22} {'kernel':7} {'KS/LANES':>8} {'BN':>3} {'loop instr':>10} {'w/thread':>8} {'instr/w':>7} "
           f"{'regs':>4} {'smem in loop':>12}")
     for name, qtype, rows, cols, grouped in CASES:
+        if a.only not in name:
+            continue
         for new in (False, True):
             k, cfg, per_iter = compile_case(qtype, rows, cols, grouped, a.m, new)
             text, res = sass(k)

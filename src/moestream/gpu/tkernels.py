@@ -38,32 +38,46 @@ only:
   multiples of ``VW`` (checked on the host at launch: :func:`alignment`; ``grouped_planned`` takes the caller's
   ``align``), the compiler is told so and merges each run into one 16/32-bit load; otherwise (``ALIGN = 1``) the same
   code loads single bytes: the same values, the same bits, only slower.
-* ``m_hint <= 8``, Q4_K and Q6_K (:data:`GEMV2_TYPES`; :data:`GEMV2`, ``MOESTREAM_GEMV2``: "all" by default,
-  "linear", "grouped" or "0" (the kernel above)): ``_gemv2_kernel``. On the H200 it made the q32 decode step 1.31x
-  faster (tg32 330.75 vs 253.28, 2026-12-04); its order tests and the matmul tests with it passed on CUDA there
-  (2026-12-04, benchmarks/gpu-h200/2026-12-04-session7). The kernel above spends ~23 (Q6_K) / ~14
-  (Q4_K) SASS instructions per weight on sm_90 (per-element byte picks, 64-bit addresses, I2F): issue-bound, not
-  memory-bound (an LM head at 822 GB/s of the H200's ~4 TB/s). Here a lane owns a run of one super-block's quant
-  bytes and decodes its header once per K step; ``LPB`` lanes per super-block (:data:`GEMV2_LPB`, 8 or 4). Q4_K:
-  lane ``li`` reads the ``B = 128 / LPB`` quant bytes from ``B li = 32 p + o`` as 32-bit words: weights ``64 p + o +
-  (0..B-1)`` (low nibbles, sub-block 2p) and the same + 32 (high nibbles, sub-block 2p + 1). Q6_K: lane ``li`` of
-  half ``h = li // (LPB/2)`` at ``l = R (li % (LPB/2))``, ``R = 64 / LPB``, reads ``ql[64 h + l ..+R]``, ``ql[64 h +
-  32 + l ..+R]`` and ``qh[32 h + l ..+R]`` as 16-bit loads (a 210-byte block leaves odd blocks 2-aligned): weights
-  ``128 h + 32 q + l + (0..R-1)``, q = 0..3, scales ``sc[8 h + 2 q + l // 16]``. Quants are extracted four per word
-  (``0x0F0F0F0F`` masks, qh bits shifted in place), each byte ORed into the mantissa of a power of two and that
-  power subtracted (``q`` or ``q - 32`` as an exact float32 without I2F); x is read as [LANES, BN, 4] runs (16-byte
-  loads), the weights multiply it in the same register layout: ~8 (Q6_K) / ~9 (Q4_K) instructions per weight at
-  LPB 8. ``KS`` super-blocks of a row side by side (:func:`gemv2_ksplit`: 1 for grouped launches and tall
-  matrices, up to 8 for small ``linear`` ones; always a divisor of the row's super-blocks, so no lane is masked),
-  ``LANES = LPB KS`` threads per row, ``BLOCK_N = 32 GEMV2_WARPS / LANES`` rows per program (4 warps; 256 rows under
-  the interpreter); rows past the matrix read its last row and are not stored, so the K loop has no masked loads.
-  Summation order (tests/test_tkernels.py ``gemv2_lane_order``/``gemv2_order``): lane-element ``(g, e)`` (``g = LPB
-  c + li``, ``e < 4``) of an output adds from +0.0, for K steps ``kb = 0, KS, ..`` (super-block ``sb = kb + c``):
-  Q4_K, for r = 0..B/4-1, low then high nibble: ``k = 256 sb + 64 p + o + 32 half + 4 r + e``; Q6_K, for v =
-  0..R/4-1, for q = 0..3: ``k = 256 sb + 128 h + l + 32 q + 4 v + e``; then the ``4 LANES`` lane-elements (index
-  ``4 g + e``) are summed pairwise as above. Alignment: 32-bit (Q4_K) / 16-bit (Q6_K) loads where the matrix's
-  address, offsets and row bytes allow, byte loads otherwise: the same bits. fp16 scales use the hardware
-  conversion (exact but for NaN payloads).
+* ``m_hint <= 8``, Q4_K, Q6_K, Q4_0 and Q8_0 (:data:`GEMV2_TYPES`; :data:`GEMV2`, ``MOESTREAM_GEMV2``: "all" by
+  default, "linear", "grouped" or "0" (the kernel above)): ``_gemv2_kernel``. On the H200 it made the q32 decode
+  step 1.31x faster (tg32 330.75 vs 253.28, 2026-12-04); its Q4_K/Q6_K order tests and the matmul tests with it
+  passed on CUDA there (2026-12-04, benchmarks/gpu-h200/2026-12-04-session7); Q4_0 and Q8_0 were added after that
+  run. The kernel above spends ~23 (Q6_K) / ~14 (Q4_K) / ~11 (Q4_0) /
+  ~9 (Q8_0) SASS instructions per weight on sm_90 (per-element byte picks, 64-bit addresses, I2F): issue-bound, not
+  memory-bound (an LM head at 822 GB/s of the H200's ~4 TB/s). Here a lane owns a run of one block's quant bytes
+  and decodes its header once per K step; ``LPB`` lanes per block (:data:`GEMV2_LPB` per super-block, 8 or 4;
+  :data:`GEMV2_LPB32` per block of 32, 1, 2 or 4). Q4_K: lane ``li`` reads the ``B = 128 / LPB`` quant bytes from
+  ``B li = 32 p + o`` as 32-bit words: weights ``64 p + o + (0..B-1)`` (low nibbles, sub-block 2p) and the same +
+  32 (high nibbles, sub-block 2p + 1). Q6_K: lane ``li`` of half ``h = li // (LPB/2)`` at ``l = R (li % (LPB/2))``,
+  ``R = 64 / LPB``, reads ``ql[64 h + l ..+R]``, ``ql[64 h + 32 + l ..+R]`` and ``qh[32 h + l ..+R]`` as 16-bit
+  loads (a 210-byte block leaves odd blocks 2-aligned): weights ``128 h + 32 q + l + (0..R-1)``, q = 0..3, scales
+  ``sc[8 h + 2 q + l // 16]``. Quants are extracted four per word (``0x0F0F0F0F`` masks, qh bits shifted in place),
+  each byte ORed into the mantissa of a power of two and that power subtracted (``q`` or ``q - 32`` as an exact
+  float32 without I2F). Q4_0 (fp16 d | 16 bytes) and Q8_0 (fp16 d | 32 int8): lane ``li`` reads its block's d (a
+  16-bit load) and the ``QB = 16 / LPB`` (Q4_0) or ``32 / LPB`` (Q8_0) quant bytes from ``QB li`` as 16-bit words,
+  two per run of 4 bytes (blocks of 18 and 34 bytes are only 2-aligned; a 32-bit word would cost as many
+  instructions: a field above bit 19 must be shifted down first, so one load plus one shift per 4 bytes either way,
+  and a lane owning two blocks would save only a d load): weights ``QB li + (0..QB-1)`` (Q4_0: the low nibbles,
+  then the same + 16, the high ones). Each field (a nibble or byte at bit ``p`` < 16 of its word) is ANDed in place
+  and XORed with the bits of ``2**(23 - p)`` (Q8_0: and with 0x80 in the field, which makes the int8 ``q + 128``) in
+  one LOP3, then ``2**(23 - p) + 8`` (Q4_0) / ``+ 128`` (Q8_0) is subtracted: ``q - 8`` / ``q`` as an exact float32,
+  times d (moestream.quant's one rounding). x is read as [LANES, BN, 4] runs (16-byte loads), the weights multiply
+  it in the same register layout: ~8 (Q6_K) / ~9 (Q4_K) instructions per weight at LPB 8, ~6 (Q4_0, Q8_0) at LPB
+  1 (``tools/gemv_sass.py``). ``KS`` blocks of a row side by side (:func:`gemv2_ksplit`), ``LANES = LPB KS``
+  threads per row, ``BLOCK_N = 32 GEMV2_WARPS / LANES`` rows per program (4 warps; 256 rows under the
+  interpreter); rows past the matrix read its last row and are not stored, so the K loop has no masked loads.
+  Super-blocks: KS 1 for grouped launches and tall matrices, up to 8 for small ``linear`` ones, always a divisor of
+  the row's super-blocks. Blocks of 32: KS ``8 / LPB`` for grouped launches, more for small ``linear`` ones, not
+  always a divisor (Gemma's expert down rows have 22 blocks): then a last, ragged K step after the loop, whose lanes
+  past the row read the row's last block with d = 0 and x as 0.0 (adding +-0.0 to an accumulator that is never
+  -0.0: no change). Summation order (tests/test_tkernels.py ``gemv2_lane_order``/``gemv2_order``): lane-element
+  ``(g, e)`` (``g = LPB c + li``, ``e < 4``) of an output adds from +0.0, for K steps ``kb = 0, KS, ..`` (block ``b
+  = kb + c``, while ``b`` is in the row): Q4_K, for r = 0..B/4-1, low then high nibble: ``k = 256 b + 64 p + o + 32
+  half + 4 r + e``; Q6_K, for v = 0..R/4-1, for q = 0..3: ``k = 256 b + 128 h + l + 32 q + 4 v + e``; Q4_0, for r =
+  0..QB/4-1, low then high nibble: ``k = 32 b + 16 half + QB li + 4 r + e``; Q8_0, for r = 0..QB/4-1: ``k = 32 b +
+  QB li + 4 r + e``; then the ``4 LANES`` lane-elements (index ``4 g + e``) are summed pairwise as above.
+  Alignment: 32-bit (Q4_K) / 16-bit (Q6_K, Q4_0, Q8_0) loads where the matrix's address, offsets and row bytes
+  allow, byte loads otherwise: the same bits. fp16 scales use the hardware conversion (exact but for NaN payloads).
 * ``m_hint <= 8``, the other types (and every type with ``MOESTREAM_GEMV_WIDE=0``): GEMV branch of
   ``_matmul_kernel``. ``BLOCK_N = 16`` weight rows, ``BLOCK_K = 256``, 4 warps; byte loads. Each program
   decodes its ``16 x 256`` weight tile once per K chunk and multiplies it with each of its x rows: float32
@@ -142,13 +156,17 @@ GEMV_INTERP_BLOCK_N = 256
 #: per K step, the order before the split; for A/B runs). The environment's MOESTREAM_GEMV_KSPLIT at import; read
 #: at each launch: may be changed.
 GEMV_KSPLIT: str = os.environ.get("MOESTREAM_GEMV_KSPLIT", "auto")
-#: the k-quant lane kernel's types (ggml type -> alignment of its word loads): _gemv2_kernel (Q4_K: 32-bit loads;
-#: Q6_K: 16-bit loads: a Q6_K block is 210 bytes, so its odd blocks are only 2-aligned)
-GEMV2_TYPES: dict[int, int] = {int(T.Q4_K): 4, int(T.Q6_K): 2}
-#: _gemv2_kernel's lanes per 256-element super-block, 8 (32 weights per lane and K step) or 4 (64: the header
-#: decoded half as often, twice the registers and fewer threads); MOESTREAM_GEMV2_LPB at import, read at each
+#: the lane kernel's types (ggml type -> alignment of its word loads): _gemv2_kernel (Q4_K: 32-bit loads; Q6_K,
+#: Q4_0, Q8_0: 16-bit loads: blocks of 210, 18 and 34 bytes leave odd blocks only 2-aligned)
+GEMV2_TYPES: dict[int, int] = {int(T.Q4_K): 4, int(T.Q6_K): 2, int(T.Q4_0): 2, int(T.Q8_0): 2}
+#: _gemv2_kernel's lanes per 256-element super-block (Q4_K, Q6_K), 8 (32 weights per lane and K step) or 4 (64: the
+#: header decoded half as often, twice the registers and fewer threads); MOESTREAM_GEMV2_LPB at import, read at each
 #: launch. The bits depend on it (the lanes' order changes).
 GEMV2_LPB = int(os.environ.get("MOESTREAM_GEMV2_LPB", "8"))
+#: _gemv2_kernel's lanes per 32-element block (Q4_0, Q8_0): 1 (a lane reads a whole block: 32 weights per K step),
+#: 2 or 4 (16 or 8 weights: the scale loaded by every lane of the block, the x and weight loads of a warp on fewer
+#: cache lines); MOESTREAM_GEMV2_LPB32 at import, read at each launch. The bits depend on it.
+GEMV2_LPB32 = int(os.environ.get("MOESTREAM_GEMV2_LPB32", "1"))
 #: which GEMV launches of the GEMV2_TYPES take _gemv2_kernel: "all", "linear" (matrices through linear() only),
 #: "grouped" (the expert launches only) or "0" (none: _gemv_kernel, the kernel before it; for A/B runs). The
 #: environment's MOESTREAM_GEMV2 at import; read at each launch: may be changed. The two kernels sum in different
@@ -219,15 +237,38 @@ def gemv2_uses(ggml_type: int, grouped: bool) -> bool:
     return GEMV2 == "all" or GEMV2 == ("grouped" if grouped else "linear")
 
 
+def gemv2_lpb(ggml_type: int) -> int:
+    """_gemv2_kernel's lanes per block of ``ggml_type``: :data:`GEMV2_LPB` per 256-element super-block (Q4_K, Q6_K),
+    :data:`GEMV2_LPB32` per 32-element block (Q4_0, Q8_0)."""
+    return GEMV2_LPB if GGML_QUANT_SIZES[T(int(ggml_type))][0] == 256 else GEMV2_LPB32
+
+
 def gemv2_ksplit(ggml_type: int, n_cols: int, n_rows: int = 1, grouped: bool = False) -> int:
-    """Super-blocks that _gemv2_kernel's lanes of one weight row cover side by side (``KS``; a power of two). 1 for
-    grouped launches (experts: 8-16 matrices, rows enough); for :func:`linear`, doubled while ``2 KS`` super-blocks
-    fit in the row, ``2 KS LPB`` lanes within :data:`GEMV2_MAX_LANES` and the launch has fewer than
-    :data:`GEMV2_THREADS` threads (``n_rows * KS * LPB``): an LM head keeps 1 (16 lanes per Q6_K row, 8 rows per
-    program), a [4096, 2048] Q4_K projection gets 4. A function of the matrix only; the bits depend on it."""
+    """Blocks that _gemv2_kernel's lanes of one weight row cover side by side (``KS``; a power of two; ``LANES = KS
+    LPB`` threads per row, :func:`gemv2_lpb`). A function of the matrix only; the bits depend on it.
+
+    Q4_K, Q6_K (super-blocks of 256): 1 for grouped launches (experts: 8-16 matrices, rows enough); for
+    :func:`linear`, doubled while ``2 KS`` super-blocks fit in the row, ``2 KS LPB`` lanes within
+    :data:`GEMV2_MAX_LANES` and the launch has fewer than :data:`GEMV2_THREADS` threads (``n_rows * KS * LPB``): an LM
+    head keeps 1 (16 lanes per Q6_K row, 8 rows per program), a [4096, 2048] Q4_K projection gets 4; always a
+    divisor of the row's super-blocks.
+
+    Q4_0, Q8_0 (blocks of 32): ``8 / LPB`` (8 lanes per row, as above) for grouped launches; for :func:`linear`,
+    doubled while ``2 KS LPB`` lanes fit in :data:`GEMV2_MAX_LANES`, the launch has fewer than
+    :data:`GEMV2_THREADS` threads and the row's blocks rounded up to a multiple of ``2 KS`` stay within 9/8 of them
+    (a [2816, 2816] Q8_0 matrix: 88 blocks, KS 32 at LPB 1, three K steps of which the last has 24 blocks). Not a
+    divisor of the row's blocks in general (Gemma's expert down rows have 22): the last K step is then ragged."""
+    lpb = gemv2_lpb(ggml_type)
+    if GGML_QUANT_SIZES[T(int(ggml_type))][0] == 32:
+        n_b, ks = int(n_cols) // 32, max(1, 8 // lpb)
+        if grouped:
+            return ks
+        while (2 * ks * lpb <= GEMV2_MAX_LANES and n_rows * ks * lpb < GEMV2_THREADS
+               and 8 * (-(-n_b // (2 * ks)) * 2 * ks) <= 9 * n_b):
+            ks *= 2
+        return ks
     if grouped:
         return 1
-    lpb = GEMV2_LPB
     n_sb, ks = int(n_cols) // 256, 1
     while n_sb % (2 * ks) == 0 and 2 * ks * lpb <= GEMV2_MAX_LANES and n_rows * ks * lpb < GEMV2_THREADS:
         ks *= 2
@@ -243,7 +284,7 @@ def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int, grouped: bool
         while bm < m_hint:
             bm *= 2
         if gemv2_uses(ggml_type, grouped):
-            wa, lpb = GEMV2_TYPES[int(ggml_type)], GEMV2_LPB
+            wa, lpb = GEMV2_TYPES[int(ggml_type)], gemv2_lpb(ggml_type)
             lanes = lpb * gemv2_ksplit(ggml_type, n_cols, n_rows, grouped)
             bn = (GEMV_INTERP_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1"
                   else max(1, 32 * GEMV2_WARPS // lanes))
@@ -766,7 +807,87 @@ if triton is not None:
             acc7 = _gv2_acc(acc7, w, xp7, kel)
         return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
-    # --- GEMV path, k-quant lane kernel (_gemv2_kernel: Q4_K, Q6_K; GEMV2_TYPES): see the module docstring -------
+    @triton.jit
+    def _gv2_acc8m(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel,
+                   ok, BLOCK_M: tl.constexpr):
+        """:func:`_gv2_acc8` with x read as 0.0 where ``ok`` is false (a ragged K step's lanes past the row, whose
+        ``kel`` lies past it and whose ``w`` is +-0: they add +-0.0 to an accumulator that is never -0.0)."""
+        acc0 = acc0 + w * tl.load(xp0 + kel, mask=ok, other=0.0)
+        if BLOCK_M > 1:
+            acc1 = acc1 + w * tl.load(xp1 + kel, mask=ok, other=0.0)
+        if BLOCK_M > 2:
+            acc2 = acc2 + w * tl.load(xp2 + kel, mask=ok, other=0.0)
+            acc3 = acc3 + w * tl.load(xp3 + kel, mask=ok, other=0.0)
+        if BLOCK_M > 4:
+            acc4 = acc4 + w * tl.load(xp4 + kel, mask=ok, other=0.0)
+            acc5 = acc5 + w * tl.load(xp5 + kel, mask=ok, other=0.0)
+            acc6 = acc6 + w * tl.load(xp6 + kel, mask=ok, other=0.0)
+            acc7 = acc7 + w * tl.load(xp7 + kel, mask=ok, other=0.0)
+        return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+    @triton.jit
+    def _gv_field_f(word, p, MASK: tl.constexpr, FLIP: tl.constexpr, BIAS: tl.constexpr, magic0):
+        """float32 ``(f ^ FLIP) - BIAS`` for the bit field ``f = (word >> p) & MASK`` of ``word`` (uint32 < 2**16), in
+        place: ``p`` (int32, + ``MASK``'s width at most 16) per element. Exact, without int-to-float conversions or
+        shifts: the field is ANDed out where it lies and XORed with the bits of ``M = 2**(23 - p)`` (and ``FLIP``) in
+        one LOP3, the float ``M + (f ^ FLIP)``; then ``- (M + BIAS)``, one exact float subtraction. ``magic0``: as in
+        :func:`_gv_bytes_f` (0x4B000000, for the LOP3's register operand); ``M + BIAS`` is built from the literal, so
+        that it folds into the subtraction's immediate."""
+        # the float bits of 2**(23 - p) (its mantissa's unit is 2**-p) with FLIP in the field: an add, which the
+        # compiler keeps in a register (an OR of magic0 and a constant it folds into the LOP3, as a second one)
+        km = magic0 + ((FLIP << p) - (p << 23))
+        t = (word & (MASK << p).to(tl.uint32)) ^ km.to(tl.uint32)
+        mf = (0x4B000000 - (p << 23)).to(tl.float32, bitcast=True)
+        return t.to(tl.float32, bitcast=True) - (mf + BIAS)
+
+    @triton.jit
+    def _gv2_b32_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7,
+                      wp, b, li, e, magic0, n_cols: tl.constexpr, QTYPE: tl.constexpr, LPB: tl.constexpr,
+                      ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, RAGGED: tl.constexpr):
+        """One K step of _gemv2_kernel on Q4_0 / Q8_0 rows (byte pointers ``wp`` [1, BN, 1]): lane ``li`` (of LPB) of
+        block ``b`` [LANES, 1, 1] reads the block's fp16 d and its ``QB = 16 / LPB`` (Q4_0) or ``32 / LPB`` (Q8_0)
+        quant bytes from ``QB li`` as 16-bit words, two per run of 4 bytes (elements ``e`` 0, 1 from the first, 2, 3
+        from the second), and adds ``w * x`` to the accumulators: Q4_0, for each run r, the low nibbles (elements
+        ``QB li + 4 r + e``), then the high ones (the same + 16), ``w = (q - 8) * d``; Q8_0, elements ``QB li + 4 r +
+        e``, ``w = q * d``. ``RAGGED``: lanes with ``b`` past the row read its last block with d = 0 (w = +-0) and x
+        as 0.0 (no change; module docstring)."""
+        N_B: tl.constexpr = n_cols // 32
+        if RAGGED:
+            ok = b < N_B
+            bc = tl.minimum(b, N_B - 1)
+        else:
+            bc = b
+        if QTYPE == 2:  # Q4_0: fp16 d | 16 bytes (element i < 16: low nibble of byte i; 16 + i: its high nibble)
+            QB: tl.constexpr = 16 // LPB
+            bb = wp + 18 * bc
+        else:  # Q8_0: fp16 d | 32 int8
+            QB: tl.constexpr = 32 // LPB
+            bb = wp + 34 * bc
+        d = _f16w(_w16(bb, ALIGN))  # [LANES, BN, 1]
+        if RAGGED:
+            d = tl.where(ok, d, 0.0)
+        k0 = 32 * b + QB * li
+        qp = bb + 2 + QB * li
+        pe = 8 * (e % 2)  # where byte e lies in its 16-bit word
+        for r in tl.static_range(QB // 4):
+            h = tl.where(e < 2, _w16(qp + 4 * r, ALIGN), _w16(qp + 4 * r + 2, ALIGN))  # [LANES, BN, 4]
+            for half in tl.static_range(2 if QTYPE == 2 else 1):
+                if QTYPE == 2:  # the low nibbles (half 0), then the high ones: q - 8
+                    w = _gv_field_f(h, pe + 4 * half, 0xF, 0, 8.0, magic0) * d
+                else:  # (q + 128) - 128: the int8 q
+                    w = _gv_field_f(h, pe, 0xFF, 0x80, 128.0, magic0) * d
+                kel = k0 + 16 * half + 4 * r + e
+                if RAGGED:
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_acc8m(
+                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w,
+                        xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel, ok, BLOCK_M)
+                else:
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_acc8(
+                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w,
+                        xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel, BLOCK_M)
+        return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+    # --- GEMV path, lane kernel (_gemv2_kernel: Q4_K, Q6_K, Q4_0, Q8_0; GEMV2_TYPES): see the module docstring -----
 
     @triton.jit
     def _gemv2_kernel(x_ptr, w_ptr, off_ptr, tiles_ptr, src_ptr, out_ptr, n_rows, row_units,
@@ -774,9 +895,10 @@ if triton is not None:
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, LPB: tl.constexpr,
                       VW: tl.constexpr, LOG2_LANES: tl.constexpr, ALIGN: tl.constexpr, SELECT: tl.constexpr):
         # program (tile, n block) as in _gemv_kernel. A weight row has LANES threads: KS = LANES / LPB
-        # super-blocks side by side, LPB lanes each (Q4_K: 8 lanes of 16 quant bytes = 32 weights of 2 sub-blocks;
-        # Q6_K: 16 lanes of 4 ql + 4 ql + 4 qh bytes = 16 weights of 4 groups). A lane decodes its super-block's
-        # header (fp16 scales, sub-block scales) once per K step and then only its quant bytes, VW at a time;
+        # blocks side by side, LPB lanes each (Q4_K: 8 lanes of 16 quant bytes = 32 weights of 2 sub-blocks;
+        # Q6_K: 16 lanes of 4 ql + 4 ql + 4 qh bytes = 16 weights of 4 groups; Q4_0 / Q8_0 at LPB 1: one lane of 16 /
+        # 32 quant bytes = the block's 32 weights). A lane decodes its block's header (fp16 scales, sub-block scales)
+        # once per K step and then only its quant bytes, VW at a time;
         # every tensor is [LANES, BLOCK_N, VW] (or [.., 1] broadcast), one register layout, no shuffles.
         pid_n = tl.program_id(0)
         p0, cnt, base = _gv_tile(w_ptr, off_ptr, tiles_ptr, sel_ptr, n_sel, sel_stride, ALIGN, SELECT)
@@ -796,80 +918,94 @@ if triton is not None:
             x_ptr, src_ptr, p0, cnt, n_cols, BLOCK_N, True)
         acc0 = tl.zeros([LANES, BLOCK_N, VW], dtype=tl.float32)  # one per x row of the tile (unused ones vanish)
         acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
-        N_SB: tl.constexpr = n_cols // 256
         KS: tl.constexpr = LANES // LPB
-        tl.static_assert(N_SB % KS == 0, "_gemv2_kernel: KS must divide the super-blocks of a row")
-        for kb in range(0, N_SB, KS):
-            sb = kb + c  # super-block [LANES, 1, 1], always < N_SB: no masks
-            if QTYPE == 12:  # Q4_K: fp16 d | fp16 dmin | 12 bytes scales | 128 bytes; x = (d*sc) * q - (dmin*mn)
-                # lane li: the B = 128 / LPB quant bytes from 32 p + o = B li (p = B li // 32) as B / 4 words: the low
-                # nibbles are elements 64 p + o + (0..B-1) (sub-block 2p), the high ones the same + 32 (sub-block 2p+1)
-                BPL: tl.constexpr = 128 // LPB
-                bb = wp + 144 * sb
-                p = li // (32 // BPL)
-                dd = _w32(bb, ALIGN)  # fp16 d | fp16 dmin
-                d = _f16w(dd & 0xFFFF)
-                dmin = _f16w(dd >> 16)
-                sc0, mn0 = _k4_sm_w(bb + 4, 2 * p, ALIGN)
-                sc1, mn1 = _k4_sm_w(bb + 4, 2 * p + 1, ALIGN)
-                dl0 = d * sc0.to(tl.float32)
-                ml0 = dmin * mn0.to(tl.float32)
-                dl1 = d * sc1.to(tl.float32)
-                ml1 = dmin * mn1.to(tl.float32)
-                k0 = 256 * sb + 64 * p + BPL * (li % (32 // BPL))  # (a form whose divisibility the compiler sees)
-                for r in tl.static_range(BPL // 4):
-                    word = _w32(bb + 16 + BPL * li + 4 * r, ALIGN)  # [LANES, BN, 1]
-                    lo = word & 0x0F0F0F0F
-                    hi = (word >> 4) & 0x0F0F0F0F
-                    w_lo = _gv_bytes_f(lo, e, 0.0, magic0) * dl0 - ml0
-                    w_hi = _gv_bytes_f(hi, e, 0.0, magic0) * dl1 - ml1
-                    for half in tl.static_range(2):
-                        if half == 0:
-                            w = w_lo
-                        else:
-                            w = w_hi
-                        kel = k0 + 32 * half + 4 * r + e
-                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_acc8(
-                            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w,
-                            xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel, BLOCK_M)
-            else:  # Q6_K (14): 128 bytes ql | 64 bytes qh | 16 int8 scales | fp16 d; x = (d*sc) * (q - 32)
-                # lane li: half h = li // (LPB / 2) of the super-block, l = R (li % (LPB / 2)) (R = 64 / LPB elements):
-                # elements 128 h + 32 q + l + (0..R-1) (q = 0..3) from ql[64 h + 32 (q % 2) + l + i] (nibble q // 2)
-                # and qh[32 h + l + i] (bits 2q, 2q+1), scale sc[8 h + 2 q + l // 16]; words of 4 elements
-                RL: tl.constexpr = 64 // LPB
-                bb = wp + 210 * sb
-                h = li // (LPB // 2)
-                l8 = RL * (li % (LPB // 2))
-                d = _f16w(_w16(bb + 208, ALIGN))
-                sp = bb + 192 + 8 * h + l8 // 16
-                dl0 = d * ((tl.load(sp).to(tl.int32) ^ 128) - 128).to(tl.float32)
-                dl1 = d * ((tl.load(sp + 2).to(tl.int32) ^ 128) - 128).to(tl.float32)
-                dl2 = d * ((tl.load(sp + 4).to(tl.int32) ^ 128) - 128).to(tl.float32)
-                dl3 = d * ((tl.load(sp + 6).to(tl.int32) ^ 128) - 128).to(tl.float32)
-                k0 = 256 * sb + 128 * h + l8
-                for v in tl.static_range(RL // 4):
-                    qa = _w32(bb + 64 * h + l8 + 4 * v, ALIGN)  # [LANES, BN, 1]
-                    qb = _w32(bb + 64 * h + 32 + l8 + 4 * v, ALIGN)
-                    qh = _w32(bb + 128 + 32 * h + l8 + 4 * v, ALIGN)
-                    for q in tl.static_range(4):
-                        # the bytes of 6-bit quants q, then q - 32 as float32 (exact)
-                        if q == 0:
-                            packed = (qa & 0x0F0F0F0F) | ((qh << 4) & 0x30303030)
-                            dl = dl0
-                        elif q == 1:
-                            packed = (qb & 0x0F0F0F0F) | ((qh << 2) & 0x30303030)
-                            dl = dl1
-                        elif q == 2:
-                            packed = ((qa >> 4) & 0x0F0F0F0F) | (qh & 0x30303030)
-                            dl = dl2
-                        else:
-                            packed = ((qb >> 4) & 0x0F0F0F0F) | ((qh >> 2) & 0x30303030)
-                            dl = dl3
-                        w = _gv_bytes_f(packed, e, 32.0, magic0) * dl
-                        kel = k0 + 32 * q + 4 * v + e
-                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_acc8(
-                            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w,
-                            xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel, BLOCK_M)
+        if QTYPE == 2 or QTYPE == 8:  # blocks of 32: KS per K step, the last step ragged where KS does not divide
+            N_B: tl.constexpr = n_cols // 32
+            N_FULL: tl.constexpr = N_B // KS * KS
+            for kb in range(0, N_FULL, KS):
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_b32_step(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7,
+                    wp, kb + c, li, e, magic0, n_cols, QTYPE, LPB, ALIGN, BLOCK_M, False)
+            if N_FULL < N_B:
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_b32_step(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7,
+                    wp, N_FULL + c, li, e, magic0, n_cols, QTYPE, LPB, ALIGN, BLOCK_M, True)
+        else:  # super-blocks of 256: KS of them per K step, always a divisor of the row's
+            N_SB: tl.constexpr = n_cols // 256
+            tl.static_assert(N_SB % KS == 0, "_gemv2_kernel: KS must divide the super-blocks of a row")
+            for kb in range(0, N_SB, KS):
+                sb = kb + c  # super-block [LANES, 1, 1], always < N_SB: no masks
+                if QTYPE == 12:  # Q4_K: fp16 d | fp16 dmin | 12 bytes scales | 128 bytes; x = (d*sc) * q - (dmin*mn)
+                    # lane li: the B = 128 / LPB quant bytes from 32 p + o = B li (p = B li // 32) as B / 4 words:
+                    # the low nibbles are elements 64 p + o + (0..B-1) (sub-block 2p), the high ones the same + 32
+                    # (sub-block 2p+1)
+                    BPL: tl.constexpr = 128 // LPB
+                    bb = wp + 144 * sb
+                    p = li // (32 // BPL)
+                    dd = _w32(bb, ALIGN)  # fp16 d | fp16 dmin
+                    d = _f16w(dd & 0xFFFF)
+                    dmin = _f16w(dd >> 16)
+                    sc0, mn0 = _k4_sm_w(bb + 4, 2 * p, ALIGN)
+                    sc1, mn1 = _k4_sm_w(bb + 4, 2 * p + 1, ALIGN)
+                    dl0 = d * sc0.to(tl.float32)
+                    ml0 = dmin * mn0.to(tl.float32)
+                    dl1 = d * sc1.to(tl.float32)
+                    ml1 = dmin * mn1.to(tl.float32)
+                    k0 = 256 * sb + 64 * p + BPL * (li % (32 // BPL))  # (a form whose divisibility the compiler sees)
+                    for r in tl.static_range(BPL // 4):
+                        word = _w32(bb + 16 + BPL * li + 4 * r, ALIGN)  # [LANES, BN, 1]
+                        lo = word & 0x0F0F0F0F
+                        hi = (word >> 4) & 0x0F0F0F0F
+                        w_lo = _gv_bytes_f(lo, e, 0.0, magic0) * dl0 - ml0
+                        w_hi = _gv_bytes_f(hi, e, 0.0, magic0) * dl1 - ml1
+                        for half in tl.static_range(2):
+                            if half == 0:
+                                w = w_lo
+                            else:
+                                w = w_hi
+                            kel = k0 + 32 * half + 4 * r + e
+                            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_acc8(
+                                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w,
+                                xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel, BLOCK_M)
+                else:  # Q6_K (14): 128 bytes ql | 64 bytes qh | 16 int8 scales | fp16 d; x = (d*sc) * (q - 32)
+                    # lane li: half h = li // (LPB / 2) of the super-block, l = R (li % (LPB / 2)) (R = 64 / LPB
+                    # elements): elements 128 h + 32 q + l + (0..R-1) (q = 0..3) from ql[64 h + 32 (q % 2) + l + i]
+                    # (nibble q // 2) and qh[32 h + l + i] (bits 2q, 2q+1), scale sc[8 h + 2 q + l // 16]; words of 4
+                    # elements
+                    RL: tl.constexpr = 64 // LPB
+                    bb = wp + 210 * sb
+                    h = li // (LPB // 2)
+                    l8 = RL * (li % (LPB // 2))
+                    d = _f16w(_w16(bb + 208, ALIGN))
+                    sp = bb + 192 + 8 * h + l8 // 16
+                    dl0 = d * ((tl.load(sp).to(tl.int32) ^ 128) - 128).to(tl.float32)
+                    dl1 = d * ((tl.load(sp + 2).to(tl.int32) ^ 128) - 128).to(tl.float32)
+                    dl2 = d * ((tl.load(sp + 4).to(tl.int32) ^ 128) - 128).to(tl.float32)
+                    dl3 = d * ((tl.load(sp + 6).to(tl.int32) ^ 128) - 128).to(tl.float32)
+                    k0 = 256 * sb + 128 * h + l8
+                    for v in tl.static_range(RL // 4):
+                        qa = _w32(bb + 64 * h + l8 + 4 * v, ALIGN)  # [LANES, BN, 1]
+                        qb = _w32(bb + 64 * h + 32 + l8 + 4 * v, ALIGN)
+                        qh = _w32(bb + 128 + 32 * h + l8 + 4 * v, ALIGN)
+                        for q in tl.static_range(4):
+                            # the bytes of 6-bit quants q, then q - 32 as float32 (exact)
+                            if q == 0:
+                                packed = (qa & 0x0F0F0F0F) | ((qh << 4) & 0x30303030)
+                                dl = dl0
+                            elif q == 1:
+                                packed = (qb & 0x0F0F0F0F) | ((qh << 2) & 0x30303030)
+                                dl = dl1
+                            elif q == 2:
+                                packed = ((qa >> 4) & 0x0F0F0F0F) | (qh & 0x30303030)
+                                dl = dl2
+                            else:
+                                packed = ((qb >> 4) & 0x0F0F0F0F) | ((qh >> 2) & 0x30303030)
+                                dl = dl3
+                            w = _gv_bytes_f(packed, e, 32.0, magic0) * dl
+                            kel = k0 + 32 * q + 4 * v + e
+                            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_acc8(
+                                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w,
+                                xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, kel, BLOCK_M)
         _gv_store8(tl.permute(acc0, (1, 0, 2)), tl.permute(acc1, (1, 0, 2)), tl.permute(acc2, (1, 0, 2)),
                    tl.permute(acc3, (1, 0, 2)), tl.permute(acc4, (1, 0, 2)), tl.permute(acc5, (1, 0, 2)),
                    tl.permute(acc6, (1, 0, 2)), tl.permute(acc7, (1, 0, 2)), ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7,
