@@ -130,13 +130,21 @@ def test_device_step_every_family(path: str) -> None:
     assert_bitwise(streamed[1:], device[1:])
 
 
-@pytest.mark.parametrize("which", ["default", "qwen3moe-tiny"])
-def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any) -> None:
+#: the families whose decode step runs as runtime/fastdecode.py's (their ``fast_layer``), each by a Q8_0 fixture
+FAST_FAMILIES = ["qwen3moe-tiny", "mixtral-tiny", "olmoe-tiny", "qwen2moe-tiny"]
+
+
+@pytest.mark.parametrize("which", ["default", *FAST_FAMILIES])
+def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU decode step of runtime/fastdecode.py (a few C calls per layer) gives the eager step's bits
     (Runner.run over the same cache contents) at every position of a decode, counts the same expert hits, and writes
-    the same KV cache rows; it runs for the qwen3moe files it fits, resident (streaming: below)."""
+    the same KV cache rows; it runs for the files of the families it fits (per-head q/k norms or none or over the
+    whole projection, llama's de-interleaved heads, q/k/v biases, a shared expert), resident (streaming: below). The
+    fast step runs its kernels on 1 thread at odd positions, 2 at even ones; the eager step on 2."""
+    from moestream import kernels
     from moestream.runtime import fastdecode
 
+    monkeypatch.setattr(kernels, "_THREADS", list(kernels._THREADS))  # the thread count restored after the test
     p = str(DEFAULT_GGUF) if which == "default" else str(fixtures_tool.build_fixture(which)["q8_0"])
     model = load_model(p, LoadOptions(moe_stream=False))
     fast = fastdecode.plan(model)
@@ -149,7 +157,9 @@ def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any) -> N
         tok = 7
         for pos in range(9, 20):
             hits = model.store.stats.hits
+            kernels.set_threads(1 + pos % 2)
             got = fast.step(torch.tensor([tok]), pos, caches[0])
+            kernels.set_threads(2)
             fast_hits = model.store.stats.hits - hits
             want = model.runner.run(Step(torch.tensor([tok]), [Seq(caches[1], pos, 1)]))
             assert_bitwise(got, want)
@@ -166,7 +176,9 @@ def _qwen3_q8(fixtures_tool: Any) -> str:
 
 @pytest.mark.parametrize(("which", "direct", "prefetch", "overlap"), [
     ("qwen3moe-tiny", False, False, True), ("qwen3moe-tiny", True, False, True), ("qwen3moe-tiny", False, True, True),
-    ("qwen3moe-tiny", True, True, True), ("qwen3moe-tiny", True, False, False), ("default", True, False, True)])
+    ("qwen3moe-tiny", True, True, True), ("qwen3moe-tiny", True, False, False), ("default", True, False, True),
+    ("mixtral-tiny", False, False, True), ("olmoe-tiny", False, True, True), ("qwen2moe-tiny", False, False, True),
+    ("qwen2moe-tiny", True, False, False)])
 def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefetch: bool, overlap: bool,
                                                  fixtures_tool: Any) -> None:
     """Streaming through top-k slots (nearly every step misses in every layer), buffered or O_DIRECT, with or without
@@ -176,7 +188,7 @@ def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefe
     and routing trace as the eager step does."""
     from moestream.runtime import fastdecode
 
-    p = str(DEFAULT_GGUF) if which == "default" else _qwen3_q8(fixtures_tool)
+    p = str(DEFAULT_GGUF) if which == "default" else str(fixtures_tool.build_fixture(which)["q8_0"])
     top_k = load_model(p, LoadOptions(metadata_only=True)).top_k
     opts = LoadOptions(slots=top_k, direct_io=direct, prefetch=prefetch, overlap=overlap, io_threads=4)
     fast_model, eager_model = load_model(p, opts), load_model(p, opts)

@@ -1,4 +1,5 @@
-"""Write a random-weight MoE GGUF of a chosen shape, for benchmarks: ``qwen3moe`` or ``gemma4``.
+"""Write a random-weight MoE GGUF of a chosen shape, for benchmarks: ``qwen3moe`` or ``gemma4`` (and, of the qwen3moe
+shape, ``llama`` (Mixtral), ``olmoe`` and ``qwen2moe``).
 
 qwen3moe default shape: Qwen3-30B-A3B's (hidden 2048, 32 heads / 4 KV heads of dim 128, 128 experts, top-8,
 expert FFN 768) cut to 8 layers. Weights are N(0, std) floats quantized with the `gguf` package's reference
@@ -24,6 +25,10 @@ stays near the size of the largest tensor.
     python tools/make_bench_model.py -o /tmp/q30b-8l-q8_0.gguf --tokenizer-from TOKENIZER.gguf
     python tools/make_bench_model.py --type Q4_K_M --layers 32 -o /tmp/q30b-32l-q4_k_m.gguf --tokenizer-from TOK.gguf
     python tools/make_bench_model.py --arch gemma4 --type Q4_0 -o /tmp/g26b-6l.gguf --tokenizer-from GEMMA.gguf
+
+``--arch llama`` / ``olmoe`` / ``qwen2moe``: the qwen3moe shape and types with that family's tensors (no q/k norms
+for llama; q/k norms over the whole projection for olmoe; q/k/v biases and a shared expert of width
+``--shared-ff`` with its sigmoid gate for qwen2moe), so the families' decode steps can be compared at one shape.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from gguf.quants import quantize
 
 def tensor_specs(a: argparse.Namespace, n_vocab: int) -> list[tuple[str, tuple[int, ...], bool]]:
     """[(name, torch-order shape, quantize?)] in file order."""
-    hd = a.head_dim
+    hd, arch = a.head_dim, a.arch
     specs = [("token_embd.weight", (n_vocab, a.hidden), True)]
     for i in range(a.layers):
         p = f"blk.{i}."
@@ -50,14 +55,27 @@ def tensor_specs(a: argparse.Namespace, n_vocab: int) -> list[tuple[str, tuple[i
             (p + "attn_k.weight", (a.kv_heads * hd, a.hidden), True),
             (p + "attn_v.weight", (a.kv_heads * hd, a.hidden), True),
             (p + "attn_output.weight", (a.hidden, a.heads * hd), True),
-            (p + "attn_q_norm.weight", (hd,), False),
-            (p + "attn_k_norm.weight", (hd,), False),
+        ]
+        if arch == "qwen3moe":
+            specs += [(p + "attn_q_norm.weight", (hd,), False), (p + "attn_k_norm.weight", (hd,), False)]
+        elif arch == "olmoe":  # normed over the whole projection
+            specs += [(p + "attn_q_norm.weight", (a.heads * hd,), False),
+                      (p + "attn_k_norm.weight", (a.kv_heads * hd,), False)]
+        elif arch == "qwen2moe":
+            specs += [(p + "attn_q.bias", (a.heads * hd,), False), (p + "attn_k.bias", (a.kv_heads * hd,), False),
+                      (p + "attn_v.bias", (a.kv_heads * hd,), False)]
+        specs += [
             (p + "ffn_norm.weight", (a.hidden,), False),
             (p + "ffn_gate_inp.weight", (a.experts, a.hidden), False),
             (p + "ffn_gate_exps.weight", (a.experts, a.expert_ff, a.hidden), True),
             (p + "ffn_up_exps.weight", (a.experts, a.expert_ff, a.hidden), True),
             (p + "ffn_down_exps.weight", (a.experts, a.hidden, a.expert_ff), True),
         ]
+        if arch == "qwen2moe":
+            specs += [(p + "ffn_gate_inp_shexp.weight", (1, a.hidden), False),
+                      (p + "ffn_gate_shexp.weight", (a.shared_ff, a.hidden), True),
+                      (p + "ffn_up_shexp.weight", (a.shared_ff, a.hidden), True),
+                      (p + "ffn_down_shexp.weight", (a.hidden, a.shared_ff), True)]
     specs += [("output_norm.weight", (a.hidden,), False), ("output.weight", (n_vocab, a.hidden), True)]
     return specs
 
@@ -222,6 +240,10 @@ def write_gemma4(a: argparse.Namespace) -> int:
     w.add_uint32(f"{arch}.attention.key_length_swa", a.head_dim)
     w.add_uint32(f"{arch}.attention.value_length_swa", a.head_dim)
     w.add_expert_feed_forward_length(a.expert_ff)
+    if a.arch == "llama":
+        w.add_rope_dimension_count(a.head_dim)
+    if a.arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(a.shared_ff)
     w.add_uint32(f"{arch}.rope.dimension_count", a.global_head_dim)
     w.add_uint32(f"{arch}.rope.dimension_count_swa", a.head_dim)
     n_vocab = copy_tokenizer(a.tokenizer_from, w)
@@ -277,7 +299,8 @@ def copy_tokenizer(src: str, w: GGUFWriter) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--out", required=True)
-    ap.add_argument("--arch", choices=("qwen3moe", "gemma4"), default="qwen3moe")
+    ap.add_argument("--arch", choices=("qwen3moe", "gemma4", "llama", "olmoe", "qwen2moe"), default="qwen3moe",
+                    help="llama (Mixtral), olmoe, qwen2moe: the qwen3moe shape with that family's tensors")
     ap.add_argument("--tokenizer-from", required=True, help="GGUF whose tokenizer.* metadata is copied")
     ap.add_argument("--type", default="Q8_0", help="ggml type of the big matrices: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, "
                     "BF16 through gguf's quantizer (slow); Q4_K, Q4_K_M, Q6_K as random blocks (fast; qwen3moe: see "
@@ -292,6 +315,8 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=None, help="default: 128 (qwen3moe); the 26B-A4B value (gemma4)")
     ap.add_argument("--top-k", type=int, default=None, help="default: 8 (qwen3moe); the 26B-A4B value (gemma4)")
     ap.add_argument("--expert-ff", type=int, default=None, help="default: 768 (qwen3moe); the 26B-A4B value (gemma4)")
+    ap.add_argument("--shared-ff", type=int, default=5632, help="qwen2moe: the shared expert's width (default: "
+                    "Qwen1.5-MoE-A2.7B's)")
     ap.add_argument("--std", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -304,12 +329,13 @@ def main() -> int:
     fast = a.type in FAST_TYPES
     qtype = None if fast else GGMLQuantizationType[a.type]
     tmp = a.out + ".tmp"
-    w = GGUFWriter(tmp, "qwen3moe")
-    w.add_name(f"random Qwen3-MoE {a.layers}L h{a.hidden} e{a.experts} top{a.top_k} ff{a.expert_ff} {a.type}")
+    w = GGUFWriter(tmp, a.arch)
+    w.add_name(f"random {a.arch} {a.layers}L h{a.hidden} e{a.experts} top{a.top_k} ff{a.expert_ff} {a.type}")
     w.add_block_count(a.layers)
     w.add_context_length(4096)
     w.add_embedding_length(a.hidden)
-    w.add_feed_forward_length(6144)
+    # llama and olmoe: the experts' width (llama.cpp's n_ff for these families)
+    w.add_feed_forward_length(a.expert_ff if a.arch in ("llama", "olmoe") else 6144)
     w.add_head_count(a.heads)
     w.add_head_count_kv(a.kv_heads)
     w.add_key_length(a.head_dim)
@@ -319,6 +345,10 @@ def main() -> int:
     w.add_expert_count(a.experts)
     w.add_expert_used_count(a.top_k)
     w.add_expert_feed_forward_length(a.expert_ff)
+    if a.arch == "llama":
+        w.add_rope_dimension_count(a.head_dim)
+    if a.arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(a.shared_ff)
     if fast and a.type == "Q4_K_M":
         w.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M: llama-bench's model column says "Q4_K - Medium"
     n_vocab = copy_tokenizer(a.tokenizer_from, w)

@@ -621,27 +621,44 @@ typedef struct {
     int failed;
 } prep_ctx;
 
+/* one head's dims (0, 2, 4, ..., 1, 3, 5, ...): x [d] -> y [d] (not overlapping) */
+static inline void deinterleave_row(const float *x, float *y, int d) {
+    for (int i = 0; i < d / 2; i++) { y[i] = x[2 * i]; y[d / 2 + i] = x[2 * i + 1]; }
+}
+
 static void prep_rows(void *vc, int item) {
     prep_ctx *c = vc;
     const long nq = (long)c->T * c->n_head, rows = nq + (long)c->T * c->n_kv;
+    const int deint = c->interleaved == 2, mode = deint ? 0 : c->interleaved;
     long r1 = (item + 1) * c->rpi < rows ? (item + 1) * c->rpi : rows;
     for (long r = item * c->rpi; r < r1; r++) {
         if (r < nq) { /* a query head: normed and rotated in place */
             const long t = r / c->n_head, h = r % c->n_head;
             float *q = c->q + t * c->qs_t + h * c->qs_h;
+            if (deint) {
+                float *tmp = scratch(c->d);
+                if (!tmp) { c->failed = 1; return; }
+                deinterleave_row(q, tmp, c->d);
+                memcpy(q, tmp, (size_t)c->d * sizeof(float));
+            }
             if (c->q_norm) norm_row(q, q, c->d, c->q_norm, c->eps);
-            if (c->n_rot) rope_row(q, q, c->d, c->n_rot, c->interleaved, c->cos + t * c->n_rot, c->sin + t * c->n_rot);
+            if (c->n_rot) rope_row(q, q, c->d, c->n_rot, mode, c->cos + t * c->n_rot, c->sin + t * c->n_rot);
         } else { /* a KV head: the key normed, rotated into its cache row; the value copied */
             const long t = (r - nq) / c->n_kv, g = (r - nq) % c->n_kv;
             const float *k = c->k + t * c->kn_t + g * c->kn_h;
             float *kc = c->kc + (c->start + t) * c->kc_p + g * c->kc_h;
-            if (c->k_norm) {
+            if (c->k_norm || deint) {
                 float *tmp = scratch(c->d);
                 if (!tmp) { c->failed = 1; return; }
-                norm_row(k, tmp, c->d, c->k_norm, c->eps);
+                if (deint) {
+                    deinterleave_row(k, tmp, c->d);
+                    if (c->k_norm) norm_row(tmp, tmp, c->d, c->k_norm, c->eps);
+                } else {
+                    norm_row(k, tmp, c->d, c->k_norm, c->eps);
+                }
                 k = tmp;
             }
-            if (c->n_rot) rope_row(k, kc, c->d, c->n_rot, c->interleaved, c->cos + t * c->n_rot, c->sin + t * c->n_rot);
+            if (c->n_rot) rope_row(k, kc, c->d, c->n_rot, mode, c->cos + t * c->n_rot, c->sin + t * c->n_rot);
             else memcpy(kc, k, (size_t)c->d * sizeof(float));
             memcpy(c->vc + (c->start + t) * c->vc_p + g * c->vc_h, c->v + t * c->vn_t + g * c->vn_h,
                    (size_t)c->dv * sizeof(float));
@@ -651,7 +668,9 @@ static void prep_rows(void *vc, int item) {
 
 /* q: [T][n_head][d] new queries at q + t * qs_t + h * qs_h, OVERWRITTEN with the normed, rotated queries; k: [T][n_kv][d]
  * and v: [T][n_kv][dv] new keys and values (read only); q_norm, k_norm: [d] RMSNorm weights or NULL (no norm);
- * n_rot: the rotated dims (0: no RoPE), cos, sin: the tables' rows of positions start.. ([T][n_rot]); kc, vc: the
+ * n_rot: the rotated dims (0: no RoPE), cos, sin: the tables' rows of positions start.. ([T][n_rot]); interleaved:
+ * 0 NEOX halves, 1 interleaved pairs, 2 NEOX after each query and key head's dims are first reordered (0, 2, 4,
+ * ..., 1, 3, 5, ...: models/llama.py's deinterleave, a plain copy; then the norm, if any); kc, vc: the
  * layer's cache, row j of KV head g at kc + j * kc_p + g * kc_h (vc likewise); rows start..start+T-1 are written,
  * then ms_attention of the queries over rows 0..start+T-1 into out [T][n_head * dv] (os_t). Returns 0, or -2 when
  * out of memory. */

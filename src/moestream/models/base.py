@@ -790,6 +790,13 @@ class MoEModel:
         ``out_norm`` (epsilon ``self.eps``), then ``output``."""
         return self.output.linear(rms_norm(x, self.out_norm, self.eps))
 
+    def fast_layer(self, i: int) -> Any:
+        """How MoE layer i's ``mix`` and routed/shared experts compute a CPU decode step, as a
+        runtime/fastdecode.FastLayer, for the fast decode step (a few C calls per layer, the eager step's bits); None
+        (the default): the eager step. Only a family class that defines it itself is asked (a subclass that changes
+        the layers must define it again)."""
+        return None
+
     def experts(self, i: int) -> MoE:
         """MoE layer i's routed-expert block (experts/moe.py)."""
         return self.blocks[i]["moe"]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import GGUFError
+from ..runtime.fastdecode import FastLayer
 from .base import LoadOptions, MoEModel, register
 from .layers import Rope, rms_norm, rope_inv_freq, softmax_topk
 
@@ -90,6 +91,11 @@ class Mixtral(MoEModel):
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: float32 [T, hidden], the FFN-normed input of MoE block ``b`` -> :meth:`route` of its router logits."""
         return self.route(b["router"].linear(h))
+
+    def fast_layer(self, i: int) -> FastLayer:
+        """:meth:`mix` and the routed experts in the fast decode step's terms: no q/k norms, each q and k head
+        de-interleaved before NEOX RoPE, softmax routing renormalised."""
+        return FastLayer(1.0 / math.sqrt(self.head_dim), deinterleave=True, norm_topk=True)
 
     def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
         """GQA attention with RoPE, residual added: x [T, hidden] -> same. The cache holds the keys de-interleaved

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import GGUFError
+from ..runtime.fastdecode import FastLayer
 from .base import LoadOptions, MoEModel, register
 from .layers import Rope, rms_norm, rope_inv_freq, softmax_topk
 
@@ -78,6 +79,12 @@ class Olmoe(MoEModel):
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] the FFN-normed input of block ``b`` -> :meth:`route` of its router logits."""
         return self.route(b["router"].linear(h))
+
+    def fast_layer(self, i: int) -> FastLayer:
+        """:meth:`mix` and the routed experts in the fast decode step's terms: q/k norms over the whole projection."""
+        b = self.blocks[i]
+        return FastLayer(1.0 / math.sqrt(self.head_dim), q_norm=b["q_norm"], k_norm=b["k_norm"], whole_norm=True,
+                         norm_topk=self.norm_topk)
 
     def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
         """Attention with q/k RMSNorm over the whole projection (OlmoeAttention), then split into heads and

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import GGUFError
+from ..runtime.fastdecode import FastLayer
 from .base import LoadOptions, MoEModel, register
 from .layers import Rope, elementwise, linear_bias, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
 
@@ -109,6 +110,13 @@ class Qwen2MoE(MoEModel):
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] the FFN-normed input of block ``b`` -> :meth:`route` of its router logits."""
         return self.route(b["router"].linear(h))
+
+    def fast_layer(self, i: int) -> FastLayer:
+        """:meth:`mix`, the routed experts and :meth:`shared` in the fast decode step's terms: q/k/v biases, no q/k
+        norms, softmax routing, the shared expert (this class's own code) added after the routed sum."""
+        b = self.blocks[i]
+        return FastLayer(1.0 / math.sqrt(self.head_dim), biases=(b["bq"], b["bk"], b["bv"]), norm_topk=self.norm_topk,
+                         shared=True)
 
     def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
         """GQA attention with q/k/v biases and NEOX RoPE, residual added: x [T, hidden] -> same."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..runtime.fastdecode import FastLayer
 from .base import LoadOptions, MoEModel, register
 from .layers import Rope, rms_norm, rope_inv_freq, softmax_topk
 
@@ -22,9 +23,6 @@ if TYPE_CHECKING:
 
 @register("qwen3moe")
 class Qwen3MoE(MoEModel):
-    #: its CPU decode step may run as runtime/fastdecode.py's few C calls per layer (this class only, not subclasses)
-    fast_decode = True
-
     def __init__(self, gguf, opts: LoadOptions):  # noqa: ANN001 - GGUFModel
         super().__init__(gguf, opts)
         d, n_embd = self.meta_desc, self.n_embd
@@ -62,6 +60,12 @@ class Qwen3MoE(MoEModel):
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] the FFN-normed input of MoE block ``b`` -> :meth:`route` of its router logits."""
         return self.route(b["router"].linear(h))
+
+    def fast_layer(self, i: int) -> FastLayer:
+        """:meth:`mix` and the routed experts in the fast decode step's terms: per-head q/k norms, softmax routing."""
+        b = self.blocks[i]
+        return FastLayer(1.0 / math.sqrt(self.head_dim), q_norm=b["q_norm"], k_norm=b["k_norm"],
+                         norm_topk=self.norm_topk)
 
     def mix(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
         """GQA attention with per-head q/k RMSNorm and NEOX RoPE, residual added: x [T, hidden] -> same."""

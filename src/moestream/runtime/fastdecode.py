@@ -1,4 +1,4 @@
-"""The CPU decode step of a Qwen3-MoE-shaped model as a handful of C calls per layer.
+"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it) as a handful of C calls per layer.
 
 Between two matmuls a decode step has little arithmetic, but every torch op and Python frame there runs with cold
 caches (the matmul before it streamed tens of MB of weights through them): measured on a 2-core EPYC, an empty
@@ -6,8 +6,10 @@ caches (the matmul before it streamed tens of MB of weights through them): measu
 token outside its matmuls. This step keeps one token's activations in buffers made once per model and runs each
 layer as:
 
-- the q, k, v projections (kernels.linear_to: ms_linear into the kept buffers);
-- ms_attn_block: per-head q/k RMSNorm, RoPE, the cache rows written, attention over the cache;
+- the q, k, v projections (kernels.linear_to: ms_linear into the kept buffers), their biases added
+  (ms_residual_norm's add) and RMSNorm over each whole projection (ms_rms_norm) where the family has them;
+- ms_attn_block: per-head q/k RMSNorm (where the family has it), RoPE (after each head's dims are de-interleaved, for
+  llama files), the cache rows written, attention over the cache;
 - the output projection; ms_residual_norm: x += o, h = RMSNorm(x) by ``ffn_norm``;
 - the router's own ``linear`` (as the eager step calls it); ms_route_plan: softmax top-k, renormalisation and the
   pairs grouped by expert (resident: with each expert's addresses, the store holds every expert in place);
@@ -15,8 +17,13 @@ layer as:
   plans the slots (``store.prepare``: hits, misses, evictions by its policy, this step's experts pinned) and starts
   the misses' reads at once; the hits are computed first, in one ms_moe call over their slots' addresses, then each
   batch of misses whose reads are joined (``ready`` / ``wait``), as MoE.__call__ overlaps them;
-- ms_residual_norm: x += the sum of the top-k rows, h = RMSNorm(x) by the next layer's ``attn_norm`` (after the last
-  layer ``out_norm``, then the output projection).
+- a shared expert (qwen2moe): the family's own ``shared`` (torch), run where MoE.__call__ runs it (after the slots
+  are planned and the reads started);
+- ms_residual_norm: x += the sum of the top-k rows (then + the shared expert's output), h = RMSNorm(x) by the next
+  layer's ``attn_norm`` (after the last layer ``out_norm``, then the output projection).
+
+What differs between families is stated by the family (``MoEModel.fast_layer`` -> :class:`FastLayer`: its q/k norms,
+biases, RoPE layout, attention scale, top-k renormalisation, shared expert), not written again here.
 
 Each of those is the kernel the eager step runs, on the same values in the same order (the rows of one ms_moe call
 do not depend on which other experts share the call), so the logits are the same bits, streaming or resident
@@ -26,8 +33,8 @@ eager step's own ``MoEModel.begin_layer`` on its input (the family's ``predict``
 error is raised by ``store.wait`` as in the eager step; on any error after the slots are planned the step's reads
 settle and their slots are emptied (``store.discard``, as MoE.__call__) before it propagates.
 
-It runs where :func:`plan` finds the model fits it: a family class that sets ``fast_decode = True`` itself (not
-inherited: qwen3moe), every layer routed with per-head q/k norms and softmax routing without bias or scale, one
+It runs where :func:`plan` finds the model fits it: a family class that defines ``fast_layer`` itself (not inherited:
+qwen3moe, llama (Mixtral), olmoe, qwen2moe), every layer routed with softmax routing without bias or scale, one
 sequence of one token on the CPU, every matmul on the C kernels, a resident store or a streaming one with host pools
 on the CPU (not the device-planned step of experts/devplan.py), no synthetic routing, the step kernels on
 (layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
@@ -35,8 +42,9 @@ on the CPU (not the device-planned step of experts/devplan.py), no synthetic rou
 
 from __future__ import annotations
 
-import math
+import functools
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +54,29 @@ from .. import kernels
 from ..experts.moe import KEPT_ROWS_FLOATS
 from ..experts.pool import ResidentStore, StreamingStore
 from ..models import layers
+
+
+@dataclass(frozen=True)
+class FastLayer:
+    """What a family's ``mix`` and MoE layer compute in layer i, in the fast step's terms (``MoEModel.fast_layer``):
+    the family states it, the step runs the same kernels in the same order (the eager step's bits).
+
+    Attention: RMSNorm of the ``attn_norm``-normed x, the q, k, v projections (plus ``biases`` (bq, bk, bv),
+    float32 vectors added as ``linear_bias`` adds them); with ``whole_norm`` RMSNorm of the whole q and k
+    projections by ``q_norm`` / ``k_norm`` (olmoe), else per head (qwen3moe; None: no norm); ``deinterleave``: each
+    q and k head's dims reordered (0, 2, 4, ..., 1, 3, 5, ...) before RoPE (llama files, models/llama.py); NEOX
+    RoPE by ``model.rope``; attention scaled by ``scale``. MoE: ``ffn_norm``, the router's ``linear``, softmax
+    top-k renormalised when ``norm_topk``; with ``shared`` the family's ``shared(i, x, h)`` (its own torch code)
+    added after the routed sum (``combine``'s ``x + routed + shared``)."""
+
+    scale: float
+    q_norm: Any = None
+    k_norm: Any = None
+    whole_norm: bool = False
+    deinterleave: bool = False
+    biases: tuple | None = None
+    norm_topk: bool = True
+    shared: bool = False
 
 
 def _spec(w: Any) -> tuple | None:
@@ -63,10 +94,12 @@ class FastDecode:
     """The kept buffers and addresses of one model's fast decode step (see the module docstring); :meth:`step`
     runs one. Made by :func:`plan`, for one store."""
 
-    def __init__(self, model: Any, lib: Any, specs: list[tuple], moes: list[Any], tabs: list[np.ndarray]):
+    def __init__(self, model: Any, lib: Any, specs: list[tuple], moes: list[Any], tabs: list[np.ndarray],
+                 fls: list[FastLayer]):
         m = self.model = model
         self.lib, self.store = lib, model.store
-        n, hd, hdv = m.n_embd, m.head_dim, m.head_dim_v
+        n, hd = m.n_embd, m.head_dim
+        hdv = self.head_dim_v = getattr(m, "head_dim_v", hd)  # as MoEModel.make_cache
         f32 = torch.float32
         self.x_dim = n
         self.h = torch.empty((1, n), dtype=f32)
@@ -87,7 +120,6 @@ class FastDecode:
         self.o_dst = np.empty(k, dtype=np.int32)
         self.o_tok = np.zeros(k, dtype=np.int32)  # one token
         self.o_start = np.arange(k + 1, dtype=np.int32)  # group j is pair j
-        self.scale = 1.0 / math.sqrt(hd)  # as Qwen3MoE.mix
         blocks = m.blocks
         self.layers = []
         for i, b in enumerate(blocks):
@@ -97,7 +129,14 @@ class FastDecode:
             moe_spec = (int(gu.ggml_type), int(down.ggml_type), gu.bytes_per_expert // gu.rows,
                         down.bytes_per_expert // down.rows, n, moe.n_ff, moe.kernel_act)
             nxt = blocks[i + 1]["attn_norm"] if i + 1 < len(blocks) else m.out_norm
-            self.layers.append((i, *specs[i], _ptr(b["q_norm"]), _ptr(b["k_norm"]), _ptr(b["ffn_norm"]), b["router"],
+            fl = fls[i]
+            head = not fl.whole_norm
+            # (per-head q, k norms, the whole projections' norms, q/k/v biases, ms_attn_block's RoPE mode, scale)
+            attn = (_ptr(fl.q_norm) if head else None, _ptr(fl.k_norm) if head else None,
+                    None if head else (_ptr(fl.q_norm), _ptr(fl.k_norm)),
+                    None if fl.biases is None else tuple(_ptr(t) for t in fl.biases),
+                    2 if fl.deinterleave else int(m.rope.interleaved), fl.scale)
+            self.layers.append((i, *specs[i], attn, _ptr(b["ffn_norm"]), b["router"], int(fl.norm_topk), fl.shared,
                                 None if self.streaming else tabs[i].ctypes.data, moe_spec, _ptr(nxt)))
         #: resident: int64 [3, n_experts] per layer, each expert's gate, up and down address (the layers point into
         #: them); streaming: per layer, (int64 [3, n_slots] each slot's matrices' first row, [the store's lead
@@ -105,6 +144,7 @@ class FastDecode:
         self.tabs = tabs
         self.attn_norm0 = _ptr(blocks[0]["attn_norm"])
         self._cache: tuple | None = None
+        self.sh: torch.Tensor | None = None  # a layer's shared expert output (_shared)
 
     def _cache_ptrs(self, cache: Any) -> list[tuple[int, int]]:
         c = self._cache
@@ -118,7 +158,7 @@ class FastDecode:
         m, lib = self.model, self.lib
         nt = kernels.threads()
         n, eps, top_k = self.x_dim, m.eps, m.top_k
-        n_head, n_kv, hd, hdv = m.n_head, m.n_kv, m.head_dim, m.head_dim_v
+        n_head, n_kv, hd, hdv = m.n_head, m.n_kv, m.head_dim, self.head_dim_v
         x = m.embd.rows_of(tokens).contiguous()  # [1, hidden]: the residual stream, updated in place
         xp, hp, qp, kp, vp, ap, op = (x.data_ptr(), self.h.data_ptr(), self.q.data_ptr(), self.k.data_ptr(),
                                       self.v.data_ptr(), self.a.data_ptr(), self.o.data_ptr())
@@ -129,51 +169,74 @@ class FastDecode:
         rope.reserve(start + 1)
         n_rot = rope.n_rot
         cos_p, sin_p = rope.cos.data_ptr() + 4 * start * n_rot, rope.sin.data_ptr() + 4 * start * n_rot
-        inter = int(rope.interleaved)
         kv = self._cache_ptrs(cache)
         kc_p, vc_p = n_kv * hd, n_kv * hdv
         store, streaming = self.store, self.streaming
         look = streaming and m.opts.prefetch  # the router lookahead
         overlap = m.opts.overlap
         lib.ms_residual_norm(1, n, xp, None, 0, self.attn_norm0, eps, hp, nt)
-        for (i, q_s, k_s, v_s, o_s, qn, kn, fn, router, tabs, moe_s, nxt) in self.layers:
+        for (i, q_s, k_s, v_s, o_s, attn, fn, router, norm_topk, has_shared, tabs, moe_s, nxt) in self.layers:
             if look:
                 m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
+            qn, kn, whole, biases, mode, scale = attn
             kernels.linear_to(q_s, hp, 1, qp, lib)
             kernels.linear_to(k_s, hp, 1, kp, lib)
             kernels.linear_to(v_s, hp, 1, vp, lib)
+            if biases is not None:  # y + b: one add per element (layers.linear_bias)
+                for yp, bp, rows in zip((qp, kp, vp), biases, (n_head * hd, n_kv * hd, n_kv * hdv), strict=True):
+                    lib.ms_residual_norm(1, rows, yp, bp, 0, None, 0.0, None, nt)
+            if whole is not None:  # RMSNorm of each whole projection, in place (olmoe)
+                lib.ms_rms_norm(1, n_head * hd, qp, n_head * hd, whole[0], eps, qp, n_head * hd, nt)
+                lib.ms_rms_norm(1, n_kv * hd, kp, n_kv * hd, whole[1], eps, kp, n_kv * hd, nt)
             kcp, vcp = kv[i]
             rc = lib.ms_attn_block(1, n_head, n_kv, hd, hdv, qp, n_head * hd, hd, kp, n_kv * hd, hd, vp, n_kv * hdv,
-                                   hdv, qn, kn, eps, n_rot, inter, cos_p, sin_p, kcp, kc_p, hd, vcp, vc_p, hdv, start,
-                                   0, None, self.scale, 0.0, ap, n_head * hdv, nt)
+                                   hdv, qn, kn, eps, n_rot, mode, cos_p, sin_p, kcp, kc_p, hd, vcp, vc_p, hdv, start,
+                                   0, None, scale, 0.0, ap, n_head * hdv, nt)
             if rc:
                 raise MemoryError("attention: out of memory for the score buffer")
             kernels.linear_to(o_s, ap, 1, op, lib)
             lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
             logits = router.linear(self.h).contiguous()
             g = lib.ms_route_plan(1, logits.shape[1], logits.data_ptr(), kernels.GATING_SOFTMAX, None, 1, 1, top_k,
-                                  int(m.norm_topk), 0.0, 1.0, idp, wp, tabs, 3, count, experts, pstart,
+                                  norm_topk, 0.0, 1.0, idp, wp, tabs, 3, count, experts, pstart,
                                   ptok, pw, pdst, addr, cap, nt)
             if g < 0:
                 raise ValueError(f"route: top-{top_k} of {logits.shape[1]} experts does not fit (rc {g})")
             chosen = self.pairs.experts[:g].tolist()  # ascending, as MoE.__call__ hands them to the store
+            run_shared = functools.partial(self._shared, i, x) if has_shared else None
             if streaming:
-                self._streamed(i, moe_s, chosen, overlap, hp, outp)
+                self._streamed(i, moe_s, chosen, overlap, hp, outp, run_shared)
             else:
                 store.prepare(i, chosen)  # counts the hits (and records the routing trace)
+                if run_shared is not None:
+                    run_shared()
                 kernels.moe_to(moe_s, self.pairs, g, hp, 1, outp)
-            lib.ms_residual_norm(1, n, xp, outp, top_k, nxt, eps, hp, nt)
+            if has_shared:  # (x + routed) + shared, as combine adds them
+                lib.ms_residual_norm(1, n, xp, outp, top_k, None, eps, None, nt)
+                sh, self.sh = self.sh.contiguous(), None
+                lib.ms_residual_norm(1, n, xp, sh.data_ptr(), 0, nxt, eps, hp, nt)
+            else:
+                lib.ms_residual_norm(1, n, xp, outp, top_k, nxt, eps, hp, nt)
         return m.output.linear(self.h)
 
-    def _streamed(self, i: int, spec: tuple, experts: list[int], overlap: bool, hp: int, outp: int) -> None:
+    def _shared(self, i: int, x: torch.Tensor) -> None:
+        """Layer i's shared expert by the family's own code (``shared(i, x, h)``, as the eager step calls it) into
+        ``self.sh``."""
+        self.sh = self.model.shared(i, x, self.h)
+
+    def _streamed(self, i: int, spec: tuple, experts: list[int], overlap: bool, hp: int, outp: int,
+                  shared: Any = None) -> None:
         """Layer i's routed experts through the streaming store (``experts``: the step's distinct real ids,
         ascending, group j = pair j of ``self.pairs``): the slots planned and the misses' reads started, then the
         hits in one ms_moe call over their slots, then each batch of misses as soon as its reads are joined
-        (``overlap``; else one join, then every expert). On any error the step's reads settle and their slots are
-        emptied before it propagates (MoE.__call__'s ``discard``)."""
+        (``overlap``; else one join, then every expert). ``shared``: the layer's shared expert, run once the reads
+        are started, as MoE.__call__ runs it. On any error the step's reads settle and their slots are emptied
+        before it propagates (MoE.__call__'s ``discard``)."""
         store = self.store
         slot_ids, ticket = store.prepare(i, experts)
         try:
+            if shared is not None:
+                shared()
             reading = store.reading(ticket)
             if reading and not overlap:
                 store.wait(ticket)
@@ -215,7 +278,7 @@ class FastDecode:
 def plan(model: Any) -> FastDecode | None:
     """The fast decode step of ``model`` when it fits it (see the module docstring), else None. Kept on the model
     and made again when its store changes."""
-    if not vars(type(model)).get("fast_decode") or model.device.type != "cpu" or model.routing is not None:
+    if "fast_layer" not in vars(type(model)) or model.device.type != "cpu" or model.routing is not None:
         return None
     store = model.store
     streaming = type(store) is StreamingStore and store.device.type == "cpu" and store.plan is None
@@ -230,9 +293,10 @@ def plan(model: Any) -> FastDecode | None:
     n = model.n_embd
     if n % 64 or model.top_k > 16 or model.top_k * n > KEPT_ROWS_FLOATS:
         return None  # the top-k sum is torch's only there (experts/moe.py topk_sum)
-    specs, moes, tabs = [], [], []
-    for b in model.blocks:
-        if "moe" not in b or b.get("q_norm") is None or b.get("k_norm") is None:
+    specs, moes, tabs, fls = [], [], [], []
+    for i, b in enumerate(model.blocks):
+        fl = model.fast_layer(i) if "moe" in b else None
+        if fl is None:
             return None
         s = [_spec(b[name]) for name in ("q", "k", "v", "o")]
         moe = b["moe"]
@@ -244,7 +308,8 @@ def plan(model: Any) -> FastDecode | None:
         specs.append(s)
         moes.append(moe)
         tabs.append(t)
+        fls.append(fl)
     if not getattr(model.output, "blocks", False) and model.output.dense is None:
         return None
-    model._fast_decode = FastDecode(model, lib, specs, moes, tabs)
+    model._fast_decode = FastDecode(model, lib, specs, moes, tabs, fls)
     return model._fast_decode
