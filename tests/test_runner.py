@@ -131,7 +131,7 @@ def test_device_step_every_family(path: str) -> None:
 
 
 #: the families whose decode step runs as runtime/fastdecode.py's (their ``fast_layer``), each by a Q8_0 fixture
-FAST_FAMILIES = ["qwen3moe-tiny", "mixtral-tiny", "olmoe-tiny", "qwen2moe-tiny"]
+FAST_FAMILIES = ["qwen3moe-tiny", "mixtral-tiny", "olmoe-tiny", "qwen2moe-tiny", "glm4moe-tiny"]
 
 
 @pytest.mark.parametrize("which", ["default", *FAST_FAMILIES])
@@ -178,7 +178,7 @@ def _qwen3_q8(fixtures_tool: Any) -> str:
     ("qwen3moe-tiny", False, False, True), ("qwen3moe-tiny", True, False, True), ("qwen3moe-tiny", False, True, True),
     ("qwen3moe-tiny", True, True, True), ("qwen3moe-tiny", True, False, False), ("default", True, False, True),
     ("mixtral-tiny", False, False, True), ("olmoe-tiny", False, True, True), ("qwen2moe-tiny", False, False, True),
-    ("qwen2moe-tiny", True, False, False)])
+    ("qwen2moe-tiny", True, False, False), ("glm4moe-tiny", False, False, True)])
 def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefetch: bool, overlap: bool,
                                                  fixtures_tool: Any) -> None:
     """Streaming through top-k slots (nearly every step misses in every layer), buffered or O_DIRECT, with or without

@@ -56,10 +56,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import kernels
 from ..errors import GGUFError
+from ..runtime.fastdecode import FastLayer
 from .base import LoadOptions, MoEModel, register
 from .layers import Rope, linear_bias, rms_norm, rope_inv_freq, swiglu_ffn
-from .routing import sigmoid_group_topk
+from .routing import WEIGHT_SUM_FLOOR, sigmoid_group_topk
 
 if TYPE_CHECKING:
     from ..runtime.step import Step
@@ -194,6 +196,17 @@ class Glm4MoE(MoEModel):
                                   1.0 / math.sqrt(self.head_dim), q_norm=b["attn_q_norm.weight"],
                                   k_norm=b["attn_k_norm.weight"], eps=self.eps)
         return x + b["o"].linear(a)
+
+    def fast_layer(self, i: int) -> FastLayer:
+        """:meth:`mix`, :meth:`route` and :meth:`shared` in the fast decode step's terms: optional q/k/v biases and
+        per-head q/k norms, sigmoid routing with the score bias and groups, the shared expert (this class's own
+        code); the leading dense layers are MoEModel.dense."""
+        b = self.blocks[i]
+        return FastLayer(1.0 / math.sqrt(self.head_dim), q_norm=b["attn_q_norm.weight"], k_norm=b["attn_k_norm.weight"],
+                         biases=(b["attn_q.bias"], b["attn_k.bias"], b["attn_v.bias"]), norm_topk=self.norm_topk,
+                         shared=self.has_shared(i), gating=kernels.GATING_SIGMOID, route_bias=b.get("score_bias"),
+                         n_group=self.n_group, topk_group=self.topk_group, floor=WEIGHT_SUM_FLOOR,
+                         route_scale=self.routed_scale)
 
     def has_shared(self, i: int) -> bool:
         return bool(self.n_shared)

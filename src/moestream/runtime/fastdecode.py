@@ -65,9 +65,12 @@ class FastLayer:
     float32 vectors added as ``linear_bias`` adds them); with ``whole_norm`` RMSNorm of the whole q and k
     projections by ``q_norm`` / ``k_norm`` (olmoe), else per head (qwen3moe; None: no norm); ``deinterleave``: each
     q and k head's dims reordered (0, 2, 4, ..., 1, 3, 5, ...) before RoPE (llama files, models/llama.py); NEOX
-    RoPE by ``model.rope``; attention scaled by ``scale``. MoE: ``ffn_norm``, the router's ``linear``, softmax
-    top-k renormalised when ``norm_topk``; with ``shared`` the family's ``shared(i, x, h)`` (its own torch code)
-    added after the routed sum (``combine``'s ``x + routed + shared``)."""
+    RoPE by ``model.rope``; attention scaled by ``scale``. MoE: ``ffn_norm``, the router's ``linear``, then
+    kernels.route's router with these arguments (``gating``, ``route_bias``, ``n_group``, ``topk_group``,
+    ``norm_topk``, ``floor``, ``route_scale``: layers.softmax_topk's or routing.sigmoid_group_topk's call); with
+    ``shared`` the family's ``shared(i, x, h)`` (its own torch code) added after the routed sum (``combine``'s
+    ``x + routed + shared``). A layer without routed experts is MoEModel.dense's SwiGLU (a family that overrides
+    ``dense`` runs the eager step)."""
 
     scale: float
     q_norm: Any = None
@@ -77,6 +80,12 @@ class FastLayer:
     biases: tuple | None = None
     norm_topk: bool = True
     shared: bool = False
+    gating: int = kernels.GATING_SOFTMAX
+    route_bias: Any = None
+    n_group: int = 1
+    topk_group: int = 1
+    floor: float = 0.0
+    route_scale: float = 1.0
 
 
 def _spec(w: Any) -> tuple | None:
@@ -123,21 +132,28 @@ class FastDecode:
         blocks = m.blocks
         self.layers = []
         for i, b in enumerate(blocks):
-            moe = moes[i]
-            gu = moe.mats["gate_up" if moe.merged else "gate"]
-            down = moe.mats["down"]
-            moe_spec = (int(gu.ggml_type), int(down.ggml_type), gu.bytes_per_expert // gu.rows,
-                        down.bytes_per_expert // down.rows, n, moe.n_ff, moe.kernel_act)
             nxt = blocks[i + 1]["attn_norm"] if i + 1 < len(blocks) else m.out_norm
             fl = fls[i]
             head = not fl.whole_norm
             # (per-head q, k norms, the whole projections' norms, q/k/v biases, ms_attn_block's RoPE mode, scale)
             attn = (_ptr(fl.q_norm) if head else None, _ptr(fl.k_norm) if head else None,
                     None if head else (_ptr(fl.q_norm), _ptr(fl.k_norm)),
-                    None if fl.biases is None else tuple(_ptr(t) for t in fl.biases),
+                    None if fl.biases is None else [(yp, _ptr(t), rows) for yp, t, rows in zip(
+                        (self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr()), fl.biases,
+                        (m.n_head * hd, m.n_kv * hd, m.n_kv * hdv), strict=True) if t is not None],
                     2 if fl.deinterleave else int(m.rope.interleaved), fl.scale)
-            self.layers.append((i, *specs[i], attn, _ptr(b["ffn_norm"]), b["router"], int(fl.norm_topk), fl.shared,
-                                None if self.streaming else tabs[i].ctypes.data, moe_spec, _ptr(nxt)))
+            moe = moes[i]
+            if moe is None:  # MoEModel.dense: SwiGLU of h
+                ffn = (b["gate"], b["up"], b["down"])
+            else:
+                gu = moe.mats["gate_up" if moe.merged else "gate"]
+                down = moe.mats["down"]
+                moe_spec = (int(gu.ggml_type), int(down.ggml_type), gu.bytes_per_expert // gu.rows,
+                            down.bytes_per_expert // down.rows, n, moe.n_ff, moe.kernel_act)
+                route = (b["router"], int(fl.gating), _ptr(fl.route_bias), fl.n_group, fl.topk_group,
+                         int(fl.norm_topk), fl.floor, fl.route_scale)
+                ffn = (route, fl.shared, None if self.streaming else tabs[i].ctypes.data, moe_spec)
+            self.layers.append((i, *specs[i], attn, _ptr(b["ffn_norm"]), moe is None, ffn, _ptr(nxt)))
         #: resident: int64 [3, n_experts] per layer, each expert's gate, up and down address (the layers point into
         #: them); streaming: per layer, (int64 [3, n_slots] each slot's matrices' first row, [the store's lead
         #: arrays of gate, up, down]): a slot's expert starts lead[slot] bytes into its row
@@ -175,7 +191,7 @@ class FastDecode:
         look = streaming and m.opts.prefetch  # the router lookahead
         overlap = m.opts.overlap
         lib.ms_residual_norm(1, n, xp, None, 0, self.attn_norm0, eps, hp, nt)
-        for (i, q_s, k_s, v_s, o_s, attn, fn, router, norm_topk, has_shared, tabs, moe_s, nxt) in self.layers:
+        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt) in self.layers:
             if look:
                 m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
             qn, kn, whole, biases, mode, scale = attn
@@ -183,7 +199,7 @@ class FastDecode:
             kernels.linear_to(k_s, hp, 1, kp, lib)
             kernels.linear_to(v_s, hp, 1, vp, lib)
             if biases is not None:  # y + b: one add per element (layers.linear_bias)
-                for yp, bp, rows in zip((qp, kp, vp), biases, (n_head * hd, n_kv * hd, n_kv * hdv), strict=True):
+                for yp, bp, rows in biases:
                     lib.ms_residual_norm(1, rows, yp, bp, 0, None, 0.0, None, nt)
             if whole is not None:  # RMSNorm of each whole projection, in place (olmoe)
                 lib.ms_rms_norm(1, n_head * hd, qp, n_head * hd, whole[0], eps, qp, n_head * hd, nt)
@@ -196,9 +212,14 @@ class FastDecode:
                 raise MemoryError("attention: out of memory for the score buffer")
             kernels.linear_to(o_s, ap, 1, op, lib)
             lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
+            if dense:  # x + SwiGLU(h), as MoEModel.dense
+                y = layers.swiglu_ffn(*ffn, self.h).contiguous()
+                lib.ms_residual_norm(1, n, xp, y.data_ptr(), 0, nxt, eps, hp, nt)
+                continue
+            (router, gating, r_bias, n_group, topk_group, norm_topk, floor, r_scale), has_shared, tabs, moe_s = ffn
             logits = router.linear(self.h).contiguous()
-            g = lib.ms_route_plan(1, logits.shape[1], logits.data_ptr(), kernels.GATING_SOFTMAX, None, 1, 1, top_k,
-                                  norm_topk, 0.0, 1.0, idp, wp, tabs, 3, count, experts, pstart,
+            g = lib.ms_route_plan(1, logits.shape[1], logits.data_ptr(), gating, r_bias, n_group, topk_group, top_k,
+                                  norm_topk, floor, r_scale, idp, wp, tabs, 3, count, experts, pstart,
                                   ptok, pw, pdst, addr, cap, nt)
             if g < 0:
                 raise ValueError(f"route: top-{top_k} of {logits.shape[1]} experts does not fit (rc {g})")
@@ -293,18 +314,25 @@ def plan(model: Any) -> FastDecode | None:
     n = model.n_embd
     if n % 64 or model.top_k > 16 or model.top_k * n > KEPT_ROWS_FLOATS:
         return None  # the top-k sum is torch's only there (experts/moe.py topk_sum)
+    from ..models.base import MoEModel  # (models.base imports this module through runner.py)
+
     specs, moes, tabs, fls = [], [], [], []
+    own_dense = type(model).dense is MoEModel.dense
     for i, b in enumerate(model.blocks):
-        fl = model.fast_layer(i) if "moe" in b else None
+        fl = model.fast_layer(i)
         if fl is None:
             return None
         s = [_spec(b[name]) for name in ("q", "k", "v", "o")]
-        moe = b["moe"]
-        if None in s or not moe.fused or moe.expert_scale is not None or moe.routing is not None:
+        moe = b.get("moe")
+        if None in s or (moe is None and not own_dense):
             return None
-        t = moe.slot_rows(store) if streaming else moe._tables(store)
-        if t is None:
-            return None
+        t = None
+        if moe is not None:
+            if not moe.fused or moe.expert_scale is not None or moe.routing is not None:
+                return None
+            t = moe.slot_rows(store) if streaming else moe._tables(store)
+            if t is None:
+                return None
         specs.append(s)
         moes.append(moe)
         tabs.append(t)
