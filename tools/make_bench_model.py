@@ -26,9 +26,11 @@ stays near the size of the largest tensor.
     python tools/make_bench_model.py --type Q4_K_M --layers 32 -o /tmp/q30b-32l-q4_k_m.gguf --tokenizer-from TOK.gguf
     python tools/make_bench_model.py --arch gemma4 --type Q4_0 -o /tmp/g26b-6l.gguf --tokenizer-from GEMMA.gguf
 
-``--arch llama`` / ``olmoe`` / ``qwen2moe``: the qwen3moe shape and types with that family's tensors (no q/k norms
-for llama; q/k norms over the whole projection for olmoe; q/k/v biases and a shared expert of width
-``--shared-ff`` with its sigmoid gate for qwen2moe), so the families' decode steps can be compared at one shape.
+``--arch llama`` / ``olmoe`` / ``qwen2moe`` / ``glm4moe``: the qwen3moe shape and types with that family's tensors
+(no q/k norms for llama; q/k norms over the whole projection for olmoe; q/k/v biases and a shared expert of width
+``--shared-ff`` with its sigmoid gate for qwen2moe; for glm4moe q/k/v biases, a leading dense layer, sigmoid routing
+with a score bias, an ungated shared expert and half of each head rotated), so the families' decode steps can be
+compared at one shape.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import sys
 import time
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
 
@@ -61,19 +63,29 @@ def tensor_specs(a: argparse.Namespace, n_vocab: int) -> list[tuple[str, tuple[i
         elif arch == "olmoe":  # normed over the whole projection
             specs += [(p + "attn_q_norm.weight", (a.heads * hd,), False),
                       (p + "attn_k_norm.weight", (a.kv_heads * hd,), False)]
-        elif arch == "qwen2moe":
+        elif arch in ("qwen2moe", "glm4moe"):
             specs += [(p + "attn_q.bias", (a.heads * hd,), False), (p + "attn_k.bias", (a.kv_heads * hd,), False),
                       (p + "attn_v.bias", (a.kv_heads * hd,), False)]
+        if arch == "glm4moe":
+            specs += [(p + "post_attention_norm.weight", (a.hidden,), False)]
+            if i < GLM_DENSE:
+                specs += [(p + "ffn_gate.weight", (DENSE_FF, a.hidden), True),
+                          (p + "ffn_up.weight", (DENSE_FF, a.hidden), True),
+                          (p + "ffn_down.weight", (a.hidden, DENSE_FF), True)]
+                continue
+            specs += [(p + "exp_probs_b.bias", (a.experts,), False)]
+        else:
+            specs += [(p + "ffn_norm.weight", (a.hidden,), False)]
         specs += [
-            (p + "ffn_norm.weight", (a.hidden,), False),
             (p + "ffn_gate_inp.weight", (a.experts, a.hidden), False),
             (p + "ffn_gate_exps.weight", (a.experts, a.expert_ff, a.hidden), True),
             (p + "ffn_up_exps.weight", (a.experts, a.expert_ff, a.hidden), True),
             (p + "ffn_down_exps.weight", (a.experts, a.hidden, a.expert_ff), True),
         ]
         if arch == "qwen2moe":
-            specs += [(p + "ffn_gate_inp_shexp.weight", (1, a.hidden), False),
-                      (p + "ffn_gate_shexp.weight", (a.shared_ff, a.hidden), True),
+            specs += [(p + "ffn_gate_inp_shexp.weight", (1, a.hidden), False)]
+        if arch in ("qwen2moe", "glm4moe"):
+            specs += [(p + "ffn_gate_shexp.weight", (a.shared_ff, a.hidden), True),
                       (p + "ffn_up_shexp.weight", (a.shared_ff, a.hidden), True),
                       (p + "ffn_down_shexp.weight", (a.hidden, a.shared_ff), True)]
     specs += [("output_norm.weight", (a.hidden,), False), ("output.weight", (n_vocab, a.hidden), True)]
@@ -244,6 +256,12 @@ def write_gemma4(a: argparse.Namespace) -> int:
         w.add_rope_dimension_count(a.head_dim)
     if a.arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(a.shared_ff)
+    if a.arch == "glm4moe":  # GLM-4.5-Air's routing: sigmoid, renormalised, scaled by 1.0; half of each head rotated
+        w.add_rope_dimension_count(a.head_dim // 2)
+        w.add_leading_dense_block_count(GLM_DENSE)
+        w.add_expert_shared_count(1)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_norm(True)
     w.add_uint32(f"{arch}.rope.dimension_count", a.global_head_dim)
     w.add_uint32(f"{arch}.rope.dimension_count_swa", a.head_dim)
     n_vocab = copy_tokenizer(a.tokenizer_from, w)
@@ -296,11 +314,17 @@ def copy_tokenizer(src: str, w: GGUFWriter) -> int:
     return n_vocab
 
 
+#: glm4moe: the leading dense layers (GLM-4.5-Air's first_k_dense_replace) and the dense FFN's width (the
+#: ``feed_forward_length`` written for every family)
+GLM_DENSE, DENSE_FF = 1, 6144
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--out", required=True)
-    ap.add_argument("--arch", choices=("qwen3moe", "gemma4", "llama", "olmoe", "qwen2moe"), default="qwen3moe",
-                    help="llama (Mixtral), olmoe, qwen2moe: the qwen3moe shape with that family's tensors")
+    ap.add_argument("--arch", choices=("qwen3moe", "gemma4", "llama", "olmoe", "qwen2moe", "glm4moe"),
+                    default="qwen3moe", help="llama (Mixtral), olmoe, qwen2moe, glm4moe: the qwen3moe shape with that "
+                    "family's tensors")
     ap.add_argument("--tokenizer-from", required=True, help="GGUF whose tokenizer.* metadata is copied")
     ap.add_argument("--type", default="Q8_0", help="ggml type of the big matrices: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, "
                     "BF16 through gguf's quantizer (slow); Q4_K, Q4_K_M, Q6_K as random blocks (fast; qwen3moe: see "
@@ -315,8 +339,8 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=None, help="default: 128 (qwen3moe); the 26B-A4B value (gemma4)")
     ap.add_argument("--top-k", type=int, default=None, help="default: 8 (qwen3moe); the 26B-A4B value (gemma4)")
     ap.add_argument("--expert-ff", type=int, default=None, help="default: 768 (qwen3moe); the 26B-A4B value (gemma4)")
-    ap.add_argument("--shared-ff", type=int, default=5632, help="qwen2moe: the shared expert's width (default: "
-                    "Qwen1.5-MoE-A2.7B's)")
+    ap.add_argument("--shared-ff", type=int, default=None, help="qwen2moe: the shared expert's width (default: "
+                    "Qwen1.5-MoE-A2.7B's 5632); glm4moe: --expert-ff (one shared expert)")
     ap.add_argument("--std", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -326,16 +350,19 @@ def main() -> int:
                        "top_k": 8, "expert_ff": 768}.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
+    if a.shared_ff is None:
+        a.shared_ff = a.expert_ff if a.arch == "glm4moe" else 5632
     fast = a.type in FAST_TYPES
     qtype = None if fast else GGMLQuantizationType[a.type]
     tmp = a.out + ".tmp"
     w = GGUFWriter(tmp, a.arch)
-    w.add_name(f"random {a.arch} {a.layers}L h{a.hidden} e{a.experts} top{a.top_k} ff{a.expert_ff} {a.type}")
+    family = "Qwen3-MoE" if a.arch == "qwen3moe" else a.arch
+    w.add_name(f"random {family} {a.layers}L h{a.hidden} e{a.experts} top{a.top_k} ff{a.expert_ff} {a.type}")
     w.add_block_count(a.layers)
     w.add_context_length(4096)
     w.add_embedding_length(a.hidden)
     # llama and olmoe: the experts' width (llama.cpp's n_ff for these families)
-    w.add_feed_forward_length(a.expert_ff if a.arch in ("llama", "olmoe") else 6144)
+    w.add_feed_forward_length(a.expert_ff if a.arch in ("llama", "olmoe") else DENSE_FF)
     w.add_head_count(a.heads)
     w.add_head_count_kv(a.kv_heads)
     w.add_key_length(a.head_dim)
@@ -349,6 +376,12 @@ def main() -> int:
         w.add_rope_dimension_count(a.head_dim)
     if a.arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(a.shared_ff)
+    if a.arch == "glm4moe":  # GLM-4.5-Air's routing: sigmoid, renormalised, scaled by 1.0; half of each head rotated
+        w.add_rope_dimension_count(a.head_dim // 2)
+        w.add_leading_dense_block_count(GLM_DENSE)
+        w.add_expert_shared_count(1)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_norm(True)
     if fast and a.type == "Q4_K_M":
         w.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M: llama-bench's model column says "Q4_K - Medium"
     n_vocab = copy_tokenizer(a.tokenizer_from, w)
