@@ -252,16 +252,6 @@ def write_gemma4(a: argparse.Namespace) -> int:
     w.add_uint32(f"{arch}.attention.key_length_swa", a.head_dim)
     w.add_uint32(f"{arch}.attention.value_length_swa", a.head_dim)
     w.add_expert_feed_forward_length(a.expert_ff)
-    if a.arch == "llama":
-        w.add_rope_dimension_count(a.head_dim)
-    if a.arch == "qwen2moe":
-        w.add_expert_shared_feed_forward_length(a.shared_ff)
-    if a.arch == "glm4moe":  # GLM-4.5-Air's routing: sigmoid, renormalised, scaled by 1.0; half of each head rotated
-        w.add_rope_dimension_count(a.head_dim // 2)
-        w.add_leading_dense_block_count(GLM_DENSE)
-        w.add_expert_shared_count(1)
-        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
-        w.add_expert_weights_norm(True)
     w.add_uint32(f"{arch}.rope.dimension_count", a.global_head_dim)
     w.add_uint32(f"{arch}.rope.dimension_count_swa", a.head_dim)
     n_vocab = copy_tokenizer(a.tokenizer_from, w)
