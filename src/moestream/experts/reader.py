@@ -21,6 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..errors import ExpertReadError, GGUFError, ModelFileChanged, OptionError, shown
 from ..gguf import describe_change
 from ..limits import MAX_IO_THREADS
@@ -141,6 +143,80 @@ class ReadJob:
         return n if self.nbytes is None else self.lead + self.nbytes
 
 
+#: entries of a C reader's job table (csrc/iokern.c): reads queued or not yet joined at once; past it a submit goes
+#: to the Python threads
+C_JOBS = 4096
+#: low-priority (speculative) reads a C reader runs at once, and only while no demand read is queued or running
+LOW_MAX = 2
+#: bytes a low-priority read takes per pread; between two it yields to a demand read that is waiting
+LOW_CHUNK = 256 << 10
+#: ms_io_result's outcomes (csrc/iokern.c)
+_OK, _ERRNO, _REFUSED, _CHANGED = 0, 1, 2, 3
+
+
+class _CFuture:
+    """One read on the C threads (csrc/iokern.c), with the calls of a ``concurrent.futures.Future`` that the reader
+    and the store make: ``done``, ``cancel``, ``cancelled``, ``result``. ``result`` interprets the outcome in the
+    calling thread as ExpertReader._read would have in its own: the same errors, the same buffered retry of a
+    refused O_DIRECT read, the same identity check."""
+
+    __slots__ = ("reader", "idx", "job", "fd", "t0", "times", "_out", "_cancelled", "__weakref__")
+
+    def __init__(self, reader: ExpertReader, idx: int, job: ReadJob, fd: int):
+        self.reader, self.idx, self.job, self.fd = reader, idx, job, fd
+        self._out: tuple | None = None  # ("ok", bytes) or ("err", exception) once settled
+        self._cancelled = False
+        #: (start, end) of the read on its C thread, time.monotonic_ns clock, once settled (diagnostics)
+        self.times: tuple[int, int] | None = None
+
+    def _h(self) -> int | None:
+        return self.reader._c_handle
+
+    def done(self) -> bool:
+        if self._out is not None or self._cancelled:
+            return True
+        h = self._h()
+        return h is None or self.reader._c.ms_io_state(h, self.idx) >= 3
+
+    def cancel(self) -> bool:
+        if self._out is not None or self._cancelled:
+            return self._cancelled
+        h = self._h()
+        if h is None or not self.reader._c.ms_io_cancel(h, self.idx):
+            return False
+        self._cancelled = True
+        self.reader._c.ms_io_release(h, self.idx)
+        return True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def promote(self) -> None:
+        """A step needs this read now: a low-priority read still queued (or between two chunks) becomes a demand
+        read."""
+        h = self._h()
+        if self._out is None and not self._cancelled and h is not None:
+            self.reader._c.ms_io_promote(h, self.idx)
+
+    def result(self) -> int:
+        if self._out is None:
+            self.reader._c_settle([self])
+        if self._cancelled:
+            from concurrent.futures import CancelledError
+            raise CancelledError()
+        kind, value = self._out  # type: ignore[misc]
+        if kind == "err":
+            raise value
+        return value
+
+    def __del__(self) -> None:
+        if self._out is None and not self._cancelled:
+            h = self._h()
+            if h is not None:
+                with contextlib.suppress(Exception):
+                    self.reader._c.ms_io_release(h, self.idx)
+
+
 class Ticket:
     """Handle of one submit(); pass it to ExpertReader.wait(). ``joined``: how many of its reads (a prefix, in
     submit order) have been joined so far."""
@@ -209,6 +285,10 @@ class ExpertReader:
         self.reads = 0
         self.read_seconds = 0.0
         self.wait_seconds = 0.0  # time compute spent blocked in wait()
+        #: the C read threads (csrc/iokern.c): None until the first read that can use them; False where they cannot
+        #: be had (no kernels here, MOESTREAM_C_READER=0): the Python threads read everything
+        self._c = None
+        self._c_handle: int | None = None
 
     def open(self, path: str, direct: bool = False) -> bool:
         """Open ``path`` (buffered, and with O_DIRECT when ``direct``) now rather than at the first read, and
@@ -309,14 +389,94 @@ class ExpertReader:
         ExpertReadError naming the file, offset and size; ModelFileChanged."""
         return self._read(job)
 
-    def submit(self, jobs: list[ReadJob]) -> Ticket:
-        """Start the reads; returns at once. An empty job list gives an empty ticket."""
+    def submit(self, jobs: list[ReadJob], low: bool = False) -> Ticket:
+        """Start the reads; returns at once. An empty job list gives an empty ticket. ``low``: speculative reads (a
+        prefetch), which the C read threads start only while no other read is queued or running, at most
+        :data:`LOW_MAX` at a time (the Python threads, where the C ones are not had, read them in order)."""
         if not jobs:
             return Ticket([])
         t0 = time.perf_counter()
-        futures = [self._pool.submit(self._read, j) for j in jobs]
+        # a test standing in for the reads (ExpertReader._read, os.preadv: injected faults) gets the Python threads
+        plain = type(self)._read is _PLAIN_READ and os.preadv is _PREADV
+        futures = (self._c_submit(jobs, low) if plain and all(j.sink is None and j.dest is not None for j in jobs)
+                   else None)
+        if futures is None:
+            futures = [self._pool.submit(self._read, j) for j in jobs]
         futures[0].t0 = t0  # type: ignore[attr-defined]
         return Ticket(futures)
+
+    def _c_lib(self):  # noqa: ANN202 - the ctypes library or None
+        if self._c is None:
+            from .. import kernels
+
+            lib = kernels.io_ops()
+            h = lib.ms_io_new(self.io_threads, C_JOBS, LOW_MAX, LOW_CHUNK) if lib is not None else None
+            self._c, self._c_handle = (lib, h) if h else (False, None)
+        return self._c or None
+
+    def _c_submit(self, jobs: list[ReadJob], low: bool) -> list[_CFuture] | None:
+        """The reads queued on the C threads, or None (the Python threads read them): no C reader here, or its job
+        table is full. Descriptors are opened here, as a Python thread opens them at its first read."""
+        lib = self._c_lib()
+        if lib is None:
+            return None
+        n = len(jobs)
+        spec = np.empty((n, 11), dtype=np.int64)
+        fds = []
+        for k, j in enumerate(jobs):
+            fd = self._fd(j.path, False)
+            dfd = self._fd(j.path, True) if j.direct else None
+            ident = self._identity[j.path]
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(j.dest))
+            spec[k] = (fd, -1 if dfd is None else dfd, j.offset, addr, len(j.dest), int(low), *ident, 0)
+            fds.append(fd)
+        ids = np.empty(n, dtype=np.int64)
+        if lib.ms_io_submit(self._c_handle, n, spec.ctypes.data, ids.ctypes.data) < 0:
+            return None
+        return [_CFuture(self, int(i), j, fd) for i, j, fd in zip(ids.tolist(), jobs, fds, strict=True)]
+
+    def _c_settle(self, futures: list[_CFuture]) -> None:
+        """Block (GIL released) until ``futures``' reads finish, then take their outcomes: bytes, or the error a
+        Python thread's read would have raised (a refused O_DIRECT read is read again buffered here)."""
+        lib, h = self._c, self._c_handle
+        todo = [f for f in futures if f._out is None and not f._cancelled]
+        if not todo:
+            return
+        if h is None:
+            for f in todo:
+                f._out = ("err", ExpertReadError(f.job.path, f.job.offset + f.job.lead, f.job.need - f.job.lead,
+                                                 "the reader was closed"))
+            return
+        ids = np.fromiter((f.idx for f in todo), dtype=np.int64, count=len(todo))
+        lib.ms_io_wait(h, len(todo), ids.ctypes.data)
+        out = np.empty(5, dtype=np.int64)
+        for f in todo:
+            if lib.ms_io_state(h, f.idx) == 4:  # cancelled by another caller of the library (not by this object)
+                f._cancelled = True
+                lib.ms_io_release(h, f.idx)
+                continue
+            lib.ms_io_result(h, f.idx, out.ctypes.data)
+            outcome, err, done, t_start, t_end = out.tolist()
+            f.times = (t_start, t_end)
+            lib.ms_io_release(h, f.idx)
+            job = f.job
+            try:
+                if outcome == _REFUSED:
+                    self._refuse(job.path, os.strerror(err))
+                    done = self._fill(job, f.fd, None)
+                    self._check(job.path, f.fd)
+                elif outcome == _ERRNO:
+                    raise ExpertReadError(job.path, job.offset + job.lead, job.need - job.lead, os.strerror(err))
+                else:
+                    if done < job.need:
+                        got = max(0, done - job.lead)
+                        raise ExpertReadError(job.path, job.offset + job.lead, job.need - job.lead,
+                                              f"short read: got {got} bytes, the file ends early (truncated?)")
+                    if outcome == _CHANGED:
+                        self._check(job.path, f.fd)
+                f._out = ("ok", done)
+            except BaseException as e:  # noqa: BLE001 - handed to result(), as a Future holds its exception
+                f._out = ("err", e)
 
     def wait(self, ticket: Ticket, upto: int | None = None) -> None:
         """Block until the reads of ``ticket`` are done: all of them, or the first ``upto`` in submit order (the
@@ -328,6 +488,9 @@ class ExpertReader:
         t_wait = time.perf_counter()
         error: BaseException | None = None
         n = 0
+        cfut = [f for f in ticket.futures[ticket.joined:end] if isinstance(f, _CFuture)]
+        if cfut:
+            self._c_settle(cfut)  # one blocking call for all of them
         for f in ticket.futures[ticket.joined:end]:
             try:
                 n += f.result()
@@ -350,8 +513,17 @@ class ExpertReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._c_handle is not None:
+            h, self._c_handle = self._c_handle, None
+            self._c.ms_io_free(h)  # after the reads running finish
         with self._lock:
             for fd in self._fds.values():
                 if fd is not None:
                     os.close(fd)
             self._fds.clear()
+
+
+#: ExpertReader's own ``_read`` and ``os.preadv``: where either is replaced (tests injecting failures), every read runs
+#: on the Python threads
+_PLAIN_READ = ExpertReader._read
+_PREADV = os.preadv
