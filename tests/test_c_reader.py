@@ -37,13 +37,17 @@ def _read(reader: ExpertReader, jobs: list[ReadJob], low: bool = False):  # noqa
     return t
 
 
+@pytest.mark.parametrize("split", ["0", "1"])
 @pytest.mark.parametrize("direct", [False, True])
-def test_same_bytes_and_counters_as_the_python_threads(tmp_path, monkeypatch, direct):
+def test_same_bytes_and_counters_as_the_python_threads(tmp_path, monkeypatch, direct, split):
+    """Also with the reads cut into pieces over the threads (MOESTREAM_READ_SPLIT=1), the last one past the end of
+    the file for a direct read."""
+    monkeypatch.setenv("MOESTREAM_READ_SPLIT", split)
     path, data = _file(tmp_path, 3 << 20)
     align = dio_alignment(path) if direct else None
     if direct and align is None:
         pytest.skip("the file system here refuses O_DIRECT")
-    offs = [0, 12345 * 32, (1 << 20) + 64, (3 << 20) - 5000]
+    offs = [0, 12345 * 32, (1 << 20) + 64, (3 << 20) - 5000, (3 << 20) - 700_000]
     got = {}
     for c in ("1", "0"):
         monkeypatch.setenv("MOESTREAM_C_READER", c)
@@ -52,7 +56,7 @@ def test_same_bytes_and_counters_as_the_python_threads(tmp_path, monkeypatch, di
             r.open(path, direct=direct)
             jobs = []
             for off in offs:
-                n = min(200_000, len(data) - off)
+                n = min(200_000 if off < (3 << 20) - 700_000 else 700_000, len(data) - off)
                 if direct:  # the aligned range around the bytes, as StreamingStore reads an expert
                     lead = off % align
                     end = -(-(lead + n) // align) * align
@@ -81,10 +85,12 @@ def _error(monkeypatch, c: str, make) -> BaseException:  # noqa: ANN001
         r.close()
 
 
-def test_short_read_is_the_same_error(tmp_path, monkeypatch):
-    path, data = _file(tmp_path, 100_000)
-    errs = [_error(monkeypatch, c, lambda r: [ReadJob(path, 90_000, _buf(20_000))]) for c in ("1", "0")]
-    assert str(errs[0]) == str(errs[1]) and "short read: got 10000 bytes" in str(errs[0])
+@pytest.mark.parametrize("split", ["0", "1"])
+def test_short_read_is_the_same_error(tmp_path, monkeypatch, split):
+    monkeypatch.setenv("MOESTREAM_READ_SPLIT", split)
+    path, data = _file(tmp_path, 1_000_000)
+    errs = [_error(monkeypatch, c, lambda r: [ReadJob(path, 100_000, _buf(1_000_000))]) for c in ("1", "0")]
+    assert str(errs[0]) == str(errs[1]) and "short read: got 900000 bytes" in str(errs[0])
 
 
 def test_os_error_is_the_same_error(tmp_path, monkeypatch):

@@ -335,6 +335,10 @@ def child(a: argparse.Namespace) -> None:
     r["stall_s_store"] = st.stall_seconds
     print(f"   hit rate {100 * st.hit_rate:.1f}%, store stall {1000 * st.stall_seconds / len(p.step_times):.2f} "
           f"ms/token; slots/layer {getattr(model.store, 'n_slots', '-')}")
+    if st.recall is not None:
+        print(f"   lookahead: recall {100 * st.recall:.1f}%, miss bytes ready {100 * (st.ready_share or 0):.1f}%, "
+              f"issued {st.prefetch_issued}, used {st.prefetch_used}, wasted {st.prefetch_wasted} (cancelled "
+              f"{st.prefetch_cancelled}, failed {st.prefetch_failed}) over {len(p.step_times)} tokens")
     n_steps = len(p.step_times)
     r["thread_cpu_ms"] = {k: 1000 * v / n_steps for k, v in kinds.items()}
     print("   CPU per token by thread: " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(r["thread_cpu_ms"].items())))

@@ -150,6 +150,11 @@ C_JOBS = 4096
 LOW_MAX = 2
 #: bytes a low-priority read takes per pread; between two it yields to a demand read that is waiting
 LOW_CHUNK = 256 << 10
+#: MOESTREAM_READ_SPLIT=1: one submit's demand reads cut into pieces of at least SPLIT_MIN bytes (a multiple of
+#: SPLIT_ALIGN, which every O_DIRECT alignment here divides) so that every read thread has one: more reads in flight
+#: for a device that needs a deeper queue for its bandwidth (off by default: on this project's 2-core machine's disk
+#: one expert's three reads already take its bandwidth)
+SPLIT_MIN, SPLIT_ALIGN = 256 << 10, 64 << 10
 #: ms_io_result's outcomes (csrc/iokern.c)
 _OK, _ERRNO, _REFUSED, _CHANGED = 0, 1, 2, 3
 
@@ -158,15 +163,16 @@ class _CFuture:
     """One read on the C threads (csrc/iokern.c), with the calls of a ``concurrent.futures.Future`` that the reader
     and the store make: ``done``, ``cancel``, ``cancelled``, ``result``. ``result`` interprets the outcome in the
     calling thread as ExpertReader._read would have in its own: the same errors, the same buffered retry of a
-    refused O_DIRECT read, the same identity check."""
+    refused O_DIRECT read, the same identity check. ``idx``: the C entries of its chunks, in file order (one, or
+    several read in parallel: MOESTREAM_READ_SPLIT); ``lens``: their lengths."""
 
-    __slots__ = ("reader", "idx", "job", "fd", "t0", "times", "_out", "_cancelled", "__weakref__")
+    __slots__ = ("reader", "idx", "lens", "job", "fd", "t0", "times", "_out", "_cancelled", "__weakref__")
 
-    def __init__(self, reader: ExpertReader, idx: int, job: ReadJob, fd: int):
-        self.reader, self.idx, self.job, self.fd = reader, idx, job, fd
+    def __init__(self, reader: ExpertReader, idx: list[int], lens: list[int], job: ReadJob, fd: int):
+        self.reader, self.idx, self.lens, self.job, self.fd = reader, idx, lens, job, fd
         self._out: tuple | None = None  # ("ok", bytes) or ("err", exception) once settled
         self._cancelled = False
-        #: (start, end) of the read on its C thread, time.monotonic_ns clock, once settled (diagnostics)
+        #: (start, end) of the read on its C threads, time.monotonic_ns clock, once settled (diagnostics)
         self.times: tuple[int, int] | None = None
 
     def _h(self) -> int | None:
@@ -176,16 +182,17 @@ class _CFuture:
         if self._out is not None or self._cancelled:
             return True
         h = self._h()
-        return h is None or self.reader._c.ms_io_state(h, self.idx) >= 3
+        return h is None or all(self.reader._c.ms_io_state(h, i) >= 3 for i in self.idx)
 
     def cancel(self) -> bool:
+        """Cancel a read still queued (not one split in chunks: only demand reads are, and they are not cancelled)."""
         if self._out is not None or self._cancelled:
             return self._cancelled
         h = self._h()
-        if h is None or not self.reader._c.ms_io_cancel(h, self.idx):
+        if h is None or len(self.idx) != 1 or not self.reader._c.ms_io_cancel(h, self.idx[0]):
             return False
         self._cancelled = True
-        self.reader._c.ms_io_release(h, self.idx)
+        self.reader._c.ms_io_release(h, self.idx[0])
         return True
 
     def cancelled(self) -> bool:
@@ -196,7 +203,8 @@ class _CFuture:
         read."""
         h = self._h()
         if self._out is None and not self._cancelled and h is not None:
-            self.reader._c.ms_io_promote(h, self.idx)
+            for i in self.idx:
+                self.reader._c.ms_io_promote(h, i)
 
     def result(self) -> int:
         if self._out is None:
@@ -214,7 +222,8 @@ class _CFuture:
             h = self._h()
             if h is not None:
                 with contextlib.suppress(Exception):
-                    self.reader._c.ms_io_release(h, self.idx)
+                    for i in self.idx:
+                        self.reader._c.ms_io_release(h, i)
 
 
 class Ticket:
@@ -420,20 +429,36 @@ class ExpertReader:
         lib = self._c_lib()
         if lib is None:
             return None
-        n = len(jobs)
-        spec = np.empty((n, 11), dtype=np.int64)
-        fds = []
-        for k, j in enumerate(jobs):
-            fd = self._fd(j.path, False)
-            dfd = self._fd(j.path, True) if j.direct else None
-            ident = self._identity[j.path]
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(j.dest))
-            spec[k] = (fd, -1 if dfd is None else dfd, j.offset, addr, len(j.dest), int(low), *ident, 0)
-            fds.append(fd)
-        ids = np.empty(n, dtype=np.int64)
-        if lib.ms_io_submit(self._c_handle, n, spec.ctypes.data, ids.ctypes.data) < 0:
+        split = 0
+        if not low and os.environ.get("MOESTREAM_READ_SPLIT", "0") == "1":  # demand reads over every thread
+            total = sum(len(j.dest) for j in jobs)
+            split = max(SPLIT_MIN, -(-total // self.io_threads))
+            split = -(-split // SPLIT_ALIGN) * SPLIT_ALIGN
+        rows, fds, files, parts = [], [], {}, []
+        for j in jobs:
+            f = files.get((j.path, j.direct))
+            if f is None:  # per file: its descriptors (opened now if need be) and identity
+                fd = self._fd(j.path, False)
+                dfd = self._fd(j.path, True) if j.direct else None
+                f = files[(j.path, j.direct)] = (fd, -1 if dfd is None else dfd, *self._identity[j.path])
+            addr, n = ctypes.addressof(ctypes.c_char.from_buffer(j.dest)), len(j.dest)
+            lens = [n] if not split or n <= split else [min(split, n - a) for a in range(0, n, split)]
+            at = 0
+            for ln in lens:
+                rows.append((f[0], f[1], j.offset + at, addr + at, ln, low, *f[2:], 0))
+                at += ln
+            fds.append(f[0])
+            parts.append(lens)
+        spec = np.array(rows, dtype=np.int64)
+        ids = np.empty(len(rows), dtype=np.int64)
+        if lib.ms_io_submit(self._c_handle, len(rows), spec.ctypes.data, ids.ctypes.data) < 0:
             return None
-        return [_CFuture(self, int(i), j, fd) for i, j, fd in zip(ids.tolist(), jobs, fds, strict=True)]
+        out, k = [], 0
+        idl = ids.tolist()
+        for j, fd, lens in zip(jobs, fds, parts, strict=True):
+            out.append(_CFuture(self, idl[k:k + len(lens)], lens, j, fd))
+            k += len(lens)
+        return out
 
     def _c_settle(self, futures: list[_CFuture]) -> None:
         """Block (GIL released) until ``futures``' reads finish, then take their outcomes: bytes, or the error a
@@ -447,32 +472,36 @@ class ExpertReader:
                 f._out = ("err", ExpertReadError(f.job.path, f.job.offset + f.job.lead, f.job.need - f.job.lead,
                                                  "the reader was closed"))
             return
-        ids = np.fromiter((f.idx for f in todo), dtype=np.int64, count=len(todo))
-        lib.ms_io_wait(h, len(todo), ids.ctypes.data)
+        ids = np.array([i for f in todo for i in f.idx], dtype=np.int64)
+        lib.ms_io_wait(h, len(ids), ids.ctypes.data)
         out = np.empty(5, dtype=np.int64)
         for f in todo:
-            if lib.ms_io_state(h, f.idx) == 4:  # cancelled by another caller of the library (not by this object)
-                f._cancelled = True
-                lib.ms_io_release(h, f.idx)
-                continue
-            lib.ms_io_result(h, f.idx, out.ctypes.data)
-            outcome, err, done, t_start, t_end = out.tolist()
-            f.times = (t_start, t_end)
-            lib.ms_io_release(h, f.idx)
+            res = []
+            for i in f.idx:
+                lib.ms_io_result(h, i, out.ctypes.data)
+                res.append(out.tolist())
+                lib.ms_io_release(h, i)
+            f.times = (min(r[3] for r in res), max(r[4] for r in res))
+            bad = next((r for r in res if r[0] in (_ERRNO, _REFUSED)), None)
+            done = 0
+            for r, ln in zip(res, f.lens, strict=True):  # the bytes that arrived, from the start of the range
+                done += r[2]
+                if r[2] < ln:
+                    break
             job = f.job
             try:
-                if outcome == _REFUSED:
-                    self._refuse(job.path, os.strerror(err))
+                if bad is not None and bad[0] == _REFUSED:
+                    self._refuse(job.path, os.strerror(bad[1]))
                     done = self._fill(job, f.fd, None)
                     self._check(job.path, f.fd)
-                elif outcome == _ERRNO:
-                    raise ExpertReadError(job.path, job.offset + job.lead, job.need - job.lead, os.strerror(err))
+                elif bad is not None:
+                    raise ExpertReadError(job.path, job.offset + job.lead, job.need - job.lead, os.strerror(bad[1]))
                 else:
                     if done < job.need:
                         got = max(0, done - job.lead)
                         raise ExpertReadError(job.path, job.offset + job.lead, job.need - job.lead,
                                               f"short read: got {got} bytes, the file ends early (truncated?)")
-                    if outcome == _CHANGED:
+                    if any(r[0] == _CHANGED for r in res):
                         self._check(job.path, f.fd)
                 f._out = ("ok", done)
             except BaseException as e:  # noqa: BLE001 - handed to result(), as a Future holds its exception
