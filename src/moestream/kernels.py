@@ -240,6 +240,8 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_io_result.restype = None
             lib.ms_io_promote.argtypes = [_P, _L64]
             lib.ms_io_promote.restype = _I
+            lib.ms_slot_plan.argtypes = [_I, _I, _P, _P, _P, _P, _L64, _I, _P, _I, _P, _P, _P, _P]
+            lib.ms_slot_plan.restype = _I
             lib.ms_io_release.argtypes = [_P, _L64]
             lib.ms_io_release.restype = None
             _set_tables(lib)

@@ -227,7 +227,8 @@ int ms_io_submit(void *h, int n, const int64_t *spec, int64_t *ids) {
         low |= j->prio;
         ids[k] = i;
     }
-    if (n == 1 && !low) pthread_cond_signal(&r->work); else pthread_cond_broadcast(&r->work);
+    /* one wake-up per read, at most one per thread (a broadcast would wake every thread for each submit) */
+    for (int k = 0; k < n && k < r->n_threads; k++) pthread_cond_signal(&r->work);
     pthread_mutex_unlock(&r->mu);
     return n;
 }
@@ -335,4 +336,62 @@ void ms_io_release(void *h, int64_t i) {
     if (j->state == ST_RUNNING) j->orphan = 1;
     else if (j->state != ST_FREE) free_entry(r, (int)i);
     pthread_mutex_unlock(&r->mu);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The slot plan of one step of one layer (experts/policy.py CachePolicy.plan, the same choices):           */
+/* n distinct real ids `ids`; `keep` (n_keep real ids not in ids) pinned too. Updates uses[ids] += 1 and      */
+/* last[ids] = clock. Each id in a slot keeps it; the misses, in ids order, take the slots of smallest key,    */
+/* ties to the lowest slot (numpy's stable argsort): empty slots first (key INT64_MIN as a double), then       */
+/* resident experts by the policy's key (lfu: uses * 2^32 + last; lru: last; as doubles), then `busy` slots    */
+/* (DBL_MAX; busy may be NULL), never a slot holding an id of ids or keep (inf). Writes slot_ids[n] and, for   */
+/* each miss, loads[2 * j] = expert, loads[2 * j + 1] = slot; updates the slot map; returns the miss count, or  */
+/* -1 when fewer slots than misses can be taken (the caller checks the sizes first).                          */
+#include <float.h>
+#include <math.h>
+
+int ms_slot_plan(int policy, int n_slots, int64_t *slot_of, int64_t *expert_of, int64_t *uses, int64_t *last,
+                 int64_t clock, int n, const int64_t *ids, int n_keep, const int64_t *keep, const uint8_t *busy,
+                 int64_t *slot_ids, int64_t *loads) {
+    int n_miss = 0;
+    for (int i = 0; i < n; i++) {
+        uses[ids[i]] += 1;
+        last[ids[i]] = clock;
+        slot_ids[i] = slot_of[ids[i]];
+        if (slot_ids[i] < 0) n_miss++;
+    }
+    if (!n_miss) return 0;
+    double keys_buf[1024];
+    double *keys = n_slots <= 1024 ? keys_buf : malloc(sizeof(double) * (size_t)n_slots);
+    if (!keys) return -1;
+    for (int s = 0; s < n_slots; s++) {
+        int64_t e = expert_of[s];
+        if (e < 0) keys[s] = (double)INT64_MIN;
+        else if (policy == 0) keys[s] = (double)uses[e] * 4294967296.0 + (double)last[e];
+        else keys[s] = (double)last[e];
+        if (busy && busy[s]) keys[s] = DBL_MAX;
+    }
+    for (int i = 0; i < n + n_keep; i++) {
+        int64_t s = slot_of[i < n ? ids[i] : keep[i - n]];
+        if (s >= 0) keys[s] = INFINITY;
+    }
+    int j = 0, rc = n_miss;
+    for (int i = 0; i < n; i++) {
+        if (slot_ids[i] >= 0) continue;
+        int best = -1;
+        for (int s = 0; s < n_slots; s++)
+            if (keys[s] != INFINITY && (best < 0 || keys[s] < keys[best])) best = s;
+        if (best < 0) { rc = -1; break; }
+        keys[best] = INFINITY; /* taken: the next miss takes the next slot of the order */
+        int64_t old = expert_of[best];
+        if (old >= 0) slot_of[old] = -1;
+        expert_of[best] = ids[i];
+        slot_of[ids[i]] = best;
+        slot_ids[i] = best;
+        loads[2 * j] = ids[i];
+        loads[2 * j + 1] = best;
+        j++;
+    }
+    if (keys != keys_buf) free(keys);
+    return rc;
 }
