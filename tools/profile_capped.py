@@ -108,6 +108,7 @@ class Profile:
             r = lay[8]
             r.linear = timed("router", r.linear)
         model.output.linear = timed("head", model.output.linear)
+        model.embd.rows_of = timed("embed", model.embd.rows_of)
         store = fast.store
         if store.streaming:
             self._wrap_store(store, timed)
@@ -217,12 +218,12 @@ def report(p: Profile, n_layers: int, label: str) -> dict:
     print(f"== {label}: {steps} decode steps, {statistics.mean(per_step):.2f} ms/token mean "
           f"(median {statistics.median(per_step):.2f}, sd {out['ms_per_token_sd']:.2f}); process CPU "
           f"{out['cpu_ms']:.1f} ms/token; faults/token minor {out['minflt']:.0f} major {out['majflt']:.1f}")
-    order = [q for q in ("lookahead", "norm0", "qkv", "attn", "o", "norm", "router", "plan", "prepare", "glue",
+    order = [q for q in ("embed", "lookahead", "norm0", "qkv", "attn", "o", "norm", "router", "plan", "prepare", "glue",
                          "hits", "wait", "misses", "moe", "head") if q in part_ms]
     for q in order:
         print(f"   {q:10s} {part_ms[q] / steps:8.3f} ms/token")
-    print(f"   {'(other)':10s} {(total - known) / steps:8.3f} ms/token  (Python between the calls, the embedding, "
-          f"the engine's checks)")
+    print(f"   {'(other)':10s} {(total - known) / steps:8.3f} ms/token  (Python between the calls, the engine's "
+          f"checks)")
     stall = part_ms.get("wait", 0.0)
     print(f"   not blocked on reads: {(total - stall) / steps:.2f} ms/token")
     if p.reads:
