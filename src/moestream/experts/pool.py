@@ -547,7 +547,7 @@ class StreamingStore(ExpertStore):
         jobs = self._jobs(layer, plan.loads, pinned)
         if jobs:
             self._before_reads(layer)
-        ticket = self.reader.submit(jobs)
+        ticket = self.reader.submit(jobs, group=len(mats))
         if joining:  # the first future is a prefetch's first, which carries its submit time
             ticket = Ticket(futures + ticket.futures)
         ticket.loads = (layer, joining + plan.loads)  # type: ignore[attr-defined]

@@ -398,17 +398,18 @@ class ExpertReader:
         ExpertReadError naming the file, offset and size; ModelFileChanged."""
         return self._read(job)
 
-    def submit(self, jobs: list[ReadJob], low: bool = False) -> Ticket:
-        """Start the reads; returns at once. An empty job list gives an empty ticket. ``low``: speculative reads (a
+    def submit(self, jobs: list[ReadJob], low: bool = False, group: int = 0) -> Ticket:
+        """Start the reads; returns at once. An empty job list gives an empty ticket. ``group``: jobs per expert
+        (MOESTREAM_READ_SPLIT's pieces are sized by the first group). ``low``: speculative reads (a
         prefetch), which the C read threads start only while no other read is queued or running, at most
         :data:`LOW_MAX` at a time (the Python threads, where the C ones are not had, read them in order)."""
         if not jobs:
             return Ticket([])
         t0 = time.perf_counter()
         # a test standing in for the reads (ExpertReader._read, os.preadv: injected faults) gets the Python threads
-        plain = type(self)._read is _PLAIN_READ and os.preadv is _PREADV
-        futures = (self._c_submit(jobs, low) if plain and all(j.sink is None and j.dest is not None for j in jobs)
-                   else None)
+        plain = (type(self)._read is _PLAIN_READ and os.preadv is _PREADV
+                 and all(j.sink is None and j.dest is not None for j in jobs))
+        futures = self._c_submit(jobs, low, group) if plain else None
         if futures is None:
             futures = [self._pool.submit(self._read, j) for j in jobs]
         futures[0].t0 = t0  # type: ignore[attr-defined]
@@ -423,7 +424,7 @@ class ExpertReader:
             self._c, self._c_handle = (lib, h) if h else (False, None)
         return self._c or None
 
-    def _c_submit(self, jobs: list[ReadJob], low: bool) -> list[_CFuture] | None:
+    def _c_submit(self, jobs: list[ReadJob], low: bool, group: int = 0) -> list[_CFuture] | None:
         """The reads queued on the C threads, or None (the Python threads read them): no C reader here, or its job
         table is full. Descriptors are opened here, as a Python thread opens them at its first read."""
         lib = self._c_lib()
@@ -431,7 +432,9 @@ class ExpertReader:
             return None
         split = 0
         if not low and os.environ.get("MOESTREAM_READ_SPLIT", "0") == "1":  # demand reads over every thread
-            total = sum(len(j.dest) for j in jobs)
+            # pieces of one group of jobs (an expert's matrices: ``group`` jobs) over every thread, so that the
+            # groups finish one after the other, in submit order, each as soon as the device can read it
+            total = sum(len(j.dest) for j in jobs[:group or len(jobs)])
             split = max(SPLIT_MIN, -(-total // self.io_threads))
             split = -(-split // SPLIT_ALIGN) * SPLIT_ALIGN
         rows, fds, files, parts = [], [], {}, []
