@@ -133,6 +133,8 @@ def test_lean_segmented_step_equals_resident_step(monkeypatch) -> None:  # noqa:
     monkeypatch.setattr(tstep, "ON_CPU", True)
     monkeypatch.setattr(tmoe, "ON_CPU", True)
     model, moes = _grouped_model(4)
+    assert not model.runner.lean(), "opt-in until it has run on a GPU"
+    monkeypatch.setenv("MOESTREAM_LEAN_SEGMENTS", "1")
     assert model.runner.lean()
     runs, counts, traces = {}, {}, {}
     for how in ("eager", "body", "segments"):

@@ -18,7 +18,6 @@ import dataclasses
 import random
 import threading
 import time
-from concurrent.futures import wait as join_futures
 from typing import Any
 
 import numpy as np
@@ -102,7 +101,10 @@ def new_store(model: MoEModel, n_slots: int, io_threads: int = 4) -> StreamingSt
 
 def settle(store: StreamingStore, layer: int) -> None:
     """Block until every prefetch read of ``layer`` has finished (the store joins them at its next call)."""
-    join_futures([f for r in store._pending[layer].values() for f in r.ticket.futures], timeout=20)
+    futures = [f for r in store._pending[layer].values() for f in r.ticket.futures]
+    end = time.monotonic() + 20  # (the C reader's futures are not concurrent.futures ones: poll done())
+    while not all(f.done() for f in futures) and time.monotonic() < end:
+        time.sleep(0.001)
 
 
 def file_bytes(m: Any, expert: int) -> bytes:
@@ -534,12 +536,12 @@ def test_prefetch_read_error_leaves_pool_consistent_and_a_later_run_identical(qw
     real_submit, real_prefetch, real_read = (reader_mod.ExpertReader.submit, StreamingStore.prefetch,
                                              reader_mod.ExpertReader._read)
 
-    def submit(self, jobs):  # noqa: ANN001, ANN202
+    def submit(self, jobs, **k):  # noqa: ANN001, ANN003, ANN202
         if state["in_prefetch"] and jobs:
             state["n"] += 1
             if state["n"] == 5:
                 jobs[0].fail = True
-        return real_submit(self, jobs)
+        return real_submit(self, jobs, **k)
 
     def prefetch(self, *a, **k):  # noqa: ANN002, ANN003, ANN202
         state["in_prefetch"] = True

@@ -14,6 +14,7 @@ the model with :class:`ModelFileChanged` naming the file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -725,6 +726,19 @@ class GGUFModel:
 
         self.check_unchanged()
         return torch.frombuffer(self._map(info.part), dtype=torch.uint8, count=info.n_bytes, offset=info.offset)
+
+    def advise_random(self, info: TensorInfo) -> None:
+        """Tell the kernel the tensor's pages in the map are read at random (MADV_RANDOM): a page fault there reads
+        that page, not the readahead window around it. For a row-lookup table (the token embeddings): its
+        neighbouring rows are other tokens, and under a memory cap, where its pages are reclaimed and fault again,
+        each readahead of them cost a few ms of a decode step (tools/profile_capped.py). Nothing where the platform
+        has no madvise."""
+        mm = self._map(info.part)
+        if not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_RANDOM"):
+            return
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):
+            mm.madvise(mmap.MADV_RANDOM, start, info.offset + info.n_bytes - start)
 
     def read(self, info: TensorInfo) -> torch.Tensor:
         """uint8 tensor [n_bytes] holding a private copy of the tensor data (read with pread)."""

@@ -46,8 +46,8 @@ __all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "t
            "dequant_rows"]
 
 _SRC = Path(__file__).with_name("csrc")
-_SOURCES = ("moekern.c", "iquants.h", "stepkern.c")
-_UNITS = ("moekern.c", "stepkern.c")  # compiled into one library
+_SOURCES = ("moekern.c", "iquants.h", "stepkern.c", "iokern.c")
+_UNITS = ("moekern.c", "stepkern.c", "iokern.c")  # compiled into one library
 
 # flags per ISA build; -ffp-contract=off: no fused multiply-add the source does not spell out
 _ISA_FLAGS = {
@@ -221,6 +221,29 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_route_plan.restype = _I
             lib.ms_dequant_rows.argtypes = [_I, _P, _L, _L, _P, _I, _I, _P]
             lib.ms_dequant_rows.restype = _I
+            _L64 = ctypes.c_int64
+            lib.ms_io_new.argtypes = [_I, _I, _I, _L64]
+            lib.ms_io_new.restype = _P
+            lib.ms_io_free.argtypes = [_P]
+            lib.ms_io_free.restype = None
+            lib.ms_io_submit.argtypes = [_P, _I, _P, _P]
+            lib.ms_io_submit.restype = _I
+            lib.ms_io_state.argtypes = [_P, _L64]
+            lib.ms_io_state.restype = _I
+            lib.ms_io_done_prefix.argtypes = [_P, _I, _P]
+            lib.ms_io_done_prefix.restype = _I
+            lib.ms_io_wait.argtypes = [_P, _I, _P]
+            lib.ms_io_wait.restype = None
+            lib.ms_io_cancel.argtypes = [_P, _L64]
+            lib.ms_io_cancel.restype = _I
+            lib.ms_io_result.argtypes = [_P, _L64, _P]
+            lib.ms_io_result.restype = None
+            lib.ms_io_promote.argtypes = [_P, _L64]
+            lib.ms_io_promote.restype = _I
+            lib.ms_slot_plan.argtypes = [_I, _I, _P, _P, _P, _P, _L64, _I, _P, _I, _P, _P, _P, _P]
+            lib.ms_slot_plan.restype = _I
+            lib.ms_io_release.argtypes = [_P, _L64]
+            lib.ms_io_release.restype = None
             _set_tables(lib)
             _LIBS[which] = lib
         return lib
@@ -331,6 +354,17 @@ def set_step_ops(on: bool) -> None:
     """Run the CPU step's norms, RoPE, attention and router in C (``True``, the default) or in torch
     (``MOESTREAM_STEP_KERNELS=0`` at start, or ``False`` here)."""
     _STEP["on"] = bool(on)
+
+
+def io_ops() -> ctypes.CDLL | None:
+    """The kernel library for experts/reader.py's C read threads (csrc/iokern.c), or None where the kernels cannot be
+    built here or ``MOESTREAM_C_READER=0`` (the reader then uses its Python threads)."""
+    if os.environ.get("MOESTREAM_C_READER", "1") == "0":
+        return None
+    try:
+        return load()
+    except KernelBuildError:
+        return None
 
 
 def step_ops() -> ctypes.CDLL | None:

@@ -500,12 +500,11 @@ class _HostCopy:
 
 
 def lean_segments() -> bool:
-    """False when ``MOESTREAM_LEAN_SEGMENTS`` is ``0``/``off``/``false``/``no`` (default on): the segmented
-    streaming step then computes each MoE layer's experts eagerly through ``MoE.__call__`` between two replays
-    (the path before :class:`SegmentOffsets`; for A/B runs)."""
-    from ..gpu import env_on
-
-    return env_on("MOESTREAM_LEAN_SEGMENTS")
+    """Whether ``MOESTREAM_LEAN_SEGMENTS`` is ``1``/``on``/``true``/``yes``: the segmented streaming step computes
+    each MoE layer's experts inside the next segment's graph (:class:`SegmentOffsets`). Off by default until it has
+    run on a GPU (checked under Triton's interpreter only): each MoE layer's experts then run eagerly through
+    ``MoE.__call__`` between two replays."""
+    return os.environ.get("MOESTREAM_LEAN_SEGMENTS", "0").strip().lower() in ("1", "on", "true", "yes")
 
 
 class SegmentOffsets:

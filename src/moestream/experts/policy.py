@@ -30,6 +30,27 @@ class SlotMap:
         self.expert_of = np.full(n_slots, -1, dtype=np.int64)
 
 
+def _c_lib():  # noqa: ANN202 - the kernels' ctypes library or None
+    """The C kernels for :meth:`CachePolicy.plan` (``ms_slot_plan``), or None: not buildable here, or
+    ``MOESTREAM_C_PLAN=0`` (A/B)."""
+    if _C_LIB[0] is None:
+        import os
+
+        from .. import kernels
+
+        lib = None
+        if os.environ.get("MOESTREAM_C_PLAN", "1") != "0":
+            try:
+                lib = kernels.load()
+            except kernels.KernelBuildError:
+                lib = None
+        _C_LIB[0] = lib or False
+    return _C_LIB[0] or None
+
+
+_C_LIB: list = [None]
+
+
 class CachePolicy:
     """Base policy. ``plan(slots, experts)`` assigns slots to the distinct ``experts`` of one step.
 
@@ -39,6 +60,9 @@ class CachePolicy:
     """
 
     name = "base"
+    #: ``ms_slot_plan``'s code for this policy's keys, set by the class itself (a subclass, which may key otherwise,
+    #: plans in Python)
+    _c_kind: int | None = None
 
     def __init__(self, n_experts: int):
         self.clock = 0
@@ -60,6 +84,8 @@ class CachePolicy:
             raise ValueError(f"{len(experts)} experts in one step{also} but the pool has {slots.n_slots} slots")
         self.clock += 1
         ids = np.asarray(experts, dtype=np.int64)
+        if type(self).__dict__.get("_c_kind") is not None and (lib := _c_lib()) is not None:  # one C call, same plan
+            return self._c_plan(lib, slots, ids, keep, busy)
         self.uses[ids] += 1
         self.last[ids] = self.clock
         slot_ids = slots.slot_of[ids].copy()
@@ -80,6 +106,26 @@ class CachePolicy:
                 slot_ids[i] = slot
                 loads.append((e, int(slot)))
         return Plan(slot_ids=slot_ids.tolist(), loads=loads)
+
+    def _c_plan(self, lib, slots: SlotMap, ids: np.ndarray, keep: list[int],  # noqa: ANN001
+                busy: np.ndarray | None) -> Plan:
+        """:meth:`plan`'s choices computed by ``ms_slot_plan`` (csrc/iokern.c): the same slots, loads and counts."""
+        n = len(ids)
+        arrays = (slots.slot_of, slots.expert_of, self.uses, self.last)
+        ptrs = getattr(slots, "_c_ptrs", None)  # their addresses, kept while they are the same arrays
+        if ptrs is None or any(a is not b for a, b in zip(ptrs[0], arrays, strict=True)):
+            ptrs = slots._c_ptrs = (arrays, *(a.ctypes.data for a in arrays))
+        out = np.empty(3 * n, dtype=np.int64)  # slot ids, then (expert, slot) per load
+        o = out.ctypes.data
+        kp = np.asarray(keep, dtype=np.int64) if keep else None
+        bz = None if busy is None else np.ascontiguousarray(busy, dtype=np.bool_)
+        m = lib.ms_slot_plan(self._c_kind, slots.n_slots, ptrs[1], ptrs[2], ptrs[3], ptrs[4], self.clock, n,
+                             ids.ctypes.data, 0 if kp is None else len(kp), None if kp is None else kp.ctypes.data,
+                             None if bz is None else bz.ctypes.data, o, o + 8 * n)
+        if m < 0:
+            raise ValueError(f"{n} experts in one step but no slot left for a miss of the {slots.n_slots}")
+        flat = out[n:n + 2 * m].tolist()
+        return Plan(slot_ids=out[:n].tolist(), loads=list(zip(flat[0::2], flat[1::2], strict=True)))
 
     def victims(self, slots: SlotMap, n: int, protect: list[int] = (), busy: np.ndarray | None = None) -> list[int]:
         """Up to ``n`` slots a prefetch may fill, in this policy's eviction order (empty slots first), without
@@ -112,6 +158,7 @@ class LFUPolicy(CachePolicy):
     """Least frequently used; ties broken by least recently used (the seed's policy)."""
 
     name = "lfu"
+    _c_kind = 0
 
     def _keys(self, experts: np.ndarray) -> np.ndarray:
         return self.uses[experts].astype(np.float64) * 2.0**32 + self.last[experts]
@@ -121,6 +168,7 @@ class LRUPolicy(CachePolicy):
     """Least recently used."""
 
     name = "lru"
+    _c_kind = 1
 
     def _keys(self, experts: np.ndarray) -> np.ndarray:
         return self.last[experts].astype(np.float64)

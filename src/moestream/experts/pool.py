@@ -528,6 +528,9 @@ class StreamingStore(ExpertStore):
                                                    zip(rec.ticket.futures, mats.values(), strict=True) if f.done())
                 joining.append((e, s))
                 futures += rec.ticket.futures
+                for f in rec.ticket.futures:  # a speculative read now needed: no longer behind the demand reads
+                    if not f.done() and hasattr(f, "promote"):
+                        f.promote()
         if before is not None:
             for _, s in plan.loads:  # a prefetched expert evicted before any use
                 rec = pending.pop(int(before[s]), None)
@@ -544,7 +547,7 @@ class StreamingStore(ExpertStore):
         jobs = self._jobs(layer, plan.loads, pinned)
         if jobs:
             self._before_reads(layer)
-        ticket = self.reader.submit(jobs)
+        ticket = self.reader.submit(jobs, group=len(mats))
         if joining:  # the first future is a prefetch's first, which carries its submit time
             ticket = Ticket(futures + ticket.futures)
         ticket.loads = (layer, joining + plan.loads)  # type: ignore[attr-defined]
@@ -592,7 +595,7 @@ class StreamingStore(ExpertStore):
             slots.expert_of[s] = e
             slots.slot_of[e] = s
             jobs = self._jobs(layer, [(e, s)])
-            pending[e] = _Prefetched(s, self.reader.submit(jobs))
+            pending[e] = _Prefetched(s, self.reader.submit(jobs, low=True))  # behind every demand read
         n = min(len(want), len(victims))
         self.stats.prefetch_issued += n
         return n

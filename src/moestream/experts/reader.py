@@ -21,6 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..errors import ExpertReadError, GGUFError, ModelFileChanged, OptionError, shown
 from ..gguf import describe_change
 from ..limits import MAX_IO_THREADS
@@ -141,6 +143,89 @@ class ReadJob:
         return n if self.nbytes is None else self.lead + self.nbytes
 
 
+#: entries of a C reader's job table (csrc/iokern.c): reads queued or not yet joined at once; past it a submit goes
+#: to the Python threads
+C_JOBS = 4096
+#: low-priority (speculative) reads a C reader runs at once, and only while no demand read is queued or running
+LOW_MAX = 2
+#: bytes a low-priority read takes per pread; between two it yields to a demand read that is waiting
+LOW_CHUNK = 256 << 10
+#: MOESTREAM_READ_SPLIT=1: one submit's demand reads cut into pieces of at least SPLIT_MIN bytes (a multiple of
+#: SPLIT_ALIGN, which every O_DIRECT alignment here divides) so that every read thread has one: more reads in flight
+#: for a device that needs a deeper queue for its bandwidth (off by default: on this project's 2-core machine's disk
+#: one expert's three reads already take its bandwidth)
+SPLIT_MIN, SPLIT_ALIGN = 256 << 10, 64 << 10
+#: ms_io_result's outcomes (csrc/iokern.c)
+_OK, _ERRNO, _REFUSED, _CHANGED = 0, 1, 2, 3
+
+
+class _CFuture:
+    """One read on the C threads (csrc/iokern.c), with the calls of a ``concurrent.futures.Future`` that the reader
+    and the store make: ``done``, ``cancel``, ``cancelled``, ``result``. ``result`` interprets the outcome in the
+    calling thread as ExpertReader._read would have in its own: the same errors, the same buffered retry of a
+    refused O_DIRECT read, the same identity check. ``idx``: the C entries of its chunks, in file order (one, or
+    several read in parallel: MOESTREAM_READ_SPLIT); ``lens``: their lengths."""
+
+    __slots__ = ("reader", "idx", "lens", "job", "fd", "t0", "times", "_out", "_cancelled", "__weakref__")
+
+    def __init__(self, reader: ExpertReader, idx: list[int], lens: list[int], job: ReadJob, fd: int):
+        self.reader, self.idx, self.lens, self.job, self.fd = reader, idx, lens, job, fd
+        self._out: tuple | None = None  # ("ok", bytes) or ("err", exception) once settled
+        self._cancelled = False
+        #: (start, end) of the read on its C threads, time.monotonic_ns clock, once settled (diagnostics)
+        self.times: tuple[int, int] | None = None
+
+    def _h(self) -> int | None:
+        return self.reader._c_handle
+
+    def done(self) -> bool:
+        if self._out is not None or self._cancelled:
+            return True
+        h = self._h()
+        return h is None or all(self.reader._c.ms_io_state(h, i) >= 3 for i in self.idx)
+
+    def cancel(self) -> bool:
+        """Cancel a read still queued (not one split in chunks: only demand reads are, and they are not cancelled)."""
+        if self._out is not None or self._cancelled:
+            return self._cancelled
+        h = self._h()
+        if h is None or len(self.idx) != 1 or not self.reader._c.ms_io_cancel(h, self.idx[0]):
+            return False
+        self._cancelled = True
+        self.reader._c.ms_io_release(h, self.idx[0])
+        return True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def promote(self) -> None:
+        """A step needs this read now: a low-priority read still queued (or between two chunks) becomes a demand
+        read."""
+        h = self._h()
+        if self._out is None and not self._cancelled and h is not None:
+            for i in self.idx:
+                self.reader._c.ms_io_promote(h, i)
+
+    def result(self) -> int:
+        if self._out is None:
+            self.reader._c_settle([self])
+        if self._cancelled:
+            from concurrent.futures import CancelledError
+            raise CancelledError()
+        kind, value = self._out  # type: ignore[misc]
+        if kind == "err":
+            raise value
+        return value
+
+    def __del__(self) -> None:
+        if self._out is None and not self._cancelled:
+            h = self._h()
+            if h is not None:
+                with contextlib.suppress(Exception):
+                    for i in self.idx:
+                        self.reader._c.ms_io_release(h, i)
+
+
 class Ticket:
     """Handle of one submit(); pass it to ExpertReader.wait(). ``joined``: how many of its reads (a prefix, in
     submit order) have been joined so far."""
@@ -209,6 +294,10 @@ class ExpertReader:
         self.reads = 0
         self.read_seconds = 0.0
         self.wait_seconds = 0.0  # time compute spent blocked in wait()
+        #: the C read threads (csrc/iokern.c): None until the first read that can use them; False where they cannot
+        #: be had (no kernels here, MOESTREAM_C_READER=0): the Python threads read everything
+        self._c = None
+        self._c_handle: int | None = None
 
     def open(self, path: str, direct: bool = False) -> bool:
         """Open ``path`` (buffered, and with O_DIRECT when ``direct``) now rather than at the first read, and
@@ -309,14 +398,117 @@ class ExpertReader:
         ExpertReadError naming the file, offset and size; ModelFileChanged."""
         return self._read(job)
 
-    def submit(self, jobs: list[ReadJob]) -> Ticket:
-        """Start the reads; returns at once. An empty job list gives an empty ticket."""
+    def submit(self, jobs: list[ReadJob], low: bool = False, group: int = 0) -> Ticket:
+        """Start the reads; returns at once. An empty job list gives an empty ticket. ``group``: jobs per expert
+        (MOESTREAM_READ_SPLIT's pieces are sized by the first group). ``low``: speculative reads (a
+        prefetch), which the C read threads start only while no other read is queued or running, at most
+        :data:`LOW_MAX` at a time (the Python threads, where the C ones are not had, read them in order)."""
         if not jobs:
             return Ticket([])
         t0 = time.perf_counter()
-        futures = [self._pool.submit(self._read, j) for j in jobs]
+        # a test standing in for the reads (ExpertReader._read, os.preadv: injected faults) gets the Python threads
+        plain = (type(self)._read is _PLAIN_READ and os.preadv is _PREADV
+                 and all(j.sink is None and j.dest is not None for j in jobs))
+        futures = self._c_submit(jobs, low, group) if plain else None
+        if futures is None:
+            futures = [self._pool.submit(self._read, j) for j in jobs]
         futures[0].t0 = t0  # type: ignore[attr-defined]
         return Ticket(futures)
+
+    def _c_lib(self):  # noqa: ANN202 - the ctypes library or None
+        if self._c is None:
+            from .. import kernels
+
+            lib = kernels.io_ops()
+            h = lib.ms_io_new(self.io_threads, C_JOBS, LOW_MAX, LOW_CHUNK) if lib is not None else None
+            self._c, self._c_handle = (lib, h) if h else (False, None)
+        return self._c or None
+
+    def _c_submit(self, jobs: list[ReadJob], low: bool, group: int = 0) -> list[_CFuture] | None:
+        """The reads queued on the C threads, or None (the Python threads read them): no C reader here, or its job
+        table is full. Descriptors are opened here, as a Python thread opens them at its first read."""
+        lib = self._c_lib()
+        if lib is None:
+            return None
+        split = 0
+        if not low and os.environ.get("MOESTREAM_READ_SPLIT", "0") == "1":  # demand reads over every thread
+            # pieces of one group of jobs (an expert's matrices: ``group`` jobs) over every thread, so that the
+            # groups finish one after the other, in submit order, each as soon as the device can read it
+            total = sum(len(j.dest) for j in jobs[:group or len(jobs)])
+            split = max(SPLIT_MIN, -(-total // self.io_threads))
+            split = -(-split // SPLIT_ALIGN) * SPLIT_ALIGN
+        rows, fds, files, parts = [], [], {}, []
+        for j in jobs:
+            f = files.get((j.path, j.direct))
+            if f is None:  # per file: its descriptors (opened now if need be) and identity
+                fd = self._fd(j.path, False)
+                dfd = self._fd(j.path, True) if j.direct else None
+                f = files[(j.path, j.direct)] = (fd, -1 if dfd is None else dfd, *self._identity[j.path])
+            addr, n = ctypes.addressof(ctypes.c_char.from_buffer(j.dest)), len(j.dest)
+            lens = [n] if not split or n <= split else [min(split, n - a) for a in range(0, n, split)]
+            at = 0
+            for ln in lens:
+                rows.append((f[0], f[1], j.offset + at, addr + at, ln, low, *f[2:], 0))
+                at += ln
+            fds.append(f[0])
+            parts.append(lens)
+        spec = np.array(rows, dtype=np.int64)
+        ids = np.empty(len(rows), dtype=np.int64)
+        if lib.ms_io_submit(self._c_handle, len(rows), spec.ctypes.data, ids.ctypes.data) < 0:
+            return None
+        out, k = [], 0
+        idl = ids.tolist()
+        for j, fd, lens in zip(jobs, fds, parts, strict=True):
+            out.append(_CFuture(self, idl[k:k + len(lens)], lens, j, fd))
+            k += len(lens)
+        return out
+
+    def _c_settle(self, futures: list[_CFuture]) -> None:
+        """Block (GIL released) until ``futures``' reads finish, then take their outcomes: bytes, or the error a
+        Python thread's read would have raised (a refused O_DIRECT read is read again buffered here)."""
+        lib, h = self._c, self._c_handle
+        todo = [f for f in futures if f._out is None and not f._cancelled]
+        if not todo:
+            return
+        if h is None:
+            for f in todo:
+                f._out = ("err", ExpertReadError(f.job.path, f.job.offset + f.job.lead, f.job.need - f.job.lead,
+                                                 "the reader was closed"))
+            return
+        ids = np.array([i for f in todo for i in f.idx], dtype=np.int64)
+        lib.ms_io_wait(h, len(ids), ids.ctypes.data)
+        out = np.empty(5, dtype=np.int64)
+        for f in todo:
+            res = []
+            for i in f.idx:
+                lib.ms_io_result(h, i, out.ctypes.data)
+                res.append(out.tolist())
+                lib.ms_io_release(h, i)
+            f.times = (min(r[3] for r in res), max(r[4] for r in res))
+            bad = next((r for r in res if r[0] in (_ERRNO, _REFUSED)), None)
+            done = 0
+            for r, ln in zip(res, f.lens, strict=True):  # the bytes that arrived, from the start of the range
+                done += r[2]
+                if r[2] < ln:
+                    break
+            job = f.job
+            try:
+                if bad is not None and bad[0] == _REFUSED:
+                    self._refuse(job.path, os.strerror(bad[1]))
+                    done = self._fill(job, f.fd, None)
+                    self._check(job.path, f.fd)
+                elif bad is not None:
+                    raise ExpertReadError(job.path, job.offset + job.lead, job.need - job.lead, os.strerror(bad[1]))
+                else:
+                    if done < job.need:
+                        got = max(0, done - job.lead)
+                        raise ExpertReadError(job.path, job.offset + job.lead, job.need - job.lead,
+                                              f"short read: got {got} bytes, the file ends early (truncated?)")
+                    if any(r[0] == _CHANGED for r in res):
+                        self._check(job.path, f.fd)
+                f._out = ("ok", done)
+            except BaseException as e:  # noqa: BLE001 - handed to result(), as a Future holds its exception
+                f._out = ("err", e)
 
     def wait(self, ticket: Ticket, upto: int | None = None) -> None:
         """Block until the reads of ``ticket`` are done: all of them, or the first ``upto`` in submit order (the
@@ -328,6 +520,9 @@ class ExpertReader:
         t_wait = time.perf_counter()
         error: BaseException | None = None
         n = 0
+        cfut = [f for f in ticket.futures[ticket.joined:end] if isinstance(f, _CFuture)]
+        if cfut:
+            self._c_settle(cfut)  # one blocking call for all of them
         for f in ticket.futures[ticket.joined:end]:
             try:
                 n += f.result()
@@ -350,8 +545,17 @@ class ExpertReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._c_handle is not None:
+            h, self._c_handle = self._c_handle, None
+            self._c.ms_io_free(h)  # after the reads running finish
         with self._lock:
             for fd in self._fds.values():
                 if fd is not None:
                     os.close(fd)
             self._fds.clear()
+
+
+#: ExpertReader's own ``_read`` and ``os.preadv``: where either is replaced (tests injecting failures), every read runs
+#: on the Python threads
+_PLAIN_READ = ExpertReader._read
+_PREADV = os.preadv

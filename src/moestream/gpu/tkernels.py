@@ -41,8 +41,9 @@ only:
 * ``m_hint <= 8``, Q4_K, Q6_K, Q4_0 and Q8_0 (:data:`GEMV2_TYPES`; :data:`GEMV2`, ``MOESTREAM_GEMV2``: "all" by
   default, "linear", "grouped" or "0" (the kernel above)): ``_gemv2_kernel``. On the H200 it made the q32 decode
   step 1.31x faster (tg32 330.75 vs 253.28, 2026-12-04); its Q4_K/Q6_K order tests and the matmul tests with it
-  passed on CUDA there (2026-12-04, benchmarks/gpu-h200/2026-12-04-session7); Q4_0 and Q8_0 were added after that
-  run. The kernel above spends ~23 (Q6_K) / ~14 (Q4_K) / ~11 (Q4_0) /
+  passed on CUDA there (2026-12-04, benchmarks/gpu-h200/2026-12-04-session7). Q4_0 and Q8_0 were added after that
+  run and take it only with :data:`GEMV2_B32` (``MOESTREAM_GEMV2_B32=1``) until a GPU has run them. The kernel
+  above spends ~23 (Q6_K) / ~14 (Q4_K) / ~11 (Q4_0) /
   ~9 (Q8_0) SASS instructions per weight on sm_90 (per-element byte picks, 64-bit addresses, I2F): issue-bound, not
   memory-bound (an LM head at 822 GB/s of the H200's ~4 TB/s). Here a lane owns a run of one block's quant bytes
   and decodes its header once per K step; ``LPB`` lanes per block (:data:`GEMV2_LPB` per super-block, 8 or 4;
@@ -172,6 +173,11 @@ GEMV2_LPB32 = int(os.environ.get("MOESTREAM_GEMV2_LPB32", "1"))
 #: environment's MOESTREAM_GEMV2 at import; read at each launch: may be changed. The two kernels sum in different
 #: fixed orders: a weight's bits depend on it (set it for a whole run). Default "all".
 GEMV2: str = os.environ.get("MOESTREAM_GEMV2", "all")
+#: whether Q4_0 and Q8_0 launches take _gemv2_kernel too (where :data:`GEMV2` selects it): MOESTREAM_GEMV2_B32 at
+#: import ("1"/"on"), read at each launch. Off by default: their lanes have passed their tests under Triton's
+#: interpreter only; no GPU has run them yet (the Q4_K/Q6_K lanes have: module docstring).
+GEMV2_B32: bool = os.environ.get("MOESTREAM_GEMV2_B32", "0").strip().lower() in ("1", "on", "true", "yes")
+_B32_TYPES = frozenset((int(T.Q4_0), int(T.Q8_0)))
 #: _gemv2_kernel's warps per program (BLOCK_N = 32 * GEMV2_WARPS / LANES rows; never a bit of the result)
 GEMV2_WARPS = int(os.environ.get("MOESTREAM_GEMV2_WARPS", "4"))
 #: _gemv2_kernel, :func:`linear` launches: the K split doubles (up to the super-blocks of a row and
@@ -232,7 +238,7 @@ def gemv_ksplit(ggml_type: int, n_cols: int, n_rows: int = 1, grouped: bool = Fa
 
 def gemv2_uses(ggml_type: int, grouped: bool) -> bool:
     """Whether a GEMV launch of this type (through :func:`linear`, or grouped) takes _gemv2_kernel (:data:`GEMV2`)."""
-    if int(ggml_type) not in GEMV2_TYPES or not GEMV_WIDE:
+    if int(ggml_type) not in GEMV2_TYPES or not GEMV_WIDE or (int(ggml_type) in _B32_TYPES and not GEMV2_B32):
         return False
     return GEMV2 == "all" or GEMV2 == ("grouped" if grouped else "linear")
 

@@ -510,6 +510,8 @@ class MoEModel:
         w = Weight(self.gguf, info, self.device, False, blocks=self.use_blocks, mapped=True)
         if w.dense is not None:  # F32: dequantized, a private copy
             self.dense_bytes += w.nbytes
+        else:
+            self.gguf.advise_random(info)  # a row's fault reads its page, not a readahead window of other rows
         return w
 
     def dense_estimate(self, mapped: bool = True) -> int:

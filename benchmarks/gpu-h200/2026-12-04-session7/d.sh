@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# session 7, lease 2 call D: CUDA tests at main's head (GEMV2=all incl. Q4_0/Q8_0, tier prefill gather, lean
+# segments): test_cuda whole (embedded model, Q8_0) + the gemma4 Q4_K_M fixture + test_tkernels -k gemv2;
+# gemv_ab --check; the lean segmented step profiled. llama.cpp and the bench models built behind.
+set -uo pipefail
+export MOESTREAM_GEMV2_B32=${MOESTREAM_GEMV2_B32:-1} MOESTREAM_LEAN_SEGMENTS=${MOESTREAM_LEAN_SEGMENTS:-1}  # the opt-in paths under test
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT" /tmp/logs; export PYTHONUNBUFFERED=1
+T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site build/gpuL4/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
+[ -x /tmp/llb/build/bin/llama-bench ] || setsid nohup python3 tools/llamacpp_cuda.py build build/gpuL4/llama.cpp-cuda-slim.tar.xz /tmp/llb -j10 --targets llama-bench > /tmp/logs/llb.log 2>&1 < /dev/null &
+[ -e /tmp/bm.done ] || setsid nohup bash -c "python3 tools/make_bench_model.py --type Q4_K_M --layers 32 -o /tmp/q32.gguf --tokenizer-from src/moestream/data/default.gguf; touch /tmp/q32.done; python3 tools/make_bench_model.py --arch gemma4 --type Q4_0 --layers 30 -o /tmp/g30.gguf --tokenizer-from src/moestream/data/default.gguf; touch /tmp/bm.done" > /tmp/logs/make.log 2>&1 < /dev/null &
+git log --oneline -1 > /tmp/logs/commit.txt 2>/dev/null
+mkdir -p /tmp/fx/g4 && cp -f build/gpuF/gemma4-tiny-q4_k_m.gguf /tmp/fx/g4/
+timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_tdense.py tests/test_tmoe.py > /tmp/logs/test_cuda.log 2>&1 &
+p1=$!
+MOESTREAM_GPU_FIXTURES=/tmp/fx/g4 timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k "not default" \
+  --deselect tests/test_cuda.py::test_cli_cuda --deselect tests/test_cuda.py::test_cli_cuda_every_family > /tmp/logs/test_cuda_g4.log 2>&1 &
+p2=$!
+timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/test_tkernels.py -k "gemv2" > /tmp/logs/gemv2.log 2>&1 &
+p3=$!
+wait $p1; wait $p2; wait $p3
+t tests; tail -qn1 /tmp/logs/test_cuda.log /tmp/logs/test_cuda_g4.log /tmp/logs/gemv2.log; grep -h -E "^(FAILED|ERROR)" /tmp/logs/test_cuda*.log /tmp/logs/gemv2.log | cut -c1-400
+timeout 90 python3 benchmarks/gemv_ab.py --old gemv1 --check --json /tmp/logs/gemv_ab.json > /tmp/logs/gemv_ab.log 2>&1
+echo "gemv_ab rc=$?"; t gemv_ab; grep -E "gemma|cases" /tmp/logs/gemv_ab.log | cut -c1-150
+for i in $(seq 1 30); do [ -e /tmp/q32.done ] && break; sleep 2; done
+timeout 100 python3 benchmarks/gpu_profile.py /tmp/q32.gguf --gpu-mem 4GiB --direct-io on --streaming-only -n 16 --cprofile 30 > /tmp/logs/seg_prof_lean.txt 2>&1
+t "lean profile rc=$?"; grep "^==" /tmp/logs/seg_prof_lean.txt
+tail -1 /tmp/logs/llb.log; ls /tmp/*.done
+cd /tmp/logs && tar czf "$OUT/l2d.tgz" . && ls | wc -l
