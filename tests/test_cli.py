@@ -400,3 +400,27 @@ def test_ctrl_c_lost_in_a_finalizer_still_ends_with_130():
                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert "Exception ignored" in p.stderr and "KeyboardInterrupt" in p.stderr, p.stderr  # the loss happened
     assert p.returncode == 130 and p.stderr.rstrip().endswith("moestream: interrupted"), (p.returncode, p.stderr)
+
+
+def test_sigterm_ends_a_run_like_ctrl_c(tmp_path):
+    """SIGTERM (kill, timeout, a service manager) during ``run --trace`` ends it as Ctrl-C does: the trace is kept
+    (closed and renamed into place), no temporary file is left beside it (a newcomer found one per SIGTERM), one
+    line 'moestream: terminated', status 143. A real process."""
+    import signal
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "moestream", "run", "-n", "-1", "-p", "Once upon", "--trace",
+                          str(trace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    try:
+        assert p.stdout.read(12), "no text generated"  # generating: the trace is being written
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 143 and err.rstrip().endswith("moestream: terminated"), (p.returncode, err[-500:])
+    assert "Traceback" not in err
+    assert trace.exists() and trace.read_text().strip(), "the trace was not kept"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["t.jsonl"]

@@ -398,6 +398,18 @@ def _on_sigint(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+#: set by :func:`_on_sigterm`: the command was stopped by SIGTERM (``kill``, ``timeout``, a service manager)
+_SIGTERM_SEEN: list[bool] = []
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM ends a command as Ctrl-C does (the same cleanup: a trace being written is kept, nothing is left
+    half-written), with status 143 (128 + SIGTERM) instead of 130. ``serve``'s server installs its own handler
+    while it listens (a graceful shutdown)."""
+    _SIGTERM_SEEN.append(True)
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def interruptible() -> Iterator[Callable[[], bool]]:
     """While inside, the first SIGINT (Ctrl-C) only sets a flag -- yields the function that reads it, for a
@@ -609,7 +621,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if trace is not None:
                 trace.mark_decode()  # the prefill's requests are in; decode steps from here on
             print(_describe(model), file=sys.stderr, flush=True)
-            if not args.chat:
+            if not args.chat and not args.no_display_prompt:
                 write_stdout(prompt)
             _print_reply(itertools.chain([first], events), text.pending)
     except BaseException as e:
@@ -1176,6 +1188,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--moe-stream", type=_on_off, default=True, metavar="on|off",
                    help="stream routed experts (on, default) or address them in a memory map (off)")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    r.add_argument("--no-display-prompt", action="store_true",
+                   help="print only the generated text, not the prompt before it (llama-cli's flag)")
     r.add_argument("-sys", "--system-prompt", default=None, metavar="TEXT",
                    help="system message (with --chat or -cnv)")
     r.add_argument("-cnv", "--conversation", "-i", "--interactive", dest="interactive", action="store_true",
@@ -1418,14 +1432,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from .options import flag_errors
 
-    old_sigint = None
+    old_sigint = old_sigterm = None
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is \
             signal.default_int_handler:
         _SIGINT_SEEN.clear()
         old_sigint = signal.signal(signal.SIGINT, _on_sigint)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is \
+            signal.SIG_DFL:
+        _SIGTERM_SEEN.clear()
+        old_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         with flag_errors(args):  # a library error names an option's field: say the flag
             rc = args.func(args)
+        if _SIGTERM_SEEN and rc in (0, 130):  # SIGTERM taken as Ctrl-C (the command may have caught it): 143
+            print("moestream: terminated", file=sys.stderr)
+            return 143
         if _SIGINT_SEEN and rc == 0:  # a Ctrl-C whose KeyboardInterrupt was lost: still an interrupted command
             print("moestream: interrupted", file=sys.stderr)
             return 130
@@ -1436,6 +1457,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moestream: error: {e}{'; stopping' if isinstance(e, ModelFileChanged) else ''}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if _SIGTERM_SEEN:
+            print("moestream: terminated", file=sys.stderr)
+            return 143
         print("moestream: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
@@ -1444,6 +1468,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if old_sigint is not None:
             signal.signal(signal.SIGINT, old_sigint)
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,13 @@ REFUSED: list[tuple[tuple[str, ...], str]] = [
     (("--typical",), _SAMPLERS),
     (("--xtc-probability",), _SAMPLERS),
     (("--dry-multiplier",), _SAMPLERS),
+    (("--samplers", "--sampling-seq", "--sampler-seq"), "moestream applies its samplers in llama.cpp's default "
+     "order (penalties, top-k, top-p, min-p, temperature; docs/usage.md): leave it out"),
+    (("--rope-freq-base", "--rope-freq-scale", "--rope-scaling", "--rope-scale"), "moestream takes RoPE's settings "
+     "from the GGUF's metadata (as the model was trained): leave it out"),
+    (("--keep",), "moestream does not shift the context: a generation stops at the end of the context (-c)"),
+    (("--prompt-cache", "--prompt-cache-all", "--prompt-cache-ro"), "moestream keeps no prompt cache file (serve "
+     "reuses a request's common prompt prefix, cache_prompt): leave it out"),
     (("--grammar", "--grammar-file"), "only moestream run takes a grammar (serve: a request's response_format)"),
     (("-j", "--json-schema", "--json-schema-file"), "only moestream run takes a JSON schema (serve: a request's "
      "response_format)"),
@@ -136,6 +143,10 @@ RUN_REFUSED: list[tuple[tuple[str, ...], str]] = [
      "moestream serve -np N"),
     (("-st", "--single-turn"), "moestream run without -cnv answers one prompt and exits (add --chat to wrap it in "
      "the chat template)"),
+    (("--ignore-eos",), "moestream run stops at the model's end-of-generation token; moestream bench -n N times "
+     "exactly N generated tokens"),
+    (("--in-prefix", "--in-suffix"), "moestream -cnv wraps each turn in the model's chat template (--chat-template, "
+     "--chat-template-file); leave it out"),
     (("-e", "--escape"), "moestream takes -p as typed (no escape processing): let the shell write the characters, "
      "e.g. -p $'line one\\nline two', or use -f FILE"),
 ]
@@ -146,6 +157,9 @@ LOG_REFUSED: list[tuple[tuple[str, ...], str]] = [
      "leave it out"),
     (("--log-disable",), "moestream's status lines go to stderr: redirect it (2>/dev/null) to hide them"),
     (("--no-warmup",), "moestream runs no warm-up pass: leave it out"),
+    (("-v", "--verbose", "--log-verbose"), "moestream's status lines on stderr are all it logs (serve: one line per "
+     "request); leave it out"),
+    (("--log-file",), "moestream's status lines go to stderr: redirect it (2>FILE) to keep them"),
 ]
 
 
