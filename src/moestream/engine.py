@@ -89,8 +89,10 @@ def default_context(model: MoEModel, share: float = DEFAULT_CTX_MEMORY_SHARE,
             hi = mid - 1
     if lo < 16:
         where = "memory available" if memory is None else "memory that --mem leaves besides this process"
-        raise ConfigError(f"{os.path.basename(model.gguf.path)}: not even a 16-token KV cache fits in "
-                          f"{share:.0%} of the {budget / share / GiB:.2f} GiB of {where}")
+        fix = ("free memory, or give the context with -c N" if memory is None else
+               "give a larger --mem, or the context with -c N (moestream inspect --mem SIZE -c N prints the plan)")
+        raise ConfigError(f"{model.gguf.path}: not even a 16-token KV cache fits in {share:.0%} of the "
+                          f"{budget / share / GiB:.2f} GiB of {where}; {fix}")
     return lo, train
 
 
