@@ -267,10 +267,19 @@ def test_process_rss_reads_the_rollup_as_the_smaps_sum(tmp_path):
                     total += int(line.split()[1]) * 1024
         return total
 
-    assert abs(budget.process_rss() - smaps()) < 2 * MiB
-    assert abs(budget.process_rss([str(path)]) - smaps()) < 2 * MiB  # not mapped: the rollup
+    def near(fn, skip: str = "") -> bool:  # noqa: ANN001 - fn() within 2 MiB of smaps read just before and after it
+        # (another thread of the test process, e.g. an earlier test's reader or server, may allocate in between;
+        # three tries)
+        for _ in range(3):
+            a, got, b = smaps(skip), fn(), smaps(skip)
+            if min(a, b) - 2 * MiB < got < max(a, b) + 2 * MiB:
+                return True
+        return False
+
+    assert near(budget.process_rss)
+    assert near(lambda: budget.process_rss([str(path)]))  # not mapped: the rollup
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         assert sum(m[i] for i in range(0, len(m), 4096)) >= 0  # every page touched
+        assert near(budget.process_rss) and near(lambda: budget.process_rss([str(path)]), os.path.realpath(path))
         whole, less = budget.process_rss(), budget.process_rss([str(path)])
-        assert abs(whole - smaps()) < 2 * MiB and abs(less - smaps(os.path.realpath(path))) < 2 * MiB
         assert 15 * MiB < whole - less < 17 * MiB

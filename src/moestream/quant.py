@@ -663,7 +663,10 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int) -> t
         ggml_type, n_cols: as for :func:`dequantize`.
 
     Returns:
-        float32 ``[..., n_rows]``; exactly ``torch.nn.functional.linear(x, W)``. Nothing
+        float32 ``[..., n_rows]``; exactly ``torch.nn.functional.linear(x, W)`` (a weight of more than
+        ``_LINEAR_CHUNK_ELEMENTS`` elements: of each band of rows, which equals the single matmul where torch's
+        matmul does not depend on the row count; one CPU's torch gives a single x row other last bits for some row
+        counts: tests/test_quant.py). Nothing
         nondeterministic (no atomics, no sampling) is involved: the same inputs give the same
         bits on every call (for a fixed device and thread count).
 
