@@ -314,10 +314,10 @@ def plan(model: Any) -> FastDecode | None:
     n = model.n_embd
     if n % 64 or model.top_k > 16 or model.top_k * n > KEPT_ROWS_FLOATS:
         return None  # the top-k sum is torch's only there (experts/moe.py topk_sum)
-    from ..models.base import MoEModel  # (models.base imports this module through runner.py)
-
     specs, moes, tabs, fls = [], [], [], []
-    own_dense = type(model).dense is MoEModel.dense
+    # the base class's dense FFN, not a family's own (named, not imported: models.base imports this module)
+    dense_fn = type(model).dense
+    own_dense = dense_fn.__qualname__ == "MoEModel.dense" and dense_fn.__module__.endswith(".models.base")
     for i, b in enumerate(model.blocks):
         fl = model.fast_layer(i)
         if fl is None:
