@@ -21,7 +21,7 @@ from .limits import MAX_TOKENS
 from .models.base import MoEModel
 from .params import SamplingParams  # the one check of sampling values, torch-free (refused before torch loads)
 
-GiB = 2**30
+GiB, MiB = 2**30, 2**20
 
 
 def check_cache_fits(model: MoEModel, n_ctx: int, option: str = "-c", hint: str = "-n or -c", n_seqs: int = 1) -> None:
@@ -91,8 +91,10 @@ def default_context(model: MoEModel, share: float = DEFAULT_CTX_MEMORY_SHARE,
         where = "memory available" if memory is None else "memory that --mem leaves besides this process"
         fix = ("free memory, or give the context with -c N" if memory is None else
                "give a larger --mem, or the context with -c N (moestream inspect --mem SIZE -c N prints the plan)")
+        need = (f" (a 16-token cache takes {model.cache_bytes(16) / MiB:.2f} MiB, the trained {train} tokens "
+                f"{model.cache_bytes(train) / MiB:.1f} MiB)")
         raise ConfigError(f"{model.gguf.path}: not even a 16-token KV cache fits in {share:.0%} of the "
-                          f"{budget / share / GiB:.2f} GiB of {where}; {fix}")
+                          f"{budget / share / GiB:.2f} GiB of {where}{need}; {fix}")
     return lo, train
 
 
