@@ -152,3 +152,21 @@ def test_table_shows_gpu_columns_only_with_telemetry() -> None:
     assert "GPU mem GiB | host CPU % | host ms/token" in head and "| 20.50 | 153% | 2.50 |" in line
     row["tests"][0].pop("gpu")
     assert "GPU util" not in bench.format_table([row])
+
+
+def test_disk_read_bandwidth_is_the_best_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The IO limit's bandwidth is the fastest of its rounds (a limit: a slow round must not lower it), each round
+    reading other offsets; a real round on a real file gives a positive rate."""
+    f = tmp_path / "f.bin"
+    f.write_bytes(b"\1" * (1 << 20))
+    assert bench._read_round(str(f), 8192, 4, 2, 0) > 0
+    seeds: list[int] = []
+    rates = iter([2.0e9, 5.0e9, 3.0e9])
+
+    def fake(path: str, chunk: int, n: int, threads: int, seed: int) -> float:
+        seeds.append(seed)
+        return next(rates)
+
+    monkeypatch.setattr(bench, "_read_round", fake)
+    assert bench.disk_read_bandwidth(str(f), 8192, seed=7) == 5.0e9
+    assert seeds == [7, 8, 9]
