@@ -77,6 +77,16 @@ def test_no_abbreviations_and_no_joined_values(arg: str) -> None:
     assert p.returncode == 2 and f"unrecognized arguments: {arg}" in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("arg, hint", [("--tmep", "--temp"), ("--prefech=on", "--prefetch"), ("--slot", "--slots"),
+                                       ("--bogus", None)])
+def test_a_misspelt_flag_gets_a_suggestion(arg: str, hint: str | None) -> None:
+    """A flag close to one of the subcommand's is named in the error (one line, exit 2); a far one is not."""
+    p = cli("run", arg, "-n", "1")
+    last = p.stderr.splitlines()[-1]
+    assert p.returncode == 2 and last.startswith(f"moestream run: error: unrecognized arguments: {arg}"), p.stderr
+    assert last.endswith(f"; did you mean {hint}?" if hint else arg), last
+
+
 def test_equals_form_still_works() -> None:
     a = parse("run", "--top-k=7", "-n=3", "-ub=16")
     assert (a.top_k, a.n_predict, a.ubatch) == (7, 3, 16)

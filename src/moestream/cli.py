@@ -1413,6 +1413,20 @@ def _silence_stdout() -> None:
         pass
 
 
+def _did_you_mean(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """``"; did you mean --temp?"`` for the first unrecognized flag in ``extra`` that is close to one of
+    ``parser``'s (difflib's ratio >= 0.75, the flag's name before any ``=``), else ``""``."""
+    import difflib
+
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    for e in extra:
+        if e.startswith("--"):
+            close = difflib.get_close_matches(e.split("=", 1)[0], known, n=1, cutoff=0.75)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     from .errors import ModelFileChanged, MoestreamError, OutputError
 
@@ -1424,7 +1438,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sub = ap.subcommands[args.command]  # type: ignore[attr-defined]
     if extra:  # the subcommand's usage, not the top-level one
-        sub.error(f"unrecognized arguments: {' '.join(extra)}")
+        sub.error(f"unrecognized arguments: {' '.join(extra)}{_did_you_mean(sub, extra)}")
     if getattr(args, "verify_moe_stream", None) is not None:
         sub.error("--moe-stream does not apply to verify: it always runs streaming off, then on, and compares them")
     import signal
