@@ -550,3 +550,62 @@ def test_dequant_rows_is_quant_dequantize(libs, ggml_type, block, size, scales):
         assert np.array_equal(bits(got), bits(want))
         assert kernels.dequant_rows(raw, ggml_type, n_cols, torch.tensor([40]), lib=lib) is None
     assert kernels.dequant_rows(raw, 2, n_cols, ids) is None  # Q4_0: decoded by quant.py
+
+
+# --- the gated delta rule's recurrent step ---------------------------------------------------------------------
+
+def ref_delta_step(q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray, beta: np.ndarray,
+                   s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """csrc/stepkern.c's ms_delta_step in numpy float32: value head h reads key head h % n_k; S' = decay S;
+    kv = sum_i S'[i] k[i] in i order from +0; delta = (v - kv) beta; S = S' + k delta^T; o = sum_i S[i] q[i].
+    Returns (o [n_v, d_v], the new S)."""
+    n_v, d_k, _ = s.shape
+    kh = np.arange(n_v) % q.shape[0]
+    qh, kk = q[kh], k[kh]  # [n_v, d_k]
+    s1 = decay[:, None, None] * s
+    kv = np.zeros(v.shape, dtype=F32)
+    for i in range(d_k):
+        kv = kv + s1[:, i, :] * kk[:, i, None]
+    delta = (v - kv) * beta[:, None]
+    s2 = s1 + kk[:, :, None] * delta[:, None, :]
+    o = np.zeros(v.shape, dtype=F32)
+    for i in range(d_k):
+        o = o + s2[:, i, :] * qh[:, i, None]
+    return o, s2
+
+
+@pytest.mark.parametrize("n_v, n_k, d_k, d_v", [(4, 2, 64, 64), (32, 16, 128, 128), (3, 3, 24, 40), (6, 2, 8, 72)])
+def test_delta_step_bitwise(libs, n_v, n_k, d_k, d_v):
+    """ms_delta_step equals its numpy reference bit for bit (every build, 1 and 8 threads), and transformers'
+    recurrence as this project writes it in torch (models/qwen35moe.gated_delta_rule, the key heads repeated)
+    within float32 rounding."""
+    from moestream.models.qwen35moe import gated_delta_rule, l2_norm
+
+    g = torch.Generator().manual_seed(n_v * 1000 + d_k)
+    q = l2_norm(torch.randn(n_k, d_k, generator=g)) * d_k ** -0.5
+    k = l2_norm(torch.randn(n_k, d_k, generator=g))
+    v = torch.randn(n_v, d_v, generator=g)
+    log_decay = -torch.rand(n_v, generator=g) * 3
+    beta = torch.rand(n_v, generator=g)
+    s0 = torch.randn(n_v, d_k, d_v, generator=g) * 0.2
+    o_ref, s_ref = ref_delta_step(q.numpy(), k.numpy(), v.numpy(), log_decay.exp().numpy(), beta.numpy(), s0.numpy())
+
+    def run(lib):  # noqa: ANN001
+        s = s0.clone()
+        return kernels.delta_step(q, k, v, log_decay.exp(), beta, s, lib), s
+
+    for o, s in each_build_and_threads(libs, run):
+        assert np.array_equal(bits(o), bits(o_ref)) and np.array_equal(bits(s), bits(s_ref))
+    s_t = s0.clone()
+    rep = n_v // n_k
+    o_t = gated_delta_rule(q.repeat(rep, 1)[None], k.repeat(rep, 1)[None], v[None], log_decay[None], beta[None], s_t)
+    torch.testing.assert_close(torch.from_numpy(o_ref), o_t[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(s_ref), s_t, rtol=1e-5, atol=1e-5)
+
+
+def test_delta_step_refuses_shapes_that_do_not_fit(libs):
+    z = torch.zeros
+    with pytest.raises(ValueError, match="do not fit"):  # 3 value heads over 2 key heads
+        kernels.delta_step(z(2, 8), z(2, 8), z(3, 8), z(3), z(3), z(3, 8, 8))
+    with pytest.raises(ValueError, match="do not fit"):  # the state's d_k is not q's
+        kernels.delta_step(z(2, 8), z(2, 8), z(2, 8), z(2), z(2), z(2, 4, 8))

@@ -219,6 +219,8 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_route_plan.argtypes = [_I, _I, _P, _I, _P, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _P, _P, _P, _P,
                                           _P, _P, _P, _L, _I]
             lib.ms_route_plan.restype = _I
+            lib.ms_delta_step.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I]
+            lib.ms_delta_step.restype = _I
             lib.ms_dequant_rows.argtypes = [_I, _P, _L, _L, _P, _I, _I, _P]
             lib.ms_dequant_rows.restype = _I
             _L64 = ctypes.c_int64
@@ -592,6 +594,31 @@ def moe_planned(x: torch.Tensor, t_gu: int, t_down: int, pairs: MoEPairs, n_grou
     made or converted here). x float32 [tokens, hidden] contiguous; y float32 [tokens * top_k, hidden]."""
     moe_to((int(t_gu), int(t_down), rb_gu, rb_down, x.shape[1], n_ff, act), pairs, n_groups, x.data_ptr(), x.shape[0],
            y.data_ptr())
+
+
+def delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The gated delta rule's recurrent step for one token (Gated DeltaNet decode), ``state`` updated in place.
+
+    q, k float32 [n_k, d_k] (q L2-normalized and scaled, k L2-normalized); v [n_v, d_v]; decay (exp of the log
+    decay) and beta [n_v]; state [n_v, d_k, d_v]; value head h reads key head h % n_k (the file's tiled order).
+    Per head: S = decay S; S += k (beta (v - S^T k))^T; o = S^T q (transformers' torch_recurrent_gated_delta_rule,
+    one token), every sum over d_k in index order from +0 (csrc/stepkern.c), one head per thread. Returns o
+    float32 [n_v, d_v]. ValueError for shapes that do not fit."""
+    _float32_cpu("delta_step", q, k, v, decay, beta, state)
+    n_v, d_k, d_v = state.shape
+    n_k = q.shape[0]
+    if (q.shape != (n_k, d_k) or k.shape != (n_k, d_k) or v.shape != (n_v, d_v) or decay.shape != (n_v,)
+            or beta.shape != (n_v,) or not state.is_contiguous()):
+        raise ValueError(f"delta_step: shapes q {list(q.shape)} k {list(k.shape)} v {list(v.shape)} decay "
+                         f"{list(decay.shape)} beta {list(beta.shape)} state {list(state.shape)} do not fit")
+    q, k, v, decay, beta = (t.contiguous() for t in (q, k, v, decay, beta))
+    out = torch.empty((n_v, d_v), dtype=torch.float32)
+    rc = (lib or load()).ms_delta_step(n_v, n_k, d_k, d_v, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                       decay.data_ptr(), beta.data_ptr(), state.data_ptr(), out.data_ptr(), threads())
+    if rc:
+        raise ValueError(f"delta_step: {n_v} value heads over {n_k} key heads of {d_v} value dims do not fit")
+    return out
 
 
 def first_nonfinite(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> int:

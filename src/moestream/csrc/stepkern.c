@@ -5,6 +5,7 @@
  *   ms_attention  attention of T new queries over a KV cache (GQA without copies, causal, sliding window,
  *                 sinks, softcap, K = V through strides)
  *   ms_route      the router: softmax / sigmoid / given scores, bias, expert groups, top-k, renormalisation
+ *   ms_delta_step the gated delta rule's recurrent step (Gated DeltaNet decode, one token)
  *
  * Determinism: every output element (a row of a norm, a (token, head) of attention, a token's top-k) is
  * computed by one thread with a sequence of float operations fixed by this source, never by the thread
@@ -853,5 +854,59 @@ int ms_dequant_rows(int t, const uint8_t *raw, long row_bytes, long n_rows, cons
         else if (t == 14) dq_q6_k(b, y, n_cols / 256);
         else for (int i = 0; i < n_cols; i++) y[i] = u2f((uint32_t)rd16(b + 2 * i) << 16);
     }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* The gated delta rule's recurrent step for one token (Gated DeltaNet's decode: transformers'               */
+/* torch_recurrent_gated_delta_rule, one t): per value head h, with key head kh = h % n_k (the file's tiled   */
+/* value heads), S = S_h [d_k][d_v] row-major:                                                               */
+/*   S'[i][j] = decay_h * S[i][j];  kv[j] = (((0 + S'[0][j] k[0]) + S'[1][j] k[1]) + ...)  (i in order);      */
+/*   delta[j] = (v[j] - kv[j]) * beta_h;  S[i][j] = S'[i][j] + k[i] delta[j];                                 */
+/*   out[j] = (((0 + S[0][j] q[0]) + S[1][j] q[1]) + ...)  (i in order, over the updated S).                 */
+/* Two passes over S (S' recomputed in the second: the same product, the same bits) instead of torch's five;  */
+/* every product and sum rounded on its own (-ffp-contract=off). One head per item.                          */
+
+#define MAX_DV 1024 /* value dims of a head the step takes (Qwen3.5: 128) */
+
+typedef struct {
+    int n_k, d_k, d_v;
+    const float *q, *k, *v, *decay, *beta;
+    float *S, *out;
+} delta_ctx;
+
+static void delta_head(void *vc, int h) {
+    const delta_ctx *c = vc;
+    const int dk = c->d_k, dv = c->d_v, kh = h % c->n_k;
+    const float *q = c->q + (long)kh * dk, *k = c->k + (long)kh * dk, *v = c->v + (long)h * dv;
+    const float decay = c->decay[h], beta = c->beta[h];
+    float *S = c->S + (long)h * dk * dv, *out = c->out + (long)h * dv;
+    float acc[MAX_DV];
+    for (int j = 0; j < dv; j++) acc[j] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        const float *s = S + (long)i * dv;
+        const float ki = k[i];
+        for (int j = 0; j < dv; j++) acc[j] += (decay * s[j]) * ki;
+    }
+    for (int j = 0; j < dv; j++) acc[j] = (v[j] - acc[j]) * beta; /* delta */
+    for (int j = 0; j < dv; j++) out[j] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        float *s = S + (long)i * dv;
+        const float ki = k[i], qi = q[i];
+        for (int j = 0; j < dv; j++) {
+            const float u = decay * s[j] + ki * acc[j];
+            s[j] = u;
+            out[j] += u * qi;
+        }
+    }
+}
+
+/* q, k: [n_k][d_k]; v: [n_v][d_v]; decay, beta: [n_v]; S: [n_v][d_k][d_v] updated in place; out: [n_v][d_v].
+ * Returns 0, or -1 when n_v is not a multiple of n_k or d_v is past MAX_DV. */
+int ms_delta_step(int n_v, int n_k, int d_k, int d_v, const float *q, const float *k, const float *v,
+                  const float *decay, const float *beta, float *S, float *out, int n_threads) {
+    if (n_k <= 0 || n_v % n_k || d_v > MAX_DV) return -1;
+    delta_ctx c = {n_k, d_k, d_v, q, k, v, decay, beta, S, out};
+    ms_pool_run(n_threads, delta_head, &c, n_v);
     return 0;
 }

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import kernels
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
 from .layers import Rope, elementwise, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
@@ -240,14 +241,19 @@ class Qwen35MoE(MoEModel):
         k = qkv[:, kd:2 * kd].reshape(n_tok, self.n_k_heads, self.d_k)
         v = qkv[:, 2 * kd:].reshape(n_tok, self.n_v_heads, self.d_v)
         rep = self.n_v_heads // self.n_k_heads
-        # value heads are in tiled order in the file: value head j reads key head j % n_k_heads
-        q = l2_norm(q).repeat(1, rep, 1) * (1.0 / math.sqrt(self.d_k))
-        k = l2_norm(k).repeat(1, rep, 1)
         beta = torch.sigmoid(b["beta"].linear(h))  # [T, n_v]
         g = b["a"] * torch.nn.functional.softplus(b["alpha"].linear(h) + b["dt"])  # [T, n_v], ssm_a = -exp(A_log)
-        # prefill: the chunked form (as transformers); decode: the recurrent step
-        rule = gated_delta_rule_chunked if n_tok > 1 else gated_delta_rule
-        o = rule(q, k, v, g, beta, cache.ssm[i])  # [T, n_v, d_v]
+        lib = kernels.step_ops() if n_tok == 1 and h.device.type == "cpu" else None
+        if lib is not None:  # decode on the CPU: the recurrent step in C, the key heads read in place (no repeat)
+            o = kernels.delta_step((l2_norm(q) * (1.0 / math.sqrt(self.d_k)))[0], l2_norm(k)[0], v[0],
+                                   g.exp()[0], beta[0], cache.ssm[i], lib).view(1, self.n_v_heads, self.d_v)
+        else:
+            # value heads are in tiled order in the file: value head j reads key head j % n_k_heads
+            q = l2_norm(q).repeat(1, rep, 1) * (1.0 / math.sqrt(self.d_k))
+            k = l2_norm(k).repeat(1, rep, 1)
+            # prefill: the chunked form (as transformers); decode: the recurrent step
+            rule = gated_delta_rule_chunked if n_tok > 1 else gated_delta_rule
+            o = rule(q, k, v, g, beta, cache.ssm[i])  # [T, n_v, d_v]
         z = b["z"].linear(h).view(n_tok, self.n_v_heads, self.d_v)
         o = rms_norm(o, b["ssm_norm"], self.eps) * elementwise(torch.nn.functional.silu, z)
         return b["out"].linear(o.reshape(n_tok, -1))
