@@ -12,6 +12,7 @@ own, bit for bit, on llama.cpp's intermediate tensors.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numpy as np
@@ -609,3 +610,93 @@ def test_delta_step_refuses_shapes_that_do_not_fit(libs):
         kernels.delta_step(z(2, 8), z(2, 8), z(3, 8), z(3), z(3), z(3, 8, 8))
     with pytest.raises(ValueError, match="do not fit"):  # the state's d_k is not q's
         kernels.delta_step(z(2, 8), z(2, 8), z(2, 8), z(2), z(2), z(2, 4, 8))
+
+
+def log1pf(a: np.ndarray) -> np.ndarray:
+    fn = _LIBM.log1pf
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    flat = np.asarray(a, dtype=F32).ravel()
+    return np.array([fn(float(v)) for v in flat], dtype=F32).reshape(np.shape(a))
+
+
+def ref_dnet_decode(qkv, st, w, beta_raw, alpha_raw, dt, a, s, z, norm_w, eps, n_k):  # noqa: ANN001, ANN201
+    """ms_dnet_decode in numpy float32, operation by operation as csrc/stepkern.c writes it; returns (out, the new
+    conv state, the new recurrent state)."""
+    n_v, d_k, d_v = s.shape
+    k_w = w.shape[1]
+    acc = np.zeros(qkv.shape, dtype=F32)
+    for j in range(k_w - 1):
+        acc = acc + w[:, j] * st[j]
+    acc = acc + w[:, k_w - 1] * qkv
+    new_st = np.concatenate((st[1:], qkv[None]), axis=0)
+    one = F32(1)
+    y = acc / (one + expf(-acc))
+
+    def l2(x: np.ndarray, mul: np.float32) -> np.ndarray:  # [heads, d]: the sum in float32, in order
+        sq = np.zeros(x.shape[0], dtype=F32)
+        for i in range(x.shape[1]):
+            sq = sq + x[:, i] * x[:, i]
+        r = one / np.sqrt(sq + F32(1e-6))
+        return (x * r[:, None]) * mul
+
+    kd = n_k * d_k
+    q = l2(y[:kd].reshape(n_k, d_k), one / np.sqrt(F32(d_k)))
+    k = l2(y[kd:2 * kd].reshape(n_k, d_k), one)
+    v = y[2 * kd:].reshape(n_v, d_v)
+    beta = one / (one + expf(-beta_raw))
+    x = alpha_raw + dt
+    sp = np.where(x > F32(20), x, log1pf(expf(x)))
+    decay = expf(a * sp)
+    o, s2 = ref_delta_step(q, k, v, decay, beta, s)
+    o = ref_rms_norm(o, norm_w, eps)
+    zz = z.reshape(n_v, d_v)
+    return (o * (zz / (one + expf(-zz)))).reshape(-1), new_st, s2
+
+
+@pytest.mark.parametrize("n_v, n_k, d_k, d_v, k_w", [(4, 2, 16, 16, 4), (6, 3, 8, 24, 4), (2, 2, 8, 8, 2),
+                                                      (32, 16, 128, 128, 4)])
+def test_dnet_decode_bitwise_and_as_the_torch_layer(libs, n_v, n_k, d_k, d_v, k_w):
+    """ms_dnet_decode equals its numpy reference bit for bit (every build, 1 and 8 threads: conv state, recurrent
+    state, output), and the torch ops it replaces (models/qwen35moe.py's prefill path run on one token: conv1d,
+    SiLU, l2_norm, sigmoid, softplus, the recurrence, the gated RMSNorm) within float32 rounding; alpha + dt
+    past softplus's threshold of 20 included."""
+    from moestream.models.qwen35moe import causal_conv1d, gated_delta_rule, l2_norm
+
+    conv_dim = 2 * n_k * d_k + n_v * d_v
+    g = torch.Generator().manual_seed(conv_dim + k_w)
+    qkv = torch.randn(conv_dim, generator=g)
+    st = torch.randn(k_w - 1, conv_dim, generator=g)
+    w = torch.randn(conv_dim, k_w, generator=g) * 0.5
+    beta_raw, alpha_raw = torch.randn(n_v, generator=g), torch.randn(n_v, generator=g) * 4
+    alpha_raw[0] = 25.0  # softplus(x) = x past 20
+    dt, a = torch.randn(n_v, generator=g), -torch.rand(n_v, generator=g)
+    s0 = torch.randn(n_v, d_k, d_v, generator=g) * 0.2
+    z, norm_w = torch.randn(n_v * d_v, generator=g), torch.rand(d_v, generator=g) + 0.5
+    eps = 1e-6
+    want = ref_dnet_decode(*(t.numpy() for t in (qkv, st, w, beta_raw, alpha_raw, dt, a, s0, z, norm_w)), eps, n_k)
+
+    def run(lib):  # noqa: ANN001
+        q, c, s = qkv.clone(), st.clone(), s0.clone()
+        return kernels.dnet_decode(q, c, w, beta_raw, alpha_raw, dt, a, s, z, norm_w, eps, n_k, lib), c, s
+
+    for got in each_build_and_threads(libs, run):
+        for x, y in zip(got, want, strict=True):
+            assert np.array_equal(bits(x), bits(y))
+    # the torch layer's arithmetic on the same values (qwen35moe.delta_net's prefill path, T = 1)
+    c_t, s_t = st.clone(), s0.clone()
+    y = torch.nn.functional.silu(causal_conv1d(qkv[None], c_t, w))
+    kd, rep = n_k * d_k, n_v // n_k
+    q = l2_norm(y[:, :kd].reshape(1, n_k, d_k)).repeat(1, rep, 1) * (1.0 / math.sqrt(d_k))
+    k = l2_norm(y[:, kd:2 * kd].reshape(1, n_k, d_k)).repeat(1, rep, 1)
+    gl = a * torch.nn.functional.softplus(alpha_raw + dt)
+    o = gated_delta_rule(q, k, y[:, 2 * kd:].reshape(1, n_v, d_v), gl[None], torch.sigmoid(beta_raw)[None], s_t)
+    o = layers.rms_norm(o, norm_w, eps) * torch.nn.functional.silu(z.view(1, n_v, d_v))
+    assert torch.equal(c_t, torch.from_numpy(want[1]))  # the conv state is copies of inputs
+    torch.testing.assert_close(torch.from_numpy(want[2]), s_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(want[0]), o.reshape(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_dnet_decode_refuses_sizes_that_do_not_fit(libs):
+    z = torch.zeros
+    with pytest.raises(ValueError, match="do not fit"):  # conv_dim is not 2 n_k d_k + n_v d_v
+        kernels.dnet_decode(z(40), z(3, 40), z(40, 4), z(2), z(2), z(2), z(2), z(2, 8, 8), z(16), z(8), 1e-6, 1)

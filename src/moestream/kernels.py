@@ -221,6 +221,9 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_route_plan.restype = _I
             lib.ms_delta_step.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I]
             lib.ms_delta_step.restype = _I
+            lib.ms_dnet_decode.argtypes = [_I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _F, _P,
+                                           _I]
+            lib.ms_dnet_decode.restype = _I
             lib.ms_dequant_rows.argtypes = [_I, _P, _L, _L, _P, _I, _I, _P]
             lib.ms_dequant_rows.restype = _I
             _L64 = ctypes.c_int64
@@ -618,6 +621,39 @@ def delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.T
                                        decay.data_ptr(), beta.data_ptr(), state.data_ptr(), out.data_ptr(), threads())
     if rc:
         raise ValueError(f"delta_step: {n_v} value heads over {n_k} key heads of {d_v} value dims do not fit")
+    return out
+
+
+def dnet_decode(qkv: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor, beta_raw: torch.Tensor,
+                alpha_raw: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, state: torch.Tensor, z: torch.Tensor,
+                norm_w: torch.Tensor, eps: float, n_k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """A Gated DeltaNet layer's decode step between its matmuls, for one token (csrc/stepkern.c ms_dnet_decode:
+    the causal conv continuing ``conv_state``, SiLU, the key heads' L2 norms, q scaled by 1/sqrt(d_k), beta =
+    sigmoid(beta_raw), decay = exp(a * softplus(alpha_raw + dt)), the delta rule's step on ``state``, then the
+    gated RMSNorm: RMSNorm(o_h) * norm_w * silu(z_h) per value head).
+
+    qkv float32 [conv_dim] the projection (overwritten); conv_state [K-1, conv_dim] and state [n_v, d_k, d_v]
+    (both updated in place); conv_w [conv_dim, K]; beta_raw, alpha_raw, dt, a [n_v]; z [n_v * d_v]; norm_w [d_v].
+    Returns float32 [n_v * d_v], the input of the layer's output projection. ValueError for sizes that do not
+    fit (conv_dim must be 2 n_k d_k + n_v d_v)."""
+    _float32_cpu("dnet_decode", qkv, conv_state, conv_w, beta_raw, alpha_raw, dt, a, state, z, norm_w)
+    n_v, d_k, d_v = state.shape
+    conv_dim, k_w = conv_w.shape
+    if (qkv.numel() != conv_dim or conv_state.shape != (k_w - 1, conv_dim) or z.numel() != n_v * d_v
+            or norm_w.numel() != d_v or not (qkv.is_contiguous() and conv_state.is_contiguous()
+                                              and state.is_contiguous())):
+        raise ValueError(f"dnet_decode: qkv {list(qkv.shape)}, conv state {list(conv_state.shape)}, conv weight "
+                         f"{list(conv_w.shape)}, state {list(state.shape)}, z {list(z.shape)} do not fit")
+    conv_w, beta_raw, alpha_raw, dt, a, z, norm_w = (t.contiguous() for t in (conv_w, beta_raw, alpha_raw, dt, a, z,
+                                                                              norm_w))
+    out = torch.empty(n_v * d_v, dtype=torch.float32)
+    rc = (lib or load()).ms_dnet_decode(conv_dim, k_w, n_k, n_v, d_k, d_v, qkv.data_ptr(), conv_state.data_ptr(),
+                                        conv_w.data_ptr(), beta_raw.data_ptr(), alpha_raw.data_ptr(), dt.data_ptr(),
+                                        a.data_ptr(), state.data_ptr(), z.data_ptr(), norm_w.data_ptr(), eps,
+                                        out.data_ptr(), threads())
+    if rc:
+        raise ValueError(f"dnet_decode: {n_v} value heads over {n_k} key heads (d_k {d_k}, d_v {d_v}) do not fit a "
+                         f"conv of {conv_dim} channels")
     return out
 
 

@@ -6,6 +6,7 @@
  *                 sinks, softcap, K = V through strides)
  *   ms_route      the router: softmax / sigmoid / given scores, bias, expert groups, top-k, renormalisation
  *   ms_delta_step the gated delta rule's recurrent step (Gated DeltaNet decode, one token)
+ *   ms_dnet_decode a Gated DeltaNet layer's decode step between its matmuls (conv, norms, gates, the step above)
  *
  * Determinism: every output element (a row of a norm, a (token, head) of attention, a token's top-k) is
  * computed by one thread with a sequence of float operations fixed by this source, never by the thread
@@ -908,5 +909,91 @@ int ms_delta_step(int n_v, int n_k, int d_k, int d_v, const float *q, const floa
     if (n_k <= 0 || n_v % n_k || d_v > MAX_DV) return -1;
     delta_ctx c = {n_k, d_k, d_v, q, k, v, decay, beta, S, out};
     ms_pool_run(n_threads, delta_head, &c, n_v);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* A Gated DeltaNet layer's decode step between its matmuls (Qwen 3.5; transformers' Qwen3NextGatedDeltaNet   */
+/* for one token), given the projections qkv [conv_dim], beta_raw, alpha_raw [n_v] and z [n_v * d_v]:         */
+/*   conv: y[c] = (((0 + w[c][0] st[0][c]) + w[c][1] st[1][c]) + ...) + w[c][K-1] qkv[c], the state shifted   */
+/*         one row (its rows: the last K-1 inputs, oldest first), then y = silu(y) = y / (1 + expf(-y));      */
+/*   q, k: the first two n_k * d_k of y, per key head x * (1 / sqrtf(sum_i x_i^2 + 1e-6)) (the sum in float, */
+/*         in order: transformers' l2norm), q then times 1 / sqrtf(d_k); v: the rest, [n_v][d_v];           */
+/*   beta = 1 / (1 + expf(-beta_raw)); g = a * softplus(alpha_raw + dt) (softplus(x) = x past 20, else       */
+/*         log1pf(expf(x)): torch's threshold); decay = expf(g);                                              */
+/*   the delta rule's step (delta_head above) into o [n_v][d_v];                                              */
+/*   out = norm_row(o_h, norm_w, eps) * silu(z_h) per value head (the gated RMSNorm).                         */
+/* Two pool runs: the conv and the key heads' norms by channel blocks, then one value head per item.          */
+
+#define CONV_BLOCK 256
+
+typedef struct {
+    int conv_dim, K, n_k, n_v, d_k, d_v;
+    float *qkv; float *st; const float *w;
+    const float *beta_raw, *alpha_raw, *dt, *a;
+    float *S; const float *z, *norm_w; float eps;
+    float *out;
+    float *beta, *decay;
+} dnet_ctx;
+
+static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
+
+static void dnet_conv(void *vc, int item) {
+    const dnet_ctx *c = vc;
+    const int K = c->K, C = c->conv_dim, lo = item * CONV_BLOCK, hi = lo + CONV_BLOCK < C ? lo + CONV_BLOCK : C;
+    for (int ch = lo; ch < hi; ch++) {
+        const float *w = c->w + (long)ch * K;
+        float acc = 0.0f;
+        for (int j = 0; j < K - 1; j++) acc += w[j] * c->st[(long)j * C + ch];
+        const float x = c->qkv[ch];
+        acc += w[K - 1] * x;
+        for (int j = 0; j < K - 2; j++) c->st[(long)j * C + ch] = c->st[(long)(j + 1) * C + ch];
+        if (K > 1) c->st[(long)(K - 2) * C + ch] = x;
+        c->qkv[ch] = silu1(acc);
+    }
+}
+
+static inline void l2_row(float *x, int n, float mul) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) sum += x[i] * x[i];
+    const float r = 1.0f / sqrtf(sum + 1e-6f);
+    for (int i = 0; i < n; i++) x[i] = (x[i] * r) * mul;
+}
+
+static void dnet_head(void *vc, int h) {
+    const dnet_ctx *c = vc;
+    const int dv = c->d_v;
+    const float *z = c->z + (long)h * dv;
+    float *o = c->out + (long)h * dv;
+    delta_ctx d = {c->n_k, c->d_k, dv, c->qkv, c->qkv + (long)c->n_k * c->d_k, c->qkv + 2L * c->n_k * c->d_k,
+                   c->decay, c->beta, c->S, c->out};
+    delta_head(&d, h);
+    norm_row(o, o, dv, c->norm_w, c->eps);
+    for (int j = 0; j < dv; j++) o[j] = o[j] * silu1(z[j]);
+}
+
+/* qkv [conv_dim] (overwritten: conv + silu, then the normed q, k); st [K-1][conv_dim] (shifted in place);
+ * w [conv_dim][K]; beta_raw, alpha_raw, dt, a [n_v]; S [n_v][d_k][d_v] (updated); z [n_v][d_v]; norm_w [d_v];
+ * out [n_v][d_v]. conv_dim = 2 n_k d_k + n_v d_v. Returns 0, or -1 for sizes that do not fit. */
+int ms_dnet_decode(int conv_dim, int K, int n_k, int n_v, int d_k, int d_v, float *qkv, float *st, const float *w,
+                   const float *beta_raw, const float *alpha_raw, const float *dt, const float *a, float *S,
+                   const float *z, const float *norm_w, float eps, float *out, int n_threads) {
+    if (n_k <= 0 || n_v % n_k || d_v > MAX_DV || n_v > 4096 || K < 1 || conv_dim != 2 * n_k * d_k + n_v * d_v)
+        return -1;
+    float beta[4096], decay[4096];
+    dnet_ctx c = {conv_dim, K, n_k, n_v, d_k, d_v, qkv, st, w, beta_raw, alpha_raw, dt, a, S, z, norm_w, eps, out,
+                  beta, decay};
+    ms_pool_run(n_threads, dnet_conv, &c, (conv_dim + CONV_BLOCK - 1) / CONV_BLOCK);
+    const float qmul = 1.0f / sqrtf((float)d_k);
+    for (int h = 0; h < n_k; h++) {
+        l2_row(qkv + (long)h * d_k, d_k, qmul);
+        l2_row(qkv + (long)(n_k + h) * d_k, d_k, 1.0f);
+    }
+    for (int h = 0; h < n_v; h++) {
+        beta[h] = 1.0f / (1.0f + expf(-beta_raw[h]));
+        const float x = alpha_raw[h] + dt[h];
+        decay[h] = expf(a[h] * (x > 20.0f ? x : log1pf(expf(x))));
+    }
+    ms_pool_run(n_threads, dnet_head, &c, n_v);
     return 0;
 }

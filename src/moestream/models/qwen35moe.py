@@ -234,6 +234,12 @@ class Qwen35MoE(MoEModel):
     def delta_net(self, cache: HybridCache, h: torch.Tensor, b: dict, i: int) -> torch.Tensor:
         """Gated DeltaNet mixer of layer i. h: [T, hidden] (normed) -> [T, hidden]; advances cache.conv/ssm[i]."""
         n_tok = h.shape[0]
+        lib = kernels.step_ops() if n_tok == 1 and h.device.type == "cpu" else None
+        if lib is not None:  # decode on the CPU: everything between the matmuls in one C call
+            o = kernels.dnet_decode(b["qkv"].linear(h).reshape(-1).contiguous(), cache.conv[i], b["conv"],
+                                    b["beta"].linear(h)[0], b["alpha"].linear(h)[0], b["dt"], b["a"], cache.ssm[i],
+                                    b["z"].linear(h)[0], b["ssm_norm"], self.eps, self.n_k_heads, lib)
+            return b["out"].linear(o.view(1, -1))
         qkv = causal_conv1d(b["qkv"].linear(h), cache.conv[i], b["conv"])  # [T, conv_dim]
         qkv = elementwise(torch.nn.functional.silu, qkv)
         kd = self.n_k_heads * self.d_k
@@ -243,17 +249,12 @@ class Qwen35MoE(MoEModel):
         rep = self.n_v_heads // self.n_k_heads
         beta = torch.sigmoid(b["beta"].linear(h))  # [T, n_v]
         g = b["a"] * torch.nn.functional.softplus(b["alpha"].linear(h) + b["dt"])  # [T, n_v], ssm_a = -exp(A_log)
-        lib = kernels.step_ops() if n_tok == 1 and h.device.type == "cpu" else None
-        if lib is not None:  # decode on the CPU: the recurrent step in C, the key heads read in place (no repeat)
-            o = kernels.delta_step((l2_norm(q) * (1.0 / math.sqrt(self.d_k)))[0], l2_norm(k)[0], v[0],
-                                   g.exp()[0], beta[0], cache.ssm[i], lib).view(1, self.n_v_heads, self.d_v)
-        else:
-            # value heads are in tiled order in the file: value head j reads key head j % n_k_heads
-            q = l2_norm(q).repeat(1, rep, 1) * (1.0 / math.sqrt(self.d_k))
-            k = l2_norm(k).repeat(1, rep, 1)
-            # prefill: the chunked form (as transformers); decode: the recurrent step
-            rule = gated_delta_rule_chunked if n_tok > 1 else gated_delta_rule
-            o = rule(q, k, v, g, beta, cache.ssm[i])  # [T, n_v, d_v]
+        # value heads are in tiled order in the file: value head j reads key head j % n_k_heads
+        q = l2_norm(q).repeat(1, rep, 1) * (1.0 / math.sqrt(self.d_k))
+        k = l2_norm(k).repeat(1, rep, 1)
+        # prefill: the chunked form (as transformers); decode (a GPU's, or with the C step ops off): the recurrence
+        rule = gated_delta_rule_chunked if n_tok > 1 else gated_delta_rule
+        o = rule(q, k, v, g, beta, cache.ssm[i])  # [T, n_v, d_v]
         z = b["z"].linear(h).view(n_tok, self.n_v_heads, self.d_v)
         o = rms_norm(o, b["ssm_norm"], self.eps) * elementwise(torch.nn.functional.silu, z)
         return b["out"].linear(o.reshape(n_tok, -1))
