@@ -371,7 +371,7 @@ def bias_ptrs(bias: tuple | None) -> tuple[int | None, int | None, int | None]:
 _STEP = {"on": os.environ.get("MOESTREAM_STEP_KERNELS", "1").strip() != "0", "lib": None, "tried": False}
 
 #: gating of :func:`route`
-GATING_SOFTMAX, GATING_SIGMOID, GATING_SCORES, GATING_TOPK_SOFTMAX = 0, 1, 2, 3
+GATING_SOFTMAX, GATING_SIGMOID, GATING_SCORES = 0, 1, 2
 
 
 def set_step_ops(on: bool) -> None:
@@ -536,12 +536,9 @@ def route(logits: torch.Tensor, top_k: int, gating: int = GATING_SOFTMAX, bias: 
 
     Scores by ``gating``: GATING_SOFTMAX (expf of logit - max, the sum in double, divided), GATING_SIGMOID
     (1 / (1 + expf(-logit))) or GATING_SCORES (the logits are the scores); choice = score + ``bias`` [n_experts]
-    (or the score). GATING_TOPK_SOFTMAX (llama.cpp's SOFTMAX_WEIGHT, GPT-OSS): score = choice = logit + ``bias``
-    (one float32 add, as ``logits + bias``), and after the top-k the weights are GATING_SOFTMAX's arithmetic over
-    the k chosen scores (pass ``norm=False``: they already sum to one). ``n_group`` > 1: only the experts of the
-    ``topk_group`` groups whose two best choices sum highest stay choosable; ids = the top_k best choices (ties:
-    the lower id); weights = their scores, divided by max(their sum (double, in top-k order), ``floor``) when
-    ``norm``, times ``scale``. ValueError for sizes that
+    (or the score); ``n_group`` > 1: only the experts of the ``topk_group`` groups whose two best choices sum
+    highest stay choosable; ids = the top_k best choices (ties: the lower id); weights = their scores, divided by
+    max(their sum (double, in top-k order), ``floor``) when ``norm``, times ``scale``. ValueError for sizes that
     do not fit (``n_group`` must divide n_experts, ``top_k`` fit in the kept groups)."""
     _float32_cpu("route", logits, bias)
     logits = logits.contiguous()
