@@ -8,12 +8,16 @@ layer as:
 
 - the q, k, v projections (kernels.linear_to: ms_linear into the kept buffers), their biases added
   (ms_residual_norm's add) and RMSNorm over each whole projection (ms_rms_norm) where the family has them;
-- ms_attn_block: per-head q/k RMSNorm (where the family has it), RoPE (after each head's dims are de-interleaved, for
-  llama files), the cache rows written, attention over the cache;
-- the output projection; ms_residual_norm: x += o, h = RMSNorm(x) by ``ffn_norm``;
+- ms_attn_block: per-head q/k RMSNorm (where the family has it), RoPE by the layer's tables (after each head's dims
+  are de-interleaved, for llama files), the cache rows written, attention over the cache (with the layer's sliding
+  window and sinks, gpt-oss);
+- the output projection (plus its bias, gpt-oss); ms_residual_norm: x += o, h = RMSNorm(x) by ``ffn_norm``;
 - the router's own ``linear`` (as the eager step calls it); ms_route_plan: softmax top-k, renormalisation and the
-  pairs grouped by expert (resident: with each expert's addresses, the store holds every expert in place);
-- resident: ms_moe (kernels.moe_to) over every expert. Streaming (a CPU StreamingStore, --moe-stream on): the store
+  pairs grouped by expert (resident: with each expert's addresses, the store holds every expert in place); or the
+  family's own torch router (gpt-oss's ``gate``: top-k of the biased logits, softmax among them) and the pairs
+  grouped by ms_moe_pairs;
+- resident: ms_moe (kernels.moe_to) over every expert, with the layer's activation code and per-expert biases
+  gathered by real id (gpt-oss). Streaming (a CPU StreamingStore, --moe-stream on): the store
   plans the slots (``store.prepare``: hits, misses, evictions by its policy, this step's experts pinned) and starts
   the misses' reads at once; the hits are computed first, in one ms_moe call over their slots' addresses, then each
   batch of misses whose reads are joined (``ready`` / ``wait``), as MoE.__call__ overlaps them;
@@ -34,10 +38,10 @@ error is raised by ``store.wait`` as in the eager step; on any error after the s
 settle and their slots are emptied (``store.discard``, as MoE.__call__) before it propagates.
 
 It runs where :func:`plan` finds the model fits it: a family class that defines ``fast_layer`` itself (not inherited:
-qwen3moe, llama (Mixtral), olmoe, qwen2moe), every layer routed with softmax routing without bias or scale, one
-sequence of one token on the CPU, every matmul on the C kernels, a resident store or a streaming one with host pools
-on the CPU (not the device-planned step of experts/devplan.py), no synthetic routing, the step kernels on
-(layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
+qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss), every MoE layer fused (one ms_moe call: MoE.fused)
+without a per-expert output scale, one sequence of one token on the CPU, every matmul on the C kernels, a resident
+store or a streaming one with host pools on the CPU (not the device-planned step of experts/devplan.py), no
+synthetic routing, the step kernels on (layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
 """
 
 from __future__ import annotations
@@ -64,13 +68,20 @@ class FastLayer:
     Attention: RMSNorm of the ``attn_norm``-normed x, the q, k, v projections (plus ``biases`` (bq, bk, bv),
     float32 vectors added as ``linear_bias`` adds them); with ``whole_norm`` RMSNorm of the whole q and k
     projections by ``q_norm`` / ``k_norm`` (olmoe), else per head (qwen3moe; None: no norm); ``deinterleave``: each
-    q and k head's dims reordered (0, 2, 4, ..., 1, 3, 5, ...) before RoPE (llama files, models/llama.py); NEOX
-    RoPE by ``model.rope``; attention scaled by ``scale``. MoE: ``ffn_norm``, the router's ``linear``, then
-    kernels.route's router with these arguments (``gating``, ``route_bias``, ``n_group``, ``topk_group``,
-    ``norm_topk``, ``floor``, ``route_scale``: layers.softmax_topk's or routing.sigmoid_group_topk's call); with
-    ``shared`` the family's ``shared(i, x, h)`` (its own torch code) added after the routed sum (``combine``'s
-    ``x + routed + shared``). A layer without routed experts is MoEModel.dense's SwiGLU (a family that overrides
-    ``dense`` runs the eager step)."""
+    q and k head's dims reordered (0, 2, 4, ..., 1, 3, 5, ...) before RoPE (llama files, models/llama.py); RoPE by
+    ``rope`` (a layers.Rope: its tables, scale and layout; None: ``model.rope``); attention scaled by ``scale``, over
+    the last ``window`` positions (0: all; kernels.attention's ``window``) with ``sinks`` (float32 [n_head]
+    contiguous: one more logit per head in the softmax's denominator; None: none); the output projection plus
+    ``o_bias`` (float32 [hidden], one add per element, before the residual add: ``x + (W_o a + b_o)``; gpt-oss).
+    MoE: ``ffn_norm``, the router's ``linear``, then kernels.route's router with these arguments (``gating``,
+    ``route_bias``, ``n_group``, ``topk_group``, ``norm_topk``, ``floor``, ``route_scale``: layers.softmax_topk's or
+    routing.sigmoid_group_topk's call), or with ``own_gate`` the family's ``gate(block, h)`` (its own torch code,
+    as the eager step calls it: gpt-oss, whose top-k-then-softmax routing the C router does not compute in torch's
+    bits) and the pairs planned by ms_moe_pairs (kernels.MoEPairs.plan); the routed experts as the layer's MoE
+    computes them in one ms_moe call (its activation code and per-expert biases, ``MoE.kernel_bias``, gathered by
+    real id); with ``shared`` the family's ``shared(i, x, h)`` (its own torch code) added after the routed sum
+    (``combine``'s ``x + routed + shared``). A layer without routed experts is MoEModel.dense's SwiGLU (a family
+    that overrides ``dense`` runs the eager step)."""
 
     scale: float
     q_norm: Any = None
@@ -86,6 +97,11 @@ class FastLayer:
     topk_group: int = 1
     floor: float = 0.0
     route_scale: float = 1.0
+    rope: Any = None
+    window: int = 0
+    sinks: Any = None
+    o_bias: Any = None
+    own_gate: bool = False
 
 
 def _spec(w: Any) -> tuple | None:
@@ -129,19 +145,28 @@ class FastDecode:
         self.o_dst = np.empty(k, dtype=np.int32)
         self.o_tok = np.zeros(k, dtype=np.int32)  # one token
         self.o_start = np.arange(k + 1, dtype=np.int32)  # group j is pair j
+        self.o_real = np.empty(k, dtype=np.int64)  # each group's real expert id (the biases)
         blocks = m.blocks
         self.layers = []
+        #: the distinct RoPEs of the layers (gpt-oss: sliding and full layers may have their own)
+        self.ropes: list[Any] = []
         for i, b in enumerate(blocks):
             nxt = blocks[i + 1]["attn_norm"] if i + 1 < len(blocks) else m.out_norm
             fl = fls[i]
             head = not fl.whole_norm
-            # (per-head q, k norms, the whole projections' norms, q/k/v biases, ms_attn_block's RoPE mode, scale)
+            rope = fl.rope if fl.rope is not None else m.rope
+            if not any(r is rope for r in self.ropes):
+                self.ropes.append(rope)
+            # (per-head q, k norms, the whole projections' norms, q/k/v biases, ms_attn_block's RoPE mode, scale,
+            # the index of the layer's RoPE in self.ropes, window, sinks, o bias)
             attn = (_ptr(fl.q_norm) if head else None, _ptr(fl.k_norm) if head else None,
                     None if head else (_ptr(fl.q_norm), _ptr(fl.k_norm)),
                     None if fl.biases is None else [(yp, _ptr(t), rows) for yp, t, rows in zip(
                         (self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr()), fl.biases,
                         (m.n_head * hd, m.n_kv * hd, m.n_kv * hdv), strict=True) if t is not None],
-                    2 if fl.deinterleave else int(m.rope.interleaved), fl.scale)
+                    2 if fl.deinterleave else int(rope.interleaved), fl.scale,
+                    next(j for j, r in enumerate(self.ropes) if r is rope), int(fl.window or 0), _ptr(fl.sinks),
+                    _ptr(fl.o_bias))
             moe = moes[i]
             if moe is None:  # MoEModel.dense: SwiGLU of h
                 ffn = (b["gate"], b["up"], b["down"])
@@ -149,9 +174,10 @@ class FastDecode:
                 gu = moe.mats["gate_up" if moe.merged else "gate"]
                 down = moe.mats["down"]
                 moe_spec = (int(gu.ggml_type), int(down.ggml_type), gu.bytes_per_expert // gu.rows,
-                            down.bytes_per_expert // down.rows, n, moe.n_ff, moe.kernel_act)
+                            down.bytes_per_expert // down.rows, n, moe.n_ff, moe.kernel_act,
+                            kernels.bias_ptrs(moe.kernel_bias))
                 route = (b["router"], int(fl.gating), _ptr(fl.route_bias), fl.n_group, fl.topk_group,
-                         int(fl.norm_topk), fl.floor, fl.route_scale)
+                         int(fl.norm_topk), fl.floor, fl.route_scale, b if fl.own_gate else None)
                 ffn = (route, fl.shared, None if self.streaming else tabs[i].ctypes.data, moe_spec)
             self.layers.append((i, *specs[i], attn, _ptr(b["ffn_norm"]), moe is None, ffn, _ptr(nxt)))
         #: resident: int64 [3, n_experts] per layer, each expert's gate, up and down address (the layers point into
@@ -181,10 +207,11 @@ class FastDecode:
         idp, wp, outp = self.ids.data_ptr(), self.w.data_ptr(), self.out.data_ptr()
         count, experts, pstart, ptok, pw, pdst, addr = self.pairs.ptrs
         cap = self.pairs.cap
-        rope = m.rope
-        rope.reserve(start + 1)
-        n_rot = rope.n_rot
-        cos_p, sin_p = rope.cos.data_ptr() + 4 * start * n_rot, rope.sin.data_ptr() + 4 * start * n_rot
+        tables = []  # per RoPE: (n_rot, its cos and sin rows of this position)
+        for rope in self.ropes:
+            rope.reserve(start + 1)
+            n_rot = rope.n_rot
+            tables.append((n_rot, rope.cos.data_ptr() + 4 * start * n_rot, rope.sin.data_ptr() + 4 * start * n_rot))
         kv = self._cache_ptrs(cache)
         kc_p, vc_p = n_kv * hd, n_kv * hdv
         store, streaming = self.store, self.streaming
@@ -194,7 +221,8 @@ class FastDecode:
         for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt) in self.layers:
             if look:
                 m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
-            qn, kn, whole, biases, mode, scale = attn
+            qn, kn, whole, biases, mode, scale, r, window, sinks, o_bias = attn
+            n_rot, cos_p, sin_p = tables[r]
             kernels.linear_to(q_s, hp, 1, qp, lib)
             kernels.linear_to(k_s, hp, 1, kp, lib)
             kernels.linear_to(v_s, hp, 1, vp, lib)
@@ -207,22 +235,29 @@ class FastDecode:
             kcp, vcp = kv[i]
             rc = lib.ms_attn_block(1, n_head, n_kv, hd, hdv, qp, n_head * hd, hd, kp, n_kv * hd, hd, vp, n_kv * hdv,
                                    hdv, qn, kn, eps, n_rot, mode, cos_p, sin_p, kcp, kc_p, hd, vcp, vc_p, hdv, start,
-                                   0, None, scale, 0.0, ap, n_head * hdv, nt)
+                                   window, sinks, scale, 0.0, ap, n_head * hdv, nt)
             if rc:
                 raise MemoryError("attention: out of memory for the score buffer")
             kernels.linear_to(o_s, ap, 1, op, lib)
+            if o_bias is not None:  # W_o a + b_o, then the residual add
+                lib.ms_residual_norm(1, n, op, o_bias, 0, None, 0.0, None, nt)
             lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
             if dense:  # x + SwiGLU(h), as MoEModel.dense
                 y = layers.swiglu_ffn(*ffn, self.h).contiguous()
                 lib.ms_residual_norm(1, n, xp, y.data_ptr(), 0, nxt, eps, hp, nt)
                 continue
-            (router, gating, r_bias, n_group, topk_group, norm_topk, floor, r_scale), has_shared, tabs, moe_s = ffn
-            logits = router.linear(self.h).contiguous()
-            g = lib.ms_route_plan(1, logits.shape[1], logits.data_ptr(), gating, r_bias, n_group, topk_group, top_k,
-                                  norm_topk, floor, r_scale, idp, wp, tabs, 3, count, experts, pstart,
-                                  ptok, pw, pdst, addr, cap, nt)
-            if g < 0:
-                raise ValueError(f"route: top-{top_k} of {logits.shape[1]} experts does not fit (rc {g})")
+            route, has_shared, tabs, moe_s = ffn
+            router, gating, r_bias, n_group, topk_group, norm_topk, floor, r_scale, gate_b = route
+            if gate_b is not None:  # the family's own router (torch), then the pairs grouped as ms_route_plan does
+                ids, w = m.gate(gate_b, self.h)
+                g = self.pairs.plan(ids.contiguous(), w.contiguous(), None if tabs is None else self.tabs[i])
+            else:
+                logits = router.linear(self.h).contiguous()
+                g = lib.ms_route_plan(1, logits.shape[1], logits.data_ptr(), gating, r_bias, n_group, topk_group,
+                                      top_k, norm_topk, floor, r_scale, idp, wp, tabs, 3, count, experts, pstart,
+                                      ptok, pw, pdst, addr, cap, nt)
+                if g < 0:
+                    raise ValueError(f"route: top-{top_k} of {logits.shape[1]} experts does not fit (rc {g})")
             chosen = self.pairs.experts[:g].tolist()  # ascending, as MoE.__call__ hands them to the store
             run_shared = functools.partial(self._shared, i, x) if has_shared else None
             if streaming:
@@ -275,6 +310,7 @@ class FastDecode:
                 a[mat, :g] += leads[mat][slots]  # read after prepare(): a direct read's lead is set there
             self.o_w[:g] = self.pairs.w[order]
             self.o_dst[:g] = self.pairs.dst[order]
+            self.o_real[:g] = self.pairs.experts[order]
             n_hit = g - len(reading)
             if n_hit:
                 self._moe(spec, 0, n_hit, hp, outp)
@@ -292,7 +328,8 @@ class FastDecode:
         """ms_moe over groups first..first+n-1 of the compute-order arrays (``o_*``)."""
         a, k = self.o_addr.ctypes.data, self.o_addr.shape[1]
         at = (a + 8 * first, a + 8 * (k + first), a + 8 * (2 * k + first), self.o_start.ctypes.data,
-              self.o_tok.ctypes.data + 4 * first, self.o_w.ctypes.data + 4 * first, self.o_dst.ctypes.data + 4 * first)
+              self.o_tok.ctypes.data + 4 * first, self.o_w.ctypes.data + 4 * first, self.o_dst.ctypes.data + 4 * first,
+              self.o_real.ctypes.data + 8 * first)
         kernels.moe_to(spec, self.pairs, n, hp, 1, outp, at=at)
 
 
