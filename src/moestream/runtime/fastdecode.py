@@ -1,29 +1,41 @@
-"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it) as a handful of C calls per layer.
+"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it, Gemma 4 too) as a handful of C
+calls per layer.
 
 Between two matmuls a decode step has little arithmetic, but every torch op and Python frame there runs with cold
 caches (the matmul before it streamed tens of MB of weights through them): measured on a 2-core EPYC, an empty
 ``torch.empty`` costs 1 us hot and 60 us right after such a stream. So the eager step (runner.py) spends ms per
-token outside its matmuls. This step keeps one token's activations in buffers made once per model and runs each
-layer as:
+token outside its matmuls. This step keeps one token's activations in buffers made once per model (sized for the
+largest layer: Gemma 4's layers differ in head dim and KV heads), takes x from the family's own ``embed`` and runs
+each layer as:
 
 - the q, k, v projections (kernels.linear_to: ms_linear into the kept buffers), their biases added
   (ms_residual_norm's add) and RMSNorm over each whole projection (ms_rms_norm) where the family has them;
 - ms_attn_block: per-head q/k RMSNorm (where the family has it), RoPE (after each head's dims are de-interleaved, for
-  llama files), the cache rows written, attention over the cache;
-- the output projection; ms_residual_norm: x += o, h = RMSNorm(x) by ``ffn_norm``;
+  llama files), the cache rows written, attention over the cache; each layer with its own head dim, KV heads, RoPE
+  tables and sliding window, V normed without weight first (ms_rms_norm) where the family norms it, V = the raw K
+  projection where the layer has no V projection (Gemma 4). A layer that reads an earlier layer's cache (Gemma 4's
+  shared KV) writes none: its queries normed (ms_rms_norm) and rotated (ms_rope), then ms_attention over that cache;
+- the output projection (RMSNorm'd by the family's post-attention norm where it has one: ms_rms_norm);
+  ms_residual_norm: x += o, h = RMSNorm(x) by ``ffn_norm`` (Gemma 4: by the router's norm, times 1/sqrt(hidden));
 - the router's own ``linear`` (as the eager step calls it); ms_route_plan: softmax top-k, renormalisation and the
-  pairs grouped by expert (resident: with each expert's addresses, the store holds every expert in place);
+  pairs grouped by expert (resident: with each expert's addresses, the store holds every expert in place); each
+  pair's weight times its expert's output scale where the layer has one (Gemma 4, MoE.__call__'s product); the
+  experts' input normed again by the family's own norm where it has one (Gemma 4's ``pre_norm_2``);
 - resident: ms_moe (kernels.moe_to) over every expert. Streaming (a CPU StreamingStore, --moe-stream on): the store
   plans the slots (``store.prepare``: hits, misses, evictions by its policy, this step's experts pinned) and starts
   the misses' reads at once; the hits are computed first, in one ms_moe call over their slots' addresses, then each
   batch of misses whose reads are joined (``ready`` / ``wait``), as MoE.__call__ overlaps them;
-- a shared expert (qwen2moe): the family's own ``shared`` (torch), run where MoE.__call__ runs it (after the slots
-  are planned and the reads started);
+- a shared expert (qwen2moe; Gemma 4's dense GeGLU FFN): the family's own ``shared`` (torch), run where
+  MoE.__call__ runs it (after the slots are planned and the reads started);
 - ms_residual_norm: x += the sum of the top-k rows (then + the shared expert's output), h = RMSNorm(x) by the next
-  layer's ``attn_norm`` (after the last layer ``out_norm``, then the output projection).
+  layer's ``attn_norm``. Gemma 4 instead: x += RMSNorm(RMSNorm(dense FFN) + RMSNorm(routed sum)) by its post norms
+  (ms_topk_sum, ms_rms_norm, ms_residual_norm), then its PLE branch (the family's torch code, ``ple_add``), x times
+  the layer's output scale, and the next layer's norm. After the last layer, the family's own ``head`` (RMSNorm,
+  the output projection, Gemma 4's logit softcap).
 
 What differs between families is stated by the family (``MoEModel.fast_layer`` -> :class:`FastLayer`: its q/k norms,
-biases, RoPE layout, attention scale, top-k renormalisation, shared expert), not written again here.
+biases, RoPE layout, attention scale, top-k renormalisation, shared expert, per-layer shapes, Gemma 4's norms,
+scales and PLE hook), not written again here.
 
 Each of those is the kernel the eager step runs, on the same values in the same order (the rows of one ms_moe call
 do not depend on which other experts share the call), so the logits are the same bits, streaming or resident
@@ -34,10 +46,11 @@ error is raised by ``store.wait`` as in the eager step; on any error after the s
 settle and their slots are emptied (``store.discard``, as MoE.__call__) before it propagates.
 
 It runs where :func:`plan` finds the model fits it: a family class that defines ``fast_layer`` itself (not inherited:
-qwen3moe, llama (Mixtral), olmoe, qwen2moe), every layer routed with softmax routing without bias or scale, one
-sequence of one token on the CPU, every matmul on the C kernels, a resident store or a streaming one with host pools
-on the CPU (not the device-planned step of experts/devplan.py), no synthetic routing, the step kernels on
-(layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
+qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gemma4) and returns a FastLayer for every layer (a layer
+without routed experts: MoEModel.dense's SwiGLU only), one sequence of one token on the CPU, the q, k, v and output
+projections and the experts on the C kernels, a resident store or a streaming one with host pools on the CPU (not
+the device-planned step of experts/devplan.py), no synthetic routing, the step kernels on (layers.C_RMS_NORM,
+C_ATTENTION). Anything else runs the eager step.
 """
 
 from __future__ import annotations
