@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -172,6 +173,22 @@ def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monk
                     assert_bitwise(a[:pos + 1], b[:pos + 1])
             tok = int(got[0].argmax())
     model.store.close()
+
+
+def test_fast_decode_scalar_products_are_torchs() -> None:
+    """The fast step multiplies in numpy where the eager step multiplies a float32 tensor by a Python float (Gemma 4's
+    router input times 1/sqrt(hidden)) or by a float32 [1] tensor (its layer output scale): torch rounds the Python
+    float to float32 first, so the float32 products are the same bits (the gemma4-tiny fixture's 1/sqrt(256) is a
+    power of two, exact either way; 2816 is Gemma-4-26B-A4B's hidden size). A product in double, then rounded, would
+    differ in some of these values."""
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(3)) * 3
+    for n in (2816, 704, 3):
+        s = n ** -0.5
+        want = (x * s).numpy()
+        assert_bitwise([torch.from_numpy(x.numpy() * np.float32(s))], [torch.from_numpy(want)])
+        assert not np.array_equal((x.double() * s).float().numpy(), want)  # (the check can tell them apart)
+        t = torch.tensor([s], dtype=torch.float32)
+        assert_bitwise([torch.from_numpy(x.numpy() * np.float32(t.item()))], [x * t])
 
 
 def _qwen3_q8(fixtures_tool: Any) -> str:
