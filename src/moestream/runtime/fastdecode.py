@@ -116,11 +116,11 @@ class FastLayer:
     topk_group: int = 1
     floor: float = 0.0
     route_scale: float = 1.0
+    rope: Any = None
+    window: int = 0
     n_head: int | None = None
     n_kv: int | None = None
     head_dim: int | None = None
-    rope: Any = None
-    window: int = 0
     v_norm: bool = False
     v_is_k: bool = False
     kv_layer: int | None = None
@@ -195,16 +195,18 @@ class FastDecode:
             fl = fls[i]
             nh, nkv, hd, hdv, rope = shapes[i]
             head = not fl.whole_norm
-            ri = next(j for j, r in enumerate(self.ropes) if r is rope)
             # (per-head q, k norms, the whole projections' norms, q/k/v biases, ms_attn_block's RoPE mode, scale,
-            #  the layer's shapes, its RoPE tables, window, V norm, V = K, the cache it reads, post-attention norm)
+            # the index of the layer's RoPE in self.ropes, window, the layer's shapes, V norm, V = K, the cache it
+            # reads, post-attention norm)
             attn = (_ptr(fl.q_norm) if head else None, _ptr(fl.k_norm) if head else None,
                     None if head else (_ptr(fl.q_norm), _ptr(fl.k_norm)),
                     None if fl.biases is None else [(yp, _ptr(t), rows) for yp, t, rows in zip(
                         (self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr()), fl.biases,
                         (nh * hd, nkv * hd, nkv * hdv), strict=True) if t is not None],
-                    2 if fl.deinterleave else int(rope.interleaved), fl.scale, nh, nkv, hd, hdv, ri, int(fl.window),
-                    fl.v_norm, fl.v_is_k, i if fl.kv_layer is None else fl.kv_layer, _ptr(fl.attn_post_norm))
+                    2 if fl.deinterleave else int(rope.interleaved), fl.scale,
+                    next(j for j, r in enumerate(self.ropes) if r is rope), int(fl.window or 0),
+                    nh, nkv, hd, hdv, fl.v_norm, fl.v_is_k, i if fl.kv_layer is None else fl.kv_layer,
+                    _ptr(fl.attn_post_norm))
             moe = moes[i]
             if moe is None:  # MoEModel.dense: SwiGLU of h
                 ffn = (b["gate"], b["up"], b["down"])
@@ -251,11 +253,11 @@ class FastDecode:
         idp, wp, outp = self.ids.data_ptr(), self.w.data_ptr(), self.out.data_ptr()
         count, experts, pstart, ptok, pw, pdst, addr = self.pairs.ptrs
         cap = self.pairs.cap
-        tables = []  # (cos, sin of position start, n_rot) of each RoPE
+        tables = []  # per RoPE: (n_rot, its cos and sin rows of this position)
         for rope in self.ropes:
             rope.reserve(start + 1)
-            nr = rope.n_rot
-            tables.append((rope.cos.data_ptr() + 4 * start * nr, rope.sin.data_ptr() + 4 * start * nr, nr))
+            n_rot = rope.n_rot
+            tables.append((n_rot, rope.cos.data_ptr() + 4 * start * n_rot, rope.sin.data_ptr() + 4 * start * n_rot))
         kv = self._cache_ptrs(cache)
         store, streaming = self.store, self.streaming
         look = streaming and m.opts.prefetch  # the router lookahead
@@ -264,9 +266,9 @@ class FastDecode:
         for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale)) in self.layers:
             if look:
                 m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
-            (qn, kn, whole, biases, mode, scale, n_head, n_kv, hd, hdv, ri, window, v_norm, v_is_k, src,
+            (qn, kn, whole, biases, mode, scale, r, window, n_head, n_kv, hd, hdv, v_norm, v_is_k, src,
              post) = attn
-            cos_p, sin_p, n_rot = tables[ri]
+            n_rot, cos_p, sin_p = tables[r]
             kernels.linear_to(q_s, hp, 1, qp, lib)
             if src == i:  # the layer's own K/V: its rows written, then attention (ms_attn_block)
                 kernels.linear_to(k_s, hp, 1, kp, lib)
