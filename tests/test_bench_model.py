@@ -1,5 +1,6 @@
-"""tools/make_bench_model.py's random-block types (Q4_K, Q4_K_M, Q6_K): valid blocks of the asked std and mean
-about 0, bytes independent of the thread count, llama.cpp's Q4_K_M type mix, and a file the engine runs."""
+"""tools/make_bench_model.py's random-block types (Q4_K, Q4_K_M, Q6_K, MXFP4): valid blocks of the asked std and mean
+about 0, bytes independent of the thread count, llama.cpp's Q4_K_M type mix, and files the engine runs (qwen3moe,
+gpt-oss)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,37 @@ def test_random_blocks_decode_to_the_std(qtype: T) -> None:
     # Q4_0's codes (nibble - 8) average -0.5: a mean of -0.5 d, about -std / 9; the others centre on ~0
     assert abs(float(x.mean()) - (-0.03 / 9.2 if qtype == T.Q4_0 else 0)) < 0.002, float(x.mean())
     assert np.array_equal(x.numpy(), reference_dequantize(raw, qtype))  # gguf's reader decodes the same values
+
+
+def test_random_mxfp4_blocks() -> None:
+    """MXFP4 blocks (gpt-oss's experts): a power-of-two scale, so the std within 2^0.5 of the asked one, mean ~0,
+    the values gguf's reader decodes."""
+    raw = mbm.random_blocks(np.random.default_rng(2), T.MXFP4, 64 * 2048, 0.03).reshape(64, -1)
+    x = dequantize(torch.from_numpy(raw), T.MXFP4, 2048)
+    assert 0.03 / 2 ** 0.5 < float(x.std()) < 0.03 * 2 ** 0.5 and abs(float(x.mean())) < 0.002, float(x.std())
+    assert np.array_equal(x.numpy(), reference_dequantize(raw, T.MXFP4))
+
+
+def test_gpt_oss_file_runs(tmp_path: Path) -> None:
+    """``--arch gpt-oss`` at small sizes: a file moestream loads as gpt-oss (sliding and full layers, MXFP4
+    experts with biases, fused) and runs."""
+    path = tmp_path / "g.gguf"
+    cmd = [sys.executable, str(ROOT / "tools" / "make_bench_model.py"), "-o", str(path), "--arch", "gpt-oss",
+           "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+           "--experts", "8", "--top-k", "2", "--expert-ff", "256", "--tokenizer-from", str(DEFAULT_GGUF)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    from moestream.models.base import LoadOptions, load_model
+    m = load_model(str(path), LoadOptions(moe_stream=False))
+    try:
+        assert type(m).__name__ == "GptOss" and [b["swa"] for b in m.blocks] == [True, False]
+        moe = m.blocks[0]["moe"]
+        assert moe.fused and moe.mats["gate"].ggml_type == T.MXFP4 and set(moe.bias) == {"gate", "up", "down"}
+    finally:
+        m.store.close()
+    p = moestream("run", "-m", str(path), "-n", "4", "-p", "hi", "--slots", "2", "-t", "1")
+    assert p.returncode == 0, p.stderr
+    assert "decode 3 tok" in p.stderr.strip().splitlines()[-1]
 
 
 def test_random_tensor_does_not_depend_on_threads(monkeypatch: pytest.MonkeyPatch) -> None:

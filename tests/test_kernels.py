@@ -634,8 +634,10 @@ def moe_activations(seed: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def moe_call(ex: Experts, x: np.ndarray, pairs, groups, act: int, y: np.ndarray, lib) -> None:
-    """kernels.moe on the pairs of ``groups`` (in that order; pairs in the order given) into y."""
+def moe_call(ex: Experts, x: np.ndarray, pairs, groups, act: int, y: np.ndarray, lib, bias: tuple | None = None,
+             real: np.ndarray | None = None) -> None:
+    """kernels.moe on the pairs of ``groups`` (in that order; pairs in the order given) into y; ``bias`` (gate, up,
+    down) tables gathered by ``real[g]``, group g's real expert id."""
     start, tok, w, out = [0], [], [], []
     for g in groups:
         for pg, pt, pw, po in pairs:
@@ -647,7 +649,8 @@ def moe_call(ex: Experts, x: np.ndarray, pairs, groups, act: int, y: np.ndarray,
     gate, up, down = ex.addresses(groups)
     kernels.moe(torch.from_numpy(x), int(ex.t_gu), int(ex.t_down), gate, up, down, ex.rb_gu, ex.rb_down, N_FF,
                 act, np.array(start, np.int32), np.array(tok, np.int32), np.array(w, np.float32),
-                np.array(out, np.int32), torch.from_numpy(y), lib=lib)
+                np.array(out, np.int32), torch.from_numpy(y), lib=lib, bias=bias,
+                real=None if real is None else np.array([real[g] for g in groups], np.int64))
 
 
 def new_y() -> np.ndarray:
@@ -664,6 +667,13 @@ _TANHF = np.frompyfunc(lambda v: _LIBM.tanhf(float(v)), 1, 1)
 def act_f32(g: np.ndarray, u: np.ndarray, act: int) -> np.ndarray:
     """act(gate) * up in float32, operation by operation as moekern.c writes it, libm's expf / tanhf."""
     one = np.float32(1)
+    if act == kernels.ACT_SWIGLU_OAI:  # ggml's swiglu_oai: min(g, 7) (NaN kept), clamp(u, -7, 7)
+        lim = np.float32(kernels.SWIGLU_OAI_LIMIT)
+        xg = np.where(g > lim, lim, g)
+        yu = np.where(u < -lim, -lim, np.where(u > lim, lim, u))
+        with np.errstate(over="ignore"):  # expf overflows to inf for x < -52: x / inf = -0, as in C
+            glu = xg / (one + _EXPF(np.float32(kernels.SWIGLU_OAI_ALPHA) * -xg).astype(np.float32))
+        return glu * (yu + one)
     if act == kernels.ACT_SILU:
         return g / (one + _EXPF(-g).astype(np.float32)) * u
     inner = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
@@ -695,6 +705,70 @@ def test_moe_equals_linear_composition(libs, case):
         assert np.isfinite(ref[[p[3] for p in pairs]]).all()
         same = bits(y) == bits(ref)  # NaN sentinels compare by their bits too
         assert same.all(), f"{b}: {(~same.all(1)).sum()} output rows differ from the composition"
+
+
+#: the real expert id of each group (slot) in the bias tests: slot ids != real ids, 12 experts in the tables
+REAL_OF_SLOT = np.array([7, 2, 11, 0, 5], np.int64)
+
+
+@pytest.mark.parametrize("case", [(T.MXFP4, T.MXFP4), (T.F32, T.F32), (T.Q8_0, T.Q4_K)],
+                         ids=lambda c: f"{c[0].name}-{c[1].name}")
+def test_moe_swiglu_oai_with_biases_by_real_id(libs, case):
+    """GPT-OSS's experts (ACT_SWIGLU_OAI, per-expert gate / up / down biases): bitwise the composition
+    y[out] = (linear(down, h) + b_down[e]) * w, h = swiglu_oai(linear(gate, x) + b_gate[e], linear(up, x) + b_up[e])
+    with e the group's REAL id (not its slot), each add one float32 add, the activation as ggml's swiglu_oai in float32
+    with libm's expf; some gate and up values past the clamp on both sides; a bias left out (None) is not added;
+    -t 1 and -t 2 the same bits."""
+    t_gu, t_down = case
+    ex = Experts(t_gu, t_down, False, seed=int(t_gu) * 5 + int(t_down))
+    x = moe_activations(24)
+    pairs = routing(9)
+    rng = np.random.default_rng(10)
+    n_exp = 12
+    tabs = [torch.from_numpy((rng.standard_normal((n_exp, n)) * 4).astype(np.float32)) for n in (N_FF, N_FF, N_EMBD)]
+    act = kernels.ACT_SWIGLU_OAI
+    for b, lib in libs.items():
+        for which in ((0, 1, 2), (2,), (0,)):
+            bias = tuple(tabs[m] if m in which else None for m in range(3))
+            y = new_y()
+            kernels.set_threads(2)
+            moe_call(ex, x, pairs, range(N_GROUPS), act, y, lib, bias=bias, real=REAL_OF_SLOT)
+            y1 = new_y()
+            kernels.set_threads(1)
+            moe_call(ex, x, pairs, range(N_GROUPS), act, y1, lib, bias=bias, real=REAL_OF_SLOT)
+            assert np.array_equal(bits(y), bits(y1)), f"{b} {which}: -t 1 vs -t 2"
+            ref = new_y()
+            clamped = [0, 0, 0]
+            for g in range(N_GROUPS):
+                mine = [p for p in pairs if p[0] == g]
+                if not mine:
+                    continue
+                e = REAL_OF_SLOT[g]
+                toks = np.array([p[1] for p in mine])
+                gg = linear(x[toks], ex.gate_raw[g], t_gu, N_EMBD, lib)
+                uu = linear(x[toks], ex.up_raw[g], t_gu, N_EMBD, lib)
+                if bias[0] is not None:
+                    gg = gg + tabs[0].numpy()[e]
+                if bias[1] is not None:
+                    uu = uu + tabs[1].numpy()[e]
+                clamped[0] += int((gg > 7).sum())
+                clamped[1] += int((uu > 7).sum())
+                clamped[2] += int((uu < -7).sum())
+                d = linear(act_f32(gg, uu, act), ex.down_raw[g], t_down, N_FF, lib)
+                if bias[2] is not None:
+                    d = d + tabs[2].numpy()[e]
+                for k, (_, _, w, out) in enumerate(mine):
+                    ref[out] = d[k] * np.float32(w)
+            if which == (0, 1, 2):
+                assert min(clamped) > 0, clamped
+            assert np.isfinite(ref[[p[3] for p in pairs]]).all()
+            same = bits(y) == bits(ref)
+            assert same.all(), f"{b} {which}: {(~same.all(1)).sum()} output rows differ from the composition"
+            # a bias read by slot id instead of the real id would differ
+            if which == (0, 1, 2):
+                y2 = new_y()
+                moe_call(ex, x, pairs, range(N_GROUPS), act, y2, lib, bias=bias, real=np.arange(N_GROUPS))
+                assert not np.array_equal(bits(y2), bits(y))
 
 
 def moe_numpy_reference(ex: Experts, x: np.ndarray, pairs, act: int

@@ -132,7 +132,17 @@ def test_device_step_every_family(path: str) -> None:
 
 
 #: the families whose decode step runs as runtime/fastdecode.py's (their ``fast_layer``), each by a Q8_0 fixture
-FAST_FAMILIES = ["qwen3moe-tiny", "mixtral-tiny", "olmoe-tiny", "qwen2moe-tiny", "glm4moe-tiny", "gemma4-tiny"]
+#: (gpt-oss: llama.cpp's MXFP4_MOE, Q8_0 dense)
+FAST_FAMILIES = ["qwen3moe-tiny", "mixtral-tiny", "olmoe-tiny", "qwen2moe-tiny", "glm4moe-tiny", "gpt-oss-tiny",
+                 "gemma4-tiny"]
+
+
+def _fast_file(which: str, fixtures_tool: Any) -> str:
+    """The file of ``which`` (a FAST_FAMILIES fixture, or "default") whose matmuls all run on the C kernels."""
+    if which == "default":
+        return str(DEFAULT_GGUF)
+    files = fixtures_tool.build_fixture(which)
+    return str(files["q8_0"] if "q8_0" in files else files["mxfp4_moe"])
 
 
 @pytest.mark.parametrize("which", ["default", *FAST_FAMILIES])
@@ -140,16 +150,15 @@ def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monk
     """The CPU decode step of runtime/fastdecode.py (a few C calls per layer) gives the eager step's bits
     (Runner.run over the same cache contents) at every position of a decode, counts the same expert hits, and writes
     the same KV cache rows; it runs for the files of the families it fits (per-head q/k norms or none or over the
-    whole projection, llama's de-interleaved heads, q/k/v biases, a shared expert; gemma4's per-layer head dims, KV
-    heads, RoPE and sliding window, V = K, shared-KV layers, per-expert scales, post norms, PLE and output scales),
-    resident (streaming: below). The fast step runs its kernels on 1 thread at odd positions, 2 at even ones; the
-    eager step on 2."""
+    whole projection, llama's de-interleaved heads, q/k/v biases, a shared expert; gpt-oss's o bias, per-layer RoPE,
+    sinks, its own router and biased experts; gemma4's per-layer head dims, KV heads, RoPE and sliding window, V = K,
+    shared-KV layers, per-expert scales, post norms, PLE and output scales), resident (streaming: below). The fast
+    step runs its kernels on 1 thread at odd positions, 2 at even ones; the eager step on 2."""
     from moestream import kernels
     from moestream.runtime import fastdecode
 
     monkeypatch.setattr(kernels, "_THREADS", list(kernels._THREADS))  # the thread count restored after the test
-    p = str(DEFAULT_GGUF) if which == "default" else str(fixtures_tool.build_fixture(which)["q8_0"])
-    model = load_model(p, LoadOptions(moe_stream=False))
+    model = load_model(_fast_file(which, fixtures_tool), LoadOptions(moe_stream=False))
     fast = fastdecode.plan(model)
     assert fast is not None
     caches = [model.new_cache(24), model.new_cache(24)]
@@ -199,8 +208,9 @@ def _qwen3_q8(fixtures_tool: Any) -> str:
     ("qwen3moe-tiny", False, False, True), ("qwen3moe-tiny", True, False, True), ("qwen3moe-tiny", False, True, True),
     ("qwen3moe-tiny", True, True, True), ("qwen3moe-tiny", True, False, False), ("default", True, False, True),
     ("mixtral-tiny", False, False, True), ("olmoe-tiny", False, True, True), ("qwen2moe-tiny", False, False, True),
-    ("qwen2moe-tiny", True, False, False), ("glm4moe-tiny", False, False, True), ("gemma4-tiny", False, False, True),
-    ("gemma4-tiny", True, True, True), ("gemma4-tiny", False, False, False)])
+    ("qwen2moe-tiny", True, False, False), ("glm4moe-tiny", False, False, True), ("gpt-oss-tiny", False, False, True),
+    ("gpt-oss-tiny", True, False, False), ("gemma4-tiny", False, False, True), ("gemma4-tiny", True, True, True),
+    ("gemma4-tiny", False, False, False)])
 def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefetch: bool, overlap: bool,
                                                  fixtures_tool: Any) -> None:
     """Streaming through top-k slots (nearly every step misses in every layer), buffered or O_DIRECT, with or without
@@ -210,7 +220,7 @@ def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefe
     and routing trace as the eager step does."""
     from moestream.runtime import fastdecode
 
-    p = str(DEFAULT_GGUF) if which == "default" else str(fixtures_tool.build_fixture(which)["q8_0"])
+    p = _fast_file(which, fixtures_tool)
     top_k = load_model(p, LoadOptions(metadata_only=True)).top_k
     opts = LoadOptions(slots=top_k, direct_io=direct, prefetch=prefetch, overlap=overlap, io_threads=4)
     fast_model, eager_model = load_model(p, opts), load_model(p, opts)
@@ -246,6 +256,40 @@ def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefe
             (es.stats.hits, es.stats.misses, es.layer_counts, es.trace)
     else:
         assert fs.stats.prefetch_issued > 0
+    for m in models:
+        m.store.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_fast_decode_gpt_oss_past_the_window(stream: bool, fixtures_tool: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss past its sliding window (128 positions in the fixture): the fast step's sliding layers see the last 128
+    keys only, as the eager step's, with their own RoPE and the sinks: the eager step's bits (logits and KV rows) at
+    positions 124..135, resident or streaming through top-k slots, on 1 and 2 threads."""
+    from moestream import kernels
+    from moestream.runtime import fastdecode
+
+    monkeypatch.setattr(kernels, "_THREADS", list(kernels._THREADS))
+    p = _fast_file("gpt-oss-tiny", fixtures_tool)
+    opts = LoadOptions(slots=4, io_threads=2) if stream else LoadOptions(moe_stream=False)
+    models = (load_model(p, opts), load_model(p, opts))
+    fast = fastdecode.plan(models[0])
+    assert fast is not None and fast.streaming == stream and models[0].window == 128
+    assert any(b["swa"] for b in models[0].blocks) and not all(b["swa"] for b in models[0].blocks)
+    caches = [m.new_cache(140) for m in models]
+    ids = _ids(models[0], 124, 3)
+    with torch.inference_mode():
+        for m, c in zip(models, caches, strict=True):
+            m.runner.run(Step(ids, [Seq(c, 0, 124)]))
+        tok = 7
+        for pos in range(124, 136):
+            kernels.set_threads(1 + pos % 2)
+            got = fast.step(torch.tensor([tok]), pos, caches[0])
+            kernels.set_threads(2)
+            want = models[1].runner.run(Step(torch.tensor([tok]), [Seq(caches[1], pos, 1)]))
+            assert_bitwise([got], [want])
+            for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
+                assert_bitwise([a[:pos + 1]], [b[:pos + 1]])
+            tok = int(got[0].argmax())
     for m in models:
         m.store.close()
 

@@ -1,5 +1,5 @@
-"""Write a random-weight MoE GGUF of a chosen shape, for benchmarks: ``qwen3moe`` or ``gemma4`` (and, of the qwen3moe
-shape, ``llama`` (Mixtral), ``olmoe`` and ``qwen2moe``).
+"""Write a random-weight MoE GGUF of a chosen shape, for benchmarks: ``qwen3moe``, ``gemma4`` or ``gpt-oss`` (and, of
+the qwen3moe shape, ``llama`` (Mixtral), ``olmoe`` and ``qwen2moe``).
 
 qwen3moe default shape: Qwen3-30B-A3B's (hidden 2048, 32 heads / 4 KV heads of dim 128, 128 experts, top-8,
 expert FFN 768) cut to 8 layers. Weights are N(0, std) floats quantized with the `gguf` package's reference
@@ -17,6 +17,14 @@ Quantized tensors are written as random blocks of the chosen type (``--type`` Q4
 Q8_0 for the other matrices) with scales that give values of about ``std``: building 4+ GB through a
 float quantizer would take far longer, and a benchmark needs the bytes and the arithmetic, not trained
 values.
+
+gpt-oss (``--arch gpt-oss``) default shape: gpt-oss-20b's published config (openai/gpt-oss-20b ``config.json``:
+hidden 2880, 64 query / 8 KV heads of dim 64 with q/k/v/o biases and per-head sinks, sliding window 128 on every
+other layer (layer 0 sliding), RoPE base 150000 with YaRN factor 32 over 4096 (beta 32 / 1), 32 experts, top-4,
+expert FFN 2880 with per-expert gate/up/down biases, router with bias, RMS eps 1e-5), cut to 4 layers. Types as
+llama.cpp's ``MXFP4_MOE`` writes them (the ``gpt-oss-tiny`` fixture's quantization): the experts MXFP4, the
+other matrices (attention, embedding, output) Q8_0, norms, biases, sinks and the router F32; random blocks
+(``--type`` is ignored).
 
 The tokenizer metadata is copied from any GGUF that has one (``--tokenizer-from``). llama.cpp loads the
 result (an ordinary GGUF of that architecture); tensors are generated and written one at a time, so memory
@@ -162,7 +170,9 @@ def random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n_value
     array of the bytes. Q8_0: f16 d, 32 x int8. Q4_0: f16 d, 16 bytes of 4-bit quants stored with an offset of 8.
     Q4_K: f16 d, f16 dmin = 15 d, 12 bytes of 6-bit (scale, min) pairs (scales from :data:`_Q4K_SCALES`, each min
     half its scale), 128 bytes of nibbles. Q6_K: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8
-    scales (:data:`_Q6K_SCALES`), f16 d. The quants are uniform random bytes, d fixed per type and ``std``."""
+    scales (:data:`_Q6K_SCALES`), f16 d. MXFP4: an e8m0 exponent byte, 16 bytes of 4-bit codes of ggml's
+    kvalues; the scale a power of two, so the std is ``std`` within a factor of 2^0.5. The quants are uniform random
+    bytes, d fixed per type and ``std``."""
     from gguf import GGML_QUANT_SIZES
 
     blk, size = GGML_QUANT_SIZES[qtype]
@@ -180,12 +190,15 @@ def random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n_value
         out[:, 4:8] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)  # get_scale_min_k4's packing
         out[:, 8:12] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
         out[:, 12:16] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    elif qtype == GGMLQuantizationType.MXFP4:  # e8m0 exponent byte: values kvalue * 2^(e - 128) (ggml-common.h)
+        sd = float(np.sqrt(np.mean(np.array([0, 1, 2, 3, 4, 6, 8, 12], dtype=np.float64) ** 2)))  # |kvalues|
+        out[:, 0] = np.uint8(128 + round(float(np.log2(std / sd))))
     elif qtype == GGMLQuantizationType.Q6_K:
         d = std / (_SD_6BIT * float(np.sqrt(np.mean(_Q6K_SCALES.astype(np.float64) ** 2))))
         out[:, 192:208] = rng.choice(_Q6K_SCALES.astype(np.uint8), size=(n_blocks, 16))
         out[:, 208:210] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
     else:
-        raise SystemExit(f"random blocks of type {qtype.name} are not supported (Q8_0, Q4_0, Q4_K, Q6_K)")
+        raise SystemExit(f"random blocks of type {qtype.name} are not supported (Q8_0, Q4_0, Q4_K, Q6_K, MXFP4)")
     return out.reshape(-1)
 
 
@@ -213,10 +226,30 @@ def random_tensor(pool, seed: tuple[int, ...], qtype: GGMLQuantizationType, n_va
     return out, [pool.submit(piece, j) for j in range(-(-n_blocks // per))]
 
 
-def write_gemma4(a: argparse.Namespace) -> int:
-    """Write the gemma4 benchmark file (see the module docstring)."""
+def write_header(w: GGUFWriter, specs: list[tuple[str, tuple[int, ...], str]], types: dict) -> None:
+    """The tensor table of ``specs`` ([(name, torch-order shape, kind)], ``types``: kind -> ggml type), then the
+    header, metadata and tensor table written to ``w``'s file."""
     from gguf import GGML_QUANT_SIZES
 
+    for name, shape, kind in specs:
+        t = types[kind]
+        blk, size = GGML_QUANT_SIZES[t]
+        w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) // blk * size, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+
+
+def finish(w: GGUFWriter, tmp: str, out: str) -> int:
+    """Close ``w`` (writing to ``tmp``), move the file to ``out`` and say its size; returns 0 (the exit status)."""
+    w.close()
+    os.replace(tmp, out)
+    print(f"wrote {out} ({os.path.getsize(out) / 2**30:.2f} GiB)")
+    return 0
+
+
+def write_gemma4(a: argparse.Namespace) -> int:
+    """Write the gemma4 benchmark file (see the module docstring)."""
     for key, value in GEMMA4_26B_A4B.items():
         if getattr(a, key, None) is None:
             setattr(a, key, value)
@@ -257,13 +290,7 @@ def write_gemma4(a: argparse.Namespace) -> int:
     n_vocab = copy_tokenizer(a.tokenizer_from, w)
     specs = gemma4_tensor_specs(a, n_vocab)
     types = {"f32": GGMLQuantizationType.F32, "dense": dense_type, "expert": expert_type}
-    for name, shape, kind in specs:
-        t = types[kind]
-        blk, size = GGML_QUANT_SIZES[t]
-        w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) // blk * size, raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
+    write_header(w, specs, types)
     t0 = time.time()
     n_rot = int(a.partial_rotary * a.global_head_dim) // 2
     for i, (name, shape, kind) in enumerate(specs, 1):
@@ -278,10 +305,88 @@ def write_gemma4(a: argparse.Namespace) -> int:
             data = random_blocks(rng, types[kind], n, a.std)
         w.write_tensor_data(data)
         print(f"[{i}/{len(specs)}] {name} {shape} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-    w.close()
-    os.replace(tmp, a.out)
-    print(f"wrote {a.out} ({os.path.getsize(a.out) / 2**30:.2f} GiB)")
-    return 0
+    return finish(w, tmp, a.out)
+
+
+#: gpt-oss-20b (openai/gpt-oss-20b config.json), the defaults of ``--arch gpt-oss`` (layers: cut from 24)
+GPT_OSS_20B = {
+    "hidden": 2880, "heads": 64, "kv_heads": 8, "head_dim": 64, "experts": 32, "top_k": 4, "expert_ff": 2880,
+    "sliding_window": 128, "rope_base": 150000.0, "yarn_factor": 32.0, "yarn_orig_ctx": 4096, "layers": 4,
+}
+
+
+def gpt_oss_tensor_specs(a: argparse.Namespace, n_vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """[(name, torch-order shape, kind)] of a gpt-oss file, kind "expert" (MXFP4) | "dense" (Q8_0) | "f32" (norms,
+    biases, sinks, router); the tensors llama.cpp's converter writes for gpt-oss (checked against the
+    ``gpt-oss-tiny`` fixture)."""
+    hd, e, ff, n = a.head_dim, a.experts, a.expert_ff, a.hidden
+    specs: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (n_vocab, n), "dense")]
+    for i in range(a.layers):
+        p = f"blk.{i}."
+        specs += [
+            (p + "attn_norm.weight", (n,), "f32"),
+            (p + "attn_q.weight", (a.heads * hd, n), "dense"), (p + "attn_q.bias", (a.heads * hd,), "f32"),
+            (p + "attn_k.weight", (a.kv_heads * hd, n), "dense"), (p + "attn_k.bias", (a.kv_heads * hd,), "f32"),
+            (p + "attn_v.weight", (a.kv_heads * hd, n), "dense"), (p + "attn_v.bias", (a.kv_heads * hd,), "f32"),
+            (p + "attn_output.weight", (n, a.heads * hd), "dense"), (p + "attn_output.bias", (n,), "f32"),
+            (p + "attn_sinks.weight", (a.heads,), "f32"),
+            (p + "post_attention_norm.weight", (n,), "f32"),
+            (p + "ffn_gate_inp.weight", (e, n), "f32"), (p + "ffn_gate_inp.bias", (e,), "f32"),
+            (p + "ffn_gate_exps.weight", (e, ff, n), "expert"), (p + "ffn_gate_exps.bias", (e, ff), "f32"),
+            (p + "ffn_up_exps.weight", (e, ff, n), "expert"), (p + "ffn_up_exps.bias", (e, ff), "f32"),
+            (p + "ffn_down_exps.weight", (e, n, ff), "expert"), (p + "ffn_down_exps.bias", (e, n), "f32"),
+        ]
+    specs += [("output_norm.weight", (n,), "f32"), ("output.weight", (n_vocab, n), "dense")]
+    return specs
+
+
+def write_gpt_oss(a: argparse.Namespace) -> int:
+    """Write the gpt-oss benchmark file (see the module docstring)."""
+    for key, value in GPT_OSS_20B.items():
+        if getattr(a, key, None) is None:
+            setattr(a, key, value)
+    rng = np.random.default_rng(a.seed)
+    tmp = a.out + ".tmp"
+    arch = "gpt-oss"
+    w = GGUFWriter(tmp, arch)
+    w.add_name(f"random gpt-oss-20b shape {a.layers}L h{a.hidden} e{a.experts} top{a.top_k} ff{a.expert_ff} "
+               f"MXFP4_MOE")
+    w.add_block_count(a.layers)
+    w.add_context_length(131072)
+    w.add_embedding_length(a.hidden)
+    w.add_feed_forward_length(a.expert_ff)
+    w.add_head_count(a.heads)
+    w.add_head_count_kv(a.kv_heads)
+    w.add_key_length(a.head_dim)
+    w.add_value_length(a.head_dim)
+    w.add_rope_freq_base(a.rope_base)
+    w.add_string(f"{arch}.rope.scaling.type", "yarn")
+    w.add_float32(f"{arch}.rope.scaling.factor", a.yarn_factor)
+    w.add_uint32(f"{arch}.rope.scaling.original_context_length", a.yarn_orig_ctx)
+    w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)
+    w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_expert_count(a.experts)
+    w.add_expert_used_count(a.top_k)
+    w.add_uint32(f"{arch}.attention.sliding_window", a.sliding_window)
+    w.add_expert_feed_forward_length(a.expert_ff)
+    w.add_file_type(38)  # LLAMA_FTYPE_MOSTLY_MXFP4_MOE, as llama.cpp's quantizer writes it
+    n_vocab = copy_tokenizer(a.tokenizer_from, w)
+    specs = gpt_oss_tensor_specs(a, n_vocab)
+    types = {"f32": GGMLQuantizationType.F32, "dense": GGMLQuantizationType.Q8_0,
+             "expert": GGMLQuantizationType.MXFP4}
+    write_header(w, specs, types)
+    t0 = time.time()
+    for i, (name, shape, kind) in enumerate(specs, 1):
+        if name.endswith("norm.weight"):  # positive, near 1
+            data = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        elif kind == "f32":  # biases, sinks, the router
+            data = (a.std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        else:
+            data = random_blocks(rng, types[kind], int(np.prod(shape)), a.std)
+        w.write_tensor_data(data)
+        print(f"[{i}/{len(specs)}] {name} {shape} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    return finish(w, tmp, a.out)
 
 
 def copy_tokenizer(src: str, w: GGUFWriter) -> int:
@@ -312,7 +417,7 @@ GLM_DENSE, DENSE_FF = 1, 6144
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--out", required=True)
-    ap.add_argument("--arch", choices=("qwen3moe", "gemma4", "llama", "olmoe", "qwen2moe", "glm4moe"),
+    ap.add_argument("--arch", choices=("qwen3moe", "gemma4", "gpt-oss", "llama", "olmoe", "qwen2moe", "glm4moe"),
                     default="qwen3moe", help="llama (Mixtral), olmoe, qwen2moe, glm4moe: the qwen3moe shape with that "
                     "family's tensors")
     ap.add_argument("--tokenizer-from", required=True, help="GGUF whose tokenizer.* metadata is copied")
@@ -336,6 +441,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.arch == "gemma4":
         return write_gemma4(a)
+    if a.arch == "gpt-oss":
+        return write_gpt_oss(a)
     for key, value in {"layers": 8, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128,
                        "top_k": 8, "expert_ff": 768}.items():
         if getattr(a, key) is None:

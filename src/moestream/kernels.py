@@ -58,7 +58,12 @@ _ISA_FLAGS = {
 }
 _BASE_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 
-ACT_SILU, ACT_GELU_TANH = 0, 1
+#: activation codes of :func:`moe`: SiLU(gate) * up; GELU-tanh(gate) * up; ggml's swiglu_oai with llama.cpp's
+#: constants alpha 1.702, limit 7 (GPT-OSS: ``x = min(gate, 7)``, then
+#: ``x / (1 + expf(1.702 * -x)) * (clamp(up, -7, 7) + 1)``, each operation rounded to float32)
+ACT_SILU, ACT_GELU_TANH, ACT_SWIGLU_OAI = 0, 1, 2
+#: the constants ACT_SWIGLU_OAI computes with (csrc/moekern.c SWIGLU_OAI_ALPHA / SWIGLU_OAI_LIMIT)
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 
 
 class KernelBuildError(MoestreamError):
@@ -185,7 +190,8 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib = ctypes.CDLL(str(_build(which)))
             lib.ms_linear.argtypes = [_I, _P, _SZ, _I, _I, _P, _I, _P, _I]
             lib.ms_linear.restype = _I
-            lib.ms_moe.argtypes = [_I, _I, _P, _P, _P, _SZ, _SZ, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _I]
+            lib.ms_moe.argtypes = [_I, _I, _P, _P, _P, _SZ, _SZ, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I,
+                                   _P, _I]
             lib.ms_moe.restype = _I
             lib.ms_quantize_rows.argtypes = [_I, _P, _I, _I, _P]
             lib.ms_quantize_rows.restype = None
@@ -322,7 +328,8 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int, lib:
 
 def moe(x: torch.Tensor, t_gu: int, t_down: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
         rb_gu: int, rb_down: int, n_ff: int, act: int, pair_start: np.ndarray, pair_tok: np.ndarray,
-        pair_w: np.ndarray, pair_out: np.ndarray, y: torch.Tensor, lib: ctypes.CDLL | None = None) -> None:
+        pair_w: np.ndarray, pair_out: np.ndarray, y: torch.Tensor, lib: ctypes.CDLL | None = None,
+        bias: tuple | None = None, real: np.ndarray | None = None) -> None:
     """The routed experts of one MoE layer, one call (ggml's ``mul_mat_id`` with the FFN fused around it).
 
     x: float32 [tokens, hidden] (contiguous). gate / up / down: int64 [groups] addresses of each expert's
@@ -330,16 +337,33 @@ def moe(x: torch.Tensor, t_gu: int, t_down: int, gate: np.ndarray, up: np.ndarra
     n_ff rows). pair_start: int32 [groups + 1]; pairs ``pair_start[g]:pair_start[g+1]`` are group g's
     (token, k) uses: pair_tok int32 (row of x), pair_w float32 (routing weight), pair_out int32 (row of y).
     y: float32 [rows, hidden]; row pair_out[p] = pair_w[p] * down(act(gate(x), up(x))) for its token.
-    act: ACT_SILU (SiLU(gate) * up) or ACT_GELU_TANH. Raises ValueError for types the kernels do not compute.
+    act: ACT_SILU (SiLU(gate) * up), ACT_GELU_TANH or ACT_SWIGLU_OAI. bias: None, or (gate, up, down) per-expert
+    bias rows, each float32 [n_experts, rows] contiguous or None (:func:`bias_ptrs`), added to that matrix's dot
+    products (one float32 add per element; the routing weight multiplies the biased down row) and gathered by
+    ``real`` int64 [groups], each group's REAL expert id (the addresses may be slots). Raises ValueError for types
+    the kernels do not compute.
     """
     lib = lib or load()
+    bg, bu, bd = bias_ptrs(bias)
     rc = lib.ms_moe(int(t_gu), int(t_down), gate.ctypes.data, up.ctypes.data, down.ctypes.data, rb_gu, rb_down,
-                    x.shape[1], n_ff, act, len(gate), pair_start.ctypes.data, pair_tok.ctypes.data,
+                    x.shape[1], n_ff, act, bg, bu, bd, None if real is None else real.ctypes.data, len(gate),
+                    pair_start.ctypes.data, pair_tok.ctypes.data,
                     pair_w.ctypes.data, pair_out.ctypes.data, x.data_ptr(), x.shape[0], y.data_ptr(), threads())
     if rc == -1:
         raise ValueError(f"moe: the kernels do not compute ggml types {t_gu} / {t_down} at these sizes")
     if rc == -2:
         raise MemoryError("moe: out of memory for the expert FFN's buffers")
+
+
+def bias_ptrs(bias: tuple | None) -> tuple[int | None, int | None, int | None]:
+    """The addresses of per-expert bias tables (gate, up, down): each float32 [n_experts, rows] contiguous (CPU) or
+    None; ``bias`` None: no biases. ValueError for another dtype, device or layout (the C side reads raw rows)."""
+    if bias is None:
+        return None, None, None
+    for b in bias:
+        if b is not None and (b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous()):
+            raise ValueError("moe: expert biases must be contiguous float32 CPU tensors [n_experts, rows]")
+    return tuple(None if b is None else b.data_ptr() for b in bias)  # type: ignore[return-value]
 
 
 # --- the step kernels (csrc/stepkern.c) ----------------------------------------------------------------------
@@ -586,12 +610,13 @@ def topk_sum(out: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
 
 
 def moe_planned(x: torch.Tensor, t_gu: int, t_down: int, pairs: MoEPairs, n_groups: int, rb_gu: int, rb_down: int,
-                n_ff: int, act: int, y: torch.Tensor) -> None:
+                n_ff: int, act: int, y: torch.Tensor, bias: tuple | None = None) -> None:
     """:func:`moe` on the arrays of ``pairs`` after ``pairs.plan(ids, weights, tabs)`` returned ``n_groups``: the
     experts' addresses are ``pairs.addr`` rows 0, 1, 2 (gate, up, down), the pairs its own arrays (no array is
-    made or converted here). x float32 [tokens, hidden] contiguous; y float32 [tokens * top_k, hidden]."""
-    moe_to((int(t_gu), int(t_down), rb_gu, rb_down, x.shape[1], n_ff, act), pairs, n_groups, x.data_ptr(), x.shape[0],
-           y.data_ptr())
+    made or converted here). x float32 [tokens, hidden] contiguous; y float32 [tokens * top_k, hidden]; bias as
+    :func:`moe`'s, gathered by ``pairs.experts`` (the real ids)."""
+    moe_to((int(t_gu), int(t_down), rb_gu, rb_down, x.shape[1], n_ff, act, bias_ptrs(bias)), pairs, n_groups,
+           x.data_ptr(), x.shape[0], y.data_ptr())
 
 
 def first_nonfinite(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> int:
@@ -621,16 +646,20 @@ def linear_to(spec: tuple, x: int, n_tok: int, y: int, lib: ctypes.CDLL) -> None
 
 def moe_to(spec: tuple, pairs: MoEPairs, n_groups: int, x: int, n_tok: int, y: int, at: tuple | None = None) -> None:
     """:func:`moe_planned` with addresses: spec = (gate/up type, down type, gate/up row bytes, down row bytes,
-    hidden, n_ff, act); x float32 [n_tok, hidden]; y float32 [n_tok * top_k, hidden]. ``at``: the groups' arrays
-    as addresses instead of ``pairs``' own, (gate, up, down, start, tok, w, dst) as :func:`moe` takes them (a
-    streaming decode step's groups in compute order, the experts' slot addresses)."""
+    hidden, n_ff, act[, (gate, up, down) bias addresses: :func:`bias_ptrs`]); x float32 [n_tok, hidden]; y float32
+    [n_tok * top_k, hidden]. ``at``: the groups' arrays as addresses instead of ``pairs``' own, (gate, up, down,
+    start, tok, w, dst[, real]) as :func:`moe` takes them (a streaming decode step's groups in compute order, the
+    experts' slot addresses; ``real``: int64 [groups] their real ids, needed with biases); without ``at`` the real
+    ids are ``pairs.experts``."""
     if at is None:
-        _, _, start, tok, w, dst, addr = pairs.ptrs
+        _, experts, start, tok, w, dst, addr = pairs.ptrs
         row = 8 * pairs.cap
-        at = (addr, addr + row, addr + 2 * row, start, tok, w, dst)
-    gate, up, down, start, tok, w, dst = at
-    rc = pairs.lib.ms_moe(spec[0], spec[1], gate, up, down, spec[2], spec[3], spec[4], spec[5], spec[6], n_groups,
-                          start, tok, w, dst, x, n_tok, y, threads())
+        at = (addr, addr + row, addr + 2 * row, start, tok, w, dst, experts)
+    gate, up, down, start, tok, w, dst = at[:7]
+    real = at[7] if len(at) > 7 else None
+    bg, bu, bd = spec[7] if len(spec) > 7 else (None, None, None)
+    rc = pairs.lib.ms_moe(spec[0], spec[1], gate, up, down, spec[2], spec[3], spec[4], spec[5], spec[6], bg, bu, bd,
+                          real, n_groups, start, tok, w, dst, x, n_tok, y, threads())
     if rc == -1:
         raise ValueError(f"moe: the kernels do not compute ggml types {spec[0]} / {spec[1]} at these sizes")
     if rc == -2:

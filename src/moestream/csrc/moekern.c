@@ -1396,7 +1396,13 @@ int ms_linear(int t, const uint8_t *W, size_t row_bytes, int n_rows, int n_cols,
  * is gate[g] + n_ff rows). Its pairs are pair_tok[pair_start[g] .. pair_start[g+1]) (token rows of x) with
  * routing weights pair_w[...] and output rows pair_out[...] of y (each y row written by exactly one pair).
  * y[pair_out[p], :] = pair_w[p] * down(act(gate(x[pair_tok[p]]), up(x[pair_tok[p]]))).
- * act: 0 = SiLU(gate) * up, 1 = GELU-tanh(gate) * up.
+ * act: 0 = SiLU(gate) * up, 1 = GELU-tanh(gate) * up, 2 = ggml's swiglu_oai (GPT-OSS, below).
+ *
+ * Optional per-expert biases: bias_gate / bias_up float32 [n_experts, n_ff], bias_down float32 [n_experts, n_embd]
+ * (each NULL: none), rows indexed by the group's REAL expert id real[g] (int64 [n_groups]; the weight addresses
+ * may be slots, the biases are not). A bias is one float32 add per output element after its dot product, as
+ * torch's ``y + b``; with a down bias the routing weight multiplies the biased row, (dot + b) * w, as llama.cpp's
+ * build_moe_ffn (ggml_add_id, then ggml_mul by the weights) and the eager per-expert path compute it.
  */
 
 typedef struct {
@@ -1404,6 +1410,7 @@ typedef struct {
     const uint8_t *const *gate, *const *up, *const *down;
     size_t rb_gu, rb_down; /* weight row bytes */
     int n_embd, n_ff, act;
+    const float *b_gate, *b_up, *b_down; const int64_t *real; /* per-expert biases by real id (or NULL) */
     const int *pair_start, *pair_tok, *pair_out; const float *pair_w;
     const uint8_t **x_rows;   /* per pair: its token's quantized x row */
     const uint8_t **h_rows;   /* per pair: its quantized hidden row */
@@ -1426,6 +1433,14 @@ static void moe_gu_item(void *c, int item) {
     const uint8_t *W = which ? M->up[g] : M->gate[g];
     float *out = (which ? M->U : M->G) + (size_t)p0 * M->n_ff;
     M->ti_gu.mm(W, M->rb_gu, r0, r1, M->n_embd, M->x_rows + p0, np, out, (size_t)M->n_ff, NULL);
+    const float *bias = which ? M->b_up : M->b_gate;
+    if (bias) {
+        const float *b = bias + (size_t)M->real[g] * M->n_ff;
+        for (int k = 0; k < np; k++) {
+            float *o = out + (size_t)k * M->n_ff;
+            for (int r = r0; r < r1; r++) o[r] = o[r] + b[r];
+        }
+    }
 }
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
@@ -1434,11 +1449,25 @@ static inline float gelu_tanh(float v) {
     return 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v)));
 }
 
+/* ggml's swiglu_oai (ggml-cpu ops.cpp ggml_compute_forward_swiglu_oai_f32), GPT-OSS's expert activation with
+ * llama.cpp's constants (llama-graph.cpp LLM_FFN_SWIGLU_OAI_MOE; transformers' swiglu_alpha / swiglu_limit):
+ * x = min(gate, limit) (std::min: NaN stays NaN), y = clamp(up, -limit, limit), x / (1 + expf(alpha * -x)) * (y + 1),
+ * each operation rounded to float32 on its own. */
+#define SWIGLU_OAI_ALPHA 1.702f
+#define SWIGLU_OAI_LIMIT 7.0f
+static inline float swiglu_oai(float g, float u) {
+    const float x = SWIGLU_OAI_LIMIT < g ? SWIGLU_OAI_LIMIT : g;
+    const float y = u < -SWIGLU_OAI_LIMIT ? -SWIGLU_OAI_LIMIT : (SWIGLU_OAI_LIMIT < u ? SWIGLU_OAI_LIMIT : u);
+    const float glu = x / (1.0f + expf(SWIGLU_OAI_ALPHA * (-x)));
+    return glu * (y + 1.0f);
+}
+
 static void moe_act_item(void *c, int p) {
     moe_ctx *M = (moe_ctx *)c;
     float *g = M->G + (size_t)p * M->n_ff;
     const float *u = M->U + (size_t)p * M->n_ff;
-    if (M->act == 1) for (int i = 0; i < M->n_ff; i++) g[i] = gelu_tanh(g[i]) * u[i];
+    if (M->act == 2) for (int i = 0; i < M->n_ff; i++) g[i] = swiglu_oai(g[i], u[i]);
+    else if (M->act == 1) for (int i = 0; i < M->n_ff; i++) g[i] = gelu_tanh(g[i]) * u[i];
     else for (int i = 0; i < M->n_ff; i++) g[i] = silu(g[i]) * u[i];
     if (M->ti_down.family == FAM_C && M->t_down == T_F32) M->h_rows[p] = (const uint8_t *)g;
     else {
@@ -1455,7 +1484,9 @@ static void moe_down_item(void *c, int item) {
     int r0 = chunk * M->rows_down, r1 = r0 + M->rows_down;
     if (r1 > M->n_embd) r1 = M->n_embd;
     if (r0 >= r1) return;
-    /* each pair has its own output row: write through a per-pair tile of one token */
+    /* each pair has its own output row: write through a per-pair tile of one token. With a down bias the dot
+     * products come unscaled, then (dot + b) * w per element. */
+    const float *bias = M->b_down ? M->b_down + (size_t)M->real[g] * M->n_embd : NULL;
     for (int p = p0; p < p0 + np; p += TOK_TILE) {
         int n = p0 + np - p < TOK_TILE ? p0 + np - p : TOK_TILE;
         float tmp[TOK_TILE * 64];
@@ -1463,25 +1494,41 @@ static void moe_down_item(void *c, int item) {
         if (span <= 64) {
             /* compute into tmp[k * span + (r - r0)] then scatter to the pairs' output rows */
             M->ti_down.mm(M->down[g] + (size_t)r0 * M->rb_down, M->rb_down, 0, span, M->n_ff,
-                    M->h_rows + p, n, tmp, (size_t)span, M->pair_w + p);
-            for (int k = 0; k < n; k++)
-                memcpy(M->y + (size_t)M->pair_out[p + k] * M->n_embd + r0, tmp + (size_t)k * span,
-                       sizeof(float) * (size_t)span);
+                    M->h_rows + p, n, tmp, (size_t)span, bias ? NULL : M->pair_w + p);
+            for (int k = 0; k < n; k++) {
+                float *dst = M->y + (size_t)M->pair_out[p + k] * M->n_embd + r0;
+                const float *src = tmp + (size_t)k * span;
+                if (bias) {
+                    const float w = M->pair_w[p + k];
+                    for (int r = 0; r < span; r++) dst[r] = (src[r] + bias[r0 + r]) * w;
+                } else {
+                    memcpy(dst, src, sizeof(float) * (size_t)span);
+                }
+            }
         } else {
-            for (int k = 0; k < n; k++)
-                M->ti_down.mm(M->down[g], M->rb_down, r0, r1, M->n_ff, M->h_rows + p + k, 1,
-                        M->y + (size_t)M->pair_out[p + k] * M->n_embd, 0, M->pair_w + p + k);
+            for (int k = 0; k < n; k++) {
+                float *row = M->y + (size_t)M->pair_out[p + k] * M->n_embd;
+                M->ti_down.mm(M->down[g], M->rb_down, r0, r1, M->n_ff, M->h_rows + p + k, 1, row, 0,
+                              bias ? NULL : M->pair_w + p + k);
+                if (bias) {
+                    const float w = M->pair_w[p + k];
+                    for (int r = r0; r < r1; r++) row[r] = (row[r] + bias[r]) * w;
+                }
+            }
         }
     }
 }
 
 int ms_moe(int t_gu, int t_down, const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
            size_t rb_gu, size_t rb_down, int n_embd, int n_ff, int act,
+           const float *bias_gate, const float *bias_up, const float *bias_down, const int64_t *real,
            int n_groups, const int *pair_start, const int *pair_tok, const float *pair_w, const int *pair_out,
            const float *x, int n_tok, float *y, int n_threads) {
     moe_ctx M;
     memset(&M, 0, sizeof M);
     if (!type_of(t_gu, &M.ti_gu) || !type_of(t_down, &M.ti_down)) return -1;
+    if (act < 0 || act > 2 || ((bias_gate || bias_up || bias_down) && !real)) return -1;
+    M.b_gate = bias_gate; M.b_up = bias_up; M.b_down = bias_down; M.real = real;
     if (n_embd % M.ti_gu.block || n_ff % M.ti_down.block) return -1;
     const int n_pairs = pair_start[n_groups];
     if (n_pairs <= 0) return 0;

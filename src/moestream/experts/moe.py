@@ -68,10 +68,15 @@ class ClampedSwiGLU:
     """GPT-OSS's expert activation (transformers' ``GptOssExperts._apply_gate``, ggml's ``swiglu_oai``):
     ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)``.
     float32 [n, n_ff] x2 -> [n, n_ff]; the sigmoid in fixed slices (ops.elementwise: the same bits whatever the
-    thread count). No C-kernel code (no ``kernel_act``): a layer with it computes per expert."""
+    thread count). With llama.cpp's constants (alpha 1.702, limit 7) it has a C-kernel code, ``kernel_act`` =
+    kernels.ACT_SWIGLU_OAI: a fused layer computes it in ms_moe as ggml's ``swiglu_oai`` does
+    (``x / (1 + expf(alpha * -x)) * (y + 1)``: the same value, other last bits than this torch form); other constants
+    have none (the layer computes per expert)."""
 
     def __init__(self, alpha: float, limit: float):
         self.alpha, self.limit = float(alpha), float(limit)
+        if (self.alpha, self.limit) == (kernels.SWIGLU_OAI_ALPHA, kernels.SWIGLU_OAI_LIMIT):
+            self.kernel_act = kernels.ACT_SWIGLU_OAI
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)
@@ -93,8 +98,9 @@ class MoE:
     bias: optional per-expert output biases that stay resident, ``{matrix: float32 [n_experts, rows]}`` for some of
     ``gate``, ``up``, ``down`` (``gate_up`` for a merged matrix), added to that matrix's output and indexed by the
     REAL expert id (the matmul itself addresses the pool by slot id). On CUDA the grouped launches add them to
-    each (token, expert) pair's row, gathered by the pair's real id; on the CPU a layer with biases computes per
-    expert (the fused C call takes none). overlap_of: callable returning whether a call without
+    each (token, expert) pair's row, gathered by the pair's real id; on the CPU the fused C call (ms_moe) gathers
+    them by each group's real id too (separate gate / up / down biases; a merged ``gate_up`` bias computes per
+    expert). overlap_of: callable returning whether a call without
     ``overlap=`` hides the reads behind compute (a model's ``opts.overlap``, read at each call); absent: on.
     Architecture files make it with ``MoEModel.moe(layer, ...)``, which passes the store, kernels and overlap.
     """
@@ -124,7 +130,16 @@ class MoE:
                                      f"{'' if mat is None else [mat.n_experts, mat.rows]}")
         kact = getattr(act, "kernel_act", None)
         #: one C call per set of experts (types equal for gate and up, computed by the kernels, CPU)
-        self.fused = (blocks and kact is not None and self.bias is None and gate.ggml_type == up.ggml_type
+        #: (gate, up, down) bias tables for the fused C call (each contiguous float32 [n_experts, rows] or None), or
+        #: None: no biases
+        self.kernel_bias: tuple | None = None
+        fusable_bias = self.bias is None
+        if self.bias is not None and not self.merged and set(self.bias) <= {"gate", "up", "down"}:
+            if all(b.device.type == "cpu" and b.dtype == torch.float32 for b in self.bias.values()):
+                self.bias = {k: b.contiguous() for k, b in self.bias.items()}
+                self.kernel_bias = tuple(self.bias.get(k) for k in ("gate", "up", "down"))
+                fusable_bias = True
+        self.fused = (blocks and kact is not None and fusable_bias and gate.ggml_type == up.ggml_type
                       and kernels.computes(gate.ggml_type, gate.cols) and kernels.computes(down.ggml_type, down.cols))
         #: per-matrix C kernels where the layer cannot be fused (mixed gate/up types)
         self.blocks = blocks
@@ -343,7 +358,7 @@ class MoE:
             gu_info = m["gate_up" if self.merged else "gate"]
             kernels.moe_planned(x, gu_info.ggml_type, m["down"].ggml_type, groups.pairs, len(experts),
                                 gu_info.bytes_per_expert // gu_info.rows, m["down"].bytes_per_expert // m["down"].rows,
-                                self.n_ff, self.kernel_act, out.view(-1, out.shape[-1]))
+                                self.n_ff, self.kernel_act, out.view(-1, out.shape[-1]), bias=self.kernel_bias)
             return
         slots = np.fromiter((slot_of[e] for e in experts), dtype=np.int64, count=len(experts))
 
@@ -362,7 +377,8 @@ class MoE:
         start, tok, w, dst = groups.select(experts)
         kernels.moe(x, t_gu, m["down"].ggml_type, gate, up, down, gu_info.bytes_per_expert // gu_info.rows,
                     m["down"].bytes_per_expert // m["down"].rows, self.n_ff, self.kernel_act, start, tok, w, dst,
-                    out.view(-1, out.shape[-1]))
+                    out.view(-1, out.shape[-1]), bias=self.kernel_bias,
+                    real=None if self.kernel_bias is None else np.asarray(experts, dtype=np.int64))
 
     def _grouped(self, store: ExpertStore, groups: _Groups, experts: list[int], slot_of: dict[int, int],
                  x: torch.Tensor, out: torch.Tensor) -> None:

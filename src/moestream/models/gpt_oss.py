@@ -47,6 +47,7 @@ import torch
 
 from ..errors import GGUFError
 from ..experts.moe import ClampedSwiGLU
+from ..runtime.fastdecode import FastLayer
 from .base import LoadOptions, MoEModel, register
 from .layers import Rope, linear_bias, rms_norm, rope_inv_freq, yarn_attention_factor, yarn_inv_freq
 
@@ -145,9 +146,20 @@ class GptOss(MoEModel):
         return Rope(inv, scale=yarn_attention_factor(s.factor) * s.attn_factor)
 
     # --- compute ----------------------------------------------------------------------------------------------
+    def fast_layer(self, i: int) -> FastLayer:
+        """:meth:`mix`, :meth:`gate` and the routed experts in the fast decode step's terms (runtime/fastdecode.py):
+        q/k/v biases, no q/k norms, the layer's RoPE (``rope_swa`` or ``rope_full``), sliding window on the sliding
+        layers, the sinks, the o bias; the router is :meth:`gate` itself (``own_gate``); the experts' clamped SwiGLU
+        and biases are the MoE layer's own (ms_moe)."""
+        b = self.blocks[i]
+        return FastLayer(1.0 / math.sqrt(self.head_dim), biases=tuple(b[f"attn_{n}.bias"] for n in "qkv"),
+                         own_gate=True, rope=self.rope_swa if b["swa"] else self.rope_full,
+                         window=self.window if b["swa"] else 0, sinks=b["sinks"], o_bias=b["o_bias"])
+
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, hidden] the FFN-normed input of block ``b`` -> (ids [T, top_k] int64 real expert ids, weights
-        [T, top_k] float32): the top-k of the biased router logits, softmaxed among themselves."""
+        [T, top_k] float32): the top-k of the biased router logits, softmaxed among themselves (torch's ops; the
+        fast decode step calls this too)."""
         logits = b["router"].linear(h) + b["router_bias"]  # [T, n_experts]
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         return ids, torch.softmax(top, dim=-1)

@@ -10,18 +10,23 @@ each layer as:
 
 - the q, k, v projections (kernels.linear_to: ms_linear into the kept buffers), their biases added
   (ms_residual_norm's add) and RMSNorm over each whole projection (ms_rms_norm) where the family has them;
-- ms_attn_block: per-head q/k RMSNorm (where the family has it), RoPE (after each head's dims are de-interleaved, for
-  llama files), the cache rows written, attention over the cache; each layer with its own head dim, KV heads, RoPE
-  tables and sliding window, V normed without weight first (ms_rms_norm) where the family norms it, V = the raw K
-  projection where the layer has no V projection (Gemma 4). A layer that reads an earlier layer's cache (Gemma 4's
-  shared KV) writes none: its queries normed (ms_rms_norm) and rotated (ms_rope), then ms_attention over that cache;
-- the output projection (RMSNorm'd by the family's post-attention norm where it has one: ms_rms_norm);
-  ms_residual_norm: x += o, h = RMSNorm(x) by ``ffn_norm`` (Gemma 4: by the router's norm, times 1/sqrt(hidden));
+- ms_attn_block: per-head q/k RMSNorm (where the family has it), RoPE by the layer's tables (after each head's dims
+  are de-interleaved, for llama files), the cache rows written, attention over the cache (with the layer's sliding
+  window and sinks, gpt-oss); each layer with its own head dim, KV heads, RoPE tables and sliding window, V normed
+  without weight first (ms_rms_norm) where the family norms it, V = the raw K projection where the layer has no V
+  projection (Gemma 4). A layer that reads an earlier layer's cache (Gemma 4's shared KV) writes none: its queries
+  normed (ms_rms_norm) and rotated (ms_rope), then ms_attention over that cache;
+- the output projection (plus its bias, gpt-oss; RMSNorm'd by the family's post-attention norm where it has one:
+  ms_rms_norm); ms_residual_norm: x += o, h = RMSNorm(x) by ``ffn_norm`` (Gemma 4: by the router's norm, times
+  1/sqrt(hidden));
 - the router's own ``linear`` (as the eager step calls it); ms_route_plan: softmax top-k, renormalisation and the
-  pairs grouped by expert (resident: with each expert's addresses, the store holds every expert in place); each
-  pair's weight times its expert's output scale where the layer has one (Gemma 4, MoE.__call__'s product); the
-  experts' input normed again by the family's own norm where it has one (Gemma 4's ``pre_norm_2``);
-- resident: ms_moe (kernels.moe_to) over every expert. Streaming (a CPU StreamingStore, --moe-stream on): the store
+  pairs grouped by expert (resident: with each expert's addresses, the store holds every expert in place); or the
+  family's own torch router (gpt-oss's ``gate``: top-k of the biased logits, softmax among them) and the pairs
+  grouped by ms_moe_pairs; each pair's weight times its expert's output scale where the layer has one (Gemma 4,
+  MoE.__call__'s product); the experts' input normed again by the family's own norm where it has one (Gemma 4's
+  ``pre_norm_2``);
+- resident: ms_moe (kernels.moe_to) over every expert, with the layer's activation code and per-expert biases
+  gathered by real id (gpt-oss). Streaming (a CPU StreamingStore, --moe-stream on): the store
   plans the slots (``store.prepare``: hits, misses, evictions by its policy, this step's experts pinned) and starts
   the misses' reads at once; the hits are computed first, in one ms_moe call over their slots' addresses, then each
   batch of misses whose reads are joined (``ready`` / ``wait``), as MoE.__call__ overlaps them;
@@ -46,11 +51,11 @@ error is raised by ``store.wait`` as in the eager step; on any error after the s
 settle and their slots are emptied (``store.discard``, as MoE.__call__) before it propagates.
 
 It runs where :func:`plan` finds the model fits it: a family class that defines ``fast_layer`` itself (not inherited:
-qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gemma4) and returns a FastLayer for every layer (a layer
-without routed experts: MoEModel.dense's SwiGLU only), one sequence of one token on the CPU, the q, k, v and output
-projections and the experts on the C kernels, a resident store or a streaming one with host pools on the CPU (not
-the device-planned step of experts/devplan.py), no synthetic routing, the step kernels on (layers.C_RMS_NORM,
-C_ATTENTION). Anything else runs the eager step.
+qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss, gemma4) and returns a FastLayer for every layer (a
+layer without routed experts: MoEModel.dense's SwiGLU only), every MoE layer fused (one ms_moe call: MoE.fused), one
+sequence of one token on the CPU, the q, k, v and output projections and the experts on the C kernels, a resident
+store or a streaming one with host pools on the CPU (not the device-planned step of experts/devplan.py), no
+synthetic routing, the step kernels on (layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
 """
 
 from __future__ import annotations
@@ -78,21 +83,27 @@ class FastLayer:
     Attention: RMSNorm of the ``attn_norm``-normed x, the q, k, v projections (plus ``biases`` (bq, bk, bv),
     float32 vectors added as ``linear_bias`` adds them); with ``whole_norm`` RMSNorm of the whole q and k
     projections by ``q_norm`` / ``k_norm`` (olmoe), else per head (qwen3moe; None: no norm); ``deinterleave``: each
-    q and k head's dims reordered (0, 2, 4, ..., 1, 3, 5, ...) before RoPE (llama files, models/llama.py); NEOX
-    RoPE by ``model.rope``; attention scaled by ``scale``. MoE: ``ffn_norm``, the router's ``linear``, then
-    kernels.route's router with these arguments (``gating``, ``route_bias``, ``n_group``, ``topk_group``,
-    ``norm_topk``, ``floor``, ``route_scale``: layers.softmax_topk's or routing.sigmoid_group_topk's call); with
-    ``shared`` the family's ``shared(i, x, h)`` (its own torch code) added after the routed sum (``combine``'s
-    ``x + routed + shared``). A layer without routed experts is MoEModel.dense's SwiGLU (a family that overrides
-    ``dense`` runs the eager step).
+    q and k head's dims reordered (0, 2, 4, ..., 1, 3, 5, ...) before RoPE (llama files, models/llama.py); RoPE by
+    ``rope`` (a layers.Rope: its tables, scale and layout; None: ``model.rope``); attention scaled by ``scale``, over
+    the last ``window`` positions (0: all; kernels.attention's ``window``) with ``sinks`` (float32 [n_head]
+    contiguous: one more logit per head in the softmax's denominator; None: none); the output projection plus
+    ``o_bias`` (float32 [hidden], one add per element, before the residual add: ``x + (W_o a + b_o)``; gpt-oss).
+    MoE: ``ffn_norm``, the router's ``linear``, then kernels.route's router with these arguments (``gating``,
+    ``route_bias``, ``n_group``, ``topk_group``, ``norm_topk``, ``floor``, ``route_scale``: layers.softmax_topk's or
+    routing.sigmoid_group_topk's call), or with ``own_gate`` the family's ``gate(block, h)`` (its own torch code,
+    as the eager step calls it: gpt-oss, whose top-k-then-softmax routing the C router does not compute in torch's
+    bits) and the pairs planned by ms_moe_pairs (kernels.MoEPairs.plan); the routed experts as the layer's MoE
+    computes them in one ms_moe call (its activation code and per-expert biases, ``MoE.kernel_bias``, gathered by
+    real id); with ``shared`` the family's ``shared(i, x, h)`` (its own torch code) added after the routed sum
+    (``combine``'s ``x + routed + shared``). A layer without routed experts is MoEModel.dense's SwiGLU (a family
+    that overrides ``dense`` runs the eager step).
 
     Per-layer attention shapes (Gemma 4's sliding and global layers; None: the model's ``n_head``, ``n_kv``,
-    ``head_dim``, ``head_dim_v``, ``rope``): ``n_head``, ``n_kv``, ``head_dim`` (d of q, k and v), ``rope`` (a
-    layers.Rope, its own tables and n_rot), ``window`` (sliding window in positions, 0: none). ``v_norm``: each V
-    head RMSNorm'd without weight (``rms_norm(v, 1.0)``) before the cache; ``v_is_k``: no V projection, V is the
-    raw K projection (Gemma 4's K = V layers); ``kv_layer``: the layer whose cache this one reads (None: its own;
-    another: no K/V projections, nothing written: Gemma 4's shared-KV layers). ``attn_post_norm``: the output
-    projection RMSNorm'd by it before the residual add.
+    ``head_dim``, ``head_dim_v``): ``n_head``, ``n_kv``, ``head_dim`` (d of q, k and v). ``v_norm``: each V head
+    RMSNorm'd without weight (``rms_norm(v, 1.0)``) before the cache; ``v_is_k``: no V projection, V is the raw K
+    projection (Gemma 4's K = V layers); ``kv_layer``: the layer whose cache this one reads (None: its own; another:
+    no K/V projections, nothing written: Gemma 4's shared-KV layers). ``attn_post_norm``: the output projection
+    RMSNorm'd by it before the residual add.
 
     Gemma 4's FFN block: ``router_norm`` (float32 [hidden]): the router reads RMSNorm(x) by it times
     ``router_mul`` (a float32 multiply), not the ``ffn_norm``-normed x; ``moe_norm``: the experts read RMSNorm(x)
@@ -118,6 +129,9 @@ class FastLayer:
     route_scale: float = 1.0
     rope: Any = None
     window: int = 0
+    sinks: Any = None
+    o_bias: Any = None
+    own_gate: bool = False
     n_head: int | None = None
     n_kv: int | None = None
     head_dim: int | None = None
@@ -182,7 +196,9 @@ class FastDecode:
         self.o_dst = np.empty(k, dtype=np.int32)
         self.o_tok = np.zeros(k, dtype=np.int32)  # one token
         self.o_start = np.arange(k + 1, dtype=np.int32)  # group j is pair j
-        #: the RoPE tables the layers use (each layer names one by its index here)
+        self.o_real = np.empty(k, dtype=np.int64)  # each group's real expert id (the biases)
+        #: the distinct RoPEs of the layers (each layer names one by its index here; gpt-oss, gemma4: sliding and
+        #: full layers have their own)
         self.ropes: list[Any] = []
         for s in shapes:
             if not any(r is s[4] for r in self.ropes):
@@ -196,17 +212,17 @@ class FastDecode:
             nh, nkv, hd, hdv, rope = shapes[i]
             head = not fl.whole_norm
             # (per-head q, k norms, the whole projections' norms, q/k/v biases, ms_attn_block's RoPE mode, scale,
-            # the index of the layer's RoPE in self.ropes, window, the layer's shapes, V norm, V = K, the cache it
-            # reads, post-attention norm)
+            # the index of the layer's RoPE in self.ropes, window, sinks, o bias, the layer's shapes, V norm, V = K,
+            # the cache it reads, post-attention norm)
             attn = (_ptr(fl.q_norm) if head else None, _ptr(fl.k_norm) if head else None,
                     None if head else (_ptr(fl.q_norm), _ptr(fl.k_norm)),
                     None if fl.biases is None else [(yp, _ptr(t), rows) for yp, t, rows in zip(
                         (self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr()), fl.biases,
                         (nh * hd, nkv * hd, nkv * hdv), strict=True) if t is not None],
                     2 if fl.deinterleave else int(rope.interleaved), fl.scale,
-                    next(j for j, r in enumerate(self.ropes) if r is rope), int(fl.window or 0),
-                    nh, nkv, hd, hdv, fl.v_norm, fl.v_is_k, i if fl.kv_layer is None else fl.kv_layer,
-                    _ptr(fl.attn_post_norm))
+                    next(j for j, r in enumerate(self.ropes) if r is rope), int(fl.window or 0), _ptr(fl.sinks),
+                    _ptr(fl.o_bias), nh, nkv, hd, hdv, fl.v_norm, fl.v_is_k,
+                    i if fl.kv_layer is None else fl.kv_layer, _ptr(fl.attn_post_norm))
             moe = moes[i]
             if moe is None:  # MoEModel.dense: SwiGLU of h
                 ffn = (b["gate"], b["up"], b["down"])
@@ -214,9 +230,10 @@ class FastDecode:
                 gu = moe.mats["gate_up" if moe.merged else "gate"]
                 down = moe.mats["down"]
                 moe_spec = (int(gu.ggml_type), int(down.ggml_type), gu.bytes_per_expert // gu.rows,
-                            down.bytes_per_expert // down.rows, n, moe.n_ff, moe.kernel_act)
+                            down.bytes_per_expert // down.rows, n, moe.n_ff, moe.kernel_act,
+                            kernels.bias_ptrs(moe.kernel_bias))
                 route = (b["router"], int(fl.gating), _ptr(fl.route_bias), fl.n_group, fl.topk_group,
-                         int(fl.norm_topk), fl.floor, fl.route_scale)
+                         int(fl.norm_topk), fl.floor, fl.route_scale, b if fl.own_gate else None)
                 es = None if moe.expert_scale is None else moe.expert_scale.contiguous().numpy()
                 # (router input multiplier, experts' input norm, per-expert scale by real id, post norms)
                 gem = (fl.router_mul, _ptr(fl.moe_norm), es,
@@ -266,8 +283,8 @@ class FastDecode:
         for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale)) in self.layers:
             if look:
                 m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
-            (qn, kn, whole, biases, mode, scale, r, window, n_head, n_kv, hd, hdv, v_norm, v_is_k, src,
-             post) = attn
+            (qn, kn, whole, biases, mode, scale, r, window, sinks, o_bias, n_head, n_kv, hd, hdv, v_norm, v_is_k,
+             src, post) = attn
             n_rot, cos_p, sin_p = tables[r]
             kernels.linear_to(q_s, hp, 1, qp, lib)
             if src == i:  # the layer's own K/V: its rows written, then attention (ms_attn_block)
@@ -287,17 +304,19 @@ class FastDecode:
                 kcp, vcp = kv[i]
                 rc = lib.ms_attn_block(1, n_head, n_kv, hd, hdv, qp, n_head * hd, hd, kp, n_kv * hd, hd, vsp,
                                        n_kv * hdv, hdv, qn, kn, eps, n_rot, mode, cos_p, sin_p, kcp, n_kv * hd, hd,
-                                       vcp, n_kv * hdv, hdv, start, window, None, scale, 0.0, ap, n_head * hdv, nt)
+                                       vcp, n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
             else:  # a shared-KV layer: its queries normed and rotated (as rms_norm, Rope), attention over src's cache
                 if qn is not None:
                     lib.ms_rms_norm(n_head, hd, qp, hd, qn, eps, qp, hd, nt)
                 lib.ms_rope(1, n_head, hd, n_rot, mode, qp, n_head * hd, hd, cos_p, sin_p, qrp, n_head * hd, hd, nt)
                 kcp, vcp = kv[src]
                 rc = lib.ms_attention(1, n_head, n_kv, hd, hdv, qrp, n_head * hd, hd, kcp, n_kv * hd, hd, vcp,
-                                      n_kv * hdv, hdv, start, window, None, scale, 0.0, ap, n_head * hdv, nt)
+                                      n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
             if rc:
                 raise MemoryError("attention: out of memory for the score buffer")
             kernels.linear_to(o_s, ap, 1, op, lib)
+            if o_bias is not None:  # W_o a + b_o, then the residual add
+                lib.ms_residual_norm(1, n, op, o_bias, 0, None, 0.0, None, nt)
             if post is not None:  # the output projection's own RMSNorm before the residual (Gemma 4)
                 lib.ms_rms_norm(1, n, op, n, post, eps, op, n, nt)
             lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
@@ -306,17 +325,21 @@ class FastDecode:
                 y = layers.swiglu_ffn(*ffn[:3], self.h).contiguous()
                 lib.ms_residual_norm(1, n, xp, y.data_ptr(), 0, nxt, eps, hp if nxt else None, nt)
                 continue
-            ((router, gating, r_bias, n_group, topk_group, norm_topk, floor, r_scale), has_shared, tabs, moe_s,
-             (r_mul, moe_norm, e_scale, post_norms)) = ffn
+            route, has_shared, tabs, moe_s, (r_mul, moe_norm, e_scale, post_norms) = ffn
+            router, gating, r_bias, n_group, topk_group, norm_topk, floor, r_scale, gate_b = route
             if r_mul != 1.0:  # the router's input times a scalar, as a float32 multiply (Gemma 4's 1/sqrt(hidden))
                 hn = self.h.numpy()
                 np.multiply(hn, np.float32(r_mul), out=hn)
-            logits = router.linear(self.h).contiguous()
-            g = lib.ms_route_plan(1, logits.shape[1], logits.data_ptr(), gating, r_bias, n_group, topk_group, top_k,
-                                  norm_topk, floor, r_scale, idp, wp, tabs, 3, count, experts, pstart,
-                                  ptok, pw, pdst, addr, cap, nt)
-            if g < 0:
-                raise ValueError(f"route: top-{top_k} of {logits.shape[1]} experts does not fit (rc {g})")
+            if gate_b is not None:  # the family's own router (torch), then the pairs grouped as ms_route_plan does
+                ids, w = m.gate(gate_b, self.h)
+                g = self.pairs.plan(ids.contiguous(), w.contiguous(), None if tabs is None else self.tabs[i])
+            else:
+                logits = router.linear(self.h).contiguous()
+                g = lib.ms_route_plan(1, logits.shape[1], logits.data_ptr(), gating, r_bias, n_group, topk_group,
+                                      top_k, norm_topk, floor, r_scale, idp, wp, tabs, 3, count, experts, pstart,
+                                      ptok, pw, pdst, addr, cap, nt)
+                if g < 0:
+                    raise ValueError(f"route: top-{top_k} of {logits.shape[1]} experts does not fit (rc {g})")
             if e_scale is not None:  # each pair's weight times its expert's scale (MoE.__call__'s float32 product)
                 pwn = self.pairs.w[:g]  # one token: pair j is group j, expert experts[j]
                 np.multiply(pwn, e_scale[self.pairs.experts[:g]], out=pwn)
@@ -393,6 +416,7 @@ class FastDecode:
                 a[mat, :g] += leads[mat][slots]  # read after prepare(): a direct read's lead is set there
             self.o_w[:g] = self.pairs.w[order]
             self.o_dst[:g] = self.pairs.dst[order]
+            self.o_real[:g] = self.pairs.experts[order]
             n_hit = g - len(reading)
             if n_hit:
                 self._moe(spec, 0, n_hit, hp, outp)
@@ -410,7 +434,8 @@ class FastDecode:
         """ms_moe over groups first..first+n-1 of the compute-order arrays (``o_*``)."""
         a, k = self.o_addr.ctypes.data, self.o_addr.shape[1]
         at = (a + 8 * first, a + 8 * (k + first), a + 8 * (2 * k + first), self.o_start.ctypes.data,
-              self.o_tok.ctypes.data + 4 * first, self.o_w.ctypes.data + 4 * first, self.o_dst.ctypes.data + 4 * first)
+              self.o_tok.ctypes.data + 4 * first, self.o_w.ctypes.data + 4 * first, self.o_dst.ctypes.data + 4 * first,
+              self.o_real.ctypes.data + 8 * first)
         kernels.moe_to(spec, self.pairs, n, hp, 1, outp, at=at)
 
 
