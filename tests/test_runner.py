@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,7 +133,8 @@ def test_device_step_every_family(path: str) -> None:
 
 #: the families whose decode step runs as runtime/fastdecode.py's (their ``fast_layer``), each by a Q8_0 fixture
 #: (gpt-oss: llama.cpp's MXFP4_MOE, Q8_0 dense)
-FAST_FAMILIES = ["qwen3moe-tiny", "mixtral-tiny", "olmoe-tiny", "qwen2moe-tiny", "glm4moe-tiny", "gpt-oss-tiny"]
+FAST_FAMILIES = ["qwen3moe-tiny", "mixtral-tiny", "olmoe-tiny", "qwen2moe-tiny", "glm4moe-tiny", "gpt-oss-tiny",
+                 "gemma4-tiny"]
 
 
 def _fast_file(which: str, fixtures_tool: Any) -> str:
@@ -149,8 +151,9 @@ def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monk
     (Runner.run over the same cache contents) at every position of a decode, counts the same expert hits, and writes
     the same KV cache rows; it runs for the files of the families it fits (per-head q/k norms or none or over the
     whole projection, llama's de-interleaved heads, q/k/v biases, a shared expert; gpt-oss's o bias, per-layer RoPE,
-    sinks, its own router and biased experts), resident (streaming: below). The fast step runs its kernels on 1
-    thread at odd positions, 2 at even ones; the eager step on 2."""
+    sinks, its own router and biased experts; gemma4's per-layer head dims, KV heads, RoPE and sliding window, V = K,
+    shared-KV layers, per-expert scales, post norms, PLE and output scales), resident (streaming: below). The fast
+    step runs its kernels on 1 thread at odd positions, 2 at even ones; the eager step on 2."""
     from moestream import kernels
     from moestream.runtime import fastdecode
 
@@ -174,9 +177,27 @@ def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monk
             assert_bitwise(got, want)
             assert fast_hits == model.store.stats.hits - hits - fast_hits == model.top_k * len(model.layout.moe_layers)
             for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
-                assert_bitwise(a[:pos + 1], b[:pos + 1])
+                assert (a is None) == (b is None)  # (a shared-KV layer owns no cache: gemma4)
+                if a is not None:
+                    assert_bitwise(a[:pos + 1], b[:pos + 1])
             tok = int(got[0].argmax())
     model.store.close()
+
+
+def test_fast_decode_scalar_products_are_torchs() -> None:
+    """The fast step multiplies in numpy where the eager step multiplies a float32 tensor by a Python float (Gemma 4's
+    router input times 1/sqrt(hidden)) or by a float32 [1] tensor (its layer output scale): torch rounds the Python
+    float to float32 first, so the float32 products are the same bits (the gemma4-tiny fixture's 1/sqrt(256) is a
+    power of two, exact either way; 2816 is Gemma-4-26B-A4B's hidden size). A product in double, then rounded, would
+    differ in some of these values."""
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(3)) * 3
+    for n in (2816, 704, 3):
+        s = n ** -0.5
+        want = (x * s).numpy()
+        assert_bitwise([torch.from_numpy(x.numpy() * np.float32(s))], [torch.from_numpy(want)])
+        assert not np.array_equal((x.double() * s).float().numpy(), want)  # (the check can tell them apart)
+        t = torch.tensor([s], dtype=torch.float32)
+        assert_bitwise([torch.from_numpy(x.numpy() * np.float32(t.item()))], [x * t])
 
 
 def _qwen3_q8(fixtures_tool: Any) -> str:
@@ -188,7 +209,8 @@ def _qwen3_q8(fixtures_tool: Any) -> str:
     ("qwen3moe-tiny", True, True, True), ("qwen3moe-tiny", True, False, False), ("default", True, False, True),
     ("mixtral-tiny", False, False, True), ("olmoe-tiny", False, True, True), ("qwen2moe-tiny", False, False, True),
     ("qwen2moe-tiny", True, False, False), ("glm4moe-tiny", False, False, True), ("gpt-oss-tiny", False, False, True),
-    ("gpt-oss-tiny", True, False, False)])
+    ("gpt-oss-tiny", True, False, False), ("gemma4-tiny", False, False, True), ("gemma4-tiny", True, True, True),
+    ("gemma4-tiny", False, False, False)])
 def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefetch: bool, overlap: bool,
                                                  fixtures_tool: Any) -> None:
     """Streaming through top-k slots (nearly every step misses in every layer), buffered or O_DIRECT, with or without
@@ -224,7 +246,9 @@ def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefe
             assert_bitwise([got], [want])
             assert_bitwise([got], [resident.runner.run(Step(torch.tensor([tok]), [Seq(caches[2], pos, 1)]))])
             for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
-                assert_bitwise([a[:pos + 1]], [b[:pos + 1]])
+                assert (a is None) == (b is None)  # (a shared-KV layer owns no cache: gemma4)
+                if a is not None:
+                    assert_bitwise([a[:pos + 1]], [b[:pos + 1]])
             tok = int(got[0].argmax())
     fs, es = fast_model.store, eager_model.store
     if not prefetch:

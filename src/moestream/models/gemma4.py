@@ -17,12 +17,14 @@ logits are soft-capped: cap * tanh(logits / cap) (cap 30 when the file has no ke
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 
 from .. import kernels
 from ..errors import GGUFError
+from ..runtime.fastdecode import FastLayer
 from .base import LoadOptions, MoEModel, Route, register
 from .layers import LayerKVCache, Rope, elementwise, rms_norm, rope_inv_freq, softmax_topk
 
@@ -238,11 +240,38 @@ class Gemma4(MoEModel):
         b = self.blocks[i]
         x = x + rms_norm(f, b["ffn_post_norm"], self.eps)
         if self.ple_dim:
-            g = gelu_tanh(b["ple_gate"].linear(x)) * step.data["ple"][:, i]
-            x = x + rms_norm(b["ple_proj"].linear(g), b["ple_post_norm"], self.eps)
+            x = self.ple_add(i, x, step)
         if b["out_scale"] is not None:
             x = x * b["out_scale"]
         return x
+
+    def ple_add(self, i: int, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x [T, hidden] plus layer i's per-layer input branch: RMSNorm(W_proj (GELU-tanh(W_gate x) * ple_i)) by
+        ``ple_post_norm``, ple_i = ``step.data["ple"][:, i]`` [T, ple_dim] (:meth:`embed`) -> [T, hidden]."""
+        b = self.blocks[i]
+        g = gelu_tanh(b["ple_gate"].linear(x)) * step.data["ple"][:, i]
+        return x + rms_norm(b["ple_proj"].linear(g), b["ple_post_norm"], self.eps)
+
+    def fast_layer(self, i: int) -> FastLayer | None:
+        """Layer i in the fast CPU decode step's terms (runtime/fastdecode.FastLayer): its own head dim, KV heads,
+        RoPE and window, q/k norms, V normed without weight (V = K without ``attn_v``), the cache of ``kv_layer``,
+        scale 1, the post-attention norm; the router on RMSNorm(x) by ``router_scale`` times 1/sqrt(hidden), the
+        experts on RMSNorm(x) by ``pre_norm_2`` (the per-expert scale: the MoE layer's), the dense FFN as the
+        shared expert (:meth:`shared`), the post norms of :meth:`combine` and :meth:`layer_out`, PLE by
+        :meth:`ple_add`, the layer's output scale. A layer without routed experts: None (the eager step)."""
+        b = self.blocks[i]
+        if "moe" not in b:
+            return None
+        src = b["kv_layer"]
+        tail = functools.partial(self.ple_add, i) if self.ple_dim else None
+        return FastLayer(1.0, q_norm=b["q_norm"], k_norm=b.get("k_norm"), n_head=b["n_head"],
+                         n_kv=self.blocks[src]["n_kv"], head_dim=b["head_dim"],
+                         rope=self.rope_swa if b["swa"] else self.rope_full, window=self.window if b["swa"] else 0,
+                         v_norm=True, v_is_k=src == i and b["v"] is None, kv_layer=src,
+                         attn_post_norm=b["attn_post_norm"], norm_topk=True, shared=True,
+                         router_norm=b["router_scale"], router_mul=self.n_embd ** -0.5, moe_norm=b["pre_norm_2"],
+                         post_norms=(b["post_norm_1"], b["post_norm_2"], b["ffn_post_norm"]), tail=tail,
+                         out_scale=b["out_scale"])
 
     def head(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """Final RMSNorm and output, soft-capped: x [R, hidden] -> logits [R, vocab]."""

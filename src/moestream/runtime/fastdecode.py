@@ -1,33 +1,46 @@
-"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it) as a handful of C calls per layer.
+"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it, Gemma 4 too) as a handful of C
+calls per layer.
 
 Between two matmuls a decode step has little arithmetic, but every torch op and Python frame there runs with cold
 caches (the matmul before it streamed tens of MB of weights through them): measured on a 2-core EPYC, an empty
 ``torch.empty`` costs 1 us hot and 60 us right after such a stream. So the eager step (runner.py) spends ms per
-token outside its matmuls. This step keeps one token's activations in buffers made once per model and runs each
-layer as:
+token outside its matmuls. This step keeps one token's activations in buffers made once per model (sized for the
+largest layer: Gemma 4's layers differ in head dim and KV heads), takes x from the family's own ``embed`` and runs
+each layer as:
 
 - the q, k, v projections (kernels.linear_to: ms_linear into the kept buffers), their biases added
   (ms_residual_norm's add) and RMSNorm over each whole projection (ms_rms_norm) where the family has them;
 - ms_attn_block: per-head q/k RMSNorm (where the family has it), RoPE by the layer's tables (after each head's dims
   are de-interleaved, for llama files), the cache rows written, attention over the cache (with the layer's sliding
-  window and sinks, gpt-oss);
-- the output projection (plus its bias, gpt-oss); ms_residual_norm: x += o, h = RMSNorm(x) by ``ffn_norm``;
+  window and sinks, gpt-oss); each layer with its own head dim, KV heads, RoPE tables and sliding window, V normed
+  without weight first (ms_rms_norm) where the family norms it, V = the raw K projection where the layer has no V
+  projection (Gemma 4). A layer that reads an earlier layer's cache (Gemma 4's shared KV) writes none: its queries
+  normed (ms_rms_norm) and rotated (ms_rope), then ms_attention over that cache;
+- the output projection (plus its bias, gpt-oss; RMSNorm'd by the family's post-attention norm where it has one:
+  ms_rms_norm); ms_residual_norm: x += o, h = RMSNorm(x) by ``ffn_norm`` (Gemma 4: by the router's norm, times
+  1/sqrt(hidden));
 - the router's own ``linear`` (as the eager step calls it); ms_route_plan: softmax top-k, renormalisation and the
   pairs grouped by expert (resident: with each expert's addresses, the store holds every expert in place); or the
   family's own torch router (gpt-oss's ``gate``: top-k of the biased logits, softmax among them) and the pairs
-  grouped by ms_moe_pairs;
+  grouped by ms_moe_pairs; each pair's weight times its expert's output scale where the layer has one (Gemma 4,
+  MoE.__call__'s product); the experts' input normed again by the family's own norm where it has one (Gemma 4's
+  ``pre_norm_2``);
 - resident: ms_moe (kernels.moe_to) over every expert, with the layer's activation code and per-expert biases
   gathered by real id (gpt-oss). Streaming (a CPU StreamingStore, --moe-stream on): the store
   plans the slots (``store.prepare``: hits, misses, evictions by its policy, this step's experts pinned) and starts
   the misses' reads at once; the hits are computed first, in one ms_moe call over their slots' addresses, then each
   batch of misses whose reads are joined (``ready`` / ``wait``), as MoE.__call__ overlaps them;
-- a shared expert (qwen2moe): the family's own ``shared`` (torch), run where MoE.__call__ runs it (after the slots
-  are planned and the reads started);
+- a shared expert (qwen2moe; Gemma 4's dense GeGLU FFN): the family's own ``shared`` (torch), run where
+  MoE.__call__ runs it (after the slots are planned and the reads started);
 - ms_residual_norm: x += the sum of the top-k rows (then + the shared expert's output), h = RMSNorm(x) by the next
-  layer's ``attn_norm`` (after the last layer ``out_norm``, then the output projection).
+  layer's ``attn_norm``. Gemma 4 instead: x += RMSNorm(RMSNorm(dense FFN) + RMSNorm(routed sum)) by its post norms
+  (ms_topk_sum, ms_rms_norm, ms_residual_norm), then its PLE branch (the family's torch code, ``ple_add``), x times
+  the layer's output scale, and the next layer's norm. After the last layer, the family's own ``head`` (RMSNorm,
+  the output projection, Gemma 4's logit softcap).
 
 What differs between families is stated by the family (``MoEModel.fast_layer`` -> :class:`FastLayer`: its q/k norms,
-biases, RoPE layout, attention scale, top-k renormalisation, shared expert), not written again here.
+biases, RoPE layout, attention scale, top-k renormalisation, shared expert, per-layer shapes, Gemma 4's norms,
+scales and PLE hook), not written again here.
 
 Each of those is the kernel the eager step runs, on the same values in the same order (the rows of one ms_moe call
 do not depend on which other experts share the call), so the logits are the same bits, streaming or resident
@@ -38,8 +51,9 @@ error is raised by ``store.wait`` as in the eager step; on any error after the s
 settle and their slots are emptied (``store.discard``, as MoE.__call__) before it propagates.
 
 It runs where :func:`plan` finds the model fits it: a family class that defines ``fast_layer`` itself (not inherited:
-qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss), every MoE layer fused (one ms_moe call: MoE.fused)
-without a per-expert output scale, one sequence of one token on the CPU, every matmul on the C kernels, a resident
+qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss, gemma4) and returns a FastLayer for every layer (a
+layer without routed experts: MoEModel.dense's SwiGLU only), every MoE layer fused (one ms_moe call: MoE.fused), one
+sequence of one token on the CPU, the q, k, v and output projections and the experts on the C kernels, a resident
 store or a streaming one with host pools on the CPU (not the device-planned step of experts/devplan.py), no
 synthetic routing, the step kernels on (layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
 """
@@ -58,6 +72,7 @@ from .. import kernels
 from ..experts.moe import KEPT_ROWS_FLOATS
 from ..experts.pool import ResidentStore, StreamingStore
 from ..models import layers
+from .step import Seq, Step
 
 
 @dataclass(frozen=True)
@@ -81,7 +96,22 @@ class FastLayer:
     computes them in one ms_moe call (its activation code and per-expert biases, ``MoE.kernel_bias``, gathered by
     real id); with ``shared`` the family's ``shared(i, x, h)`` (its own torch code) added after the routed sum
     (``combine``'s ``x + routed + shared``). A layer without routed experts is MoEModel.dense's SwiGLU (a family
-    that overrides ``dense`` runs the eager step)."""
+    that overrides ``dense`` runs the eager step).
+
+    Per-layer attention shapes (Gemma 4's sliding and global layers; None: the model's ``n_head``, ``n_kv``,
+    ``head_dim``, ``head_dim_v``): ``n_head``, ``n_kv``, ``head_dim`` (d of q, k and v). ``v_norm``: each V head
+    RMSNorm'd without weight (``rms_norm(v, 1.0)``) before the cache; ``v_is_k``: no V projection, V is the raw K
+    projection (Gemma 4's K = V layers); ``kv_layer``: the layer whose cache this one reads (None: its own; another:
+    no K/V projections, nothing written: Gemma 4's shared-KV layers). ``attn_post_norm``: the output projection
+    RMSNorm'd by it before the residual add.
+
+    Gemma 4's FFN block: ``router_norm`` (float32 [hidden]): the router reads RMSNorm(x) by it times
+    ``router_mul`` (a float32 multiply), not the ``ffn_norm``-normed x; ``moe_norm``: the experts read RMSNorm(x)
+    by it; ``post_norms`` (p1, p2, p3): the layer adds RMSNorm(RMSNorm(shared, p1) + RMSNorm(routed, p2), p3)
+    instead of routed + shared (the routed sum is the top-k rows' sum from +0); ``tail``: the family's torch code
+    ``tail(x, step) -> x`` [1, hidden] run after that residual add (Gemma 4's PLE); ``out_scale`` (float32 [1]):
+    x multiplied by it last. The experts' per-expert output scale (``MoE.expert_scale``, float32 [n_experts] by
+    real id) multiplies each pair's routing weight, as MoE.__call__ does."""
 
     scale: float
     q_norm: Any = None
@@ -102,6 +132,19 @@ class FastLayer:
     sinks: Any = None
     o_bias: Any = None
     own_gate: bool = False
+    n_head: int | None = None
+    n_kv: int | None = None
+    head_dim: int | None = None
+    v_norm: bool = False
+    v_is_k: bool = False
+    kv_layer: int | None = None
+    attn_post_norm: Any = None
+    router_norm: Any = None
+    router_mul: float = 1.0
+    moe_norm: Any = None
+    post_norms: tuple | None = None
+    tail: Any = None
+    out_scale: Any = None
 
 
 def _spec(w: Any) -> tuple | None:
@@ -123,16 +166,24 @@ class FastDecode:
                  fls: list[FastLayer]):
         m = self.model = model
         self.lib, self.store = lib, model.store
-        n, hd = m.n_embd, m.head_dim
-        hdv = self.head_dim_v = getattr(m, "head_dim_v", hd)  # as MoEModel.make_cache
+        n = m.n_embd
         f32 = torch.float32
         self.x_dim = n
+        # each layer's (query heads, KV heads, q/k head dim, v head dim, Rope): the buffers fit the largest
+        shapes = []
+        for fl in fls:
+            hd = m.head_dim if fl.head_dim is None else fl.head_dim
+            hdv = getattr(m, "head_dim_v", hd) if fl.head_dim is None else hd  # as MoEModel.make_cache
+            shapes.append((m.n_head if fl.n_head is None else fl.n_head, m.n_kv if fl.n_kv is None else fl.n_kv,
+                           hd, hdv, m.rope if fl.rope is None else fl.rope))
         self.h = torch.empty((1, n), dtype=f32)
-        self.q = torch.empty((1, m.n_head * hd), dtype=f32)
-        self.k = torch.empty((1, m.n_kv * hd), dtype=f32)
-        self.v = torch.empty((1, m.n_kv * hdv), dtype=f32)
-        self.a = torch.empty((1, m.n_head * hdv), dtype=f32)
+        self.q = torch.empty((1, max(nh * hd for nh, _, hd, _, _ in shapes)), dtype=f32)
+        self.qr = torch.empty_like(self.q)  # a shared-KV layer's rotated queries (ms_rope does not run in place)
+        self.k = torch.empty((1, max(nkv * hd for _, nkv, hd, _, _ in shapes)), dtype=f32)
+        self.v = torch.empty((1, max(nkv * hdv for _, nkv, _, hdv, _ in shapes)), dtype=f32)
+        self.a = torch.empty((1, max(nh * hdv for nh, _, _, hdv, _ in shapes)), dtype=f32)
         self.o = torch.empty((1, n), dtype=f32)
+        self.r = torch.empty((1, n), dtype=f32)  # the routed sum of a layer with ``post_norms``
         self.ids = torch.empty((1, m.top_k), dtype=torch.int64)
         self.w = torch.empty((1, m.top_k), dtype=f32)
         self.out = torch.empty((m.top_k, n), dtype=f32)
@@ -146,27 +197,32 @@ class FastDecode:
         self.o_tok = np.zeros(k, dtype=np.int32)  # one token
         self.o_start = np.arange(k + 1, dtype=np.int32)  # group j is pair j
         self.o_real = np.empty(k, dtype=np.int64)  # each group's real expert id (the biases)
+        #: the distinct RoPEs of the layers (each layer names one by its index here; gpt-oss, gemma4: sliding and
+        #: full layers have their own)
+        self.ropes: list[Any] = []
+        for s in shapes:
+            if not any(r is s[4] for r in self.ropes):
+                self.ropes.append(s[4])
         blocks = m.blocks
         self.layers = []
-        #: the distinct RoPEs of the layers (gpt-oss: sliding and full layers may have their own)
-        self.ropes: list[Any] = []
         for i, b in enumerate(blocks):
-            nxt = blocks[i + 1]["attn_norm"] if i + 1 < len(blocks) else m.out_norm
+            # the last layer leaves x un-normed: the family's own ``head`` norms it
+            nxt = blocks[i + 1]["attn_norm"] if i + 1 < len(blocks) else None
             fl = fls[i]
+            nh, nkv, hd, hdv, rope = shapes[i]
             head = not fl.whole_norm
-            rope = fl.rope if fl.rope is not None else m.rope
-            if not any(r is rope for r in self.ropes):
-                self.ropes.append(rope)
             # (per-head q, k norms, the whole projections' norms, q/k/v biases, ms_attn_block's RoPE mode, scale,
-            # the index of the layer's RoPE in self.ropes, window, sinks, o bias)
+            # the index of the layer's RoPE in self.ropes, window, sinks, o bias, the layer's shapes, V norm, V = K,
+            # the cache it reads, post-attention norm)
             attn = (_ptr(fl.q_norm) if head else None, _ptr(fl.k_norm) if head else None,
                     None if head else (_ptr(fl.q_norm), _ptr(fl.k_norm)),
                     None if fl.biases is None else [(yp, _ptr(t), rows) for yp, t, rows in zip(
                         (self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr()), fl.biases,
-                        (m.n_head * hd, m.n_kv * hd, m.n_kv * hdv), strict=True) if t is not None],
+                        (nh * hd, nkv * hd, nkv * hdv), strict=True) if t is not None],
                     2 if fl.deinterleave else int(rope.interleaved), fl.scale,
                     next(j for j, r in enumerate(self.ropes) if r is rope), int(fl.window or 0), _ptr(fl.sinks),
-                    _ptr(fl.o_bias))
+                    _ptr(fl.o_bias), nh, nkv, hd, hdv, fl.v_norm, fl.v_is_k,
+                    i if fl.kv_layer is None else fl.kv_layer, _ptr(fl.attn_post_norm))
             moe = moes[i]
             if moe is None:  # MoEModel.dense: SwiGLU of h
                 ffn = (b["gate"], b["up"], b["down"])
@@ -178,8 +234,14 @@ class FastDecode:
                             kernels.bias_ptrs(moe.kernel_bias))
                 route = (b["router"], int(fl.gating), _ptr(fl.route_bias), fl.n_group, fl.topk_group,
                          int(fl.norm_topk), fl.floor, fl.route_scale, b if fl.own_gate else None)
-                ffn = (route, fl.shared, None if self.streaming else tabs[i].ctypes.data, moe_spec)
-            self.layers.append((i, *specs[i], attn, _ptr(b["ffn_norm"]), moe is None, ffn, _ptr(nxt)))
+                es = None if moe.expert_scale is None else moe.expert_scale.contiguous().numpy()
+                # (router input multiplier, experts' input norm, per-expert scale by real id, post norms)
+                gem = (fl.router_mul, _ptr(fl.moe_norm), es,
+                       None if fl.post_norms is None else tuple(_ptr(t) for t in fl.post_norms))
+                ffn = (route, fl.shared, None if self.streaming else tabs[i].ctypes.data, moe_spec, gem)
+            out_scale = None if fl.out_scale is None else np.float32(fl.out_scale.reshape(-1)[0].item())
+            fn = fl.router_norm if fl.router_norm is not None else b["ffn_norm"]
+            self.layers.append((i, *specs[i], attn, _ptr(fn), moe is None, ffn, _ptr(nxt), (fl.tail, out_scale)))
         #: resident: int64 [3, n_experts] per layer, each expert's gate, up and down address (the layers point into
         #: them); streaming: per layer, (int64 [3, n_slots] each slot's matrices' first row, [the store's lead
         #: arrays of gate, up, down]): a slot's expert starts lead[slot] bytes into its row
@@ -188,11 +250,11 @@ class FastDecode:
         self._cache: tuple | None = None
         self.sh: torch.Tensor | None = None  # a layer's shared expert output (_shared)
 
-    def _cache_ptrs(self, cache: Any) -> list[tuple[int, int]]:
+    def _cache_ptrs(self, cache: Any) -> list[tuple[int | None, int | None]]:
         c = self._cache
         if c is None or c[0]() is not cache:
-            c = self._cache = (weakref.ref(cache), [(k.data_ptr(), v.data_ptr()) for k, v in zip(cache.k, cache.v,
-                                                                                                    strict=True)])
+            c = self._cache = (weakref.ref(cache), [(_ptr(k), _ptr(v)) for k, v in zip(cache.k, cache.v,
+                                                                                       strict=True)])
         return c[1]
 
     def step(self, tokens: torch.Tensor, start: int, cache: Any) -> torch.Tensor:
@@ -200,10 +262,11 @@ class FastDecode:
         m, lib = self.model, self.lib
         nt = kernels.threads()
         n, eps, top_k = self.x_dim, m.eps, m.top_k
-        n_head, n_kv, hd, hdv = m.n_head, m.n_kv, m.head_dim, self.head_dim_v
-        x = m.embd.rows_of(tokens).contiguous()  # [1, hidden]: the residual stream, updated in place
+        step = Step(tokens, [Seq(cache, start, 1)])  # for the family's own embed, tail and head
+        x = m.embed(step).contiguous()  # [1, hidden]: the residual stream, updated in place
         xp, hp, qp, kp, vp, ap, op = (x.data_ptr(), self.h.data_ptr(), self.q.data_ptr(), self.k.data_ptr(),
                                       self.v.data_ptr(), self.a.data_ptr(), self.o.data_ptr())
+        qrp, rp = self.qr.data_ptr(), self.r.data_ptr()
         idp, wp, outp = self.ids.data_ptr(), self.w.data_ptr(), self.out.data_ptr()
         count, experts, pstart, ptok, pw, pdst, addr = self.pairs.ptrs
         cap = self.pairs.cap
@@ -213,41 +276,60 @@ class FastDecode:
             n_rot = rope.n_rot
             tables.append((n_rot, rope.cos.data_ptr() + 4 * start * n_rot, rope.sin.data_ptr() + 4 * start * n_rot))
         kv = self._cache_ptrs(cache)
-        kc_p, vc_p = n_kv * hd, n_kv * hdv
         store, streaming = self.store, self.streaming
         look = streaming and m.opts.prefetch  # the router lookahead
         overlap = m.opts.overlap
         lib.ms_residual_norm(1, n, xp, None, 0, self.attn_norm0, eps, hp, nt)
-        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt) in self.layers:
+        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale)) in self.layers:
             if look:
                 m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
-            qn, kn, whole, biases, mode, scale, r, window, sinks, o_bias = attn
+            (qn, kn, whole, biases, mode, scale, r, window, sinks, o_bias, n_head, n_kv, hd, hdv, v_norm, v_is_k,
+             src, post) = attn
             n_rot, cos_p, sin_p = tables[r]
             kernels.linear_to(q_s, hp, 1, qp, lib)
-            kernels.linear_to(k_s, hp, 1, kp, lib)
-            kernels.linear_to(v_s, hp, 1, vp, lib)
-            if biases is not None:  # y + b: one add per element (layers.linear_bias)
-                for yp, bp, rows in biases:
-                    lib.ms_residual_norm(1, rows, yp, bp, 0, None, 0.0, None, nt)
-            if whole is not None:  # RMSNorm of each whole projection, in place (olmoe)
-                lib.ms_rms_norm(1, n_head * hd, qp, n_head * hd, whole[0], eps, qp, n_head * hd, nt)
-                lib.ms_rms_norm(1, n_kv * hd, kp, n_kv * hd, whole[1], eps, kp, n_kv * hd, nt)
-            kcp, vcp = kv[i]
-            rc = lib.ms_attn_block(1, n_head, n_kv, hd, hdv, qp, n_head * hd, hd, kp, n_kv * hd, hd, vp, n_kv * hdv,
-                                   hdv, qn, kn, eps, n_rot, mode, cos_p, sin_p, kcp, kc_p, hd, vcp, vc_p, hdv, start,
-                                   window, sinks, scale, 0.0, ap, n_head * hdv, nt)
+            if src == i:  # the layer's own K/V: its rows written, then attention (ms_attn_block)
+                kernels.linear_to(k_s, hp, 1, kp, lib)
+                if v_s is not None:
+                    kernels.linear_to(v_s, hp, 1, vp, lib)
+                if biases is not None:  # y + b: one add per element (layers.linear_bias)
+                    for yp, bp, rows in biases:
+                        lib.ms_residual_norm(1, rows, yp, bp, 0, None, 0.0, None, nt)
+                if whole is not None:  # RMSNorm of each whole projection, in place (olmoe)
+                    lib.ms_rms_norm(1, n_head * hd, qp, n_head * hd, whole[0], eps, qp, n_head * hd, nt)
+                    lib.ms_rms_norm(1, n_kv * hd, kp, n_kv * hd, whole[1], eps, kp, n_kv * hd, nt)
+                vsp = kp if v_is_k else vp
+                if v_norm:  # each V head's RMSNorm without weight, from the raw projection (Gemma 4)
+                    lib.ms_rms_norm(n_kv, hdv, vsp, hdv, None, eps, vp, hdv, nt)
+                    vsp = vp
+                kcp, vcp = kv[i]
+                rc = lib.ms_attn_block(1, n_head, n_kv, hd, hdv, qp, n_head * hd, hd, kp, n_kv * hd, hd, vsp,
+                                       n_kv * hdv, hdv, qn, kn, eps, n_rot, mode, cos_p, sin_p, kcp, n_kv * hd, hd,
+                                       vcp, n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
+            else:  # a shared-KV layer: its queries normed and rotated (as rms_norm, Rope), attention over src's cache
+                if qn is not None:
+                    lib.ms_rms_norm(n_head, hd, qp, hd, qn, eps, qp, hd, nt)
+                lib.ms_rope(1, n_head, hd, n_rot, mode, qp, n_head * hd, hd, cos_p, sin_p, qrp, n_head * hd, hd, nt)
+                kcp, vcp = kv[src]
+                rc = lib.ms_attention(1, n_head, n_kv, hd, hdv, qrp, n_head * hd, hd, kcp, n_kv * hd, hd, vcp,
+                                      n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
             if rc:
                 raise MemoryError("attention: out of memory for the score buffer")
             kernels.linear_to(o_s, ap, 1, op, lib)
             if o_bias is not None:  # W_o a + b_o, then the residual add
                 lib.ms_residual_norm(1, n, op, o_bias, 0, None, 0.0, None, nt)
+            if post is not None:  # the output projection's own RMSNorm before the residual (Gemma 4)
+                lib.ms_rms_norm(1, n, op, n, post, eps, op, n, nt)
             lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
+            plain = tail is None and out_scale is None  # x's next norm fused into its last add
             if dense:  # x + SwiGLU(h), as MoEModel.dense
-                y = layers.swiglu_ffn(*ffn, self.h).contiguous()
-                lib.ms_residual_norm(1, n, xp, y.data_ptr(), 0, nxt, eps, hp, nt)
+                y = layers.swiglu_ffn(*ffn[:3], self.h).contiguous()
+                lib.ms_residual_norm(1, n, xp, y.data_ptr(), 0, nxt, eps, hp if nxt else None, nt)
                 continue
-            route, has_shared, tabs, moe_s = ffn
+            route, has_shared, tabs, moe_s, (r_mul, moe_norm, e_scale, post_norms) = ffn
             router, gating, r_bias, n_group, topk_group, norm_topk, floor, r_scale, gate_b = route
+            if r_mul != 1.0:  # the router's input times a scalar, as a float32 multiply (Gemma 4's 1/sqrt(hidden))
+                hn = self.h.numpy()
+                np.multiply(hn, np.float32(r_mul), out=hn)
             if gate_b is not None:  # the family's own router (torch), then the pairs grouped as ms_route_plan does
                 ids, w = m.gate(gate_b, self.h)
                 g = self.pairs.plan(ids.contiguous(), w.contiguous(), None if tabs is None else self.tabs[i])
@@ -258,6 +340,11 @@ class FastDecode:
                                       ptok, pw, pdst, addr, cap, nt)
                 if g < 0:
                     raise ValueError(f"route: top-{top_k} of {logits.shape[1]} experts does not fit (rc {g})")
+            if e_scale is not None:  # each pair's weight times its expert's scale (MoE.__call__'s float32 product)
+                pwn = self.pairs.w[:g]  # one token: pair j is group j, expert experts[j]
+                np.multiply(pwn, e_scale[self.pairs.experts[:g]], out=pwn)
+            if moe_norm is not None:  # the experts' own input norm (Gemma 4's pre_norm_2)
+                lib.ms_rms_norm(1, n, xp, n, moe_norm, eps, hp, n, nt)
             chosen = self.pairs.experts[:g].tolist()  # ascending, as MoE.__call__ hands them to the store
             run_shared = functools.partial(self._shared, i, x) if has_shared else None
             if streaming:
@@ -267,13 +354,32 @@ class FastDecode:
                 if run_shared is not None:
                     run_shared()
                 kernels.moe_to(moe_s, self.pairs, g, hp, 1, outp)
-            if has_shared:  # (x + routed) + shared, as combine adds them
+            fin, fin_h = (nxt, hp if nxt else None) if plain else (None, None)
+            if post_norms is not None:  # x + RMSNorm(RMSNorm(shared, p1) + RMSNorm(routed, p2), p3), as combine
+                p1, p2, p3 = post_norms
+                lib.ms_topk_sum(1, top_k, n, outp, rp, nt)  # the routed sum (topk_sum)
+                lib.ms_rms_norm(1, n, rp, n, p2, eps, rp, n, nt)
+                sh, self.sh = self.sh.contiguous(), None
+                shp = sh.data_ptr()
+                lib.ms_rms_norm(1, n, shp, n, p1, eps, shp, n, nt)
+                lib.ms_residual_norm(1, n, shp, rp, 0, p3, eps, shp, nt)
+                lib.ms_residual_norm(1, n, xp, shp, 0, fin, eps, fin_h, nt)
+            elif has_shared:  # (x + routed) + shared, as combine adds them
                 lib.ms_residual_norm(1, n, xp, outp, top_k, None, eps, None, nt)
                 sh, self.sh = self.sh.contiguous(), None
-                lib.ms_residual_norm(1, n, xp, sh.data_ptr(), 0, nxt, eps, hp, nt)
+                lib.ms_residual_norm(1, n, xp, sh.data_ptr(), 0, fin, eps, fin_h, nt)
             else:
-                lib.ms_residual_norm(1, n, xp, outp, top_k, nxt, eps, hp, nt)
-        return m.output.linear(self.h)
+                lib.ms_residual_norm(1, n, xp, outp, top_k, fin, eps, fin_h, nt)
+            if plain:
+                continue
+            if tail is not None:  # the family's torch code on x (Gemma 4's PLE), its result into x
+                x.copy_(tail(x, step))
+            if out_scale is not None:  # x times the layer's scale (a float32 multiply, as ``x * out_scale``)
+                xn = x.numpy()
+                np.multiply(xn, out_scale, out=xn)
+            if nxt:
+                lib.ms_rms_norm(1, n, xp, n, nxt, eps, hp, n, nt)
+        return m.head(x, step)
 
     def _shared(self, i: int, x: torch.Tensor) -> None:
         """Layer i's shared expert by the family's own code (``shared(i, x, h)``, as the eager step calls it) into
@@ -359,13 +465,20 @@ def plan(model: Any) -> FastDecode | None:
         fl = model.fast_layer(i)
         if fl is None:
             return None
-        s = [_spec(b[name]) for name in ("q", "k", "v", "o")]
+        own_kv = fl.kv_layer in (None, i)
+        if not own_kv and (fl.whole_norm or fl.deinterleave or fl.biases is not None):
+            return None  # a shared-KV layer's queries: per-head norm and NEOX RoPE only
+        # q, k, v, o; a layer without its own K/V has no k, v; with ``v_is_k`` no v
+        s = [_spec(b["q"]), _spec(b["k"]) if own_kv else None, _spec(b["v"]) if own_kv and not fl.v_is_k else None,
+             _spec(b["o"])]
         moe = b.get("moe")
-        if None in s or (moe is None and not own_dense):
+        if None in (s[0], s[3]) or (own_kv and s[1] is None) or (own_kv and not fl.v_is_k and s[2] is None) or (
+                moe is None and (not own_dense or fl.post_norms or fl.tail or fl.out_scale is not None)) or (
+                fl.post_norms is not None and not fl.shared):
             return None
         t = None
         if moe is not None:
-            if not moe.fused or moe.expert_scale is not None or moe.routing is not None:
+            if not moe.fused or moe.routing is not None:
                 return None
             t = moe.slot_rows(store) if streaming else moe._tables(store)
             if t is None:
