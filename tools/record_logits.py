@@ -43,6 +43,11 @@ def record(path: str) -> dict[str, np.ndarray]:
 
 
 def main() -> int:
+    args = sys.argv[1:]
+    if not args or args[0] in ("-h", "--help") or (args[0] != "--compare" and (len(args) < 2
+                                                                             or not args[0].endswith(".npz"))):
+        print(__doc__.strip())
+        return 0 if args and args[0] in ("-h", "--help") else 2
     if sys.argv[1] == "--compare":
         a, b = np.load(sys.argv[2]), np.load(sys.argv[3])
         bad = 0
