@@ -130,6 +130,39 @@ def test_bench_llama_bench_rows(tmp_path: Path) -> None:
     assert "GPU util" not in p.stdout.splitlines()[0]  # no row has telemetry here
 
 
+def test_bench_llama_bench_crash_with_repack_gets_a_repack_off_row(tmp_path: Path) -> None:
+    """A llama-bench that dies of SIGSEGV with CPU repacking on (llama.cpp's Q4_0 repack on Gemma-4's expert rows,
+    2026-12-05) is named in its failed row, followed by the same row with --repack 0, which becomes the ratio's
+    baseline; the run still succeeds."""
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "llama-bench"
+    crash = "import os, signal\nif '--repack' not in args: os.kill(os.getpid(), signal.SIGSEGV)\n"
+    fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, log=str(log), tests=repr(LLAMA_JSON))
+                    .replace("tests = ", crash + "tests = ", 1))
+    fake.chmod(0o755)
+    out = tmp_path / "b.json"
+    p = moestream("bench", "-p", "8", "-n", "4", "-r", "1", "--moe-stream", "off", "-t", "1", "--vs", "llama.cpp",
+                  "--llama-bench", str(fake), "--device", "cpu", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r.get("engine", "moestream"), r.get("repack", True)) for r in rows] == [
+        ("moestream", True), ("llama-bench", True), ("llama-bench", False)]
+    assert "SIGSEGV" in rows[1]["error"] and rows[1]["retried"] and "error" not in rows[2]
+    assert [json.loads(x).count("--repack") for x in log.read_text().splitlines()] == [0, 1]
+    assert "again with --repack 0" in p.stderr
+    assert bench.ratio_baseline(rows) is rows[2]
+
+
+def test_crash_detection_is_for_repacking_llama_rows_only() -> None:
+    row = {"engine": "llama-bench", "repack": True}
+    assert bench._crashed_with_repack(row, 1, "llama-bench exited with status -11: killed by SIGSEGV")
+    assert bench._crashed_with_repack({"engine": "llama.cpp"}, -11, "exit status -11")
+    assert not bench._crashed_with_repack(row, 1, "llama-bench exited with status 1: error loading model")
+    assert not bench._crashed_with_repack({**row, "repack": False}, 1, "llama-bench exited with status -11: x")
+    assert not bench._crashed_with_repack({"engine": None}, -11, "exit status -11")
+    assert not bench._crashed_with_repack(row, -9, "OOM-killed under the 2G memory cap")
+
+
 def test_bench_llama_bench_needs_vs(tmp_path: Path) -> None:
     p = moestream("bench", "-p", "8", "-n", "0", "--llama-bench", str(tmp_path / "nope"))
     assert p.returncode != 0 and "--vs llama.cpp" in p.stderr

@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -510,7 +511,8 @@ def run_llamabench_row(cfg: dict) -> dict:
     if gpu is not None:
         gpu.stop()
     if rc != 0:
-        why = next((x for x in reversed(err_lines) if x.strip()), f"exit status {rc}")
+        killed = f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() else None
+        why = next((x for x in reversed(err_lines) if x.strip()), killed or f"exit status {rc}")
         raise OutputError(f"llama-bench exited with status {rc}: {why}")
     tests = parse_llama_bench_json(out)
     windows = test_windows(stamps, t_end)
@@ -659,7 +661,8 @@ def _device_cell(r: dict) -> str:
 def ratio_baseline(rows: list[dict]) -> dict | None:
     """The llama.cpp row that the "moestream / llama.cpp" column divides by, None if none finished. llama-bench
     rows: the one marked ``baseline`` (experts on CPU on a GPU run: the set-up that, as streaming does, keeps the
-    experts out of GPU memory; the CPU row on a CPU run). Binding rows: repack on uncapped, off capped."""
+    experts out of GPU memory; the CPU row on a CPU run). Binding rows: repack on uncapped, off capped (else the
+    one that finished)."""
     capped = any(r.get("mem_cap") for r in rows)
     for r in rows:
         if "error" in r:
@@ -668,7 +671,8 @@ def ratio_baseline(rows: list[dict]) -> dict | None:
             return r
         if r.get("engine") == "llama.cpp" and r.get("repack", True) == (not capped):
             return r
-    return None
+    # the preferred binding row failed (uncapped: its repacking crashed, and a repack-off row followed it)
+    return next((r for r in rows if r.get("engine") == "llama.cpp" and "error" not in r), None)
 
 
 #: ``bench --routing``: the router's own expert ids, or experts/synthetic.py's calibrated ones
@@ -893,10 +897,31 @@ def run_bench(args: argparse.Namespace) -> int:
     return _report(args, rows, bandwidth, routing, calibration, g, model)
 
 
+#: how a killed process's status reads: a negative signal number (subprocess), or 128 + it (a shell)
+_CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
+
+
+def _crashed_with_repack(cfg: dict, returncode: int, err: str) -> bool:
+    """Whether a llama.cpp row with CPU repacking on died of a crash signal (its own process, or llama-bench's
+    ``exited with status -11``), not of an error it reported or of the memory cap."""
+    if cfg.get("engine") not in ("llama.cpp", "llama-bench") or not cfg.get("repack", True) or "OOM" in err:
+        return False
+    codes = {-int(s) for s in _CRASH_SIGNALS} | {128 + int(s) for s in _CRASH_SIGNALS}
+    if returncode in codes:
+        return True
+    m = re.search(r"llama-bench exited with status (-?\d+)", err)
+    return m is not None and int(m.group(1)) in codes
+
+
 def _run_rows(args: argparse.Namespace, cfgs: list[dict], g, cap) -> list[dict]:  # noqa: ANN001
-    """Each row in its own process (under the cap's cgroup with --mem-cap): the rows' results, in order."""
+    """Each row in its own process (under the cap's cgroup with --mem-cap): the rows' results, in order. A
+    llama.cpp row with CPU repacking on that crashes is followed by the same row with repack off (``cfgs``
+    grows by that row)."""
     rows = []
-    for i, cfg in enumerate(cfgs, 1):
+    i = 0
+    while i < len(cfgs):
+        cfg = cfgs[i]
+        i += 1
         mode, s, t, ov, pf, reads = _row_label(cfg)
         print(f"[{i}/{len(cfgs)}] {mode} slots={s} io={t} overlap={ov} prefetch={pf} reads={reads} ...",
               file=sys.stderr,
@@ -919,6 +944,15 @@ def _run_rows(args: argparse.Namespace, cfgs: list[dict], g, cap) -> list[dict]:
             err = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
             err = err.removeprefix("moestream: error: ")
             rows.append({**cfg, "error": err, "mem_cap": args.mem_cap, "cgroup_peak_gib": peak})
+            if _crashed_with_repack(cfg, proc.returncode, err) and not any(
+                    c.get("engine") == cfg["engine"] and c.get("kind") == cfg.get("kind") and not c.get("repack", True)
+                    for c in cfgs):
+                # llama.cpp's CPU repacking crashes on some shapes (its Q4_0 repack on Gemma's 704-wide expert
+                # rows, this machine): the same row once more with repack off, so the table still has a baseline
+                print(f"[{i}/{len(cfgs)}] llama.cpp crashed with CPU repacking on ({err}): that row again with "
+                      f"--repack 0", file=sys.stderr, flush=True)
+                cfgs.insert(i, {**cfg, "repack": False})
+                rows[-1]["retried"] = "with --repack 0, the next row"
         else:
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             rows.append({**row, "mem_cap": args.mem_cap, "cgroup_peak_gib": peak})
@@ -941,7 +975,7 @@ def _report(args: argparse.Namespace, rows: list[dict], bandwidth, routing, cali
                 "file_gib": g.file_bytes / GiB, "command": " ".join(sys.argv), "routing": routing,
                 "routing_calibration": calibration}
         write_json(args.json, {"meta": meta, "rows": rows})
-    failed = [r for r in rows if "error" in r]
+    failed = [r for r in rows if "error" in r and not r.get("retried")]  # a crashed repack row: its retry counts
     if failed:  # the table says which rows; stderr gets the one error line every failing command gives
         print(f"moestream: error: {model}: {len(failed)} of {len(rows)} bench rows failed (first: "
               f"{failed[0]['error']})", file=sys.stderr)
