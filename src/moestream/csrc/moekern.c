@@ -383,7 +383,11 @@ static void unpack_mxfp4(const uint8_t *b, ublk_a *u) {
     const uint32_t e = b[0];
     u->d = fp32_from_bits(e < 2 ? (e + 1) * 0x00200000u : (e - 1) << 23);
     u->m = 0.0f;
+#ifdef MS_X86_SIMD /* the code book looked up 32 lanes at once, as IQ4_NL's (the same codes: the same bits) */
+    _mm256_storeu_si256((__m256i *)u->q, lut16(nib_split(_mm_loadu_si128((const __m128i *)(b + 1))), KVALUES_MXFP4));
+#else
     for (int j = 0; j < 16; j++) { u->q[j] = KVALUES_MXFP4[b[1 + j] & 0x0F]; u->q[j + 16] = KVALUES_MXFP4[b[1 + j] >> 4]; }
+#endif
 }
 
 /* family B unpackers: one 256-element super-block */
