@@ -1577,3 +1577,69 @@ done:
     free(xq); free(M.x_rows); free(M.h_rows); free(M.G); free(M.U); free(M.hq);
     return rc;
 }
+
+/* --- per-head linears: one call for every head of a batched per-head matmul -------------------------------
+ *
+ * y[t, h, :] = W_h . x[t, h, :] for every head h < n_heads and token t < n_tok, with W_h = W + h * head_bytes
+ * (n_rows rows of row_bytes bytes of ggml type t, n_cols elements each): MLA's absorbed up-projections (deepseek2's
+ * attn_k_b [H, r, nope] and attn_v_b [H, dv, r], whose heads are contiguous row ranges of the tensor).
+ * x: float32, row (t, h) at x + t * xs_t + h * xs_h (elements; each row n_cols contiguous floats); y: float32, row
+ * (t, h) at y + t * ys_t + h * ys_h (n_rows contiguous floats). Each activation row is quantized on its own and each
+ * output element is one tile kernel's dot of one weight row and one activation row, exactly as ms_linear computes
+ * it on W_h alone: the bits depend neither on n_heads, nor on n_tok, nor on the thread count.
+ * Returns 0, or -1 for a type the kernels cannot compute / n_cols not a multiple of its block / negative strides,
+ * -2 out of memory. */
+
+typedef struct {
+    type_info ti;
+    const uint8_t *W; size_t head_bytes, row_bytes; int n_rows, n_cols;
+    const uint8_t *const *xq; int n_tok; /* per head h: xq[h * n_tok + t] */
+    float *y; size_t ys_t, ys_h;
+    int rows_per_item, items_per_head;
+} heads_ctx;
+
+static void heads_item(void *c, int item) {
+    heads_ctx *L = (heads_ctx *)c;
+    const int h = item / L->items_per_head, part = item % L->items_per_head;
+    int r0 = part * L->rows_per_item, r1 = r0 + L->rows_per_item;
+    if (r1 > L->n_rows) r1 = L->n_rows;
+    L->ti.mm(L->W + (size_t)h * L->head_bytes, L->row_bytes, r0, r1, L->n_cols, L->xq + (size_t)h * L->n_tok,
+             L->n_tok, L->y + (size_t)h * L->ys_h, L->ys_t, NULL);
+}
+
+typedef struct { int fam; const float *x; long xs_t, xs_h; int n_tok, n_cols; uint8_t *xq; size_t rb; } heads_quant_ctx;
+static void heads_quant_item(void *c, int item) { /* item = h * n_tok + t */
+    heads_quant_ctx *Q = (heads_quant_ctx *)c;
+    const int h = item / Q->n_tok, t = item % Q->n_tok;
+    quantize_row(Q->fam, Q->x + (long)t * Q->xs_t + (long)h * Q->xs_h, Q->xq + Q->rb * item, Q->n_cols);
+}
+
+int ms_linear_heads(int t, const uint8_t *W, size_t head_bytes, size_t row_bytes, int n_rows, int n_cols,
+                    int n_heads, const float *x, long xs_t, long xs_h, int n_tok, float *y, long ys_t, long ys_h,
+                    int n_threads) {
+    type_info ti;
+    if (!type_of(t, &ti) || n_cols % ti.block || xs_t < 0 || xs_h < 0 || ys_t < 0 || ys_h < 0) return -1;
+    if (n_tok <= 0 || n_rows <= 0 || n_heads <= 0) return 0;
+    const size_t n = (size_t)n_tok * (size_t)n_heads, rb = act_row_bytes(ti.family, n_cols);
+    uint8_t *xq = NULL;
+    const uint8_t **rows = (const uint8_t **)malloc(sizeof(uint8_t *) * n);
+    if (!rows) return -2;
+    if (ti.family == FAM_C && t == T_F32) {
+        for (int h = 0; h < n_heads; h++)
+            for (int k = 0; k < n_tok; k++)
+                rows[(size_t)h * n_tok + k] = (const uint8_t *)(x + (long)k * xs_t + (long)h * xs_h);
+    } else {
+        xq = (uint8_t *)aligned_alloc(64, ((rb * n) + 63) / 64 * 64);
+        if (!xq) { free(rows); return -2; }
+        heads_quant_ctx Q = {ti.family, x, xs_t, xs_h, n_tok, n_cols, xq, rb};
+        pool_run(n >= 4 ? n_threads : 1, heads_quant_item, &Q, (int)n);
+        for (size_t i = 0; i < n; i++) rows[i] = xq + rb * i;
+    }
+    heads_ctx L = {ti, W, head_bytes, row_bytes, n_rows, n_cols, rows, n_tok, y, (size_t)ys_t, (size_t)ys_h,
+                   rows_per_item(n_rows, n_threads, n_tok), 0};
+    L.items_per_head = (n_rows + L.rows_per_item - 1) / L.rows_per_item;
+    pool_run(n_threads, heads_item, &L, n_heads * L.items_per_head);
+    free(xq);
+    free(rows);
+    return 0;
+}
