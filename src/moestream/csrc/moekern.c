@@ -1095,6 +1095,40 @@ static void mm_f32_fused(MM_ARGS) {
     }
     if (r < r1) mm_f32(W, row_bytes, r, r1, n_cols, xq, n_tok, out, out_stride, scale);
 }
+/* F16 / BF16 weights and one token: as mm_f32_fused, with each 8 weights widened in registers by widen_block's own
+ * conversion (exact) straight into the row's one chain of FMAs, four rows at once: the unpack path's bits, without
+ * the widened copy of each block (at one token that copy cost more than the FMAs: MLA's per-head up-projections,
+ * kernels.linear_heads, on BF16 attn_k_b / attn_v_b). */
+static inline __m256 widen8(int bf16, const uint8_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+#define DEFINE_MM_HALF_FUSED(NAME, BF16, UNPACKED)                                                            \
+    static void NAME(MM_ARGS) {                                                                               \
+        if (n_tok != 1) { UNPACKED(W, row_bytes, r0, r1, n_cols, xq, n_tok, out, out_stride, scale); return; } \
+        const float *x = (const float *)xq[0];                                                                \
+        int r = r0;                                                                                           \
+        for (; r + 4 <= r1; r += 4) {                                                                         \
+            const uint8_t *w0 = W + (size_t)r * row_bytes, *w1 = w0 + row_bytes, *w2 = w1 + row_bytes,        \
+                          *w3 = w2 + row_bytes;                                                               \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                       \
+            for (int i = 0; i < n_cols; i += 8) {                                                             \
+                const __m256 xv = _mm256_loadu_ps(x + i);                                                     \
+                a0 = _mm256_fmadd_ps(widen8(BF16, w0 + 2 * i), xv, a0);                                       \
+                a1 = _mm256_fmadd_ps(widen8(BF16, w1 + 2 * i), xv, a1);                                       \
+                a2 = _mm256_fmadd_ps(widen8(BF16, w2 + 2 * i), xv, a2);                                       \
+                a3 = _mm256_fmadd_ps(widen8(BF16, w3 + 2 * i), xv, a3);                                       \
+            }                                                                                                 \
+            const float s = scale ? scale[0] : 1.0f;                                                          \
+            out[r] = scale ? s * hsum_ps(a0) : hsum_ps(a0);                                                   \
+            out[r + 1] = scale ? s * hsum_ps(a1) : hsum_ps(a1);                                               \
+            out[r + 2] = scale ? s * hsum_ps(a2) : hsum_ps(a2);                                               \
+            out[r + 3] = scale ? s * hsum_ps(a3) : hsum_ps(a3);                                               \
+        }                                                                                                     \
+        if (r < r1) UNPACKED(W, row_bytes, r, r1, n_cols, xq, n_tok, out, out_stride, scale);                 \
+    }
+DEFINE_MM_HALF_FUSED(mm_f16_fused, 0, mm_f16)
+DEFINE_MM_HALF_FUSED(mm_bf16_fused, 1, mm_bf16)
 #endif
 
 #include "iquants.h" /* unpackers and tile kernels of the 1-3 bit i-quants and the ternary types */
@@ -1120,8 +1154,13 @@ static int type_of(int t, type_info *ti) {
 #else
     case T_F32: *ti = (type_info){FAM_C, QK, 128, mm_f32}; return 1;
 #endif
+#ifdef MS_X86_SIMD
+    case T_F16: *ti = (type_info){FAM_C, QK, 64, no_fused() ? mm_f16 : mm_f16_fused}; return 1;
+    case T_BF16: *ti = (type_info){FAM_C, QK, 64, no_fused() ? mm_bf16 : mm_bf16_fused}; return 1;
+#else
     case T_F16: *ti = (type_info){FAM_C, QK, 64, mm_f16}; return 1;
     case T_BF16: *ti = (type_info){FAM_C, QK, 64, mm_bf16}; return 1;
+#endif
     case T_Q4_0: *ti = (type_info){FAM_A, QK, 18, mm_q4_0}; return 1;
     case T_Q4_1: *ti = (type_info){FAM_A, QK, 20, mm_q4_1}; return 1;
     case T_Q5_0: *ti = (type_info){FAM_A, QK, 22, mm_q5_0}; return 1;
