@@ -470,6 +470,61 @@ def test_token_and_thread_independence(libs):
             assert np.array_equal(bits(linear(x[:3], raw[:37], t, 512, lib)), bits(y[:3, :37])), f"{t.name} {b}"
 
 
+HEADS_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
+
+
+def test_linear_heads_is_linear_per_head(libs):
+    """kernels.linear_heads (MLA's per-head up-projections) gives, for every (token, head), the bits of
+    kernels.linear on that head's rows alone: for 1, 2, 17 tokens, 1 and 2 threads, x read through strides (a
+    head-major buffer seen token-major, padded rows), and y written through strides (padded rows; the padding
+    is left untouched)."""
+    n_heads, n_rows = 3, 37
+    for t in HEADS_TYPES:
+        for n_cols in (128, 256):
+            if not kernels.computes(int(t), n_cols):
+                assert t in SUPER_TYPES and n_cols == 128  # 128 columns: half a k-quant super-block
+                continue
+            raw = random_weights(t, n_heads * n_rows, n_cols, seed=400 + int(t) + n_cols)
+            base = activations(17 * n_heads, n_cols + 5, seed=500 + int(t))
+            # head-major [H, T, cols + 5] buffer, seen as [T, H, cols]: strides (cols + 5, 17 (cols + 5), 1)
+            xs = torch.from_numpy(base).view(n_heads, 17, n_cols + 5).transpose(0, 1)[..., :n_cols]
+            for b, lib in libs.items():
+                for n_thr in (1, 2):
+                    kernels.set_threads(n_thr)
+                    for n_tok in (1, 2, 17):
+                        x = xs[:n_tok]
+                        y = kernels.linear_heads(x, torch.from_numpy(raw), int(t), n_cols, n_heads, lib=lib)
+                        assert y.shape == (n_tok, n_heads, n_rows)
+                        for h in range(n_heads):
+                            want = linear(x[:, h].numpy(), raw[h * n_rows:(h + 1) * n_rows], t, n_cols, lib)
+                            assert np.array_equal(bits(y[:, h].numpy()), bits(want)), \
+                                f"{t.name} {b} cols {n_cols} {n_thr} threads {n_tok} tokens head {h}"
+                    # y through strides: rows of n_rows + 3 floats, heads of 2 such rows apart
+                    n_tok = 5
+                    out = torch.full((n_tok, n_heads, 2, n_rows + 3), 7.0)
+                    rc = lib.ms_linear_heads(int(t), raw.ctypes.data, n_rows * raw.shape[1], raw.shape[1], n_rows,
+                                             n_cols, n_heads, xs.data_ptr(), xs.stride(0), xs.stride(1), n_tok,
+                                             out.data_ptr(), out.stride(0), out.stride(1), kernels.threads())
+                    assert rc == 0
+                    want = kernels.linear_heads(xs[:n_tok], torch.from_numpy(raw), int(t), n_cols, n_heads, lib=lib)
+                    assert np.array_equal(bits(out[:, :, 0, :n_rows].numpy()), bits(want.numpy())), f"{t.name} {b}"
+                    assert (out[:, :, 0, n_rows:] == 7.0).all() and (out[:, :, 1] == 7.0).all(), f"{t.name} {b}"
+
+
+def test_linear_heads_refuses(libs):
+    """A type the kernels do not compute, columns off the block, shapes that do not fit: ValueError."""
+    lib = libs["portable"]
+    x = torch.zeros((1, 2, 128))
+    with pytest.raises(ValueError, match="do not compute"):
+        kernels.linear_heads(x, torch.zeros((4, 72), dtype=torch.uint8), int(T.Q8_1), 128, 2, lib=lib)
+    with pytest.raises(ValueError, match="do not compute"):  # Q4_K rows of 128: half a super-block
+        kernels.linear_heads(x, torch.zeros((4, 72), dtype=torch.uint8), int(T.Q4_K), 128, 2, lib=lib)
+    with pytest.raises(ValueError, match="raw must be"):  # 5 rows for 2 heads
+        kernels.linear_heads(x, torch.zeros((5, 136), dtype=torch.uint8), int(T.Q8_0), 128, 2, lib=lib)
+    with pytest.raises(ValueError, match="x must be"):
+        kernels.linear_heads(x[:, :1], torch.zeros((4, 136), dtype=torch.uint8), int(T.Q8_0), 128, 2, lib=lib)
+
+
 @pytest.mark.skipif(not {"avx2", "avx512"} <= set(BUILDS), reason="this CPU does not run both x86 SIMD builds")
 def test_x86_builds_bitwise_identical(libs):
     """The AVX2 and AVX-512 builds differ only in how they form the exact integer block sums (maddubs + madd vs
@@ -917,12 +972,13 @@ sys.path.insert(0, {tests!r})
 import test_kernels as tk
 from moestream import kernels
 out = {{}}
-for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.F32):
+for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.F32, T.F16, T.BF16):
     raw = tk.random_weights(t, 37, 1024, seed=500 + int(t))
     x = tk.activations(70, 1024, seed=14)
     for b in {builds!r}:
         out[f"{{t.name}}_{{b}}"] = tk.linear(x, raw, t, 1024, kernels.load(b))
-        # one token per call: the fused kernels' one-token paths (Q6_K's shared offset sums, F32's row quads)
+        # one token per call: the fused kernels' one-token paths (Q6_K's shared offset sums, F32 / F16 / BF16's
+        # row quads)
         out[f"{{t.name}}_{{b}}_1"] = np.stack([tk.linear(x[i:i + 1], raw, t, 1024, kernels.load(b))[0]
                                              for i in (0, 33, 69)])
 np.savez(sys.argv[1], **out)
@@ -931,8 +987,8 @@ np.savez(sys.argv[1], **out)
 
 @pytest.mark.skipif(not {"avx2", "avx512"} & set(BUILDS), reason="the fused kernels are x86 SIMD only")
 def test_fused_kernels_bitwise_equal_the_unpack_path(tmp_path):
-    """Q4_K, Q6_K, Q8_0 and F32 run fused kernels on x86 builds (codes formed in registers, F32 rows read in
-    place); ``MS_NO_FUSED=1`` selects the generic unpack-then-dot path. Both must give the same bits (so the
+    """Q4_K, Q6_K, Q8_0, F32, F16 and BF16 run fused kernels on x86 builds (codes formed in registers, float rows
+    read in place); ``MS_NO_FUSED=1`` selects the generic unpack-then-dot path. Both must give the same bits (so the
     fused kernels change speed only), for a tile of tokens and for one token per call."""
     import os
     import subprocess
@@ -945,7 +1001,7 @@ def test_fused_kernels_bitwise_equal_the_unpack_path(tmp_path):
         env = {**os.environ, **extra}
         subprocess.run([sys.executable, "-c", code, str(out)], check=True, env=env, capture_output=True)
         runs[label] = np.load(out)
-    assert len(runs["fused"].files) == 8 * len(builds)
+    assert len(runs["fused"].files) == 12 * len(builds)
     for k in runs["fused"].files:
         a, b = runs["fused"][k], runs["unpack"][k]
         assert np.isfinite(a).all()

@@ -30,7 +30,7 @@ def greedy_logits(model, ids: list[int], threads: int, ubatch: int = 8) -> list[
         kernels.set_threads(0)
 
 
-@pytest.mark.parametrize("family", ["qwen3moe-tiny", "gemma4-tiny", "qwen35moe-tiny"])
+@pytest.mark.parametrize("family", ["qwen3moe-tiny", "gemma4-tiny", "qwen35moe-tiny", "deepseek2-tiny"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_threads_1_and_8_give_identical_logits(fixtures_tool, family, stream):
     fx = fixtures_tool.build_fixture(family)

@@ -41,7 +41,7 @@ import torch
 from .errors import MoestreamError
 
 __all__ = ["KernelBuildError", "isa", "load", "linear", "moe", "set_threads", "threads", "supports", "computes",
-           "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route", "MoEPairs", "topk_sum",
+           "linear_heads", "step_ops", "set_step_ops", "rms_norm", "rope", "attention", "route", "MoEPairs", "topk_sum",
            "attn_block", "first_nonfinite", "residual_norm", "linear_to", "moe_to",
            "dequant_rows"]
 
@@ -202,6 +202,8 @@ def load(which: str | None = None) -> ctypes.CDLL:
             lib.ms_set_table.argtypes = [_I, _P]
             lib.ms_set_table.restype = None
             _L = ctypes.c_long
+            lib.ms_linear_heads.argtypes = [_I, _P, _SZ, _SZ, _I, _I, _I, _P, _L, _L, _I, _P, _L, _L, _I]
+            lib.ms_linear_heads.restype = _I
             lib.ms_rms_norm.argtypes = [_L, _I, _P, _L, _P, _F, _P, _L, _I]
             lib.ms_rms_norm.restype = None
             lib.ms_rope.argtypes = [_I, _I, _I, _I, _I, _P, _L, _L, _P, _P, _P, _L, _L, _I]
@@ -329,6 +331,40 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int, lib:
     if rc == -2:
         raise MemoryError("linear: out of memory for the activation blocks")
     return y if flat else y.view(*x.shape[:-1], n_rows)
+
+
+def linear_heads(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, n_cols: int, n_heads: int,
+                 lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Per-head linears on the ggml blocks of one tensor: ``y[t, h] = W_h @ x[t, h]`` (a batched per-head matmul;
+    MLA's absorbed up-projections, deepseek2's attn_k_b / attn_v_b).
+
+    x: float32 ``[T, n_heads, n_cols]`` (CPU; any non-negative strides on the first two dims, unit stride on the
+    last). raw: uint8 ``[n_heads * n_rows, row_bytes]`` (CPU, contiguous: head h's weight W_h is rows
+    ``h * n_rows .. (h + 1) * n_rows``; for F32 weights the float32 tensor's bytes, ``w.view(torch.uint8)``).
+    Returns float32 ``[T, n_heads, n_rows]`` (contiguous). Each element has the bits :func:`linear` gives for
+    ``x[:, h]`` against W_h alone (the activation row quantized per (token, head) as ggml does; independent of
+    n_heads, T and the thread count). ValueError for a type the kernels do not compute, n_cols not a multiple of
+    its block, or shapes that do not fit.
+    """
+    lib = lib or load()
+    if x.dim() != 3 or x.shape[1] != n_heads or x.shape[2] != n_cols or x.dtype != torch.float32:
+        raise ValueError(f"linear_heads: x must be float32 [T, {n_heads}, {n_cols}], got {x.dtype} {list(x.shape)}")
+    if x.stride(2) != 1 or x.stride(0) < 0 or x.stride(1) < 0:
+        x = x.contiguous()
+    if raw.dim() != 2 or not raw.is_contiguous() or raw.dtype != torch.uint8 or raw.shape[0] % n_heads:
+        raise ValueError(f"linear_heads: raw must be contiguous uint8 [{n_heads} x rows, row_bytes], got "
+                         f"{raw.dtype} {list(raw.shape)}")
+    n_rows, row_bytes = raw.shape[0] // n_heads, raw.shape[1]
+    y = torch.empty((x.shape[0], n_heads, n_rows), dtype=torch.float32)
+    rc = lib.ms_linear_heads(int(ggml_type), raw.data_ptr(), n_rows * row_bytes, row_bytes, n_rows, n_cols, n_heads,
+                             x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], y.data_ptr(), y.stride(0),
+                             y.stride(1), threads())
+    if rc == -1:
+        raise ValueError(f"linear_heads: the kernels do not compute ggml type {int(ggml_type)} with {n_cols} "
+                         f"columns")
+    if rc == -2:
+        raise MemoryError("linear_heads: out of memory for the activation blocks")
+    return y
 
 
 def moe(x: torch.Tensor, t_gu: int, t_down: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,

@@ -1099,6 +1099,40 @@ static void mm_f32_fused(MM_ARGS) {
     }
     if (r < r1) mm_f32(W, row_bytes, r, r1, n_cols, xq, n_tok, out, out_stride, scale);
 }
+/* F16 / BF16 weights and one token: as mm_f32_fused, with each 8 weights widened in registers by widen_block's own
+ * conversion (exact) straight into the row's one chain of FMAs, four rows at once: the unpack path's bits, without
+ * the widened copy of each block (at one token that copy cost more than the FMAs: MLA's per-head up-projections,
+ * kernels.linear_heads, on BF16 attn_k_b / attn_v_b). */
+static inline __m256 widen8(int bf16, const uint8_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+#define DEFINE_MM_HALF_FUSED(NAME, BF16, UNPACKED)                                                            \
+    static void NAME(MM_ARGS) {                                                                               \
+        if (n_tok != 1) { UNPACKED(W, row_bytes, r0, r1, n_cols, xq, n_tok, out, out_stride, scale); return; } \
+        const float *x = (const float *)xq[0];                                                                \
+        int r = r0;                                                                                           \
+        for (; r + 4 <= r1; r += 4) {                                                                         \
+            const uint8_t *w0 = W + (size_t)r * row_bytes, *w1 = w0 + row_bytes, *w2 = w1 + row_bytes,        \
+                          *w3 = w2 + row_bytes;                                                               \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                       \
+            for (int i = 0; i < n_cols; i += 8) {                                                             \
+                const __m256 xv = _mm256_loadu_ps(x + i);                                                     \
+                a0 = _mm256_fmadd_ps(widen8(BF16, w0 + 2 * i), xv, a0);                                       \
+                a1 = _mm256_fmadd_ps(widen8(BF16, w1 + 2 * i), xv, a1);                                       \
+                a2 = _mm256_fmadd_ps(widen8(BF16, w2 + 2 * i), xv, a2);                                       \
+                a3 = _mm256_fmadd_ps(widen8(BF16, w3 + 2 * i), xv, a3);                                       \
+            }                                                                                                 \
+            const float s = scale ? scale[0] : 1.0f;                                                          \
+            out[r] = scale ? s * hsum_ps(a0) : hsum_ps(a0);                                                   \
+            out[r + 1] = scale ? s * hsum_ps(a1) : hsum_ps(a1);                                               \
+            out[r + 2] = scale ? s * hsum_ps(a2) : hsum_ps(a2);                                               \
+            out[r + 3] = scale ? s * hsum_ps(a3) : hsum_ps(a3);                                               \
+        }                                                                                                     \
+        if (r < r1) UNPACKED(W, row_bytes, r, r1, n_cols, xq, n_tok, out, out_stride, scale);                 \
+    }
+DEFINE_MM_HALF_FUSED(mm_f16_fused, 0, mm_f16)
+DEFINE_MM_HALF_FUSED(mm_bf16_fused, 1, mm_bf16)
 #endif
 
 #include "iquants.h" /* unpackers and tile kernels of the 1-3 bit i-quants and the ternary types */
@@ -1124,8 +1158,13 @@ static int type_of(int t, type_info *ti) {
 #else
     case T_F32: *ti = (type_info){FAM_C, QK, 128, mm_f32}; return 1;
 #endif
+#ifdef MS_X86_SIMD
+    case T_F16: *ti = (type_info){FAM_C, QK, 64, no_fused() ? mm_f16 : mm_f16_fused}; return 1;
+    case T_BF16: *ti = (type_info){FAM_C, QK, 64, no_fused() ? mm_bf16 : mm_bf16_fused}; return 1;
+#else
     case T_F16: *ti = (type_info){FAM_C, QK, 64, mm_f16}; return 1;
     case T_BF16: *ti = (type_info){FAM_C, QK, 64, mm_bf16}; return 1;
+#endif
     case T_Q4_0: *ti = (type_info){FAM_A, QK, 18, mm_q4_0}; return 1;
     case T_Q4_1: *ti = (type_info){FAM_A, QK, 20, mm_q4_1}; return 1;
     case T_Q5_0: *ti = (type_info){FAM_A, QK, 22, mm_q5_0}; return 1;
@@ -1580,4 +1619,70 @@ int ms_moe(int t_gu, int t_down, const uint8_t *const *gate, const uint8_t *cons
 done:
     free(xq); free(M.x_rows); free(M.h_rows); free(M.G); free(M.U); free(M.hq);
     return rc;
+}
+
+/* --- per-head linears: one call for every head of a batched per-head matmul -------------------------------
+ *
+ * y[t, h, :] = W_h . x[t, h, :] for every head h < n_heads and token t < n_tok, with W_h = W + h * head_bytes
+ * (n_rows rows of row_bytes bytes of ggml type t, n_cols elements each): MLA's absorbed up-projections (deepseek2's
+ * attn_k_b [H, r, nope] and attn_v_b [H, dv, r], whose heads are contiguous row ranges of the tensor).
+ * x: float32, row (t, h) at x + t * xs_t + h * xs_h (elements; each row n_cols contiguous floats); y: float32, row
+ * (t, h) at y + t * ys_t + h * ys_h (n_rows contiguous floats). Each activation row is quantized on its own and each
+ * output element is one tile kernel's dot of one weight row and one activation row, exactly as ms_linear computes
+ * it on W_h alone: the bits depend neither on n_heads, nor on n_tok, nor on the thread count.
+ * Returns 0, or -1 for a type the kernels cannot compute / n_cols not a multiple of its block / negative strides,
+ * -2 out of memory. */
+
+typedef struct {
+    type_info ti;
+    const uint8_t *W; size_t head_bytes, row_bytes; int n_rows, n_cols;
+    const uint8_t *const *xq; int n_tok; /* per head h: xq[h * n_tok + t] */
+    float *y; size_t ys_t, ys_h;
+    int rows_per_item, items_per_head;
+} heads_ctx;
+
+static void heads_item(void *c, int item) {
+    heads_ctx *L = (heads_ctx *)c;
+    const int h = item / L->items_per_head, part = item % L->items_per_head;
+    int r0 = part * L->rows_per_item, r1 = r0 + L->rows_per_item;
+    if (r1 > L->n_rows) r1 = L->n_rows;
+    L->ti.mm(L->W + (size_t)h * L->head_bytes, L->row_bytes, r0, r1, L->n_cols, L->xq + (size_t)h * L->n_tok,
+             L->n_tok, L->y + (size_t)h * L->ys_h, L->ys_t, NULL);
+}
+
+typedef struct { int fam; const float *x; long xs_t, xs_h; int n_tok, n_cols; uint8_t *xq; size_t rb; } heads_quant_ctx;
+static void heads_quant_item(void *c, int item) { /* item = h * n_tok + t */
+    heads_quant_ctx *Q = (heads_quant_ctx *)c;
+    const int h = item / Q->n_tok, t = item % Q->n_tok;
+    quantize_row(Q->fam, Q->x + (long)t * Q->xs_t + (long)h * Q->xs_h, Q->xq + Q->rb * item, Q->n_cols);
+}
+
+int ms_linear_heads(int t, const uint8_t *W, size_t head_bytes, size_t row_bytes, int n_rows, int n_cols,
+                    int n_heads, const float *x, long xs_t, long xs_h, int n_tok, float *y, long ys_t, long ys_h,
+                    int n_threads) {
+    type_info ti;
+    if (!type_of(t, &ti) || n_cols % ti.block || xs_t < 0 || xs_h < 0 || ys_t < 0 || ys_h < 0) return -1;
+    if (n_tok <= 0 || n_rows <= 0 || n_heads <= 0) return 0;
+    const size_t n = (size_t)n_tok * (size_t)n_heads, rb = act_row_bytes(ti.family, n_cols);
+    uint8_t *xq = NULL;
+    const uint8_t **rows = (const uint8_t **)malloc(sizeof(uint8_t *) * n);
+    if (!rows) return -2;
+    if (ti.family == FAM_C && t == T_F32) {
+        for (int h = 0; h < n_heads; h++)
+            for (int k = 0; k < n_tok; k++)
+                rows[(size_t)h * n_tok + k] = (const uint8_t *)(x + (long)k * xs_t + (long)h * xs_h);
+    } else {
+        xq = (uint8_t *)aligned_alloc(64, ((rb * n) + 63) / 64 * 64);
+        if (!xq) { free(rows); return -2; }
+        heads_quant_ctx Q = {ti.family, x, xs_t, xs_h, n_tok, n_cols, xq, rb};
+        pool_run(n >= 4 ? n_threads : 1, heads_quant_item, &Q, (int)n);
+        for (size_t i = 0; i < n; i++) rows[i] = xq + rb * i;
+    }
+    heads_ctx L = {ti, W, head_bytes, row_bytes, n_rows, n_cols, rows, n_tok, y, (size_t)ys_t, (size_t)ys_h,
+                   rows_per_item(n_rows, n_threads, n_tok), 0};
+    L.items_per_head = (n_rows + L.rows_per_item - 1) / L.rows_per_item;
+    pool_run(n_threads, heads_item, &L, n_heads * L.items_per_head);
+    free(xq);
+    free(rows);
+    return 0;
 }

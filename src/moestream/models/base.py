@@ -517,13 +517,14 @@ class MoEModel:
     def dense_estimate(self, mapped: bool = True) -> int:
         """Bytes the dense weights will hold once loaded, from the tensor table alone (``inspect --mem``): every
         tensor the forward pass reads but the routed experts, float32 where expanded or F32, less the embedding
-        tables :meth:`lookup_table` leaves in the file map."""
+        tables :meth:`lookup_table` leaves in the file map (not an F32 table: that one is copied)."""
         total = 0
         mapped = (set(self.mapped_tables()) if mapped and self.device.type == "cpu" and not self.opts.expand_dense
                   else set())
         for name, info in self.gguf.tensors.items():
             block = BLOCK_TENSOR.match(name)
-            if EXPERT_TENSOR.match(name) or (block and int(block.group(1)) >= self.n_layers) or name in mapped:
+            if (EXPERT_TENSOR.match(name) or (block and int(block.group(1)) >= self.n_layers)
+                    or (name in mapped and info.ggml_type != 0)):
                 continue
             total += 4 * math.prod(info.shape) if self.opts.expand_dense or info.ggml_type == 0 else info.n_bytes
         return total

@@ -28,8 +28,18 @@ rounding differs (tests/test_deepseek2.py, the published YaRN: 8.0e-5 from trans
 on 16 tokens 6.6e-5 absorbed where the unabsorbed form in the same code gives 3.6e-5; llama.cpp, absorbed too, is
 1.7e-4 from transformers on that file). The interleaved RoPE
 leaves q_pe/k_pe in the interleaved layout where transformers writes the same values de-interleaved: a permutation
-of the rope dims applied to queries and keys alike, which leaves every q.k unchanged. The absorbed up-projections
-are kept dequantized to float32 (``[H, r, nope]`` and ``[H, dv, r]``, per-head batched matmuls).
+of the rope dims applied to queries and keys alike, which leaves every q.k unchanged.
+
+The absorbed up-projections are per-head linears on the file's row-major tensors: head h's
+``W_kb[h]^T q_nope = attn_k_b[h] q_nope`` (r rows of nope) and ``W_vb[h] a = attn_v_b[h] a`` (dv rows of r), each
+head a contiguous range of rows. On the CPU with the C kernels (``--matmul blocks``, the default) the split
+tensors stay in the file's blocks and both run as one :func:`kernels.linear_heads` call each (ggml's arithmetic,
+as llama.cpp's ``ggml_mul_mat`` on them: the activation row of each (token, head) quantized to Q8 for a quantized
+type; a token's bits do not depend on the other tokens of the call nor on the thread count). For DeepSeek-V3
+(128 heads, r 512, nope 128, dv 128) float32 copies would be 64 MiB a layer read every token, Q8_0 blocks 17 MiB.
+Elsewhere (a GPU, ``--matmul dequant``, ``--expand-dense``, the legacy ``attn_kv_b``, a type or row length the
+kernels do not compute) both are held dequantized to float32 (``[H, nope, r]`` and ``[H, dv, r]``) and multiplied by
+torch's batched matmuls per sequence; :meth:`DeepSeek2.dense_estimate` counts what is held.
 
 - ``h = RMSNorm(x)`` (``ffn_norm``). The first ``leading_dense_block_count`` layers are dense SwiGLU; the others
   are MoE: router ``W_r h``, gating (below) with the optional per-expert ``exp_probs_b`` bias (transformers'
@@ -89,11 +99,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import kernels
 from ..errors import GGUFError
 from .base import LoadOptions, MoEModel, register
 from .layers import (
     KVCache,
     Rope,
+    Weight,
     elementwise,
     rms_norm,
     rope_inv_freq,
@@ -179,10 +191,16 @@ class DeepSeek2(MoEModel):
             b.update(kv_a=self.tensor(p + "attn_kv_a_mqa.weight", (r + rot, n_embd),
                                       f"{r_desc} + {d(rope__dimension_count=rot)}, {emb}"),
                      kv_a_norm=self.tensor(p + "attn_kv_a_norm.weight", (r,), r_desc, kind="norm"))
-            # the up-projections as float32: W_kb [H, nope, r] (transformers' kv_b_proj rows of k_nope, per head;
-            # the file's attn_k_b [H, r, nope] transposed back) and W_vb [H, dv, r] (attn_v_b), or both split from
-            # the legacy attn_kv_b [H x (nope + dv), r]
-            if self.split_kv_b:
+            # the up-projections: on the C kernels, the file's attn_k_b [H, r, nope] and attn_v_b [H, dv, r] as
+            # stored (each a pair (uint8 [H x rows, row bytes], ggml type): kernels.linear_heads); otherwise as
+            # float32, W_kb [H, nope, r] (transformers' kv_b_proj rows of k_nope, per head; attn_k_b transposed
+            # back) and W_vb [H, dv, r] (attn_v_b), or both split from the legacy attn_kv_b [H x (nope + dv), r]
+            if self.kv_b_on_blocks(i):
+                b["k_b"] = self.tensor(p + "attn_k_b.weight", (n_head, r, nope), f"{q_desc}, {r_desc}").then(
+                    self.heads_blocks)
+                b["v_b"] = self.tensor(p + "attn_v_b.weight", (n_head, hv, r), f"{v_desc}, {r_desc}").then(
+                    self.heads_blocks)
+            elif self.split_kv_b:
                 b["w_kb"] = self.tensor(p + "attn_k_b.weight", (n_head, r, nope), f"{q_desc}, {r_desc}",
                                         kind="float").then(lambda t: t.transpose(1, 2).contiguous())
                 b["w_vb"] = self.tensor(p + "attn_v_b.weight", (n_head, hv, r), f"{v_desc}, {r_desc}",
@@ -286,6 +304,39 @@ class DeepSeek2(MoEModel):
         return yarn_inv_freq(self.rope_base, self.n_rot, y.factor, y.orig_ctx, y.beta_fast, y.beta_slow,
                              device=self.device)
 
+    # --- the up-projections ------------------------------------------------------------------------------------
+    def kv_b_on_blocks(self, i: int) -> bool:
+        """Whether layer i keeps attn_k_b / attn_v_b as the file's blocks and computes its per-head matmuls with
+        the C kernels (:func:`kernels.linear_heads`): a split file, matmuls on the blocks on the CPU
+        (``self.use_blocks``), not ``--expand-dense``, and both types computed at their row lengths (nope and r).
+        Otherwise (a GPU, ``--matmul dequant``, the legacy attn_kv_b, a type the kernels do not compute) both are
+        held as float32 and multiplied by torch."""
+        if not (self.split_kv_b and self.use_blocks and not self.opts.expand_dense):
+            return False
+        return all(kernels.computes(self.gguf.tensor_info(f"blk.{i}.attn_{m}_b.weight").ggml_type, cols)
+                   for m, cols in (("k", self.n_nope), ("v", self.kv_rank)))
+
+    @staticmethod
+    def heads_blocks(w: Weight) -> tuple[torch.Tensor, int]:
+        """A loaded attn_k_b / attn_v_b Weight (rows H x rows per head) as (uint8 [H x rows, row bytes], ggml type):
+        its blocks, or an F32 weight's float32 values as bytes (the same memory)."""
+        return (w.raw if w.raw is not None else w.dense.view(torch.uint8)), int(w.ggml_type)
+
+    def dense_estimate(self, mapped: bool = True) -> int:
+        """MoEModel.dense_estimate, plus what the up-projections held as float32 (:meth:`kv_b_on_blocks` false)
+        take beyond the file's bytes of a quantized type: 4 bytes a value."""
+        total = super().dense_estimate(mapped)
+        if self.opts.expand_dense:  # counted at 4 bytes a value already
+            return total
+        for i in range(self.n_layers):
+            if self.kv_b_on_blocks(i):
+                continue
+            for m in ("k_b", "v_b") if self.split_kv_b else ("kv_b",):
+                info = self.gguf.tensor_info(f"blk.{i}.attn_{m}.weight")
+                if info.ggml_type != 0:  # F32 is counted at 4 bytes a value already
+                    total += 4 * math.prod(info.shape) - info.n_bytes
+        return total
+
     # --- compute ----------------------------------------------------------------------------------------------
     def make_cache(self, n_ctx: int) -> KVCache:
         """Per layer ``k``: [n_ctx, 1, r + rope] = [c | rope(k_pe)] (the values are its first r dims)."""
@@ -321,15 +372,22 @@ class DeepSeek2(MoEModel):
         kv = b["kv_a"].linear(h)  # [T, r + rope]
         step.store("k", i, torch.cat((rms_norm(kv[:, :r], b["kv_a_norm"], self.eps)[:, None],
                                       step.rope(self.rope, kv[:, None, r:])), dim=-1))  # [T, 1, r + rope]
-        # the per-head matmuls run per sequence (torch's blocking depends on T: a sequence gets its own bits
-        # whatever else shares the step)
-        q_abs = step.per_seq(lambda _c, qn: torch.matmul(qn.transpose(0, 1), b["w_kb"]).transpose(0, 1),
-                             q[..., :nope])  # [T, H, r]: W_kb[h]^T q_nope
+        if "k_b" in b:  # the file's blocks (kernels.linear_heads: a token's bits whatever else shares the call)
+            (kb, t_kb), (vb, t_vb) = b["k_b"], b["v_b"]
+            q_abs = kernels.linear_heads(q[..., :nope], kb, t_kb, nope, self.n_head)  # [T, H, r]: attn_k_b[h] q_nope
+        else:
+            # float32: the per-head matmuls run per sequence (torch's blocking depends on T: a sequence gets its
+            # own bits whatever else shares the step)
+            q_abs = step.per_seq(lambda _c, qn: torch.matmul(qn.transpose(0, 1), b["w_kb"]).transpose(0, 1),
+                                 q[..., :nope])  # [T, H, r]: W_kb[h]^T q_nope
         qq = torch.cat((q_abs, step.rope(self.rope, q[..., nope:])), dim=-1)  # [T, H, r + rope]
         a = step.attend(qq, i, self.kq_scale, v_dim=r)  # [T, H * r]
-        out = step.per_seq(lambda _c, at: torch.matmul(at.view(-1, self.n_head, r).transpose(0, 1),
-                                                        b["w_vb"].transpose(1, 2)).transpose(0, 1),
-                           a)  # [T, H, dv]
+        if "k_b" in b:
+            out = kernels.linear_heads(a.view(n_tok, self.n_head, r), vb, t_vb, r, self.n_head)  # [T, H, dv]
+        else:
+            out = step.per_seq(lambda _c, at: torch.matmul(at.view(-1, self.n_head, r).transpose(0, 1),
+                                                            b["w_vb"].transpose(1, 2)).transpose(0, 1),
+                               a)  # [T, H, dv]
         return x + b["o"].linear(out.reshape(n_tok, self.n_head * self.head_v))
 
     def has_shared(self, i: int) -> bool:
