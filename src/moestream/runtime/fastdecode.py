@@ -111,7 +111,16 @@ class FastLayer:
     instead of routed + shared (the routed sum is the top-k rows' sum from +0); ``tail``: the family's torch code
     ``tail(x, step) -> x`` [1, hidden] run after that residual add (Gemma 4's PLE); ``out_scale`` (float32 [1]):
     x multiplied by it last. The experts' per-expert output scale (``MoE.expert_scale``, float32 [n_experts] by
-    real id) multiplies each pair's routing weight, as MoE.__call__ does."""
+    real id) multiplies each pair's routing weight, as MoE.__call__ does.
+
+    Qwen 3.5's layers: ``mixer``: the family's torch code ``mixer(h, step) -> y`` (h float32 [1, hidden] the
+    ``attn_norm``-normed x, y float32 [1, hidden]) in place of the attention (its Gated DeltaNet layers: their own
+    projections and kernels.dnet_decode on the cache's conv and recurrent state), x += y; such a layer has no q, k,
+    v, o projections the step runs. ``q_gate``: the q projection holds each head's [query | gate] (2 * head_dim rows
+    per head; the attention reads the query halves in place, head stride 2 * head_dim) and the output projection
+    reads the family's torch ``q_gate(a, qg)`` (a float32 [1, n_head * head_dim] the attention output, qg float32
+    [1, n_head, 2 * head_dim] the q projection, its gate halves as projected) instead of a (Qwen 3.5's gated
+    attention: a * sigmoid(gate))."""
 
     scale: float
     q_norm: Any = None
@@ -145,6 +154,8 @@ class FastLayer:
     post_norms: tuple | None = None
     tail: Any = None
     out_scale: Any = None
+    mixer: Any = None
+    q_gate: Any = None
 
 
 def _spec(w: Any) -> tuple | None:
@@ -171,14 +182,17 @@ class FastDecode:
         self.x_dim = n
         # each layer's (query heads, KV heads, q/k head dim, v head dim, Rope): the buffers fit the largest
         shapes = []
+        q_rows = []  # each layer's q projection rows (twice n_head * head_dim with ``q_gate``)
         for fl in fls:
             hd = m.head_dim if fl.head_dim is None else fl.head_dim
             hdv = getattr(m, "head_dim_v", hd) if fl.head_dim is None else hd  # as MoEModel.make_cache
             shapes.append((m.n_head if fl.n_head is None else fl.n_head, m.n_kv if fl.n_kv is None else fl.n_kv,
                            hd, hdv, m.rope if fl.rope is None else fl.rope))
+            q_rows.append(shapes[-1][0] * hd * (2 if fl.q_gate is not None else 1))
         self.h = torch.empty((1, n), dtype=f32)
-        self.q = torch.empty((1, max(nh * hd for nh, _, hd, _, _ in shapes)), dtype=f32)
-        self.qr = torch.empty_like(self.q)  # a shared-KV layer's rotated queries (ms_rope does not run in place)
+        self.q = torch.empty((1, max(q_rows)), dtype=f32)
+        # a shared-KV layer's rotated queries (ms_rope does not run in place)
+        self.qr = torch.empty((1, max(nh * hd for nh, _, hd, _, _ in shapes)), dtype=f32)
         self.k = torch.empty((1, max(nkv * hd for _, nkv, hd, _, _ in shapes)), dtype=f32)
         self.v = torch.empty((1, max(nkv * hdv for _, nkv, _, hdv, _ in shapes)), dtype=f32)
         self.a = torch.empty((1, max(nh * hdv for nh, _, _, hdv, _ in shapes)), dtype=f32)
@@ -213,7 +227,7 @@ class FastDecode:
             head = not fl.whole_norm
             # (per-head q, k norms, the whole projections' norms, q/k/v biases, ms_attn_block's RoPE mode, scale,
             # the index of the layer's RoPE in self.ropes, window, sinks, o bias, the layer's shapes, V norm, V = K,
-            # the cache it reads, post-attention norm)
+            # the cache it reads, post-attention norm, the q head stride)
             attn = (_ptr(fl.q_norm) if head else None, _ptr(fl.k_norm) if head else None,
                     None if head else (_ptr(fl.q_norm), _ptr(fl.k_norm)),
                     None if fl.biases is None else [(yp, _ptr(t), rows) for yp, t, rows in zip(
@@ -222,7 +236,11 @@ class FastDecode:
                     2 if fl.deinterleave else int(rope.interleaved), fl.scale,
                     next(j for j, r in enumerate(self.ropes) if r is rope), int(fl.window or 0), _ptr(fl.sinks),
                     _ptr(fl.o_bias), nh, nkv, hd, hdv, fl.v_norm, fl.v_is_k,
-                    i if fl.kv_layer is None else fl.kv_layer, _ptr(fl.attn_post_norm))
+                    i if fl.kv_layer is None else fl.kv_layer, _ptr(fl.attn_post_norm),
+                    hd * (2 if fl.q_gate is not None else 1))
+            # (the family's mixer, (its q gate, views of the attention output and of the q projection))
+            hooks = (fl.mixer, None if fl.q_gate is None else (fl.q_gate, self.a[:, :nh * hdv],
+                                                                self.q[:, :2 * nh * hd].view(1, nh, 2 * hd)))
             moe = moes[i]
             if moe is None:  # MoEModel.dense: SwiGLU of h
                 ffn = (b["gate"], b["up"], b["down"])
@@ -241,7 +259,8 @@ class FastDecode:
                 ffn = (route, fl.shared, None if self.streaming else tabs[i].ctypes.data, moe_spec, gem)
             out_scale = None if fl.out_scale is None else np.float32(fl.out_scale.reshape(-1)[0].item())
             fn = fl.router_norm if fl.router_norm is not None else b["ffn_norm"]
-            self.layers.append((i, *specs[i], attn, _ptr(fn), moe is None, ffn, _ptr(nxt), (fl.tail, out_scale)))
+            self.layers.append((i, *specs[i], attn, _ptr(fn), moe is None, ffn, _ptr(nxt), (fl.tail, out_scale),
+                                hooks))
         #: resident: int64 [3, n_experts] per layer, each expert's gate, up and down address (the layers point into
         #: them); streaming: per layer, (int64 [3, n_slots] each slot's matrices' first row, [the store's lead
         #: arrays of gate, up, down]): a slot's expert starts lead[slot] bytes into its row
@@ -253,8 +272,11 @@ class FastDecode:
     def _cache_ptrs(self, cache: Any) -> list[tuple[int | None, int | None]]:
         c = self._cache
         if c is None or c[0]() is not cache:
-            c = self._cache = (weakref.ref(cache), [(_ptr(k), _ptr(v)) for k, v in zip(cache.k, cache.v,
-                                                                                       strict=True)])
+            if isinstance(cache.k, dict):  # keyed by layer, only the attention layers' (qwen35moe's HybridCache)
+                kv = [(_ptr(cache.k.get(i)), _ptr(cache.v.get(i))) for i in range(len(self.layers))]
+            else:
+                kv = [(_ptr(k), _ptr(v)) for k, v in zip(cache.k, cache.v, strict=True)]
+            c = self._cache = (weakref.ref(cache), kv)
         return c[1]
 
     def step(self, tokens: torch.Tensor, start: int, cache: Any) -> torch.Tensor:
@@ -262,7 +284,8 @@ class FastDecode:
         m, lib = self.model, self.lib
         nt = kernels.threads()
         n, eps, top_k = self.x_dim, m.eps, m.top_k
-        step = Step(tokens, [Seq(cache, start, 1)])  # for the family's own embed, tail and head
+        step = Step(tokens, [Seq(cache, start, 1)])  # for the family's own embed, tail, mixer and head
+        m.begin_step(step)  # the family's check of the cache (qwen35moe: its recurrent state's position)
         x = m.embed(step).contiguous()  # [1, hidden]: the residual stream, updated in place
         xp, hp, qp, kp, vp, ap, op = (x.data_ptr(), self.h.data_ptr(), self.q.data_ptr(), self.k.data_ptr(),
                                       self.v.data_ptr(), self.a.data_ptr(), self.o.data_ptr())
@@ -280,46 +303,54 @@ class FastDecode:
         look = streaming and m.opts.prefetch  # the router lookahead
         overlap = m.opts.overlap
         lib.ms_residual_norm(1, n, xp, None, 0, self.attn_norm0, eps, hp, nt)
-        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale)) in self.layers:
+        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale), (mixer, gate)) in self.layers:
             if look:
                 m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
-            (qn, kn, whole, biases, mode, scale, r, window, sinks, o_bias, n_head, n_kv, hd, hdv, v_norm, v_is_k,
-             src, post) = attn
-            n_rot, cos_p, sin_p = tables[r]
-            kernels.linear_to(q_s, hp, 1, qp, lib)
-            if src == i:  # the layer's own K/V: its rows written, then attention (ms_attn_block)
-                kernels.linear_to(k_s, hp, 1, kp, lib)
-                if v_s is not None:
-                    kernels.linear_to(v_s, hp, 1, vp, lib)
-                if biases is not None:  # y + b: one add per element (layers.linear_bias)
-                    for yp, bp, rows in biases:
-                        lib.ms_residual_norm(1, rows, yp, bp, 0, None, 0.0, None, nt)
-                if whole is not None:  # RMSNorm of each whole projection, in place (olmoe)
-                    lib.ms_rms_norm(1, n_head * hd, qp, n_head * hd, whole[0], eps, qp, n_head * hd, nt)
-                    lib.ms_rms_norm(1, n_kv * hd, kp, n_kv * hd, whole[1], eps, kp, n_kv * hd, nt)
-                vsp = kp if v_is_k else vp
-                if v_norm:  # each V head's RMSNorm without weight, from the raw projection (Gemma 4)
-                    lib.ms_rms_norm(n_kv, hdv, vsp, hdv, None, eps, vp, hdv, nt)
-                    vsp = vp
-                kcp, vcp = kv[i]
-                rc = lib.ms_attn_block(1, n_head, n_kv, hd, hdv, qp, n_head * hd, hd, kp, n_kv * hd, hd, vsp,
-                                       n_kv * hdv, hdv, qn, kn, eps, n_rot, mode, cos_p, sin_p, kcp, n_kv * hd, hd,
-                                       vcp, n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
-            else:  # a shared-KV layer: its queries normed and rotated (as rms_norm, Rope), attention over src's cache
-                if qn is not None:
-                    lib.ms_rms_norm(n_head, hd, qp, hd, qn, eps, qp, hd, nt)
-                lib.ms_rope(1, n_head, hd, n_rot, mode, qp, n_head * hd, hd, cos_p, sin_p, qrp, n_head * hd, hd, nt)
-                kcp, vcp = kv[src]
-                rc = lib.ms_attention(1, n_head, n_kv, hd, hdv, qrp, n_head * hd, hd, kcp, n_kv * hd, hd, vcp,
-                                      n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
-            if rc:
-                raise MemoryError("attention: out of memory for the score buffer")
-            kernels.linear_to(o_s, ap, 1, op, lib)
-            if o_bias is not None:  # W_o a + b_o, then the residual add
-                lib.ms_residual_norm(1, n, op, o_bias, 0, None, 0.0, None, nt)
-            if post is not None:  # the output projection's own RMSNorm before the residual (Gemma 4)
-                lib.ms_rms_norm(1, n, op, n, post, eps, op, n, nt)
-            lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
+            if mixer is not None:  # the family's own mixer on h (Qwen 3.5's Gated DeltaNet), x += its output
+                y = mixer(self.h, step).contiguous()
+                lib.ms_residual_norm(1, n, xp, y.data_ptr(), 0, fn, eps, hp, nt)
+            else:
+                (qn, kn, whole, biases, mode, scale, r, window, sinks, o_bias, n_head, n_kv, hd, hdv, v_norm, v_is_k,
+                 src, post, qhs) = attn
+                n_rot, cos_p, sin_p = tables[r]
+                kernels.linear_to(q_s, hp, 1, qp, lib)
+                if src == i:  # the layer's own K/V: its rows written, then attention (ms_attn_block)
+                    kernels.linear_to(k_s, hp, 1, kp, lib)
+                    if v_s is not None:
+                        kernels.linear_to(v_s, hp, 1, vp, lib)
+                    if biases is not None:  # y + b: one add per element (layers.linear_bias)
+                        for yp, bp, rows in biases:
+                            lib.ms_residual_norm(1, rows, yp, bp, 0, None, 0.0, None, nt)
+                    if whole is not None:  # RMSNorm of each whole projection, in place (olmoe)
+                        lib.ms_rms_norm(1, n_head * hd, qp, n_head * hd, whole[0], eps, qp, n_head * hd, nt)
+                        lib.ms_rms_norm(1, n_kv * hd, kp, n_kv * hd, whole[1], eps, kp, n_kv * hd, nt)
+                    vsp = kp if v_is_k else vp
+                    if v_norm:  # each V head's RMSNorm without weight, from the raw projection (Gemma 4)
+                        lib.ms_rms_norm(n_kv, hdv, vsp, hdv, None, eps, vp, hdv, nt)
+                        vsp = vp
+                    kcp, vcp = kv[i]
+                    rc = lib.ms_attn_block(1, n_head, n_kv, hd, hdv, qp, n_head * qhs, qhs, kp, n_kv * hd, hd, vsp,
+                                           n_kv * hdv, hdv, qn, kn, eps, n_rot, mode, cos_p, sin_p, kcp, n_kv * hd, hd,
+                                           vcp, n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
+                else:  # a shared-KV layer: its queries normed and rotated (rms_norm, Rope), attention over src's cache
+                    if qn is not None:
+                        lib.ms_rms_norm(n_head, hd, qp, hd, qn, eps, qp, hd, nt)
+                    lib.ms_rope(1, n_head, hd, n_rot, mode, qp, n_head * hd, hd, cos_p, sin_p, qrp, n_head * hd, hd, nt)
+                    kcp, vcp = kv[src]
+                    rc = lib.ms_attention(1, n_head, n_kv, hd, hdv, qrp, n_head * hd, hd, kcp, n_kv * hd, hd, vcp,
+                                          n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
+                if rc:
+                    raise MemoryError("attention: out of memory for the score buffer")
+                if gate is None:
+                    kernels.linear_to(o_s, ap, 1, op, lib)
+                else:  # the output projection of the family's gated attention output (torch: Qwen 3.5's sigmoid gate)
+                    y = gate[0](gate[1], gate[2]).contiguous()
+                    kernels.linear_to(o_s, y.data_ptr(), 1, op, lib)
+                if o_bias is not None:  # W_o a + b_o, then the residual add
+                    lib.ms_residual_norm(1, n, op, o_bias, 0, None, 0.0, None, nt)
+                if post is not None:  # the output projection's own RMSNorm before the residual (Gemma 4)
+                    lib.ms_rms_norm(1, n, op, n, post, eps, op, n, nt)
+                lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
             plain = tail is None and out_scale is None  # x's next norm fused into its last add
             if dense:  # x + SwiGLU(h), as MoEModel.dense
                 y = layers.swiglu_ffn(*ffn[:3], self.h).contiguous()
@@ -379,6 +410,7 @@ class FastDecode:
                 np.multiply(xn, out_scale, out=xn)
             if nxt:
                 lib.ms_rms_norm(1, n, xp, n, nxt, eps, hp, n, nt)
+        m.end_step(step)  # (qwen35moe: cache.pos advanced) before the head, as the eager step
         return m.head(x, step)
 
     def _shared(self, i: int, x: torch.Tensor) -> None:
@@ -466,14 +498,17 @@ def plan(model: Any) -> FastDecode | None:
         if fl is None:
             return None
         own_kv = fl.kv_layer in (None, i)
-        if not own_kv and (fl.whole_norm or fl.deinterleave or fl.biases is not None):
+        if not own_kv and (fl.whole_norm or fl.deinterleave or fl.biases is not None or fl.q_gate is not None):
             return None  # a shared-KV layer's queries: per-head norm and NEOX RoPE only
-        # q, k, v, o; a layer without its own K/V has no k, v; with ``v_is_k`` no v
-        s = [_spec(b["q"]), _spec(b["k"]) if own_kv else None, _spec(b["v"]) if own_kv and not fl.v_is_k else None,
-             _spec(b["o"])]
         moe = b.get("moe")
-        if None in (s[0], s[3]) or (own_kv and s[1] is None) or (own_kv and not fl.v_is_k and s[2] is None) or (
-                moe is None and (not own_dense or fl.post_norms or fl.tail or fl.out_scale is not None)) or (
+        if fl.mixer is not None:  # the family's own mixer: no projections the step runs
+            s = [None] * 4
+        else:  # q, k, v, o; a layer without its own K/V has no k, v; with ``v_is_k`` no v
+            s = [_spec(b["q"]), _spec(b["k"]) if own_kv else None,
+                 _spec(b["v"]) if own_kv and not fl.v_is_k else None, _spec(b["o"])]
+            if None in (s[0], s[3]) or (own_kv and s[1] is None) or (own_kv and not fl.v_is_k and s[2] is None):
+                return None
+        if (moe is None and (not own_dense or fl.post_norms or fl.tail or fl.out_scale is not None)) or (
                 fl.post_norms is not None and not fl.shared):
             return None
         t = None
