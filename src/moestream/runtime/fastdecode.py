@@ -1,5 +1,5 @@
-"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it, Gemma 4 too) as a handful of C
-calls per layer.
+"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it, Gemma 4 and Qwen 3.5 too) as a
+handful of C calls per layer.
 
 Between two matmuls a decode step has little arithmetic, but every torch op and Python frame there runs with cold
 caches (the matmul before it streamed tens of MB of weights through them): measured on a 2-core EPYC, an empty
@@ -38,9 +38,17 @@ each layer as:
   the layer's output scale, and the next layer's norm. After the last layer, the family's own ``head`` (RMSNorm,
   the output projection, Gemma 4's logit softcap).
 
+Qwen 3.5: a Gated DeltaNet layer's mixer is the family's own code on h (its projections and the one C call between
+them, kernels.dnet_decode, on the cache's conv and recurrent state), then ms_residual_norm as above; a gated
+attention layer's q projection holds each head's query and gate, the query halves read in place by ms_attn_block
+(head stride 2 * head_dim) and the output projection reads the family's own torch ``a * sigmoid(gate)``. The step
+calls the family's ``begin_step`` before the embedding and ``end_step`` before the head, as the eager step does
+(qwen35moe: the ValueError for a cache used at another position than its recurrent state's, ``cache.pos``
+advanced); a cache's ``k``/``v`` may be lists or dicts keyed by layer (qwen35moe's HybridCache).
+
 What differs between families is stated by the family (``MoEModel.fast_layer`` -> :class:`FastLayer`: its q/k norms,
 biases, RoPE layout, attention scale, top-k renormalisation, shared expert, per-layer shapes, Gemma 4's norms,
-scales and PLE hook), not written again here.
+scales and PLE hook, Qwen 3.5's mixer and query gate hooks), not written again here.
 
 Each of those is the kernel the eager step runs, on the same values in the same order (the rows of one ms_moe call
 do not depend on which other experts share the call), so the logits are the same bits, streaming or resident
@@ -51,9 +59,10 @@ error is raised by ``store.wait`` as in the eager step; on any error after the s
 settle and their slots are emptied (``store.discard``, as MoE.__call__) before it propagates.
 
 It runs where :func:`plan` finds the model fits it: a family class that defines ``fast_layer`` itself (not inherited:
-qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss, gemma4) and returns a FastLayer for every layer (a
-layer without routed experts: MoEModel.dense's SwiGLU only), every MoE layer fused (one ms_moe call: MoE.fused), one
-sequence of one token on the CPU, the q, k, v and output projections and the experts on the C kernels, a resident
+qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss, gemma4, qwen35moe) and returns a FastLayer for every
+layer (a layer without routed experts: MoEModel.dense's SwiGLU only), every MoE layer fused (one ms_moe call:
+MoE.fused), one sequence of one token on the CPU, the q, k, v and output projections (of each layer without the
+family's own mixer) and the experts on the C kernels (an F32 file's are not: the eager step), a resident
 store or a streaming one with host pools on the CPU (not the device-planned step of experts/devplan.py), no
 synthetic routing, the step kernels on (layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
 """
