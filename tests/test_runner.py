@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -167,7 +168,7 @@ def _assert_same_cache(got: Any, want: Any, pos: int) -> None:
             assert_bitwise([x], [y])
 
 
-@pytest.mark.parametrize("which", ["default", *FAST_FAMILIES])
+@pytest.mark.parametrize("which", ["default", *FAST_FAMILIES, "qwen35moe-tiny/mixer"])
 def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU decode step of runtime/fastdecode.py (a few C calls per layer) gives the eager step's bits
     (Runner.run over the same cache contents) at every position of a decode, counts the same expert hits, and writes
@@ -175,16 +176,25 @@ def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monk
     whole projection, llama's de-interleaved heads, q/k/v biases, a shared expert; gpt-oss's o bias, per-layer RoPE,
     sinks, its own router and biased experts; gemma4's per-layer head dims, KV heads, RoPE and sliding window, V = K,
     shared-KV layers, per-expert scales, post norms, PLE and output scales; qwen35moe's Gated DeltaNet layers by the
-    family's own code, gated attention with partial RoPE, its conv and recurrent states and cache position), resident
-    (streaming: below). The fast step runs its kernels on 1 thread at odd positions, 2 at even ones; the eager step
-    on 2."""
+    step's own ms_dnet_decode call between kernels writing into its buffers, or (``/mixer``: FastLayer.dnet taken
+    away) by the family's own code, gated attention with partial RoPE, its conv and recurrent states and cache
+    position), resident (streaming: below). The fast step runs its kernels on 1 thread at odd positions, 2 at even
+    ones; the eager step on 2."""
     from moestream import kernels
     from moestream.runtime import fastdecode
 
     monkeypatch.setattr(kernels, "_THREADS", list(kernels._THREADS))  # the thread count restored after the test
+    which, _, variant = which.partition("/")
     model = load_model(_fast_file(which, fixtures_tool), LoadOptions(moe_stream=False))
+    if variant == "mixer":  # the DeltaNet layers by the family's own code (FastLayer.mixer)
+        own = type(model).fast_layer
+        monkeypatch.setattr(type(model), "fast_layer", lambda m, i: dataclasses.replace(own(m, i), dnet=None))
     fast = fastdecode.plan(model)
     assert fast is not None
+    if which == "qwen35moe-tiny":  # which path the DeltaNet layers take: the step's own calls or the family's mixer
+        dnets = [hooks[2] is not None for *_, hooks in fast.layers]
+        mixers = [hooks[0] is not None for *_, hooks in fast.layers]
+        assert dnets == ([False] * len(dnets) if variant else mixers) and any(mixers)
     caches = [model.new_cache(24), model.new_cache(24)]
     ids = _ids(model, 9, 5)
     with torch.inference_mode():

@@ -309,14 +309,16 @@ class Qwen35MoE(MoEModel):
 
     def fast_layer(self, i: int) -> FastLayer:
         """Layer i in the fast CPU decode step's terms (runtime/fastdecode.FastLayer): a Gated DeltaNet layer is
-        this class's own :meth:`recurrent` (the ``mixer`` hook: its projections and kernels.dnet_decode, as the eager
-        step runs them); a gated attention layer is per-head q/k norms, partial NEOX RoPE and each head's query
-        and gate interleaved in the q projection, the attention output times sigmoid(gate) by :meth:`gated`
-        (``q_gate``); every layer: softmax top-k routing renormalised, the shared expert (:meth:`shared`, with
-        its sigmoid gate) added after the routed sum."""
+        its projections and ms_dnet_decode as :meth:`delta_net` computes a CPU decode (``dnet``), or this class's own
+        :meth:`recurrent` where the step cannot (the ``mixer`` hook); a gated attention layer is per-head q/k
+        norms, partial NEOX RoPE and each head's query and gate interleaved in the q projection, the attention
+        output times sigmoid(gate) by :meth:`gated` (``q_gate``); every layer: softmax top-k routing renormalised,
+        the shared expert (:meth:`shared`, with its sigmoid gate) added after the routed sum."""
         b = self.blocks[i]
         if "qkv" in b:
-            return FastLayer(0.0, mixer=functools.partial(self.recurrent, i), shared=True)
+            return FastLayer(0.0, mixer=functools.partial(self.recurrent, i), shared=True,
+                             dnet=(b["qkv"], b["beta"], b["alpha"], b["z"], b["out"], b["conv"], b["dt"], b["a"],
+                                   b["ssm_norm"], self.n_k_heads))
         return FastLayer(1.0 / math.sqrt(self.head_dim), q_norm=b["q_norm"], k_norm=b["k_norm"], q_gate=self.gated,
                          shared=True)
 

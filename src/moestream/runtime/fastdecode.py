@@ -38,8 +38,10 @@ each layer as:
   the layer's output scale, and the next layer's norm. After the last layer, the family's own ``head`` (RMSNorm,
   the output projection, Gemma 4's logit softcap).
 
-Qwen 3.5: a Gated DeltaNet layer's mixer is the family's own code on h (its projections and the one C call between
-them, kernels.dnet_decode, on the cache's conv and recurrent state), then ms_residual_norm as above; a gated
+Qwen 3.5: a Gated DeltaNet layer is its qkv, beta, alpha and z projections of h (kernels.linear_to into kept
+buffers), ms_dnet_decode on them and the cache's conv and recurrent state (kernels.dnet_decode's call, as the
+family's ``delta_net`` makes it), its output projection, then ms_residual_norm as above (where one of those five
+weights is not on the C kernels: the family's own ``delta_net`` through the ``mixer`` hook); a gated
 attention layer's q projection holds each head's query and gate, the query halves read in place by ms_attn_block
 (head stride 2 * head_dim) and the output projection reads the family's own torch ``a * sigmoid(gate)``. The step
 calls the family's ``begin_step`` before the embedding and ``end_step`` before the head, as the eager step does
@@ -129,7 +131,11 @@ class FastLayer:
     per head; the attention reads the query halves in place, head stride 2 * head_dim) and the output projection
     reads the family's torch ``q_gate(a, qg)`` (a float32 [1, n_head * head_dim] the attention output, qg float32
     [1, n_head, 2 * head_dim] the q projection, its gate halves as projected) instead of a (Qwen 3.5's gated
-    attention: a * sigmoid(gate))."""
+    attention: a * sigmoid(gate)). ``dnet``: (qkv, beta, alpha, z, out) the layer's Weights and (conv_w float32
+    [conv_dim, K], dt [n_v], a [n_v], norm_w [d_v]) and n_k (int): a Gated DeltaNet layer the step computes itself
+    as the family's decode does (the four projections of h by ms_linear into kept buffers, ms_dnet_decode on the
+    cache's ``conv[i]`` and ``ssm[i]``, the output projection: kernels.dnet_decode's call); where one of the five
+    Weights is not on the C kernels, ``mixer`` runs instead."""
 
     scale: float
     q_norm: Any = None
@@ -165,6 +171,7 @@ class FastLayer:
     out_scale: Any = None
     mixer: Any = None
     q_gate: Any = None
+    dnet: tuple | None = None
 
 
 def _spec(w: Any) -> tuple | None:
@@ -227,6 +234,14 @@ class FastDecode:
             if not any(r is s[4] for r in self.ropes):
                 self.ropes.append(s[4])
         blocks = m.blocks
+        dnets = [_dnet(fl.dnet) for fl in fls]
+        # a Gated DeltaNet layer's projections (qkv, beta, alpha, z) and its ms_dnet_decode output
+        sizes = [(d[2][5], d[2][1], d[2][1] * d[2][3]) for d in dnets if d is not None] or [(0, 0, 0)]
+        self.dqkv = torch.empty(max(c for c, _, _ in sizes), dtype=f32)
+        self.dbeta = torch.empty(max(v for _, v, _ in sizes), dtype=f32)
+        self.dalpha = torch.empty_like(self.dbeta)
+        self.dz = torch.empty(max(z for _, _, z in sizes), dtype=f32)
+        self.dy = torch.empty_like(self.dz)
         self.layers = []
         for i, b in enumerate(blocks):
             # the last layer leaves x un-normed: the family's own ``head`` norms it
@@ -247,9 +262,11 @@ class FastDecode:
                     _ptr(fl.o_bias), nh, nkv, hd, hdv, fl.v_norm, fl.v_is_k,
                     i if fl.kv_layer is None else fl.kv_layer, _ptr(fl.attn_post_norm),
                     hd * (2 if fl.q_gate is not None else 1))
-            # (the family's mixer, (its q gate, views of the attention output and of the q projection))
+            # (the family's mixer, (its q gate, views of the attention output and of the q projection), the DeltaNet
+            # layer the step computes)
             hooks = (fl.mixer, None if fl.q_gate is None else (fl.q_gate, self.a[:, :nh * hdv],
-                                                                self.q[:, :2 * nh * hd].view(1, nh, 2 * hd)))
+                                                                self.q[:, :2 * nh * hd].view(1, nh, 2 * hd)),
+                     dnets[i])
             moe = moes[i]
             if moe is None:  # MoEModel.dense: SwiGLU of h
                 ffn = (b["gate"], b["up"], b["down"])
@@ -281,8 +298,10 @@ class FastDecode:
     def _cache_ptrs(self, cache: Any) -> list[tuple[int | None, int | None]]:
         c = self._cache
         if c is None or c[0]() is not cache:
-            if isinstance(cache.k, dict):  # keyed by layer, only the attention layers' (qwen35moe's HybridCache)
-                kv = [(_ptr(cache.k.get(i)), _ptr(cache.v.get(i))) for i in range(len(self.layers))]
+            if isinstance(cache.k, dict):  # keyed by layer (qwen35moe's HybridCache: K, V of the attention layers,
+                # conv and recurrent state of the DeltaNet layers)
+                kv = [(_ptr(cache.k.get(i)), _ptr(cache.v.get(i)), _ptr(cache.conv.get(i)), _ptr(cache.ssm.get(i)))
+                      for i in range(len(self.layers))]
             else:
                 kv = [(_ptr(k), _ptr(v)) for k, v in zip(cache.k, cache.v, strict=True)]
             c = self._cache = (weakref.ref(cache), kv)
@@ -312,10 +331,24 @@ class FastDecode:
         look = streaming and m.opts.prefetch  # the router lookahead
         overlap = m.opts.overlap
         lib.ms_residual_norm(1, n, xp, None, 0, self.attn_norm0, eps, hp, nt)
-        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale), (mixer, gate)) in self.layers:
+        dqp, dbp, dap, dzp, dyp = (t.data_ptr() for t in (self.dqkv, self.dbeta, self.dalpha, self.dz, self.dy))
+        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale), (mixer, gate, dn)) in self.layers:
             if look:
                 m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
-            if mixer is not None:  # the family's own mixer on h (Qwen 3.5's Gated DeltaNet), x += its output
+            if dn is not None:  # a Gated DeltaNet layer, as the family's delta_net computes a CPU decode
+                (qkv_s, beta_s, alpha_s, z_s, out_s), (cw, dt, av, nw), (n_k, n_v, d_k, d_v, k_w, c_dim) = dn[:3]
+                kernels.linear_to(qkv_s, hp, 1, dqp, lib)
+                kernels.linear_to(beta_s, hp, 1, dbp, lib)
+                kernels.linear_to(alpha_s, hp, 1, dap, lib)
+                kernels.linear_to(z_s, hp, 1, dzp, lib)
+                conv_p, ssm_p = kv[i][2:]
+                if lib.ms_dnet_decode(c_dim, k_w, n_k, n_v, d_k, d_v, dqp, conv_p, cw, dbp, dap, dt, av, ssm_p, dzp,
+                                      nw, eps, dyp, nt):
+                    raise ValueError(f"dnet_decode: {n_v} value heads over {n_k} key heads (d_k {d_k}, d_v {d_v}) "
+                                     f"do not fit a conv of {c_dim} channels")
+                kernels.linear_to(out_s, dyp, 1, op, lib)
+                lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
+            elif mixer is not None:  # the family's own mixer on h (Qwen 3.5's Gated DeltaNet), x += its output
                 y = mixer(self.h, step).contiguous()
                 lib.ms_residual_norm(1, n, xp, y.data_ptr(), 0, fn, eps, hp, nt)
             else:
@@ -337,7 +370,7 @@ class FastDecode:
                     if v_norm:  # each V head's RMSNorm without weight, from the raw projection (Gemma 4)
                         lib.ms_rms_norm(n_kv, hdv, vsp, hdv, None, eps, vp, hdv, nt)
                         vsp = vp
-                    kcp, vcp = kv[i]
+                    kcp, vcp = kv[i][:2]
                     rc = lib.ms_attn_block(1, n_head, n_kv, hd, hdv, qp, n_head * qhs, qhs, kp, n_kv * hd, hd, vsp,
                                            n_kv * hdv, hdv, qn, kn, eps, n_rot, mode, cos_p, sin_p, kcp, n_kv * hd, hd,
                                            vcp, n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
@@ -345,7 +378,7 @@ class FastDecode:
                     if qn is not None:
                         lib.ms_rms_norm(n_head, hd, qp, hd, qn, eps, qp, hd, nt)
                     lib.ms_rope(1, n_head, hd, n_rot, mode, qp, n_head * hd, hd, cos_p, sin_p, qrp, n_head * hd, hd, nt)
-                    kcp, vcp = kv[src]
+                    kcp, vcp = kv[src][:2]
                     rc = lib.ms_attention(1, n_head, n_kv, hd, hdv, qrp, n_head * hd, hd, kcp, n_kv * hd, hd, vcp,
                                           n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
                 if rc:
@@ -480,6 +513,21 @@ class FastDecode:
         kernels.moe_to(spec, self.pairs, n, hp, 1, outp, at=at)
 
 
+def _dnet(d: tuple | None) -> tuple | None:
+    """FastLayer.dnet as the step's call needs it: ((qkv, beta, alpha, z, out) specs, (conv_w, dt, a, norm_w)
+    addresses, (n_k, n_v, d_k, d_v, K, conv_dim), the contiguous tensors kept); None without one or where a Weight
+    is not on the C kernels (then the layer's ``mixer``)."""
+    if d is None:
+        return None
+    specs = tuple(_spec(w) for w in d[:5])
+    if None in specs:
+        return None
+    ts = tuple(t.contiguous() for t in d[5:9])
+    cw, _, a, nw = ts
+    n_k, (c_dim, k_w), n_v, d_v = int(d[9]), cw.shape, a.numel(), nw.numel()
+    return specs, tuple(t.data_ptr() for t in ts), (n_k, n_v, (c_dim - n_v * d_v) // (2 * n_k), d_v, k_w, c_dim), ts
+
+
 def plan(model: Any) -> FastDecode | None:
     """The fast decode step of ``model`` when it fits it (see the module docstring), else None. Kept on the model
     and made again when its store changes."""
@@ -510,13 +558,15 @@ def plan(model: Any) -> FastDecode | None:
         if not own_kv and (fl.whole_norm or fl.deinterleave or fl.biases is not None or fl.q_gate is not None):
             return None  # a shared-KV layer's queries: per-head norm and NEOX RoPE only
         moe = b.get("moe")
-        if fl.mixer is not None:  # the family's own mixer: no projections the step runs
+        if fl.mixer is not None or fl.dnet is not None:  # a DeltaNet layer or the family's own mixer: no q, k, v, o
             s = [None] * 4
         else:  # q, k, v, o; a layer without its own K/V has no k, v; with ``v_is_k`` no v
             s = [_spec(b["q"]), _spec(b["k"]) if own_kv else None,
                  _spec(b["v"]) if own_kv and not fl.v_is_k else None, _spec(b["o"])]
             if None in (s[0], s[3]) or (own_kv and s[1] is None) or (own_kv and not fl.v_is_k and s[2] is None):
                 return None
+        if fl.mixer is None and fl.dnet is not None and _dnet(fl.dnet) is None:
+            return None  # a DeltaNet layer off the C kernels, without the family's mixer
         if (moe is None and (not own_dense or fl.post_norms or fl.tail or fl.out_scale is not None)) or (
                 fl.post_norms is not None and not fl.shared):
             return None
