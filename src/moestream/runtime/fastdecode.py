@@ -300,7 +300,8 @@ class FastDecode:
         if c is None or c[0]() is not cache:
             if isinstance(cache.k, dict):  # keyed by layer (qwen35moe's HybridCache: K, V of the attention layers,
                 # conv and recurrent state of the DeltaNet layers)
-                kv = [(_ptr(cache.k.get(i)), _ptr(cache.v.get(i)), _ptr(cache.conv.get(i)), _ptr(cache.ssm.get(i)))
+                conv, ssm = getattr(cache, "conv", {}), getattr(cache, "ssm", {})
+                kv = [(_ptr(cache.k.get(i)), _ptr(cache.v.get(i)), _ptr(conv.get(i)), _ptr(ssm.get(i)))
                       for i in range(len(self.layers))]
             else:
                 kv = [(_ptr(k), _ptr(v)) for k, v in zip(cache.k, cache.v, strict=True)]
