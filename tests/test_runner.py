@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -134,7 +135,7 @@ def test_device_step_every_family(path: str) -> None:
 #: the families whose decode step runs as runtime/fastdecode.py's (their ``fast_layer``), each by a Q8_0 fixture
 #: (gpt-oss: llama.cpp's MXFP4_MOE, Q8_0 dense)
 FAST_FAMILIES = ["qwen3moe-tiny", "mixtral-tiny", "olmoe-tiny", "qwen2moe-tiny", "glm4moe-tiny", "gpt-oss-tiny",
-                 "gemma4-tiny"]
+                 "gemma4-tiny", "qwen35moe-tiny"]
 
 
 def _fast_file(which: str, fixtures_tool: Any) -> str:
@@ -145,22 +146,55 @@ def _fast_file(which: str, fixtures_tool: Any) -> str:
     return str(files["q8_0"] if "q8_0" in files else files["mxfp4_moe"])
 
 
-@pytest.mark.parametrize("which", ["default", *FAST_FAMILIES])
+def _cache_state(cache: Any, pos: int) -> list[torch.Tensor | None]:
+    """What a decode step through position ``pos`` wrote in ``cache``: each layer's K and V rows 0..pos (None for a
+    layer that owns no cache: gemma4's shared-KV layers) and, in qwen35moe's HybridCache (dicts keyed by layer),
+    each Gated DeltaNet layer's whole conv and recurrent state."""
+    out: list[torch.Tensor | None] = []
+    for kind in ("k", "v", "conv", "ssm"):
+        ts = getattr(cache, kind, None)
+        for t in (ts.values() if isinstance(ts, dict) else ts or ()):
+            out.append(t[:pos + 1] if t is not None and kind in ("k", "v") else t)
+    return out
+
+
+def _assert_same_cache(got: Any, want: Any, pos: int) -> None:
+    """:func:`_cache_state` of two caches, bit for bit."""
+    a, b = _cache_state(got, pos), _cache_state(want, pos)
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b, strict=True):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert_bitwise([x], [y])
+
+
+@pytest.mark.parametrize("which", ["default", *FAST_FAMILIES, "qwen35moe-tiny/mixer"])
 def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU decode step of runtime/fastdecode.py (a few C calls per layer) gives the eager step's bits
     (Runner.run over the same cache contents) at every position of a decode, counts the same expert hits, and writes
     the same KV cache rows; it runs for the files of the families it fits (per-head q/k norms or none or over the
     whole projection, llama's de-interleaved heads, q/k/v biases, a shared expert; gpt-oss's o bias, per-layer RoPE,
     sinks, its own router and biased experts; gemma4's per-layer head dims, KV heads, RoPE and sliding window, V = K,
-    shared-KV layers, per-expert scales, post norms, PLE and output scales), resident (streaming: below). The fast
-    step runs its kernels on 1 thread at odd positions, 2 at even ones; the eager step on 2."""
+    shared-KV layers, per-expert scales, post norms, PLE and output scales; qwen35moe's Gated DeltaNet layers by the
+    step's own ms_dnet_decode call between kernels writing into its buffers, or (``/mixer``: FastLayer.dnet taken
+    away) by the family's own code, gated attention with partial RoPE, its conv and recurrent states and cache
+    position), resident (streaming: below). The fast step runs its kernels on 1 thread at odd positions, 2 at even
+    ones; the eager step on 2."""
     from moestream import kernels
     from moestream.runtime import fastdecode
 
     monkeypatch.setattr(kernels, "_THREADS", list(kernels._THREADS))  # the thread count restored after the test
+    which, _, variant = which.partition("/")
     model = load_model(_fast_file(which, fixtures_tool), LoadOptions(moe_stream=False))
+    if variant == "mixer":  # the DeltaNet layers by the family's own code (FastLayer.mixer)
+        own = type(model).fast_layer
+        monkeypatch.setattr(type(model), "fast_layer", lambda m, i: dataclasses.replace(own(m, i), dnet=None))
     fast = fastdecode.plan(model)
     assert fast is not None
+    if which == "qwen35moe-tiny":  # which path the DeltaNet layers take: the step's own calls or the family's mixer
+        dnets = [hooks[2] is not None for *_, hooks in fast.layers]
+        mixers = [hooks[0] is not None for *_, hooks in fast.layers]
+        assert dnets == ([False] * len(dnets) if variant else mixers) and any(mixers)
     caches = [model.new_cache(24), model.new_cache(24)]
     ids = _ids(model, 9, 5)
     with torch.inference_mode():
@@ -176,10 +210,7 @@ def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monk
             want = model.runner.run(Step(torch.tensor([tok]), [Seq(caches[1], pos, 1)]))
             assert_bitwise(got, want)
             assert fast_hits == model.store.stats.hits - hits - fast_hits == model.top_k * len(model.layout.moe_layers)
-            for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
-                assert (a is None) == (b is None)  # (a shared-KV layer owns no cache: gemma4)
-                if a is not None:
-                    assert_bitwise(a[:pos + 1], b[:pos + 1])
+            _assert_same_cache(caches[0], caches[1], pos)
             tok = int(got[0].argmax())
     model.store.close()
 
@@ -200,6 +231,32 @@ def test_fast_decode_scalar_products_are_torchs() -> None:
         assert_bitwise([torch.from_numpy(x.numpy() * np.float32(t.item()))], [x * t])
 
 
+def test_fast_decode_qwen35moe_cache_position(fixtures_tool: Any) -> None:
+    """qwen35moe's recurrent state cannot be rewound: the fast step, as the eager one (the family's ``begin_step``),
+    refuses its cache at any other position than the cache's ``pos`` (ValueError, before anything runs: the states,
+    the store's counters and ``pos`` unchanged), and each step it runs advances ``pos`` by one (``end_step``)."""
+    from moestream.runtime import fastdecode
+
+    model = load_model(_fast_file("qwen35moe-tiny", fixtures_tool), LoadOptions(moe_stream=False))
+    fast = fastdecode.plan(model)
+    assert fast is not None
+    cache = model.new_cache(24)
+    with torch.inference_mode():
+        model.forward(_ids(model, 9, 5), 0, cache)
+        assert cache.pos == 9
+        before = [t.clone() for t in _cache_state(cache, 23)]
+        hits = model.store.stats.hits
+        for pos in (8, 10, 0):
+            with pytest.raises(ValueError, match="cannot be rewound"):
+                fast.step(torch.tensor([7]), pos, cache)
+        assert cache.pos == 9 and model.store.stats.hits == hits
+        assert_bitwise(_cache_state(cache, 23), before)
+        for pos in (9, 10):
+            fast.step(torch.tensor([7]), pos, cache)
+            assert cache.pos == pos + 1
+        assert model.store.stats.hits > hits
+
+
 def _qwen3_q8(fixtures_tool: Any) -> str:
     return str(fixtures_tool.build_fixture("qwen3moe-tiny")["q8_0"])
 
@@ -210,7 +267,8 @@ def _qwen3_q8(fixtures_tool: Any) -> str:
     ("mixtral-tiny", False, False, True), ("olmoe-tiny", False, True, True), ("qwen2moe-tiny", False, False, True),
     ("qwen2moe-tiny", True, False, False), ("glm4moe-tiny", False, False, True), ("gpt-oss-tiny", False, False, True),
     ("gpt-oss-tiny", True, False, False), ("gemma4-tiny", False, False, True), ("gemma4-tiny", True, True, True),
-    ("gemma4-tiny", False, False, False)])
+    ("gemma4-tiny", False, False, False), ("qwen35moe-tiny", False, False, True), ("qwen35moe-tiny", True, True, True),
+    ("qwen35moe-tiny", True, False, False)])
 def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefetch: bool, overlap: bool,
                                                  fixtures_tool: Any) -> None:
     """Streaming through top-k slots (nearly every step misses in every layer), buffered or O_DIRECT, with or without
@@ -245,10 +303,7 @@ def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefe
             want = eager_model.runner.run(Step(torch.tensor([tok]), [Seq(caches[1], pos, 1)]))
             assert_bitwise([got], [want])
             assert_bitwise([got], [resident.runner.run(Step(torch.tensor([tok]), [Seq(caches[2], pos, 1)]))])
-            for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
-                assert (a is None) == (b is None)  # (a shared-KV layer owns no cache: gemma4)
-                if a is not None:
-                    assert_bitwise([a[:pos + 1]], [b[:pos + 1]])
+            _assert_same_cache(caches[0], caches[1], pos)
             tok = int(got[0].argmax())
     fs, es = fast_model.store, eager_model.store
     if not prefetch:

@@ -23,6 +23,7 @@ indexed by value head, so q and k are repeated by tiling, not interleaving.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ import torch
 
 from .. import kernels
 from ..errors import GGUFError
+from ..runtime.fastdecode import FastLayer
 from .base import LoadOptions, MoEModel, register
 from .layers import Rope, elementwise, rms_norm, rope_inv_freq, softmax_topk, swiglu_ffn
 
@@ -264,14 +266,20 @@ class Qwen35MoE(MoEModel):
         rows."""
         n_tok = h.shape[0]
         qg = b["q"].linear(h).view(n_tok, self.n_head, 2 * self.head_dim)
-        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
+        q = qg[..., :self.head_dim]
         k = b["k"].linear(h).view(n_tok, self.n_kv, self.head_dim)
         v = b["v"].linear(h).view(n_tok, self.n_kv, self.head_dim)
         # the q/k norms inside the attention block (one launch with RoPE on CUDA); q, a view of qg, may be
         # overwritten there: only its half of qg, not the gate's
         a = step.cached_attention(q, k, v, self.rope, i, 1.0 / math.sqrt(self.head_dim), q_norm=b["q_norm"],
                                   k_norm=b["k_norm"], eps=self.eps)
-        return b["o"].linear(a * elementwise(torch.sigmoid, gate.reshape(n_tok, -1)))
+        return b["o"].linear(self.gated(a, qg))
+
+    def gated(self, a: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
+        """The output projection's input of a gated attention layer: a float32 [T, n_head * head_dim] the attention
+        output, qg float32 [T, n_head, 2 * head_dim] the q projection (each head's [query | gate]; only the gate
+        halves are read) -> a * sigmoid(gate), float32 [T, n_head * head_dim]."""
+        return a * elementwise(torch.sigmoid, qg[..., self.head_dim:].reshape(a.shape[0], -1))
 
     def begin_step(self, step: Step) -> None:
         """ValueError unless each sequence starts where its cache's recurrent state is (it cannot be rewound)."""
@@ -290,8 +298,29 @@ class Qwen35MoE(MoEModel):
         b = self.blocks[i]
         h = rms_norm(x, b["attn_norm"], self.eps)
         if "qkv" in b:
-            return x + step.per_seq(lambda cache, hs: self.delta_net(cache, hs, b, i), h)
+            return x + self.recurrent(i, h, step)
         return x + self.attn(b, h, i, step)
+
+    def recurrent(self, i: int, h: torch.Tensor, step: Step) -> torch.Tensor:
+        """Gated DeltaNet layer i on h float32 [T, hidden] (the ``attn_norm``-normed x), each sequence on its own
+        cache's conv and recurrent state -> float32 [T, hidden], the residual not added."""
+        b = self.blocks[i]
+        return step.per_seq(lambda cache, hs: self.delta_net(cache, hs, b, i), h)
+
+    def fast_layer(self, i: int) -> FastLayer:
+        """Layer i in the fast CPU decode step's terms (runtime/fastdecode.FastLayer): a Gated DeltaNet layer is
+        its projections and ms_dnet_decode as :meth:`delta_net` computes a CPU decode (``dnet``), or this class's own
+        :meth:`recurrent` where the step cannot (the ``mixer`` hook); a gated attention layer is per-head q/k
+        norms, partial NEOX RoPE and each head's query and gate interleaved in the q projection, the attention
+        output times sigmoid(gate) by :meth:`gated` (``q_gate``); every layer: softmax top-k routing renormalised,
+        the shared expert (:meth:`shared`, with its sigmoid gate) added after the routed sum."""
+        b = self.blocks[i]
+        if "qkv" in b:
+            return FastLayer(0.0, mixer=functools.partial(self.recurrent, i), shared=True,
+                             dnet=(b["qkv"], b["beta"], b["alpha"], b["z"], b["out"], b["conv"], b["dt"], b["a"],
+                                   b["ssm_norm"], self.n_k_heads))
+        return FastLayer(1.0 / math.sqrt(self.head_dim), q_norm=b["q_norm"], k_norm=b["k_norm"], q_gate=self.gated,
+                         shared=True)
 
     def has_shared(self, i: int) -> bool:
         return True

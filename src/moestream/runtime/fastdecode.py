@@ -1,5 +1,5 @@
-"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it, Gemma 4 too) as a handful of C
-calls per layer.
+"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it, Gemma 4 and Qwen 3.5 too) as a
+handful of C calls per layer.
 
 Between two matmuls a decode step has little arithmetic, but every torch op and Python frame there runs with cold
 caches (the matmul before it streamed tens of MB of weights through them): measured on a 2-core EPYC, an empty
@@ -38,9 +38,19 @@ each layer as:
   the layer's output scale, and the next layer's norm. After the last layer, the family's own ``head`` (RMSNorm,
   the output projection, Gemma 4's logit softcap).
 
+Qwen 3.5: a Gated DeltaNet layer is its qkv, beta, alpha and z projections of h (kernels.linear_to into kept
+buffers), ms_dnet_decode on them and the cache's conv and recurrent state (kernels.dnet_decode's call, as the
+family's ``delta_net`` makes it), its output projection, then ms_residual_norm as above (where one of those five
+weights is not on the C kernels: the family's own ``delta_net`` through the ``mixer`` hook); a gated
+attention layer's q projection holds each head's query and gate, the query halves read in place by ms_attn_block
+(head stride 2 * head_dim) and the output projection reads the family's own torch ``a * sigmoid(gate)``. The step
+calls the family's ``begin_step`` before the embedding and ``end_step`` before the head, as the eager step does
+(qwen35moe: the ValueError for a cache used at another position than its recurrent state's, ``cache.pos``
+advanced); a cache's ``k``/``v`` may be lists or dicts keyed by layer (qwen35moe's HybridCache).
+
 What differs between families is stated by the family (``MoEModel.fast_layer`` -> :class:`FastLayer`: its q/k norms,
 biases, RoPE layout, attention scale, top-k renormalisation, shared expert, per-layer shapes, Gemma 4's norms,
-scales and PLE hook), not written again here.
+scales and PLE hook, Qwen 3.5's mixer and query gate hooks), not written again here.
 
 Each of those is the kernel the eager step runs, on the same values in the same order (the rows of one ms_moe call
 do not depend on which other experts share the call), so the logits are the same bits, streaming or resident
@@ -51,9 +61,10 @@ error is raised by ``store.wait`` as in the eager step; on any error after the s
 settle and their slots are emptied (``store.discard``, as MoE.__call__) before it propagates.
 
 It runs where :func:`plan` finds the model fits it: a family class that defines ``fast_layer`` itself (not inherited:
-qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss, gemma4) and returns a FastLayer for every layer (a
-layer without routed experts: MoEModel.dense's SwiGLU only), every MoE layer fused (one ms_moe call: MoE.fused), one
-sequence of one token on the CPU, the q, k, v and output projections and the experts on the C kernels, a resident
+qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss, gemma4, qwen35moe) and returns a FastLayer for every
+layer (a layer without routed experts: MoEModel.dense's SwiGLU only), every MoE layer fused (one ms_moe call:
+MoE.fused), one sequence of one token on the CPU, the q, k, v and output projections (of each layer without the
+family's own mixer) and the experts on the C kernels (an F32 file's are not: the eager step), a resident
 store or a streaming one with host pools on the CPU (not the device-planned step of experts/devplan.py), no
 synthetic routing, the step kernels on (layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
 """
@@ -111,7 +122,20 @@ class FastLayer:
     instead of routed + shared (the routed sum is the top-k rows' sum from +0); ``tail``: the family's torch code
     ``tail(x, step) -> x`` [1, hidden] run after that residual add (Gemma 4's PLE); ``out_scale`` (float32 [1]):
     x multiplied by it last. The experts' per-expert output scale (``MoE.expert_scale``, float32 [n_experts] by
-    real id) multiplies each pair's routing weight, as MoE.__call__ does."""
+    real id) multiplies each pair's routing weight, as MoE.__call__ does.
+
+    Qwen 3.5's layers: ``mixer``: the family's torch code ``mixer(h, step) -> y`` (h float32 [1, hidden] the
+    ``attn_norm``-normed x, y float32 [1, hidden]) in place of the attention (its Gated DeltaNet layers: their own
+    projections and kernels.dnet_decode on the cache's conv and recurrent state), x += y; such a layer has no q, k,
+    v, o projections the step runs. ``q_gate``: the q projection holds each head's [query | gate] (2 * head_dim rows
+    per head; the attention reads the query halves in place, head stride 2 * head_dim) and the output projection
+    reads the family's torch ``q_gate(a, qg)`` (a float32 [1, n_head * head_dim] the attention output, qg float32
+    [1, n_head, 2 * head_dim] the q projection, its gate halves as projected) instead of a (Qwen 3.5's gated
+    attention: a * sigmoid(gate)). ``dnet``: (qkv, beta, alpha, z, out) the layer's Weights and (conv_w float32
+    [conv_dim, K], dt [n_v], a [n_v], norm_w [d_v]) and n_k (int): a Gated DeltaNet layer the step computes itself
+    as the family's decode does (the four projections of h by ms_linear into kept buffers, ms_dnet_decode on the
+    cache's ``conv[i]`` and ``ssm[i]``, the output projection: kernels.dnet_decode's call); where one of the five
+    Weights is not on the C kernels, ``mixer`` runs instead."""
 
     scale: float
     q_norm: Any = None
@@ -145,6 +169,9 @@ class FastLayer:
     post_norms: tuple | None = None
     tail: Any = None
     out_scale: Any = None
+    mixer: Any = None
+    q_gate: Any = None
+    dnet: tuple | None = None
 
 
 def _spec(w: Any) -> tuple | None:
@@ -171,14 +198,17 @@ class FastDecode:
         self.x_dim = n
         # each layer's (query heads, KV heads, q/k head dim, v head dim, Rope): the buffers fit the largest
         shapes = []
+        q_rows = []  # each layer's q projection rows (twice n_head * head_dim with ``q_gate``)
         for fl in fls:
             hd = m.head_dim if fl.head_dim is None else fl.head_dim
             hdv = getattr(m, "head_dim_v", hd) if fl.head_dim is None else hd  # as MoEModel.make_cache
             shapes.append((m.n_head if fl.n_head is None else fl.n_head, m.n_kv if fl.n_kv is None else fl.n_kv,
                            hd, hdv, m.rope if fl.rope is None else fl.rope))
+            q_rows.append(shapes[-1][0] * hd * (2 if fl.q_gate is not None else 1))
         self.h = torch.empty((1, n), dtype=f32)
-        self.q = torch.empty((1, max(nh * hd for nh, _, hd, _, _ in shapes)), dtype=f32)
-        self.qr = torch.empty_like(self.q)  # a shared-KV layer's rotated queries (ms_rope does not run in place)
+        self.q = torch.empty((1, max(q_rows)), dtype=f32)
+        # a shared-KV layer's rotated queries (ms_rope does not run in place)
+        self.qr = torch.empty((1, max(nh * hd for nh, _, hd, _, _ in shapes)), dtype=f32)
         self.k = torch.empty((1, max(nkv * hd for _, nkv, hd, _, _ in shapes)), dtype=f32)
         self.v = torch.empty((1, max(nkv * hdv for _, nkv, _, hdv, _ in shapes)), dtype=f32)
         self.a = torch.empty((1, max(nh * hdv for nh, _, _, hdv, _ in shapes)), dtype=f32)
@@ -204,6 +234,14 @@ class FastDecode:
             if not any(r is s[4] for r in self.ropes):
                 self.ropes.append(s[4])
         blocks = m.blocks
+        dnets = [_dnet(fl.dnet) for fl in fls]
+        # a Gated DeltaNet layer's projections (qkv, beta, alpha, z) and its ms_dnet_decode output
+        sizes = [(d[2][5], d[2][1], d[2][1] * d[2][3]) for d in dnets if d is not None] or [(0, 0, 0)]
+        self.dqkv = torch.empty(max(c for c, _, _ in sizes), dtype=f32)
+        self.dbeta = torch.empty(max(v for _, v, _ in sizes), dtype=f32)
+        self.dalpha = torch.empty_like(self.dbeta)
+        self.dz = torch.empty(max(z for _, _, z in sizes), dtype=f32)
+        self.dy = torch.empty_like(self.dz)
         self.layers = []
         for i, b in enumerate(blocks):
             # the last layer leaves x un-normed: the family's own ``head`` norms it
@@ -213,7 +251,7 @@ class FastDecode:
             head = not fl.whole_norm
             # (per-head q, k norms, the whole projections' norms, q/k/v biases, ms_attn_block's RoPE mode, scale,
             # the index of the layer's RoPE in self.ropes, window, sinks, o bias, the layer's shapes, V norm, V = K,
-            # the cache it reads, post-attention norm)
+            # the cache it reads, post-attention norm, the q head stride)
             attn = (_ptr(fl.q_norm) if head else None, _ptr(fl.k_norm) if head else None,
                     None if head else (_ptr(fl.q_norm), _ptr(fl.k_norm)),
                     None if fl.biases is None else [(yp, _ptr(t), rows) for yp, t, rows in zip(
@@ -222,7 +260,13 @@ class FastDecode:
                     2 if fl.deinterleave else int(rope.interleaved), fl.scale,
                     next(j for j, r in enumerate(self.ropes) if r is rope), int(fl.window or 0), _ptr(fl.sinks),
                     _ptr(fl.o_bias), nh, nkv, hd, hdv, fl.v_norm, fl.v_is_k,
-                    i if fl.kv_layer is None else fl.kv_layer, _ptr(fl.attn_post_norm))
+                    i if fl.kv_layer is None else fl.kv_layer, _ptr(fl.attn_post_norm),
+                    hd * (2 if fl.q_gate is not None else 1))
+            # (the family's mixer, (its q gate, views of the attention output and of the q projection), the DeltaNet
+            # layer the step computes)
+            hooks = (fl.mixer, None if fl.q_gate is None else (fl.q_gate, self.a[:, :nh * hdv],
+                                                                self.q[:, :2 * nh * hd].view(1, nh, 2 * hd)),
+                     dnets[i])
             moe = moes[i]
             if moe is None:  # MoEModel.dense: SwiGLU of h
                 ffn = (b["gate"], b["up"], b["down"])
@@ -241,7 +285,8 @@ class FastDecode:
                 ffn = (route, fl.shared, None if self.streaming else tabs[i].ctypes.data, moe_spec, gem)
             out_scale = None if fl.out_scale is None else np.float32(fl.out_scale.reshape(-1)[0].item())
             fn = fl.router_norm if fl.router_norm is not None else b["ffn_norm"]
-            self.layers.append((i, *specs[i], attn, _ptr(fn), moe is None, ffn, _ptr(nxt), (fl.tail, out_scale)))
+            self.layers.append((i, *specs[i], attn, _ptr(fn), moe is None, ffn, _ptr(nxt), (fl.tail, out_scale),
+                                hooks))
         #: resident: int64 [3, n_experts] per layer, each expert's gate, up and down address (the layers point into
         #: them); streaming: per layer, (int64 [3, n_slots] each slot's matrices' first row, [the store's lead
         #: arrays of gate, up, down]): a slot's expert starts lead[slot] bytes into its row
@@ -253,8 +298,14 @@ class FastDecode:
     def _cache_ptrs(self, cache: Any) -> list[tuple[int | None, int | None]]:
         c = self._cache
         if c is None or c[0]() is not cache:
-            c = self._cache = (weakref.ref(cache), [(_ptr(k), _ptr(v)) for k, v in zip(cache.k, cache.v,
-                                                                                       strict=True)])
+            if isinstance(cache.k, dict):  # keyed by layer (qwen35moe's HybridCache: K, V of the attention layers,
+                # conv and recurrent state of the DeltaNet layers)
+                conv, ssm = getattr(cache, "conv", {}), getattr(cache, "ssm", {})
+                kv = [(_ptr(cache.k.get(i)), _ptr(cache.v.get(i)), _ptr(conv.get(i)), _ptr(ssm.get(i)))
+                      for i in range(len(self.layers))]
+            else:
+                kv = [(_ptr(k), _ptr(v)) for k, v in zip(cache.k, cache.v, strict=True)]
+            c = self._cache = (weakref.ref(cache), kv)
         return c[1]
 
     def step(self, tokens: torch.Tensor, start: int, cache: Any) -> torch.Tensor:
@@ -262,7 +313,8 @@ class FastDecode:
         m, lib = self.model, self.lib
         nt = kernels.threads()
         n, eps, top_k = self.x_dim, m.eps, m.top_k
-        step = Step(tokens, [Seq(cache, start, 1)])  # for the family's own embed, tail and head
+        step = Step(tokens, [Seq(cache, start, 1)])  # for the family's own embed, tail, mixer and head
+        m.begin_step(step)  # the family's check of the cache (qwen35moe: its recurrent state's position)
         x = m.embed(step).contiguous()  # [1, hidden]: the residual stream, updated in place
         xp, hp, qp, kp, vp, ap, op = (x.data_ptr(), self.h.data_ptr(), self.q.data_ptr(), self.k.data_ptr(),
                                       self.v.data_ptr(), self.a.data_ptr(), self.o.data_ptr())
@@ -280,46 +332,68 @@ class FastDecode:
         look = streaming and m.opts.prefetch  # the router lookahead
         overlap = m.opts.overlap
         lib.ms_residual_norm(1, n, xp, None, 0, self.attn_norm0, eps, hp, nt)
-        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale)) in self.layers:
+        dqp, dbp, dap, dzp, dyp = (t.data_ptr() for t in (self.dqkv, self.dbeta, self.dalpha, self.dz, self.dy))
+        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale), (mixer, gate, dn)) in self.layers:
             if look:
                 m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
-            (qn, kn, whole, biases, mode, scale, r, window, sinks, o_bias, n_head, n_kv, hd, hdv, v_norm, v_is_k,
-             src, post) = attn
-            n_rot, cos_p, sin_p = tables[r]
-            kernels.linear_to(q_s, hp, 1, qp, lib)
-            if src == i:  # the layer's own K/V: its rows written, then attention (ms_attn_block)
-                kernels.linear_to(k_s, hp, 1, kp, lib)
-                if v_s is not None:
-                    kernels.linear_to(v_s, hp, 1, vp, lib)
-                if biases is not None:  # y + b: one add per element (layers.linear_bias)
-                    for yp, bp, rows in biases:
-                        lib.ms_residual_norm(1, rows, yp, bp, 0, None, 0.0, None, nt)
-                if whole is not None:  # RMSNorm of each whole projection, in place (olmoe)
-                    lib.ms_rms_norm(1, n_head * hd, qp, n_head * hd, whole[0], eps, qp, n_head * hd, nt)
-                    lib.ms_rms_norm(1, n_kv * hd, kp, n_kv * hd, whole[1], eps, kp, n_kv * hd, nt)
-                vsp = kp if v_is_k else vp
-                if v_norm:  # each V head's RMSNorm without weight, from the raw projection (Gemma 4)
-                    lib.ms_rms_norm(n_kv, hdv, vsp, hdv, None, eps, vp, hdv, nt)
-                    vsp = vp
-                kcp, vcp = kv[i]
-                rc = lib.ms_attn_block(1, n_head, n_kv, hd, hdv, qp, n_head * hd, hd, kp, n_kv * hd, hd, vsp,
-                                       n_kv * hdv, hdv, qn, kn, eps, n_rot, mode, cos_p, sin_p, kcp, n_kv * hd, hd,
-                                       vcp, n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
-            else:  # a shared-KV layer: its queries normed and rotated (as rms_norm, Rope), attention over src's cache
-                if qn is not None:
-                    lib.ms_rms_norm(n_head, hd, qp, hd, qn, eps, qp, hd, nt)
-                lib.ms_rope(1, n_head, hd, n_rot, mode, qp, n_head * hd, hd, cos_p, sin_p, qrp, n_head * hd, hd, nt)
-                kcp, vcp = kv[src]
-                rc = lib.ms_attention(1, n_head, n_kv, hd, hdv, qrp, n_head * hd, hd, kcp, n_kv * hd, hd, vcp,
-                                      n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
-            if rc:
-                raise MemoryError("attention: out of memory for the score buffer")
-            kernels.linear_to(o_s, ap, 1, op, lib)
-            if o_bias is not None:  # W_o a + b_o, then the residual add
-                lib.ms_residual_norm(1, n, op, o_bias, 0, None, 0.0, None, nt)
-            if post is not None:  # the output projection's own RMSNorm before the residual (Gemma 4)
-                lib.ms_rms_norm(1, n, op, n, post, eps, op, n, nt)
-            lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
+            if dn is not None:  # a Gated DeltaNet layer, as the family's delta_net computes a CPU decode
+                (qkv_s, beta_s, alpha_s, z_s, out_s), (cw, dt, av, nw), (n_k, n_v, d_k, d_v, k_w, c_dim) = dn[:3]
+                kernels.linear_to(qkv_s, hp, 1, dqp, lib)
+                kernels.linear_to(beta_s, hp, 1, dbp, lib)
+                kernels.linear_to(alpha_s, hp, 1, dap, lib)
+                kernels.linear_to(z_s, hp, 1, dzp, lib)
+                conv_p, ssm_p = kv[i][2:]
+                if lib.ms_dnet_decode(c_dim, k_w, n_k, n_v, d_k, d_v, dqp, conv_p, cw, dbp, dap, dt, av, ssm_p, dzp,
+                                      nw, eps, dyp, nt):
+                    raise ValueError(f"dnet_decode: {n_v} value heads over {n_k} key heads (d_k {d_k}, d_v {d_v}) "
+                                     f"do not fit a conv of {c_dim} channels")
+                kernels.linear_to(out_s, dyp, 1, op, lib)
+                lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
+            elif mixer is not None:  # the family's own mixer on h (Qwen 3.5's Gated DeltaNet), x += its output
+                y = mixer(self.h, step).contiguous()
+                lib.ms_residual_norm(1, n, xp, y.data_ptr(), 0, fn, eps, hp, nt)
+            else:
+                (qn, kn, whole, biases, mode, scale, r, window, sinks, o_bias, n_head, n_kv, hd, hdv, v_norm, v_is_k,
+                 src, post, qhs) = attn
+                n_rot, cos_p, sin_p = tables[r]
+                kernels.linear_to(q_s, hp, 1, qp, lib)
+                if src == i:  # the layer's own K/V: its rows written, then attention (ms_attn_block)
+                    kernels.linear_to(k_s, hp, 1, kp, lib)
+                    if v_s is not None:
+                        kernels.linear_to(v_s, hp, 1, vp, lib)
+                    if biases is not None:  # y + b: one add per element (layers.linear_bias)
+                        for yp, bp, rows in biases:
+                            lib.ms_residual_norm(1, rows, yp, bp, 0, None, 0.0, None, nt)
+                    if whole is not None:  # RMSNorm of each whole projection, in place (olmoe)
+                        lib.ms_rms_norm(1, n_head * hd, qp, n_head * hd, whole[0], eps, qp, n_head * hd, nt)
+                        lib.ms_rms_norm(1, n_kv * hd, kp, n_kv * hd, whole[1], eps, kp, n_kv * hd, nt)
+                    vsp = kp if v_is_k else vp
+                    if v_norm:  # each V head's RMSNorm without weight, from the raw projection (Gemma 4)
+                        lib.ms_rms_norm(n_kv, hdv, vsp, hdv, None, eps, vp, hdv, nt)
+                        vsp = vp
+                    kcp, vcp = kv[i][:2]
+                    rc = lib.ms_attn_block(1, n_head, n_kv, hd, hdv, qp, n_head * qhs, qhs, kp, n_kv * hd, hd, vsp,
+                                           n_kv * hdv, hdv, qn, kn, eps, n_rot, mode, cos_p, sin_p, kcp, n_kv * hd, hd,
+                                           vcp, n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
+                else:  # a shared-KV layer: its queries normed and rotated (rms_norm, Rope), attention over src's cache
+                    if qn is not None:
+                        lib.ms_rms_norm(n_head, hd, qp, hd, qn, eps, qp, hd, nt)
+                    lib.ms_rope(1, n_head, hd, n_rot, mode, qp, n_head * hd, hd, cos_p, sin_p, qrp, n_head * hd, hd, nt)
+                    kcp, vcp = kv[src][:2]
+                    rc = lib.ms_attention(1, n_head, n_kv, hd, hdv, qrp, n_head * hd, hd, kcp, n_kv * hd, hd, vcp,
+                                          n_kv * hdv, hdv, start, window, sinks, scale, 0.0, ap, n_head * hdv, nt)
+                if rc:
+                    raise MemoryError("attention: out of memory for the score buffer")
+                if gate is None:
+                    kernels.linear_to(o_s, ap, 1, op, lib)
+                else:  # the output projection of the family's gated attention output (torch: Qwen 3.5's sigmoid gate)
+                    y = gate[0](gate[1], gate[2]).contiguous()
+                    kernels.linear_to(o_s, y.data_ptr(), 1, op, lib)
+                if o_bias is not None:  # W_o a + b_o, then the residual add
+                    lib.ms_residual_norm(1, n, op, o_bias, 0, None, 0.0, None, nt)
+                if post is not None:  # the output projection's own RMSNorm before the residual (Gemma 4)
+                    lib.ms_rms_norm(1, n, op, n, post, eps, op, n, nt)
+                lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
             plain = tail is None and out_scale is None  # x's next norm fused into its last add
             if dense:  # x + SwiGLU(h), as MoEModel.dense
                 y = layers.swiglu_ffn(*ffn[:3], self.h).contiguous()
@@ -379,6 +453,7 @@ class FastDecode:
                 np.multiply(xn, out_scale, out=xn)
             if nxt:
                 lib.ms_rms_norm(1, n, xp, n, nxt, eps, hp, n, nt)
+        m.end_step(step)  # (qwen35moe: cache.pos advanced) before the head, as the eager step
         return m.head(x, step)
 
     def _shared(self, i: int, x: torch.Tensor) -> None:
@@ -439,6 +514,21 @@ class FastDecode:
         kernels.moe_to(spec, self.pairs, n, hp, 1, outp, at=at)
 
 
+def _dnet(d: tuple | None) -> tuple | None:
+    """FastLayer.dnet as the step's call needs it: ((qkv, beta, alpha, z, out) specs, (conv_w, dt, a, norm_w)
+    addresses, (n_k, n_v, d_k, d_v, K, conv_dim), the contiguous tensors kept); None without one or where a Weight
+    is not on the C kernels (then the layer's ``mixer``)."""
+    if d is None:
+        return None
+    specs = tuple(_spec(w) for w in d[:5])
+    if None in specs:
+        return None
+    ts = tuple(t.contiguous() for t in d[5:9])
+    cw, _, a, nw = ts
+    n_k, (c_dim, k_w), n_v, d_v = int(d[9]), cw.shape, a.numel(), nw.numel()
+    return specs, tuple(t.data_ptr() for t in ts), (n_k, n_v, (c_dim - n_v * d_v) // (2 * n_k), d_v, k_w, c_dim), ts
+
+
 def plan(model: Any) -> FastDecode | None:
     """The fast decode step of ``model`` when it fits it (see the module docstring), else None. Kept on the model
     and made again when its store changes."""
@@ -466,14 +556,19 @@ def plan(model: Any) -> FastDecode | None:
         if fl is None:
             return None
         own_kv = fl.kv_layer in (None, i)
-        if not own_kv and (fl.whole_norm or fl.deinterleave or fl.biases is not None):
+        if not own_kv and (fl.whole_norm or fl.deinterleave or fl.biases is not None or fl.q_gate is not None):
             return None  # a shared-KV layer's queries: per-head norm and NEOX RoPE only
-        # q, k, v, o; a layer without its own K/V has no k, v; with ``v_is_k`` no v
-        s = [_spec(b["q"]), _spec(b["k"]) if own_kv else None, _spec(b["v"]) if own_kv and not fl.v_is_k else None,
-             _spec(b["o"])]
         moe = b.get("moe")
-        if None in (s[0], s[3]) or (own_kv and s[1] is None) or (own_kv and not fl.v_is_k and s[2] is None) or (
-                moe is None and (not own_dense or fl.post_norms or fl.tail or fl.out_scale is not None)) or (
+        if fl.mixer is not None or fl.dnet is not None:  # a DeltaNet layer or the family's own mixer: no q, k, v, o
+            s = [None] * 4
+        else:  # q, k, v, o; a layer without its own K/V has no k, v; with ``v_is_k`` no v
+            s = [_spec(b["q"]), _spec(b["k"]) if own_kv else None,
+                 _spec(b["v"]) if own_kv and not fl.v_is_k else None, _spec(b["o"])]
+            if None in (s[0], s[3]) or (own_kv and s[1] is None) or (own_kv and not fl.v_is_k and s[2] is None):
+                return None
+        if fl.mixer is None and fl.dnet is not None and _dnet(fl.dnet) is None:
+            return None  # a DeltaNet layer off the C kernels, without the family's mixer
+        if (moe is None and (not own_dense or fl.post_norms or fl.tail or fl.out_scale is not None)) or (
                 fl.post_norms is not None and not fl.shared):
             return None
         t = None
