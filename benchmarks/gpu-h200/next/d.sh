@@ -3,12 +3,8 @@
 # segments): test_cuda whole (embedded model, Q8_0) + the gemma4 Q4_K_M fixture + test_tkernels -k gemv2;
 # gemv_ab --check; the lean segmented step profiled. llama.cpp and the bench models built behind.
 set -uo pipefail
-export MOESTREAM_GEMV2_B32=${MOESTREAM_GEMV2_B32:-1} MOESTREAM_LEAN_SEGMENTS=${MOESTREAM_LEAN_SEGMENTS:-1}  # the opt-in paths under test
-cd "$(dirname "$0")/../../.."
-OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT" /tmp/logs; export PYTHONUNBUFFERED=1
-T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site build/gpuL4/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
+export MOESTREAM_GEMV2_B32=${MOESTREAM_GEMV2_B32:-0} MOESTREAM_LEAN_SEGMENTS=${MOESTREAM_LEAN_SEGMENTS:-1}  # the lean segments under test alone (the B32 lanes faulted with them in session 8)
+source "$(dirname "$0")/env.sh"
 [ -x /tmp/llb/build/bin/llama-bench ] || setsid nohup python3 tools/llamacpp_cuda.py build build/gpuL4/llama.cpp-cuda-slim.tar.xz /tmp/llb -j10 --targets llama-bench > /tmp/logs/llb.log 2>&1 < /dev/null &
 [ -e /tmp/bm.done ] || setsid nohup bash -c "python3 tools/make_bench_model.py --type Q4_K_M --layers 32 -o /tmp/q32.gguf --tokenizer-from src/moestream/data/default.gguf; touch /tmp/q32.done; python3 tools/make_bench_model.py --arch gemma4 --type Q4_0 --layers 30 -o /tmp/g30.gguf --tokenizer-from src/moestream/data/default.gguf; touch /tmp/bm.done" > /tmp/logs/make.log 2>&1 < /dev/null &
 git log --oneline -1 > /tmp/logs/commit.txt 2>/dev/null

@@ -2,11 +2,8 @@
 # session 7, lease 2 call E: the README's GPU rows beside llama.cpp in one lease (q32 and g30 every expert in VRAM;
 # the tier's prefill batch A/B; the 8 GiB capped row with the lean segments on and off)
 set -uo pipefail
-export MOESTREAM_GEMV2_B32=${MOESTREAM_GEMV2_B32:-1} MOESTREAM_LEAN_SEGMENTS=${MOESTREAM_LEAN_SEGMENTS:-1}  # the opt-in paths under test
-cd "$(dirname "$0")/../../.."
-OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT" /tmp/logs; export PYTHONUNBUFFERED=1
-T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
+export MOESTREAM_GEMV2_B32=${MOESTREAM_GEMV2_B32:-0} MOESTREAM_LEAN_SEGMENTS=${MOESTREAM_LEAN_SEGMENTS:-1}  # the lean segments under test alone (the B32 lanes faulted with them in session 8)
+source "$(dirname "$0")/env.sh"
 LLB=/tmp/llb/build/bin/llama-bench
 for i in $(seq 1 60); do [ -x $LLB ] && [ -e /tmp/bm.done ] && break; sleep 3; done
 t "llama-bench $(ls $LLB 2>&1)"

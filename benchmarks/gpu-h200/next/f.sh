@@ -2,11 +2,7 @@
 # session 7 (for the next GPU session), call F: issue 25's capped row on the 16 cores (q32 in a 6 GiB cgroup,
 # O_DIRECT, 16 threads) with the C read threads, MOESTREAM_READ_SPLIT off and on, and the per-layer profile
 set -uo pipefail
-cd "$(dirname "$0")/../../.."
-OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT" /tmp/logs; export PYTHONUNBUFFERED=1
-T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site build/gpuL4/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
+source "$(dirname "$0")/env.sh"
 [ -e /tmp/q32.done ] || { python3 tools/make_bench_model.py --type Q4_K_M --layers 32 -o /tmp/q32.gguf --tokenizer-from src/moestream/data/default.gguf > /tmp/logs/make.log 2>&1 && touch /tmp/q32.done; }
 for s in 0 1; do
   MOESTREAM_READ_SPLIT=$s timeout 150 python3 -m moestream bench -m /tmp/q32.gguf -p 64 -n 16 -r 1 -t 16 --device cpu --mem-cap 6G \

@@ -4,11 +4,7 @@
 # joined the fast C decode step on 2026-12-05: gpt-oss (gpt-oss-20b's config, 24 layers, MXFP4 experts) and gemma4
 # (g30: the Gemma-4-26B-A4B shape, Q4_0)
 set -uo pipefail
-cd "$(dirname "$0")/../../.."
-OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT" /tmp/logs; export PYTHONUNBUFFERED=1
-T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site build/gpuL4/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
+source "$(dirname "$0")/env.sh"
 LLB=/tmp/llb/build/bin/llama-bench
 [ -e /tmp/oss.done ] || { python3 tools/make_bench_model.py --arch gpt-oss --layers 24 -o /tmp/oss24.gguf \
   --tokenizer-from src/moestream/data/default.gguf > /tmp/logs/make_oss.log 2>&1 && touch /tmp/oss.done; }
