@@ -166,6 +166,30 @@ def test_lean_segmented_step_equals_resident_step(monkeypatch) -> None:  # noqa:
         assert_bitwise(runs[how][1:], resident[1:])
 
 
+def test_resident_step_tables_follow_the_store_object(monkeypatch) -> None:  # noqa: ANN001
+    """``MoE.resident_step`` keeps its device tables (offsets between one store's pools) for that store object:
+    a store made after another was dropped, even at the same address (Python id), gets tables of its own."""
+    from moestream.gpu import tmoe
+
+    monkeypatch.setattr(tmoe, "ON_CPU", True)
+    model, moes = _grouped_model(4)
+    moe = moes[0]
+    made = []
+    real = moe._device_tables
+    monkeypatch.setattr(moe, "_device_tables", lambda store, *a: made.append(id(store)) or real(store, *a))
+    x = torch.randn(1, model.n_embd)
+    ids = torch.arange(model.top_k, dtype=torch.int64)[None]
+    w = torch.full((1, model.top_k), 1.0 / model.top_k)
+    outs = []
+    for _ in range(3):
+        store = ResidentStore(model.gguf, model.layout)
+        outs.append(moe.resident_step(store, x, ids, w))
+        moe.resident_step(store, x, ids, w)  # the same store again: its tables kept
+        del store
+    assert len(made) == 3, made
+    assert_bitwise(outs[1:], outs[:1] * 2)
+
+
 def test_device_planned_step_equals_resident_step(monkeypatch) -> None:  # noqa: ANN001
     """The device-planned step (experts/devplan.py: the host tier holds every expert; hits found in the device table,
     misses copied from the tier into shared scratch rows by the gather kernel, all inside the step) gives the bits of

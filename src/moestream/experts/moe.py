@@ -596,11 +596,14 @@ class MoE:
         dev = x.device
         top_k = ids.shape[1]
         plan = getattr(store, "plan", None) if planned is None else planned
-        key = (id(store), top_k, dev, id(plan))
+        # kept per (store, plan) object, not per id(): a closed store's id is soon another store's, and its tables
+        # (offsets between that store's pools) must never address the new one's
         const = getattr(self, "_dev_const", None)
-        if const is None or const[0] != key:
-            const = self._dev_const = (key, self._device_tables(store, top_k, dev, plan))
-        c = const[1]
+        if (const is None or const[0]() is not store or const[1] != (top_k, dev)
+                or (const[2] is None) != (plan is None) or (plan is not None and const[2]() is not plan)):
+            const = self._dev_const = (weakref.ref(store), (top_k, dev), None if plan is None else weakref.ref(plan),
+                                       self._device_tables(store, top_k, dev, plan))
+        c = const[3]
         if self.expert_scale is not None:
             weights = weights * self.expert_scale[ids]  # real ids (= slot ids here), as in __call__
         flat = ids.reshape(-1)

@@ -113,19 +113,20 @@ class DecodeGraphs:
         on_replay()
         return out.clone()
 
-    def segment(self, key: tuple, fn: Callable[..., tuple], inputs: tuple, cache: object,
+    def segment(self, key: tuple, fn: Callable[..., tuple], inputs: tuple, cache: object, store: object,
                 addresses: tuple) -> tuple | None:
         """``fn(*inputs)`` (a tuple of tensors, nothing from the host) replayed from a graph captured for ``key`` on
         first use; None when graphs are off. ``inputs``: tensors (or None) copied into the graph's own input
-        buffers before each replay; ``cache`` and ``addresses`` as in :meth:`step` (another cache or other
-        addresses drop every graph). The returned tensors are the graph's output buffers: overwritten by its next
-        replay (the caller uses them before that, or copies them)."""
+        buffers before each replay; ``cache``, ``store`` and ``addresses`` as in :meth:`step` (another cache,
+        store or other addresses drop every graph, the whole-step ones too: the lean segments read the store's
+        pools and the MoE layers' device tables, which another store replaces). The returned tensors are the
+        graph's output buffers: overwritten by its next replay (the caller uses them before that, or copies them)."""
         if self.off_reason is not None:
             return None
         at = _addresses(cache)
-        if self._cache != at or self._key != addresses:
+        if self._cache != at or self._store is None or self._store() is not store or self._key != addresses:
             self.clear()
-            self._cache, self._store, self._key = at, None, addresses
+            self._cache, self._store, self._key = at, weakref.ref(store), addresses
         g = self._segments.get(key)
         if g is None:
             dev = cache_tensors(cache)[0].device

@@ -293,7 +293,7 @@ class Runner:
                     self._data_keys = sorted(step.data)
                 return (*out, *(step.data[k] for k in self._data_keys)) if j < len(segs) - 1 else out
 
-            out = self.graphs.segment((n_keys, j), seg, (x, routed, sh, pos, *data), cache, key)
+            out = self.graphs.segment((n_keys, j), seg, (x, routed, sh, pos, *data), cache, m.store, key)
             if out is None:  # a capture failed: the rest of this step (and every later one) eagerly
                 out = seg(x, routed, sh, pos, *data)
             if j == len(segs) - 1:
@@ -330,7 +330,7 @@ class Runner:
                     self._data_keys = sorted(step.data)
                 return (*out, *(step.data[k] for k in self._data_keys)) if j < len(segs) - 1 else out
 
-            out = self.graphs.segment((n_keys, j, "lean"), seg, (x, h, ids, w, pos, *data), cache, key)
+            out = self.graphs.segment((n_keys, j, "lean"), seg, (x, h, ids, w, pos, *data), cache, store, key)
             if out is None:  # a capture failed: the rest of this step (and every later one) eagerly
                 out = seg(x, h, ids, w, pos, *data)
             if j:
