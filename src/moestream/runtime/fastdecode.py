@@ -135,7 +135,18 @@ class FastLayer:
     [conv_dim, K], dt [n_v], a [n_v], norm_w [d_v]) and n_k (int): a Gated DeltaNet layer the step computes itself
     as the family's decode does (the four projections of h by ms_linear into kept buffers, ms_dnet_decode on the
     cache's ``conv[i]`` and ``ssm[i]``, the output projection: kernels.dnet_decode's call); where one of the five
-    Weights is not on the C kernels, ``mixer`` runs instead."""
+    Weights is not on the C kernels, ``mixer`` runs instead.
+
+    DeepSeek-V2/V3's MLA, absorbed (models/deepseek2.py): ``mla`` = (q_a, q_a_norm, q, kv_a, kv_a_norm, k_b, v_b,
+    r, nope, rot, dv): queries ``q`` (Weight, [H x (nope + rot), cols]) of h, or of RMSNorm(q_a h) by q_a_norm
+    (the q LoRA; q_a None: none); the latent ``kv_a h`` = [c | k_pe] (r + rot), the cache row [RMSNorm(c) by
+    kv_a_norm | RoPE(k_pe)] written in place (one KV head of r + rot dims); each head's [k_b[h] q_nope | RoPE(q_pe)]
+    (k_b, v_b: (uint8 [H x rows, row bytes], ggml type), ms_linear_heads, as kernels.linear_heads); attention over
+    the cache with the values its first r dims (K = V); v_b[h] of each head's output; the output projection. Such a
+    layer states ``n_head`` (H), ``n_kv`` (1) and ``head_dim`` (r + rot), the attention's shapes. ``router_scores``:
+    the family's torch code ``router_scores(logits) -> scores`` (float32 [1, n_experts]; deepseek2's sigmoid or
+    softmax) between the router's linear and the C router, which then reads them as scores (``gating`` =
+    kernels.GATING_SCORES)."""
 
     scale: float
     q_norm: Any = None
@@ -172,6 +183,8 @@ class FastLayer:
     mixer: Any = None
     q_gate: Any = None
     dnet: tuple | None = None
+    mla: tuple | None = None
+    router_scores: Any = None
 
 
 def _spec(w: Any) -> tuple | None:
@@ -242,6 +255,13 @@ class FastDecode:
         self.dalpha = torch.empty_like(self.dbeta)
         self.dz = torch.empty(max(z for _, _, z in sizes), dtype=f32)
         self.dy = torch.empty_like(self.dz)
+        mlas = [_mla(fl.mla) for fl in fls]
+        # an MLA layer's q projection (H x (nope + rot)), q LoRA (rank) and the up-projected heads' output (H x dv);
+        # its absorbed queries, latent and attention output use self.q, self.k and self.a
+        dims = [ml[7] for ml in mlas if ml is not None] or [(0, 0, 0, 0, 0, 0)]
+        self.mq = torch.empty(max(h * (nope + rot) for h, nope, rot, _, _, _ in dims), dtype=f32)
+        self.mqa = torch.empty(max(qr for *_, qr in dims), dtype=f32)
+        self.mo = torch.empty(max(h * dv for h, _, _, _, dv, _ in dims), dtype=f32)
         self.layers = []
         for i, b in enumerate(blocks):
             # the last layer leaves x un-normed: the family's own ``head`` norms it
@@ -266,7 +286,7 @@ class FastDecode:
             # layer the step computes)
             hooks = (fl.mixer, None if fl.q_gate is None else (fl.q_gate, self.a[:, :nh * hdv],
                                                                 self.q[:, :2 * nh * hd].view(1, nh, 2 * hd)),
-                     dnets[i])
+                     dnets[i], mlas[i])
             moe = moes[i]
             if moe is None:  # MoEModel.dense: SwiGLU of h
                 ffn = (b["gate"], b["up"], b["down"])
@@ -277,7 +297,7 @@ class FastDecode:
                             down.bytes_per_expert // down.rows, n, moe.n_ff, moe.kernel_act,
                             kernels.bias_ptrs(moe.kernel_bias))
                 route = (b["router"], int(fl.gating), _ptr(fl.route_bias), fl.n_group, fl.topk_group,
-                         int(fl.norm_topk), fl.floor, fl.route_scale, b if fl.own_gate else None)
+                         int(fl.norm_topk), fl.floor, fl.route_scale, b if fl.own_gate else None, fl.router_scores)
                 es = None if moe.expert_scale is None else moe.expert_scale.contiguous().numpy()
                 # (router input multiplier, experts' input norm, per-expert scale by real id, post norms)
                 gem = (fl.router_mul, _ptr(fl.moe_norm), es,
@@ -333,7 +353,9 @@ class FastDecode:
         overlap = m.opts.overlap
         lib.ms_residual_norm(1, n, xp, None, 0, self.attn_norm0, eps, hp, nt)
         dqp, dbp, dap, dzp, dyp = (t.data_ptr() for t in (self.dqkv, self.dbeta, self.dalpha, self.dz, self.dy))
-        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale), (mixer, gate, dn)) in self.layers:
+        mqp, mqap, mop = self.mq.data_ptr(), self.mqa.data_ptr(), self.mo.data_ptr()
+        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale), (mixer, gate, dn, mla)) in \
+                self.layers:
             if look:
                 m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
             if dn is not None:  # a Gated DeltaNet layer, as the family's delta_net computes a CPU decode
@@ -348,6 +370,36 @@ class FastDecode:
                     raise ValueError(f"dnet_decode: {n_v} value heads over {n_k} key heads (d_k {d_k}, d_v {d_v}) "
                                      f"do not fit a conv of {c_dim} channels")
                 kernels.linear_to(out_s, dyp, 1, op, lib)
+                lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
+            elif mla is not None:  # DeepSeek's MLA, absorbed, as the family's ``mix`` computes it
+                (qa_s, qan, mq_s, kva_s, kvan, (kb, t_kb, rb_kb), (vb, t_vb, rb_vb),
+                 (n_head, nope, rot, r, dv, q_rank)) = mla[:8]
+                hk, dk = nope + rot, r + rot
+                mode, scale, r_idx = attn[4:7]
+                n_rot, cos_p, sin_p = tables[r_idx]
+                if qa_s is not None:  # q = W_qb RMSNorm(W_qa h)
+                    kernels.linear_to(qa_s, hp, 1, mqap, lib)
+                    lib.ms_rms_norm(1, q_rank, mqap, q_rank, qan, eps, mqap, q_rank, nt)
+                    kernels.linear_to(mq_s, mqap, 1, mqp, lib)
+                else:
+                    kernels.linear_to(mq_s, hp, 1, mqp, lib)
+                kernels.linear_to(kva_s, hp, 1, kp, lib)  # [c | k_pe]
+                kcp = kv[i][0]
+                row = kcp + 4 * start * dk  # the cache row: [RMSNorm(c) | RoPE(k_pe)]
+                lib.ms_rms_norm(1, r, kp, r, kvan, eps, row, r, nt)
+                lib.ms_rope(1, 1, rot, n_rot, mode, kp + 4 * r, dk, dk, cos_p, sin_p, row + 4 * r, dk, dk, nt)
+                # each head's query [k_b[h] q_nope | RoPE(q_pe)] (r + rot dims) into self.q
+                _heads(lib.ms_linear_heads(t_kb, kb, r * rb_kb, rb_kb, r, nope, n_head, mqp, n_head * hk, hk, 1, qp,
+                                           n_head * dk, dk, nt))
+                lib.ms_rope(1, n_head, rot, n_rot, mode, mqp + 4 * nope, n_head * hk, hk, cos_p, sin_p, qp + 4 * r,
+                            n_head * dk, dk, nt)
+                # one KV head, the values the first r dims of the keys (K = V)
+                if lib.ms_attention(1, n_head, 1, dk, r, qp, n_head * dk, dk, kcp, dk, dk, kcp, dk, dk, start, 0, None,
+                                    scale, 0.0, ap, n_head * r, nt):
+                    raise MemoryError("attention: out of memory for the score buffer")
+                _heads(lib.ms_linear_heads(t_vb, vb, dv * rb_vb, rb_vb, dv, r, n_head, ap, n_head * r, r, 1, mop,
+                                           n_head * dv, dv, nt))  # v_b[h] of each head's output
+                kernels.linear_to(o_s, mop, 1, op, lib)
                 lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
             elif mixer is not None:  # the family's own mixer on h (Qwen 3.5's Gated DeltaNet), x += its output
                 y = mixer(self.h, step).contiguous()
@@ -400,7 +452,7 @@ class FastDecode:
                 lib.ms_residual_norm(1, n, xp, y.data_ptr(), 0, nxt, eps, hp if nxt else None, nt)
                 continue
             route, has_shared, tabs, moe_s, (r_mul, moe_norm, e_scale, post_norms) = ffn
-            router, gating, r_bias, n_group, topk_group, norm_topk, floor, r_scale, gate_b = route
+            router, gating, r_bias, n_group, topk_group, norm_topk, floor, r_scale, gate_b, r_scores = route
             if r_mul != 1.0:  # the router's input times a scalar, as a float32 multiply (Gemma 4's 1/sqrt(hidden))
                 hn = self.h.numpy()
                 np.multiply(hn, np.float32(r_mul), out=hn)
@@ -409,6 +461,8 @@ class FastDecode:
                 g = self.pairs.plan(ids.contiguous(), w.contiguous(), None if tabs is None else self.tabs[i])
             else:
                 logits = router.linear(self.h).contiguous()
+                if r_scores is not None:  # the family's own scores (torch: deepseek2's sigmoid or softmax)
+                    logits = r_scores(logits).contiguous()
                 g = lib.ms_route_plan(1, logits.shape[1], logits.data_ptr(), gating, r_bias, n_group, topk_group,
                                       top_k, norm_topk, floor, r_scale, idp, wp, tabs, 3, count, experts, pstart,
                                       ptok, pw, pdst, addr, cap, nt)
@@ -514,6 +568,14 @@ class FastDecode:
         kernels.moe_to(spec, self.pairs, n, hp, 1, outp, at=at)
 
 
+def _heads(rc: int) -> None:
+    """ms_linear_heads's return code as kernels.linear_heads raises it."""
+    if rc == -1:
+        raise ValueError("linear_heads: the kernels do not compute this type at these sizes")
+    if rc == -2:
+        raise MemoryError("linear_heads: out of memory for the activation blocks")
+
+
 def _dnet(d: tuple | None) -> tuple | None:
     """FastLayer.dnet as the step's call needs it: ((qkv, beta, alpha, z, out) specs, (conv_w, dt, a, norm_w)
     addresses, (n_k, n_v, d_k, d_v, K, conv_dim), the contiguous tensors kept); None without one or where a Weight
@@ -527,6 +589,27 @@ def _dnet(d: tuple | None) -> tuple | None:
     cw, _, a, nw = ts
     n_k, (c_dim, k_w), n_v, d_v = int(d[9]), cw.shape, a.numel(), nw.numel()
     return specs, tuple(t.data_ptr() for t in ts), (n_k, n_v, (c_dim - n_v * d_v) // (2 * n_k), d_v, k_w, c_dim), ts
+
+
+def _mla(d: tuple | None) -> tuple | None:
+    """FastLayer.mla as the step's calls need it: (q_a spec (None without the q LoRA), q_a_norm address, q spec,
+    kv_a spec, kv_a_norm address, (k_b address, type, row bytes), (v_b ...), (H, nope, rot, r, dv, q LoRA rank), the
+    contiguous norms kept); None without one or where a projection is not on the C kernels or the shapes do not
+    fit."""
+    if d is None:
+        return None
+    q_a, q_a_norm, q, kv_a, kv_a_norm, (kb, t_kb), (vb, t_vb), r, nope, rot, dv = d
+    qa_s, q_s, kva_s = (None if q_a is None else _spec(q_a)), _spec(q), _spec(kv_a)
+    if None in (q_s, kva_s) or (q_a is not None and qa_s is None) or not (kb.is_contiguous() and vb.is_contiguous()):
+        return None
+    hk = nope + rot
+    n_head = q_s[3] // hk
+    if (q_s[3] != n_head * hk or kva_s[3] != r + rot or kb.shape[0] != n_head * r or vb.shape[0] != n_head * dv
+            or not (kernels.computes(t_kb, nope) and kernels.computes(t_vb, r))):
+        return None
+    norms = tuple(None if t is None else t.contiguous() for t in (q_a_norm, kv_a_norm))
+    return (qa_s, _ptr(norms[0]), q_s, kva_s, _ptr(norms[1]), (kb.data_ptr(), int(t_kb), kb.shape[1]),
+            (vb.data_ptr(), int(t_vb), vb.shape[1]), (n_head, nope, rot, r, dv, 0 if qa_s is None else qa_s[3]), norms)
 
 
 def plan(model: Any) -> FastDecode | None:
@@ -559,7 +642,11 @@ def plan(model: Any) -> FastDecode | None:
         if not own_kv and (fl.whole_norm or fl.deinterleave or fl.biases is not None or fl.q_gate is not None):
             return None  # a shared-KV layer's queries: per-head norm and NEOX RoPE only
         moe = b.get("moe")
-        if fl.mixer is not None or fl.dnet is not None:  # a DeltaNet layer or the family's own mixer: no q, k, v, o
+        if fl.mla is not None:  # MLA: its own projections (_mla), the output projection
+            s = [None, None, None, _spec(b["o"])]
+            if s[3] is None or _mla(fl.mla) is None:
+                return None
+        elif fl.mixer is not None or fl.dnet is not None:  # a DeltaNet layer or the family's own mixer: no q, k, v, o
             s = [None] * 4
         else:  # q, k, v, o; a layer without its own K/V has no k, v; with ``v_is_k`` no v
             s = [_spec(b["q"]), _spec(b["k"]) if own_kv else None,
