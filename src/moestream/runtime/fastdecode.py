@@ -1,5 +1,5 @@
-"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it, Gemma 4 and Qwen 3.5 too) as a
-handful of C calls per layer.
+"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it, Gemma 4, Qwen 3.5 and DeepSeek
+too) as a handful of C calls per layer.
 
 Between two matmuls a decode step has little arithmetic, but every torch op and Python frame there runs with cold
 caches (the matmul before it streamed tens of MB of weights through them): measured on a 2-core EPYC, an empty
@@ -48,6 +48,15 @@ calls the family's ``begin_step`` before the embedding and ``end_step`` before t
 (qwen35moe: the ValueError for a cache used at another position than its recurrent state's, ``cache.pos``
 advanced); a cache's ``k``/``v`` may be lists or dicts keyed by layer (qwen35moe's HybridCache).
 
+DeepSeek-V2/V3 (and GLM-4.7-Flash, written as deepseek2): a layer's MLA, absorbed as the family's ``mix`` computes
+it: the q projection of h (or of the q LoRA: ms_linear, ms_rms_norm in place, ms_linear), the latent projection
+[c | k_pe] into a kept buffer, the cache row written in place (ms_rms_norm of c by kv_a_norm, ms_rope of k_pe),
+each head's absorbed query [attn_k_b[h] q_nope | RoPE(q_pe)] (ms_linear_heads and ms_rope writing into one kept
+buffer, head stride kv_lora_rank + rope), ms_attention with one KV head whose values are the first kv_lora_rank
+dims of the keys, attn_v_b[h] of each head's output (ms_linear_heads), the output projection. Its router's
+sigmoid or softmax stays the family's torch code (``router_scores``: a C sigmoid or softmax would not give
+torch's bits), ms_route_plan then reads the scores as they are (bias, groups, renormalisation, scale).
+
 What differs between families is stated by the family (``MoEModel.fast_layer`` -> :class:`FastLayer`: its q/k norms,
 biases, RoPE layout, attention scale, top-k renormalisation, shared expert, per-layer shapes, Gemma 4's norms,
 scales and PLE hook, Qwen 3.5's mixer and query gate hooks), not written again here.
@@ -61,12 +70,13 @@ error is raised by ``store.wait`` as in the eager step; on any error after the s
 settle and their slots are emptied (``store.discard``, as MoE.__call__) before it propagates.
 
 It runs where :func:`plan` finds the model fits it: a family class that defines ``fast_layer`` itself (not inherited:
-qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss, gemma4, qwen35moe) and returns a FastLayer for every
-layer (a layer without routed experts: MoEModel.dense's SwiGLU only), every MoE layer fused (one ms_moe call:
+qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss, gemma4, qwen35moe, deepseek2) and returns a FastLayer for
+every layer (a layer without routed experts: MoEModel.dense's SwiGLU only), every MoE layer fused (one ms_moe call:
 MoE.fused), one sequence of one token on the CPU, the q, k, v and output projections (of each layer without the
-family's own mixer) and the experts on the C kernels (an F32 file's are not: the eager step), a resident
-store or a streaming one with host pools on the CPU (not the device-planned step of experts/devplan.py), no
-synthetic routing, the step kernels on (layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
+family's own mixer; an MLA layer's projections and its attn_k_b / attn_v_b) and the experts on the C kernels (an F32
+file's are not: the eager step), a resident store or a streaming one with host pools on the CPU (not the
+device-planned step of experts/devplan.py), no synthetic routing, the step kernels on (layers.C_RMS_NORM,
+C_ATTENTION). Anything else runs the eager step.
 """
 
 from __future__ import annotations
@@ -372,8 +382,7 @@ class FastDecode:
                 kernels.linear_to(out_s, dyp, 1, op, lib)
                 lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
             elif mla is not None:  # DeepSeek's MLA, absorbed, as the family's ``mix`` computes it
-                (qa_s, qan, mq_s, kva_s, kvan, (kb, t_kb, rb_kb), (vb, t_vb, rb_vb),
-                 (n_head, nope, rot, r, dv, q_rank)) = mla[:8]
+                qa_s, qan, mq_s, kva_s, kvan, kb_s, vb_s, (n_head, nope, rot, r, dv, q_rank) = mla[:8]
                 hk, dk = nope + rot, r + rot
                 mode, scale, r_idx = attn[4:7]
                 n_rot, cos_p, sin_p = tables[r_idx]
@@ -389,16 +398,15 @@ class FastDecode:
                 lib.ms_rms_norm(1, r, kp, r, kvan, eps, row, r, nt)
                 lib.ms_rope(1, 1, rot, n_rot, mode, kp + 4 * r, dk, dk, cos_p, sin_p, row + 4 * r, dk, dk, nt)
                 # each head's query [k_b[h] q_nope | RoPE(q_pe)] (r + rot dims) into self.q
-                _heads(lib.ms_linear_heads(t_kb, kb, r * rb_kb, rb_kb, r, nope, n_head, mqp, n_head * hk, hk, 1, qp,
-                                           n_head * dk, dk, nt))
+                kernels.linear_heads_to(kb_s, mqp, (n_head * hk, hk), 1, qp, (n_head * dk, dk), lib)
                 lib.ms_rope(1, n_head, rot, n_rot, mode, mqp + 4 * nope, n_head * hk, hk, cos_p, sin_p, qp + 4 * r,
                             n_head * dk, dk, nt)
                 # one KV head, the values the first r dims of the keys (K = V)
                 if lib.ms_attention(1, n_head, 1, dk, r, qp, n_head * dk, dk, kcp, dk, dk, kcp, dk, dk, start, 0, None,
                                     scale, 0.0, ap, n_head * r, nt):
                     raise MemoryError("attention: out of memory for the score buffer")
-                _heads(lib.ms_linear_heads(t_vb, vb, dv * rb_vb, rb_vb, dv, r, n_head, ap, n_head * r, r, 1, mop,
-                                           n_head * dv, dv, nt))  # v_b[h] of each head's output
+                # each head's output up-projected: v_b[h] a_h
+                kernels.linear_heads_to(vb_s, ap, (n_head * r, r), 1, mop, (n_head * dv, dv), lib)
                 kernels.linear_to(o_s, mop, 1, op, lib)
                 lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
             elif mixer is not None:  # the family's own mixer on h (Qwen 3.5's Gated DeltaNet), x += its output
@@ -568,14 +576,6 @@ class FastDecode:
         kernels.moe_to(spec, self.pairs, n, hp, 1, outp, at=at)
 
 
-def _heads(rc: int) -> None:
-    """ms_linear_heads's return code as kernels.linear_heads raises it."""
-    if rc == -1:
-        raise ValueError("linear_heads: the kernels do not compute this type at these sizes")
-    if rc == -2:
-        raise MemoryError("linear_heads: out of memory for the activation blocks")
-
-
 def _dnet(d: tuple | None) -> tuple | None:
     """FastLayer.dnet as the step's call needs it: ((qkv, beta, alpha, z, out) specs, (conv_w, dt, a, norm_w)
     addresses, (n_k, n_v, d_k, d_v, K, conv_dim), the contiguous tensors kept); None without one or where a Weight
@@ -593,8 +593,8 @@ def _dnet(d: tuple | None) -> tuple | None:
 
 def _mla(d: tuple | None) -> tuple | None:
     """FastLayer.mla as the step's calls need it: (q_a spec (None without the q LoRA), q_a_norm address, q spec,
-    kv_a spec, kv_a_norm address, (k_b address, type, row bytes), (v_b ...), (H, nope, rot, r, dv, q LoRA rank), the
-    contiguous norms kept); None without one or where a projection is not on the C kernels or the shapes do not
+    kv_a spec, kv_a_norm address, k_b and v_b specs (kernels.linear_heads_to's), (H, nope, rot, r, dv, q LoRA rank),
+    the contiguous norms kept); None without one or where a projection is not on the C kernels or the shapes do not
     fit."""
     if d is None:
         return None
@@ -608,8 +608,10 @@ def _mla(d: tuple | None) -> tuple | None:
             or not (kernels.computes(t_kb, nope) and kernels.computes(t_vb, r))):
         return None
     norms = tuple(None if t is None else t.contiguous() for t in (q_a_norm, kv_a_norm))
-    return (qa_s, _ptr(norms[0]), q_s, kva_s, _ptr(norms[1]), (kb.data_ptr(), int(t_kb), kb.shape[1]),
-            (vb.data_ptr(), int(t_vb), vb.shape[1]), (n_head, nope, rot, r, dv, 0 if qa_s is None else qa_s[3]), norms)
+    kb_s = (int(t_kb), kb.data_ptr(), r * kb.shape[1], kb.shape[1], r, nope, n_head)  # kernels.linear_heads_to's
+    vb_s = (int(t_vb), vb.data_ptr(), dv * vb.shape[1], vb.shape[1], dv, r, n_head)
+    return (qa_s, _ptr(norms[0]), q_s, kva_s, _ptr(norms[1]), kb_s, vb_s,
+            (n_head, nope, rot, r, dv, 0 if qa_s is None else qa_s[3]), norms)
 
 
 def plan(model: Any) -> FastDecode | None:
