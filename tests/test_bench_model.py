@@ -1,6 +1,6 @@
 """tools/make_bench_model.py's random-block types (Q4_K, Q4_K_M, Q6_K, MXFP4): valid blocks of the asked std and mean
 about 0, bytes independent of the thread count, llama.cpp's Q4_K_M type mix, and files the engine runs (qwen3moe,
-gpt-oss)."""
+gpt-oss, deepseek2)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,41 @@ def test_gpt_oss_file_runs(tmp_path: Path) -> None:
         assert type(m).__name__ == "GptOss" and [b["swa"] for b in m.blocks] == [True, False]
         moe = m.blocks[0]["moe"]
         assert moe.fused and moe.mats["gate"].ggml_type == T.MXFP4 and set(moe.bias) == {"gate", "up", "down"}
+    finally:
+        m.store.close()
+    p = moestream("run", "-m", str(path), "-n", "4", "-p", "hi", "--slots", "2", "-t", "1")
+    assert p.returncode == 0, p.stderr
+    assert "decode 3 tok" in p.stderr.strip().splitlines()[-1]
+
+
+def test_deepseek2_file_runs(tmp_path: Path) -> None:
+    """``--arch deepseek2`` (GLM-4.7-Flash's MLA sizes) at a small hidden size and expert count: a file moestream
+    loads as deepseek2 (sigmoid routing inferred from the selection bias, attn_k_b Q8_0 and attn_v_b Q4_K on the C
+    kernels), whose decode runs the fast step with the eager step's bits, and which the CLI runs."""
+    path = tmp_path / "d.gguf"
+    cmd = [sys.executable, str(ROOT / "tools" / "make_bench_model.py"), "-o", str(path), "--arch", "deepseek2",
+           "--layers", "2", "--hidden", "256", "--heads", "2", "--experts", "8", "--top-k", "2", "--expert-ff", "256",
+           "--tokenizer-from", str(DEFAULT_GGUF)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    from moestream.models.base import LoadOptions, load_model
+    from moestream.runtime import fastdecode
+    from moestream.runtime.step import Seq, Step
+    m = load_model(str(path), LoadOptions(moe_stream=False))
+    try:
+        assert type(m).__name__ == "DeepSeek2" and m.gating == "sigmoid" and (m.kv_rank, m.n_nope, m.head_v) == (
+            512, 192, 256)
+        assert [m.blocks[1][k][1] for k in ("k_b", "v_b")] == [T.Q8_0, T.Q4_K]
+        fast = fastdecode.plan(m)
+        assert fast is not None
+        caches = [m.new_cache(8), m.new_cache(8)]
+        with torch.inference_mode():
+            for c in caches:
+                m.forward(torch.tensor([1, 2, 3]), 0, c)
+            for pos in range(3, 6):
+                got = fast.step(torch.tensor([pos]), pos, caches[0])
+                want = m.runner.run(Step(torch.tensor([pos]), [Seq(caches[1], pos, 1)]))
+                assert torch.equal(got, want)
     finally:
         m.store.close()
     p = moestream("run", "-m", str(path), "-n", "4", "-p", "hi", "--slots", "2", "-t", "1")

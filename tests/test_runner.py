@@ -135,7 +135,7 @@ def test_device_step_every_family(path: str) -> None:
 #: the families whose decode step runs as runtime/fastdecode.py's (their ``fast_layer``), each by a Q8_0 fixture
 #: (gpt-oss: llama.cpp's MXFP4_MOE, Q8_0 dense)
 FAST_FAMILIES = ["qwen3moe-tiny", "mixtral-tiny", "olmoe-tiny", "qwen2moe-tiny", "glm4moe-tiny", "gpt-oss-tiny",
-                 "gemma4-tiny", "qwen35moe-tiny"]
+                 "gemma4-tiny", "qwen35moe-tiny", "deepseek2-tiny"]
 
 
 def _fast_file(which: str, fixtures_tool: Any) -> str:
@@ -168,7 +168,7 @@ def _assert_same_cache(got: Any, want: Any, pos: int) -> None:
             assert_bitwise([x], [y])
 
 
-@pytest.mark.parametrize("which", ["default", *FAST_FAMILIES, "qwen35moe-tiny/mixer"])
+@pytest.mark.parametrize("which", ["default", *FAST_FAMILIES, "qwen35moe-tiny/mixer", "deepseek2-tiny/q4_k_m"])
 def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU decode step of runtime/fastdecode.py (a few C calls per layer) gives the eager step's bits
     (Runner.run over the same cache contents) at every position of a decode, counts the same expert hits, and writes
@@ -178,14 +178,17 @@ def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monk
     shared-KV layers, per-expert scales, post norms, PLE and output scales; qwen35moe's Gated DeltaNet layers by the
     step's own ms_dnet_decode call between kernels writing into its buffers, or (``/mixer``: FastLayer.dnet taken
     away) by the family's own code, gated attention with partial RoPE, its conv and recurrent states and cache
-    position), resident (streaming: below). The fast step runs its kernels on 1 thread at odd positions, 2 at even
-    ones; the eager step on 2."""
+    position; deepseek2's MLA (q LoRA, the latent's norm and RoPE into the cache row, the absorbed up-projections,
+    K = V attention), its torch router scores with the C router's bias and groups, leading dense layer and shared
+    experts; ``/q4_k_m``: llama.cpp's Q4_K_M of it, attn_k_b in Q5_0 and attn_v_b in Q4_K), resident (streaming:
+    below). The fast step runs its kernels on 1 thread at odd positions, 2 at even ones; the eager step on 2."""
     from moestream import kernels
     from moestream.runtime import fastdecode
 
     monkeypatch.setattr(kernels, "_THREADS", list(kernels._THREADS))  # the thread count restored after the test
     which, _, variant = which.partition("/")
-    model = load_model(_fast_file(which, fixtures_tool), LoadOptions(moe_stream=False))
+    p = fixtures_tool.build_fixture(which)[variant] if variant == "q4_k_m" else _fast_file(which, fixtures_tool)
+    model = load_model(p, LoadOptions(moe_stream=False))
     if variant == "mixer":  # the DeltaNet layers by the family's own code (FastLayer.mixer)
         own = type(model).fast_layer
         monkeypatch.setattr(type(model), "fast_layer", lambda m, i: dataclasses.replace(own(m, i), dnet=None))
@@ -195,6 +198,8 @@ def test_fast_decode_step_is_the_eager_step(which: str, fixtures_tool: Any, monk
         dnets = [hooks[2] is not None for *_, hooks in fast.layers]
         mixers = [hooks[0] is not None for *_, hooks in fast.layers]
         assert dnets == ([False] * len(dnets) if variant else mixers) and any(mixers)
+    if which == "deepseek2-tiny":  # every layer's attention by the step's MLA calls
+        assert all(hooks[3] is not None for *_, hooks in fast.layers)
     caches = [model.new_cache(24), model.new_cache(24)]
     ids = _ids(model, 9, 5)
     with torch.inference_mode():
@@ -268,7 +273,8 @@ def _qwen3_q8(fixtures_tool: Any) -> str:
     ("qwen2moe-tiny", True, False, False), ("glm4moe-tiny", False, False, True), ("gpt-oss-tiny", False, False, True),
     ("gpt-oss-tiny", True, False, False), ("gemma4-tiny", False, False, True), ("gemma4-tiny", True, True, True),
     ("gemma4-tiny", False, False, False), ("qwen35moe-tiny", False, False, True), ("qwen35moe-tiny", True, True, True),
-    ("qwen35moe-tiny", True, False, False)])
+    ("qwen35moe-tiny", True, False, False), ("deepseek2-tiny", False, False, True),
+    ("deepseek2-tiny", True, True, True), ("deepseek2-tiny", True, False, False)])
 def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefetch: bool, overlap: bool,
                                                  fixtures_tool: Any) -> None:
     """Streaming through top-k slots (nearly every step misses in every layer), buffered or O_DIRECT, with or without

@@ -34,6 +34,16 @@ stays near the size of the largest tensor.
     python tools/make_bench_model.py --type Q4_K_M --layers 32 -o /tmp/q30b-32l-q4_k_m.gguf --tokenizer-from TOK.gguf
     python tools/make_bench_model.py --arch gemma4 --type Q4_0 -o /tmp/g26b-6l.gguf --tokenizer-from GEMMA.gguf
 
+deepseek2 (``--arch deepseek2``) default shape: GLM-4.7-Flash's (transformers' ``Glm4MoeLiteConfig`` defaults,
+which llama.cpp's converter writes as deepseek2: hidden 2048, 20 heads, MLA with q LoRA rank 768, KV LoRA rank 512,
+qk_nope 192, qk_rope 64, v 256, the split ``attn_k_b`` / ``attn_v_b``; one leading dense layer of FFN 10240; 64
+experts, top-4, expert FFN 1536, one shared expert; sigmoid routing with the ``exp_probs_b`` selection bias and no
+gating key, renormalised, scaled by 1.8; RoPE base 1e6, no scaling; RMS eps 1e-5), cut to 4 layers. Types: the
+Q4_K_M mix of ``fast_type`` as random blocks (ffn_down, ffn_down_exps, ffn_down_shexp Q6_K in use_more_bits's
+layers, output Q6_K, the rest Q4_K), but ``attn_k_b`` Q8_0 (its rows of qk_nope = 192 values are no multiple of
+Q4_K's 256; llama.cpp's quantizer falls back to another type there too); ``--type`` is ignored. Tensor names and
+metadata keys as the converter writes them (checked against the ``deepseek2-glm47flash-tiny`` fixture).
+
 ``--arch llama`` / ``olmoe`` / ``qwen2moe`` / ``glm4moe``: the qwen3moe shape and types with that family's tensors
 (no q/k norms for llama; q/k norms over the whole projection for olmoe; q/k/v biases and a shared expert of width
 ``--shared-ff`` with its sigmoid gate for qwen2moe; for glm4moe q/k/v biases, a leading dense layer, sigmoid routing
@@ -409,6 +419,98 @@ def copy_tokenizer(src: str, w: GGUFWriter) -> int:
     return n_vocab
 
 
+#: GLM-4.7-Flash (transformers' Glm4MoeLiteConfig defaults), the defaults of ``--arch deepseek2``
+GLM47_FLASH = {
+    "hidden": 2048, "heads": 20, "q_rank": 768, "kv_rank": 512, "nope": 192, "rope": 64, "v_dim": 256, "experts": 64,
+    "top_k": 4, "expert_ff": 1536, "dense_ff": 10240, "layers": 4,
+}
+
+
+def deepseek2_tensor_specs(a: argparse.Namespace, n_vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """[(name, torch-order shape, kind)] of a deepseek2 (GLM-4.7-Flash-shaped) file, kind "f32" | "q4k" | "q6k" |
+    "q8": the Q4_K_M mix of the module docstring."""
+    n, h, r, rot, e, ff = a.hidden, a.heads, a.kv_rank, a.rope, a.experts, a.expert_ff
+    specs: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (n_vocab, n), "q4k")]
+    for i in range(a.layers):
+        p, down = f"blk.{i}.", ("q6k" if use_more_bits(i, a.layers) else "q4k")
+        specs += [
+            (p + "attn_norm.weight", (n,), "f32"),
+            (p + "attn_q_a.weight", (a.q_rank, n), "q4k"), (p + "attn_q_a_norm.weight", (a.q_rank,), "f32"),
+            (p + "attn_q_b.weight", (h * (a.nope + rot), a.q_rank), "q4k"),
+            (p + "attn_kv_a_mqa.weight", (r + rot, n), "q4k"), (p + "attn_kv_a_norm.weight", (r,), "f32"),
+            (p + "attn_k_b.weight", (h, r, a.nope), "q8" if a.nope % 256 else "q4k"),
+            (p + "attn_v_b.weight", (h, a.v_dim, r), "q8" if r % 256 else "q4k"),
+            (p + "attn_output.weight", (n, h * a.v_dim), "q4k"),
+            (p + "ffn_norm.weight", (n,), "f32"),
+        ]
+        if i < 1:  # the leading dense layer
+            specs += [(p + "ffn_gate.weight", (a.dense_ff, n), "q4k"), (p + "ffn_up.weight", (a.dense_ff, n), "q4k"),
+                      (p + "ffn_down.weight", (n, a.dense_ff), down)]
+            continue
+        specs += [
+            (p + "ffn_gate_inp.weight", (e, n), "f32"), (p + "exp_probs_b.bias", (e,), "f32"),
+            (p + "ffn_gate_exps.weight", (e, ff, n), "q4k"), (p + "ffn_up_exps.weight", (e, ff, n), "q4k"),
+            (p + "ffn_down_exps.weight", (e, n, ff), down),
+            (p + "ffn_gate_shexp.weight", (ff, n), "q4k"), (p + "ffn_up_shexp.weight", (ff, n), "q4k"),
+            (p + "ffn_down_shexp.weight", (n, ff), down),
+        ]
+    specs += [("output_norm.weight", (n,), "f32"), ("output.weight", (n_vocab, n), "q6k")]
+    return specs
+
+
+def write_deepseek2(a: argparse.Namespace) -> int:
+    """Write the deepseek2 (GLM-4.7-Flash-shaped) benchmark file (see the module docstring)."""
+    for key, value in GLM47_FLASH.items():
+        if getattr(a, key, None) is None:
+            setattr(a, key, value)
+    tmp, arch = a.out + ".tmp", "deepseek2"
+    w = GGUFWriter(tmp, arch)
+    w.add_name(f"random GLM-4.7-Flash shape {a.layers}L h{a.hidden} e{a.experts} top{a.top_k} ff{a.expert_ff} Q4_K_M")
+    w.add_block_count(a.layers)
+    w.add_context_length(202752)
+    w.add_embedding_length(a.hidden)
+    w.add_feed_forward_length(a.dense_ff)
+    w.add_head_count(a.heads)
+    w.add_head_count_kv(1)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_expert_count(a.experts)
+    w.add_expert_used_count(a.top_k)
+    w.add_uint32(f"{arch}.expert_group_count", 1)
+    w.add_uint32(f"{arch}.expert_group_used_count", 1)
+    w.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    w.add_leading_dense_block_count(1)
+    w.add_uint32(f"{arch}.attention.q_lora_rank", a.q_rank)
+    w.add_uint32(f"{arch}.attention.kv_lora_rank", a.kv_rank)
+    w.add_key_length(a.kv_rank + a.rope)
+    w.add_value_length(a.kv_rank)
+    w.add_uint32(f"{arch}.attention.key_length_mla", a.nope + a.rope)
+    w.add_uint32(f"{arch}.attention.value_length_mla", a.v_dim)
+    w.add_expert_feed_forward_length(a.expert_ff)
+    w.add_expert_shared_count(1)
+    w.add_expert_weights_scale(1.8)
+    w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(a.rope)
+    n_vocab = copy_tokenizer(a.tokenizer_from, w)
+    w.add_uint32(f"{arch}.vocab_size", n_vocab)
+    specs = deepseek2_tensor_specs(a, n_vocab)
+    T = GGMLQuantizationType
+    types = {"f32": T.F32, "q4k": T.Q4_K, "q6k": T.Q6_K, "q8": T.Q8_0}
+    write_header(w, specs, types)
+    t0 = time.time()
+    rng = np.random.default_rng(a.seed)
+    for i, (name, shape, kind) in enumerate(specs, 1):
+        if name.endswith("norm.weight"):  # positive, near 1
+            data = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        elif kind == "f32":  # the router, the selection bias
+            data = (a.std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        else:
+            data = random_blocks(rng, types[kind], int(np.prod(shape)), a.std)
+        w.write_tensor_data(data)
+        print(f"[{i}/{len(specs)}] {name} {shape} {kind} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    return finish(w, tmp, a.out)
+
+
 #: glm4moe: the leading dense layers (GLM-4.5-Air's first_k_dense_replace) and the dense FFN's width (the
 #: ``feed_forward_length`` written for every family)
 GLM_DENSE, DENSE_FF = 1, 6144
@@ -417,9 +519,10 @@ GLM_DENSE, DENSE_FF = 1, 6144
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--out", required=True)
-    ap.add_argument("--arch", choices=("qwen3moe", "gemma4", "gpt-oss", "llama", "olmoe", "qwen2moe", "glm4moe"),
+    ap.add_argument("--arch", choices=("qwen3moe", "gemma4", "gpt-oss", "llama", "olmoe", "qwen2moe", "glm4moe",
+                                       "deepseek2"),
                     default="qwen3moe", help="llama (Mixtral), olmoe, qwen2moe, glm4moe: the qwen3moe shape with that "
-                    "family's tensors")
+                    "family's tensors; deepseek2: GLM-4.7-Flash's shape")
     ap.add_argument("--tokenizer-from", required=True, help="GGUF whose tokenizer.* metadata is copied")
     ap.add_argument("--type", default="Q8_0", help="ggml type of the big matrices: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, "
                     "BF16 through gguf's quantizer (slow); Q4_K, Q4_K_M, Q6_K as random blocks (fast; qwen3moe: see "
@@ -443,6 +546,8 @@ def main() -> int:
         return write_gemma4(a)
     if a.arch == "gpt-oss":
         return write_gpt_oss(a)
+    if a.arch == "deepseek2":
+        return write_deepseek2(a)
     for key, value in {"layers": 8, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128,
                        "top_k": 8, "expert_ff": 768}.items():
         if getattr(a, key) is None:

@@ -1,8 +1,9 @@
 """Profile decode steps: ms per step, and the share of it spent outside the matmuls.
 
-"Matmul" is every call of ``quant.linear``, ``Weight.linear`` and the expert FFN (``MoE._expert``, or with the C
-kernels ``MoE._fused``, one call per set of experts), and in the fast CPU decode step (runtime/fastdecode.py) the
-same kernels through ``kernels.linear_to`` and ``kernels.moe_to``, nested
+"Matmul" is every call of ``quant.linear``, ``Weight.linear``, the expert FFN (``MoE._expert``, or with the C
+kernels ``MoE._fused``, one call per set of experts) and the per-head matmuls (``kernels.linear_heads``: deepseek2's
+absorbed attn_k_b / attn_v_b), and in the fast CPU decode step (runtime/fastdecode.py) the same kernels through
+``kernels.linear_to``, ``kernels.moe_to`` and ``kernels.linear_heads_to``, nested
 calls counted once; everything else in a step (norms, RoPE, attention, routing, the MoE layer's bookkeeping,
 the engine's finiteness check) is "outside". The matmul functions are wrapped here, at run time, so the
 library is profiled as it is (nothing in it is edited for this).
@@ -34,6 +35,8 @@ from moestream.models import layers
 from moestream.models.base import LoadOptions, load_model
 
 MATMUL_SCOPE = "matmul"
+#: the matmuls of the kernels module, wrapped where the tree profiled has them
+KERNEL_MATMULS = ("linear_to", "moe_to", "linear_heads", "linear_heads_to")
 
 
 class MatmulTimer:
@@ -47,7 +50,7 @@ class MatmulTimer:
         self.depth = 0
         self.scoped = False
         self._orig = (quant.linear, layers.Weight.linear, moe_mod.MoE._expert, moe_mod.MoE._fused,
-                      getattr(kernels, "linear_to", None), getattr(kernels, "moe_to", None))
+                      *(getattr(kernels, name, None) for name in KERNEL_MATMULS))
         timer = self
 
         def wrap(fn):  # noqa: ANN001, ANN202
@@ -71,13 +74,13 @@ class MatmulTimer:
         layers.Weight.linear = wrap(layers.Weight.linear)
         moe_mod.MoE._expert = wrap(moe_mod.MoE._expert)
         moe_mod.MoE._fused = wrap(moe_mod.MoE._fused)
-        for name in ("linear_to", "moe_to"):  # absent before the fast decode step existed
+        for name in KERNEL_MATMULS:  # absent in older trees
             if getattr(kernels, name, None) is not None:
                 setattr(kernels, name, wrap(getattr(kernels, name)))
 
     def restore(self) -> None:
         quant.linear, layers.Weight.linear, moe_mod.MoE._expert, moe_mod.MoE._fused = self._orig[:4]
-        for name, fn in zip(("linear_to", "moe_to"), self._orig[4:], strict=True):
+        for name, fn in zip(KERNEL_MATMULS, self._orig[4:], strict=True):
             if fn is not None:
                 setattr(kernels, name, fn)
 

@@ -743,6 +743,19 @@ def linear_to(spec: tuple, x: int, n_tok: int, y: int, lib: ctypes.CDLL) -> None
         raise ValueError(f"linear: the kernels do not compute ggml type {spec[0]} with {spec[4]} columns (rc {rc})")
 
 
+def linear_heads_to(spec: tuple, x: int, xs: tuple[int, int], n_tok: int, y: int, ys: tuple[int, int],
+                    lib: ctypes.CDLL) -> None:
+    """:func:`linear_heads` with everything given as addresses (a decode step's kept buffers): spec = (ggml type,
+    first byte of W, bytes per head, row bytes, rows per head, cols, heads); x: float32 with (token, head) strides
+    ``xs`` in elements, unit stride along the cols; y: float32 with (token, head) strides ``ys``."""
+    rc = lib.ms_linear_heads(spec[0], spec[1], spec[2], spec[3], spec[4], spec[5], spec[6], x, xs[0], xs[1], n_tok, y,
+                             ys[0], ys[1], threads())
+    if rc == -1:
+        raise ValueError(f"linear_heads: the kernels do not compute ggml type {spec[0]} with {spec[5]} columns")
+    if rc == -2:
+        raise MemoryError("linear_heads: out of memory for the activation blocks")
+
+
 def moe_to(spec: tuple, pairs: MoEPairs, n_groups: int, x: int, n_tok: int, y: int, at: tuple | None = None) -> None:
     """:func:`moe_planned` with addresses: spec = (gate/up type, down type, gate/up row bytes, down row bytes,
     hidden, n_ff, act[, (gate, up, down) bias addresses: :func:`bias_ptrs`]); x float32 [n_tok, hidden]; y float32

@@ -101,6 +101,7 @@ import torch
 
 from .. import kernels
 from ..errors import GGUFError
+from ..runtime.fastdecode import FastLayer
 from .base import LoadOptions, MoEModel, register
 from .layers import (
     KVCache,
@@ -113,7 +114,7 @@ from .layers import (
     yarn_attention_factor,
     yarn_inv_freq,
 )
-from .routing import group_topk
+from .routing import WEIGHT_SUM_FLOOR, group_topk
 
 if TYPE_CHECKING:
     from ..runtime.step import Step
@@ -347,13 +348,17 @@ class DeepSeek2(MoEModel):
 
     def route(self, b: dict, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits: [T, n_experts] float32 of MoE block ``b`` -> (ids [T, top_k] int64, weights [T, top_k]
-        float32): the gating scores, then :func:`routing.group_topk` with the block's bias and the file's keys."""
-        if self.gating == "sigmoid":
-            scores = elementwise(torch.sigmoid, router_logits)
-        else:
-            scores = torch.softmax(router_logits, dim=-1)
-        return group_topk(scores, self.top_k, bias=b["score_bias"], n_group=self.n_group,
+        float32): the gating scores (:meth:`scores`), then :func:`routing.group_topk` with the block's bias and the
+        file's keys."""
+        return group_topk(self.scores(router_logits), self.top_k, bias=b["score_bias"], n_group=self.n_group,
                           topk_group=self.topk_group, norm=self.norm_topk, scale=self.routed_scale)
+
+    def scores(self, router_logits: torch.Tensor) -> torch.Tensor:
+        """The gating scores of router logits float32 [T, n_experts], same shape: torch's sigmoid
+        (ops.elementwise) or softmax (the C router's own sigmoid/softmax would not give these bits)."""
+        if self.gating == "sigmoid":
+            return elementwise(torch.sigmoid, router_logits)
+        return torch.softmax(router_logits, dim=-1)
 
     def gate(self, b: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route(b, b["router"].linear(h))
@@ -389,6 +394,25 @@ class DeepSeek2(MoEModel):
                                                             b["w_vb"].transpose(1, 2)).transpose(0, 1),
                                a)  # [T, H, dv]
         return x + b["o"].linear(out.reshape(n_tok, self.n_head * self.head_v))
+
+    def fast_layer(self, i: int) -> FastLayer | None:
+        """Layer i in the fast CPU decode step's terms (runtime/fastdecode.FastLayer): :meth:`mix` as the step's MLA
+        calls (``mla``: the q LoRA or q projection, the latent projection, its norm and RoPE written into the cache
+        row, the absorbed up-projections by ms_linear_heads, multi-query attention over the cache with K = V), the
+        router's scores by :meth:`scores` (torch) then the C router's bias, groups, renormalisation and scale as
+        :func:`routing.group_topk` calls it, the shared experts (:meth:`shared`) after the routed sum; the leading
+        dense layers are MoEModel.dense. None (the eager step) where the up-projections are not on the C kernels
+        (:meth:`kv_b_on_blocks`)."""
+        b = self.blocks[i]
+        if "k_b" not in b:
+            return None
+        r, rot = self.kv_rank, self.n_rot
+        mla = (b.get("q_a"), b.get("q_a_norm"), b["q_b"] if self.q_rank else b["q"], b["kv_a"], b["kv_a_norm"],
+               b["k_b"], b["v_b"], r, self.n_nope, rot, self.head_v)
+        return FastLayer(self.kq_scale, n_head=self.n_head, n_kv=1, head_dim=r + rot, mla=mla,
+                         router_scores=self.scores, gating=kernels.GATING_SCORES, route_bias=b.get("score_bias"),
+                         n_group=self.n_group, topk_group=self.topk_group, norm_topk=self.norm_topk,
+                         floor=WEIGHT_SUM_FLOOR, route_scale=self.routed_scale, shared=self.has_shared(i))
 
     def has_shared(self, i: int) -> bool:
         return bool(self.n_shared)

@@ -1,5 +1,5 @@
-"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it, Gemma 4 and Qwen 3.5 too) as a
-handful of C calls per layer.
+"""The CPU decode step of a Qwen3-MoE-shaped model (and of the families close to it, Gemma 4, Qwen 3.5 and DeepSeek
+too) as a handful of C calls per layer.
 
 Between two matmuls a decode step has little arithmetic, but every torch op and Python frame there runs with cold
 caches (the matmul before it streamed tens of MB of weights through them): measured on a 2-core EPYC, an empty
@@ -48,6 +48,15 @@ calls the family's ``begin_step`` before the embedding and ``end_step`` before t
 (qwen35moe: the ValueError for a cache used at another position than its recurrent state's, ``cache.pos``
 advanced); a cache's ``k``/``v`` may be lists or dicts keyed by layer (qwen35moe's HybridCache).
 
+DeepSeek-V2/V3 (and GLM-4.7-Flash, written as deepseek2): a layer's MLA, absorbed as the family's ``mix`` computes
+it: the q projection of h (or of the q LoRA: ms_linear, ms_rms_norm in place, ms_linear), the latent projection
+[c | k_pe] into a kept buffer, the cache row written in place (ms_rms_norm of c by kv_a_norm, ms_rope of k_pe),
+each head's absorbed query [attn_k_b[h] q_nope | RoPE(q_pe)] (ms_linear_heads and ms_rope writing into one kept
+buffer, head stride kv_lora_rank + rope), ms_attention with one KV head whose values are the first kv_lora_rank
+dims of the keys, attn_v_b[h] of each head's output (ms_linear_heads), the output projection. Its router's
+sigmoid or softmax stays the family's torch code (``router_scores``: a C sigmoid or softmax would not give
+torch's bits), ms_route_plan then reads the scores as they are (bias, groups, renormalisation, scale).
+
 What differs between families is stated by the family (``MoEModel.fast_layer`` -> :class:`FastLayer`: its q/k norms,
 biases, RoPE layout, attention scale, top-k renormalisation, shared expert, per-layer shapes, Gemma 4's norms,
 scales and PLE hook, Qwen 3.5's mixer and query gate hooks), not written again here.
@@ -61,12 +70,13 @@ error is raised by ``store.wait`` as in the eager step; on any error after the s
 settle and their slots are emptied (``store.discard``, as MoE.__call__) before it propagates.
 
 It runs where :func:`plan` finds the model fits it: a family class that defines ``fast_layer`` itself (not inherited:
-qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss, gemma4, qwen35moe) and returns a FastLayer for every
-layer (a layer without routed experts: MoEModel.dense's SwiGLU only), every MoE layer fused (one ms_moe call:
+qwen3moe, llama (Mixtral), olmoe, qwen2moe, glm4moe, gpt-oss, gemma4, qwen35moe, deepseek2) and returns a FastLayer for
+every layer (a layer without routed experts: MoEModel.dense's SwiGLU only), every MoE layer fused (one ms_moe call:
 MoE.fused), one sequence of one token on the CPU, the q, k, v and output projections (of each layer without the
-family's own mixer) and the experts on the C kernels (an F32 file's are not: the eager step), a resident
-store or a streaming one with host pools on the CPU (not the device-planned step of experts/devplan.py), no
-synthetic routing, the step kernels on (layers.C_RMS_NORM, C_ATTENTION). Anything else runs the eager step.
+family's own mixer; an MLA layer's projections and its attn_k_b / attn_v_b) and the experts on the C kernels (an F32
+file's are not: the eager step), a resident store or a streaming one with host pools on the CPU (not the
+device-planned step of experts/devplan.py), no synthetic routing, the step kernels on (layers.C_RMS_NORM,
+C_ATTENTION). Anything else runs the eager step.
 """
 
 from __future__ import annotations
@@ -135,7 +145,18 @@ class FastLayer:
     [conv_dim, K], dt [n_v], a [n_v], norm_w [d_v]) and n_k (int): a Gated DeltaNet layer the step computes itself
     as the family's decode does (the four projections of h by ms_linear into kept buffers, ms_dnet_decode on the
     cache's ``conv[i]`` and ``ssm[i]``, the output projection: kernels.dnet_decode's call); where one of the five
-    Weights is not on the C kernels, ``mixer`` runs instead."""
+    Weights is not on the C kernels, ``mixer`` runs instead.
+
+    DeepSeek-V2/V3's MLA, absorbed (models/deepseek2.py): ``mla`` = (q_a, q_a_norm, q, kv_a, kv_a_norm, k_b, v_b,
+    r, nope, rot, dv): queries ``q`` (Weight, [H x (nope + rot), cols]) of h, or of RMSNorm(q_a h) by q_a_norm
+    (the q LoRA; q_a None: none); the latent ``kv_a h`` = [c | k_pe] (r + rot), the cache row [RMSNorm(c) by
+    kv_a_norm | RoPE(k_pe)] written in place (one KV head of r + rot dims); each head's [k_b[h] q_nope | RoPE(q_pe)]
+    (k_b, v_b: (uint8 [H x rows, row bytes], ggml type), ms_linear_heads, as kernels.linear_heads); attention over
+    the cache with the values its first r dims (K = V); v_b[h] of each head's output; the output projection. Such a
+    layer states ``n_head`` (H), ``n_kv`` (1) and ``head_dim`` (r + rot), the attention's shapes. ``router_scores``:
+    the family's torch code ``router_scores(logits) -> scores`` (float32 [1, n_experts]; deepseek2's sigmoid or
+    softmax) between the router's linear and the C router, which then reads them as scores (``gating`` =
+    kernels.GATING_SCORES)."""
 
     scale: float
     q_norm: Any = None
@@ -172,6 +193,8 @@ class FastLayer:
     mixer: Any = None
     q_gate: Any = None
     dnet: tuple | None = None
+    mla: tuple | None = None
+    router_scores: Any = None
 
 
 def _spec(w: Any) -> tuple | None:
@@ -242,6 +265,13 @@ class FastDecode:
         self.dalpha = torch.empty_like(self.dbeta)
         self.dz = torch.empty(max(z for _, _, z in sizes), dtype=f32)
         self.dy = torch.empty_like(self.dz)
+        mlas = [_mla(fl.mla) for fl in fls]
+        # an MLA layer's q projection (H x (nope + rot)), q LoRA (rank) and the up-projected heads' output (H x dv);
+        # its absorbed queries, latent and attention output use self.q, self.k and self.a
+        dims = [ml[7] for ml in mlas if ml is not None] or [(0, 0, 0, 0, 0, 0)]
+        self.mq = torch.empty(max(h * (nope + rot) for h, nope, rot, _, _, _ in dims), dtype=f32)
+        self.mqa = torch.empty(max(qr for *_, qr in dims), dtype=f32)
+        self.mo = torch.empty(max(h * dv for h, _, _, _, dv, _ in dims), dtype=f32)
         self.layers = []
         for i, b in enumerate(blocks):
             # the last layer leaves x un-normed: the family's own ``head`` norms it
@@ -266,7 +296,7 @@ class FastDecode:
             # layer the step computes)
             hooks = (fl.mixer, None if fl.q_gate is None else (fl.q_gate, self.a[:, :nh * hdv],
                                                                 self.q[:, :2 * nh * hd].view(1, nh, 2 * hd)),
-                     dnets[i])
+                     dnets[i], mlas[i])
             moe = moes[i]
             if moe is None:  # MoEModel.dense: SwiGLU of h
                 ffn = (b["gate"], b["up"], b["down"])
@@ -277,7 +307,7 @@ class FastDecode:
                             down.bytes_per_expert // down.rows, n, moe.n_ff, moe.kernel_act,
                             kernels.bias_ptrs(moe.kernel_bias))
                 route = (b["router"], int(fl.gating), _ptr(fl.route_bias), fl.n_group, fl.topk_group,
-                         int(fl.norm_topk), fl.floor, fl.route_scale, b if fl.own_gate else None)
+                         int(fl.norm_topk), fl.floor, fl.route_scale, b if fl.own_gate else None, fl.router_scores)
                 es = None if moe.expert_scale is None else moe.expert_scale.contiguous().numpy()
                 # (router input multiplier, experts' input norm, per-expert scale by real id, post norms)
                 gem = (fl.router_mul, _ptr(fl.moe_norm), es,
@@ -333,7 +363,9 @@ class FastDecode:
         overlap = m.opts.overlap
         lib.ms_residual_norm(1, n, xp, None, 0, self.attn_norm0, eps, hp, nt)
         dqp, dbp, dap, dzp, dyp = (t.data_ptr() for t in (self.dqkv, self.dbeta, self.dalpha, self.dz, self.dy))
-        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale), (mixer, gate, dn)) in self.layers:
+        mqp, mqap, mop = self.mq.data_ptr(), self.mqa.data_ptr(), self.mo.data_ptr()
+        for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale), (mixer, gate, dn, mla)) in \
+                self.layers:
             if look:
                 m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
             if dn is not None:  # a Gated DeltaNet layer, as the family's delta_net computes a CPU decode
@@ -348,6 +380,34 @@ class FastDecode:
                     raise ValueError(f"dnet_decode: {n_v} value heads over {n_k} key heads (d_k {d_k}, d_v {d_v}) "
                                      f"do not fit a conv of {c_dim} channels")
                 kernels.linear_to(out_s, dyp, 1, op, lib)
+                lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
+            elif mla is not None:  # DeepSeek's MLA, absorbed, as the family's ``mix`` computes it
+                qa_s, qan, mq_s, kva_s, kvan, kb_s, vb_s, (n_head, nope, rot, r, dv, q_rank) = mla[:8]
+                hk, dk = nope + rot, r + rot
+                mode, scale, r_idx = attn[4:7]
+                n_rot, cos_p, sin_p = tables[r_idx]
+                if qa_s is not None:  # q = W_qb RMSNorm(W_qa h)
+                    kernels.linear_to(qa_s, hp, 1, mqap, lib)
+                    lib.ms_rms_norm(1, q_rank, mqap, q_rank, qan, eps, mqap, q_rank, nt)
+                    kernels.linear_to(mq_s, mqap, 1, mqp, lib)
+                else:
+                    kernels.linear_to(mq_s, hp, 1, mqp, lib)
+                kernels.linear_to(kva_s, hp, 1, kp, lib)  # [c | k_pe]
+                kcp = kv[i][0]
+                row = kcp + 4 * start * dk  # the cache row: [RMSNorm(c) | RoPE(k_pe)]
+                lib.ms_rms_norm(1, r, kp, r, kvan, eps, row, r, nt)
+                lib.ms_rope(1, 1, rot, n_rot, mode, kp + 4 * r, dk, dk, cos_p, sin_p, row + 4 * r, dk, dk, nt)
+                # each head's query [k_b[h] q_nope | RoPE(q_pe)] (r + rot dims) into self.q
+                kernels.linear_heads_to(kb_s, mqp, (n_head * hk, hk), 1, qp, (n_head * dk, dk), lib)
+                lib.ms_rope(1, n_head, rot, n_rot, mode, mqp + 4 * nope, n_head * hk, hk, cos_p, sin_p, qp + 4 * r,
+                            n_head * dk, dk, nt)
+                # one KV head, the values the first r dims of the keys (K = V)
+                if lib.ms_attention(1, n_head, 1, dk, r, qp, n_head * dk, dk, kcp, dk, dk, kcp, dk, dk, start, 0, None,
+                                    scale, 0.0, ap, n_head * r, nt):
+                    raise MemoryError("attention: out of memory for the score buffer")
+                # each head's output up-projected: v_b[h] a_h
+                kernels.linear_heads_to(vb_s, ap, (n_head * r, r), 1, mop, (n_head * dv, dv), lib)
+                kernels.linear_to(o_s, mop, 1, op, lib)
                 lib.ms_residual_norm(1, n, xp, op, 0, fn, eps, hp, nt)
             elif mixer is not None:  # the family's own mixer on h (Qwen 3.5's Gated DeltaNet), x += its output
                 y = mixer(self.h, step).contiguous()
@@ -400,7 +460,7 @@ class FastDecode:
                 lib.ms_residual_norm(1, n, xp, y.data_ptr(), 0, nxt, eps, hp if nxt else None, nt)
                 continue
             route, has_shared, tabs, moe_s, (r_mul, moe_norm, e_scale, post_norms) = ffn
-            router, gating, r_bias, n_group, topk_group, norm_topk, floor, r_scale, gate_b = route
+            router, gating, r_bias, n_group, topk_group, norm_topk, floor, r_scale, gate_b, r_scores = route
             if r_mul != 1.0:  # the router's input times a scalar, as a float32 multiply (Gemma 4's 1/sqrt(hidden))
                 hn = self.h.numpy()
                 np.multiply(hn, np.float32(r_mul), out=hn)
@@ -409,6 +469,8 @@ class FastDecode:
                 g = self.pairs.plan(ids.contiguous(), w.contiguous(), None if tabs is None else self.tabs[i])
             else:
                 logits = router.linear(self.h).contiguous()
+                if r_scores is not None:  # the family's own scores (torch: deepseek2's sigmoid or softmax)
+                    logits = r_scores(logits).contiguous()
                 g = lib.ms_route_plan(1, logits.shape[1], logits.data_ptr(), gating, r_bias, n_group, topk_group,
                                       top_k, norm_topk, floor, r_scale, idp, wp, tabs, 3, count, experts, pstart,
                                       ptok, pw, pdst, addr, cap, nt)
@@ -529,6 +591,29 @@ def _dnet(d: tuple | None) -> tuple | None:
     return specs, tuple(t.data_ptr() for t in ts), (n_k, n_v, (c_dim - n_v * d_v) // (2 * n_k), d_v, k_w, c_dim), ts
 
 
+def _mla(d: tuple | None) -> tuple | None:
+    """FastLayer.mla as the step's calls need it: (q_a spec (None without the q LoRA), q_a_norm address, q spec,
+    kv_a spec, kv_a_norm address, k_b and v_b specs (kernels.linear_heads_to's), (H, nope, rot, r, dv, q LoRA rank),
+    the contiguous norms kept); None without one or where a projection is not on the C kernels or the shapes do not
+    fit."""
+    if d is None:
+        return None
+    q_a, q_a_norm, q, kv_a, kv_a_norm, (kb, t_kb), (vb, t_vb), r, nope, rot, dv = d
+    qa_s, q_s, kva_s = (None if q_a is None else _spec(q_a)), _spec(q), _spec(kv_a)
+    if None in (q_s, kva_s) or (q_a is not None and qa_s is None) or not (kb.is_contiguous() and vb.is_contiguous()):
+        return None
+    hk = nope + rot
+    n_head = q_s[3] // hk
+    if (q_s[3] != n_head * hk or kva_s[3] != r + rot or kb.shape[0] != n_head * r or vb.shape[0] != n_head * dv
+            or not (kernels.computes(t_kb, nope) and kernels.computes(t_vb, r))):
+        return None
+    norms = tuple(None if t is None else t.contiguous() for t in (q_a_norm, kv_a_norm))
+    kb_s = (int(t_kb), kb.data_ptr(), r * kb.shape[1], kb.shape[1], r, nope, n_head)  # kernels.linear_heads_to's
+    vb_s = (int(t_vb), vb.data_ptr(), dv * vb.shape[1], vb.shape[1], dv, r, n_head)
+    return (qa_s, _ptr(norms[0]), q_s, kva_s, _ptr(norms[1]), kb_s, vb_s,
+            (n_head, nope, rot, r, dv, 0 if qa_s is None else qa_s[3]), norms)
+
+
 def plan(model: Any) -> FastDecode | None:
     """The fast decode step of ``model`` when it fits it (see the module docstring), else None. Kept on the model
     and made again when its store changes."""
@@ -559,7 +644,11 @@ def plan(model: Any) -> FastDecode | None:
         if not own_kv and (fl.whole_norm or fl.deinterleave or fl.biases is not None or fl.q_gate is not None):
             return None  # a shared-KV layer's queries: per-head norm and NEOX RoPE only
         moe = b.get("moe")
-        if fl.mixer is not None or fl.dnet is not None:  # a DeltaNet layer or the family's own mixer: no q, k, v, o
+        if fl.mla is not None:  # MLA: its own projections (_mla), the output projection
+            s = [None, None, None, _spec(b["o"])]
+            if s[3] is None or _mla(fl.mla) is None:
+                return None
+        elif fl.mixer is not None or fl.dnet is not None:  # a DeltaNet layer or the family's own mixer: no q, k, v, o
             s = [None] * 4
         else:  # q, k, v, o; a layer without its own K/V has no k, v; with ``v_is_k`` no v
             s = [_spec(b["q"]), _spec(b["k"]) if own_kv else None,
