@@ -1201,37 +1201,40 @@ static int type_of(int t, type_info *ti) {
 }
 
 /* ------------------------------------------------------------------------------------------------------ */
-/* thread pool: workers sleep on a condition variable, spin briefly before sleeping; items are claimed     */
-/* with an atomic counter, so a thread the OS does not schedule delays only the item it holds.            */
+/* thread pool: one job at a time; idle workers spin briefly on the job generation, then sleep on a         */
+/* condition variable. Items are claimed with an atomic counter, so a thread the OS does not schedule      */
+/* delays only the item it holds. Joining a job takes no lock: a worker registers (refs), then claims one   */
+/* of the job's helper places by a compare-and-swap on a word tagged with the job's generation; the caller  */
+/* closes the job (the word's places to 0) and waits for the registered workers. A decode step runs a few  */
+/* hundred jobs per token: with a mutex per join, 15 workers queued on it for every job at 16 threads.     */
 
 typedef void (*task_fn)(void *ctx, int item);
 
-typedef struct job {
-    task_fn fn;
-    void *ctx;
-    int n_items;
-    int n_helpers; /* workers allowed to join */
-    atomic_int next;
-    atomic_int refs; /* workers inside this job */
-    atomic_int joined;
-} job;
-
 static struct {
-    pthread_mutex_t mu;
+    pthread_mutex_t mu;     /* sleeping workers only */
     pthread_cond_t cv;
     pthread_mutex_t run_mu; /* one job at a time */
     pthread_t th[MAX_THREADS];
     int n_workers;
-    job *cur;
-    atomic_ulong gen;
-    int sleepers;
+    int sleepers;           /* under mu */
+    /* the current job: written by the caller before the generation is published */
+    task_fn fn;
+    void *ctx;
+    int n_items;
+    atomic_int next;
+    atomic_ulong gen;       /* the job's generation; a worker that sees it change looks for the job */
+    atomic_ulong places;    /* (generation << 16) | helper places left; 0 places: closed */
+    atomic_int refs;        /* workers registered inside the join protocol */
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER};
 
-static void job_work(job *j) {
+static void job_work(void) {
+    const task_fn fn = P.fn;
+    void *ctx = P.ctx;
+    const int n = P.n_items;
     for (;;) {
-        int i = atomic_fetch_add(&j->next, 1);
-        if (i >= j->n_items) break;
-        j->fn(j->ctx, i);
+        int i = atomic_fetch_add(&P.next, 1);
+        if (i >= n) break;
+        fn(ctx, i);
     }
 }
 
@@ -1275,26 +1278,38 @@ static int wait_for_job(unsigned long seen) {
     return 1;
 }
 
+/* A worker's join of job generation g: registered first (refs), then one helper place taken if the job is still
+ * g's and open. The caller closes the job (places 0) before it waits for refs to reach 0, both sequentially
+ * consistent: a worker either registered before the caller read refs (and is waited for) or finds the job closed
+ * or replaced (and touches nothing of it). The successful compare-and-swap acquires the caller's release of
+ * places, after which the job's fields were written. */
+static void join_job(unsigned long g) {
+    atomic_fetch_add(&P.refs, 1);
+    unsigned long v = atomic_load(&P.places);
+    while ((v >> 16) == g && (v & 0xFFFF) > 0) {
+        if (atomic_compare_exchange_weak(&P.places, &v, v - 1)) {
+            job_work();
+            break;
+        }
+    }
+    atomic_fetch_sub_explicit(&P.refs, 1, memory_order_release);
+}
+
 static void *worker_main(void *arg) {
     (void)arg;
     unsigned long seen = atomic_load(&P.gen);
     for (;;) {
-        wait_for_job(seen); /* then sleep on the condition variable if no job came */
-        pthread_mutex_lock(&P.mu);
-        while (atomic_load(&P.gen) == seen) {
-            P.sleepers++;
-            pthread_cond_wait(&P.cv, &P.mu);
-            P.sleepers--;
+        if (!wait_for_job(seen)) {
+            pthread_mutex_lock(&P.mu);
+            while (atomic_load(&P.gen) == seen) {
+                P.sleepers++;
+                pthread_cond_wait(&P.cv, &P.mu);
+                P.sleepers--;
+            }
+            pthread_mutex_unlock(&P.mu);
         }
         seen = atomic_load(&P.gen);
-        job *j = P.cur;
-        if (j && atomic_fetch_add(&j->joined, 1) < j->n_helpers) atomic_fetch_add(&j->refs, 1);
-        else j = NULL;
-        pthread_mutex_unlock(&P.mu);
-        if (j) {
-            job_work(j);
-            atomic_fetch_sub_explicit(&j->refs, 1, memory_order_release);
-        }
+        join_job(seen);
     }
     return NULL;
 }
@@ -1307,27 +1322,23 @@ static void pool_run(int n_threads, task_fn fn, void *ctx, int n_items) {
         return;
     }
     pthread_mutex_lock(&P.run_mu);
-    pthread_mutex_lock(&P.mu);
     while (P.n_workers < n_threads - 1) {
         if (pthread_create(&P.th[P.n_workers], NULL, worker_main, NULL) != 0) break;
         pthread_detach(P.th[P.n_workers]);
         P.n_workers++;
     }
-    job j;
-    j.fn = fn; j.ctx = ctx; j.n_items = n_items;
-    j.n_helpers = n_threads - 1 < n_items - 1 ? n_threads - 1 : n_items - 1;
-    atomic_init(&j.next, 0);
-    atomic_init(&j.refs, 0);
-    atomic_init(&j.joined, 0);
-    P.cur = &j;
-    atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
+    const int helpers = n_threads - 1 < n_items - 1 ? n_threads - 1 : n_items - 1;
+    P.fn = fn; P.ctx = ctx; P.n_items = n_items;
+    atomic_store_explicit(&P.next, 0, memory_order_relaxed);
+    const unsigned long g = atomic_load_explicit(&P.gen, memory_order_relaxed) + 1;
+    atomic_store(&P.places, (g << 16) | (unsigned long)(helpers > 0xFFFF ? 0xFFFF : helpers));
+    atomic_store(&P.gen, g);
+    pthread_mutex_lock(&P.mu); /* after the generation: a worker that checked it under mu is asleep by now */
     if (P.sleepers) pthread_cond_broadcast(&P.cv);
     pthread_mutex_unlock(&P.mu);
-    job_work(&j);
-    pthread_mutex_lock(&P.mu);
-    P.cur = NULL; /* late workers find no job */
-    pthread_mutex_unlock(&P.mu);
-    for (int s = 0; atomic_load_explicit(&j.refs, memory_order_acquire) > 0; s++) {
+    job_work();
+    atomic_store(&P.places, g << 16); /* closed: late workers take no place */
+    for (int s = 0; atomic_load(&P.refs) > 0; s++) {
         if (s > 4000) sched_yield(); else cpu_relax();
     }
     pthread_mutex_unlock(&P.run_mu);
