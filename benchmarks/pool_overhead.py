@@ -57,8 +57,11 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2,4,8,16", help="comma-separated thread counts")
     ap.add_argument("--jobs", type=int, default=20000, help="jobs per round (5 rounds, best kept)")
     ap.add_argument("--work-ns", type=float, default=2000.0, help="each item's own time, nanoseconds")
+    ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "src"),
+                    help="the moestream source tree whose kernel library to time (default: this checkout's; another "
+                         "tree's for an A/B, e.g. a `git archive` of an older commit)")
     a = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, a.src)
     from moestream import kernels
 
     lib = kernels.load()._name

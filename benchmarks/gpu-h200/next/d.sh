@@ -21,3 +21,9 @@ timeout 100 python3 benchmarks/gpu_profile.py /tmp/q32.gguf --gpu-mem 4GiB --dir
 t "lean profile rc=$?"; grep "^==" /tmp/logs/seg_prof_lean.txt
 tail -1 /tmp/logs/llb.log; ls /tmp/*.done
 cd /tmp/logs && tar czf "$OUT/l2d.tgz" . && ls | wc -l
+# the thread pool's cost per job at 1-16 threads, the lock-free join (this tree) vs 2b2032f's mutex join
+# (build/oldpool/src: `git archive 2b2032f src`, carried)
+python3 benchmarks/pool_overhead.py --threads 1,2,4,8,16 --jobs 20000 > /tmp/logs/pool_new.txt 2>&1
+[ -d build/oldpool/src ] && python3 benchmarks/pool_overhead.py --threads 1,2,4,8,16 --jobs 20000 --src build/oldpool/src > /tmp/logs/pool_old.txt 2>&1
+paste /tmp/logs/pool_old.txt /tmp/logs/pool_new.txt | tail -6
+cd /tmp/logs && tar czf "$OUT/l2d2.tgz" . 
