@@ -7,12 +7,12 @@ source "$(dirname "$0")/env.sh"
 LLB=/tmp/llb/build/bin/llama-bench
 for i in $(seq 1 60); do [ -x $LLB ] && [ -e /tmp/bm.done ] && break; sleep 3; done
 t "llama-bench $(ls $LLB 2>&1)"
-for m in ${MODELS:-q32 g30}; do
+for m in ${MODELS-q32 g30}; do
   timeout 150 python3 -m moestream bench -m /tmp/$m.gguf -p 64 -n 32 -r 1 -t 16 --device cuda --moe-stream off --vs llama.cpp \
     --llama-bench $LLB --json /tmp/logs/${m}_vs.json > /tmp/logs/${m}_vs.md 2> /tmp/logs/${m}_vs.err
   t "$m vs rc=$?"; grep -E "tg32|pp64" /tmp/logs/${m}_vs.md | cut -c1-60,100-170
 done
-for b in ${BATCHES:-8 16}; do
+for b in ${BATCHES-8 16}; do
   MOESTREAM_TIER_PREFILL_BATCH=$b timeout 100 python3 -m moestream bench -m /tmp/q32.gguf -p 64 -n 32 -r 1 -t 16 --device cuda \
     --moe-stream on --direct-io off --gpu-mem 4GiB --host-cache 16GiB --json /tmp/logs/tierg_b$b.json > /tmp/logs/tierg_b$b.md 2> /tmp/logs/tierg_b$b.err
   t "tier gather batch $b rc=$?"; grep -E "tg32|pp64" /tmp/logs/tierg_b$b.md | cut -c1-40,100-190
