@@ -1133,6 +1133,178 @@ static inline __m256 widen8(int bf16, const uint8_t *p) {
     }
 DEFINE_MM_HALF_FUSED(mm_f16_fused, 0, mm_f16)
 DEFINE_MM_HALF_FUSED(mm_bf16_fused, 1, mm_bf16)
+
+/* Family A, register-blocked (x86): up to 4 rows x 4 tokens per pass over the blocks, their 16 accumulators in
+ * registers; each unpacked weight block meets 4 tokens and each activation block 4 rows. Per (row, token) the float
+ * operations are the unpack path's, in the same order: per block the same 8 int32 lanes (exact integers), the same
+ * _mm256_cvtepi32_ps, fmadd(set1(d_w * d_x), p, acc) in block order, then hsum_ps + m. The integer lanes are
+ * formed another exact way: on AVX512-VNNI as dpbusd(-128 * sum4(w), x + 128, w) (x + 128 as unsigned bytes, the
+ * correction per lane from the weights alone: no saturation, no overflow, the same int32 values); on AVX2 as
+ * dot32_epi32 does. m: for the types without an offset (m_w = +0) the chain m += 0.0f * s_x depends on the token
+ * alone, so it is formed once per token per call (the same operations, the same bits, NaN and inf included); Q4_1
+ * and Q5_1 keep the per (row, token) chain m += m_w * s_x, four tokens to a vector. With more than 4 tokens the
+ * 4 rows' blocks are unpacked once into a per-thread scratch and read back for each tile of 4 tokens. */
+#define MS_AI static inline __attribute__((always_inline))
+typedef struct { __m256i a, b; float d, m; } wprep_a; /* a prepared weight block (see wprep_make) */
+
+MS_AI void wprep_make(const ublk_a *u, wprep_a *p) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)u->q);
+#if defined(MS_ISA_AVX512)
+    p->a = w; /* signed codes; b: -128 * (sum of each lane's 4 codes) */
+    p->b = _mm256_sub_epi32(_mm256_setzero_si256(),
+                            _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), w));
+#else
+    p->a = _mm256_sign_epi8(w, w); /* |w|; b: w (the signs) */
+    p->b = w;
+#endif
+    p->d = u->d;
+    p->m = u->m;
+}
+MS_AI __m256i xprep_a(const act_q8_0 *x) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)x->q);
+#if defined(MS_ISA_AVX512)
+    return _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)); /* x + 128 as unsigned bytes */
+#else
+    return v;
+#endif
+}
+MS_AI __m256i wx_dot_a(__m256i a, __m256i b, __m256i x) { /* the 8 int32 lanes of dot32_epi32(w, x) */
+#if defined(MS_ISA_AVX512)
+    return _mm256_dpbusd_epi32(b, x, a);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(x, b)), _mm256_set1_epi16(1));
+#endif
+}
+
+/* rows w0 + i * row_bytes (i < RB) against tokens xt[0..TB); prep: the rows' prepared blocks (prep[i * nb + b])
+ * or NULL (unpack here); mt: the tokens' m chains (types without offset); res[i * 4 + k] */
+MS_AI void tile_a(void (*unpack)(const uint8_t *, ublk_a *), int bytes, int has_m, int RB, int TB,
+                  const uint8_t *w0, size_t row_bytes, int nb, const wprep_a *prep, const act_q8_0 *const *xt,
+                  const float *mt, int pf, float *res) {
+    __m256 acc[4][4];
+    __m128 macc[4];
+    for (int i = 0; i < RB; i++) {
+        for (int k = 0; k < TB; k++) acc[i][k] = _mm256_setzero_ps();
+        macc[i] = _mm_setzero_ps();
+    }
+    for (int b = 0; b < nb; b++) {
+        __m256i wa[4], wb[4];
+        __m256 bw[4];
+        float mw[4];
+        for (int i = 0; i < RB; i++) {
+            if (prep) {
+                const wprep_a *p = prep + (size_t)i * nb + b;
+                wa[i] = p->a; wb[i] = p->b; bw[i] = _mm256_set1_ps(p->d); mw[i] = p->m;
+            } else {
+                const uint8_t *blk = w0 + (size_t)i * row_bytes + (size_t)b * bytes;
+                if (pf)
+                    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)blk + RB * row_bytes + l, _MM_HINT_T0);
+                ublk_a u;
+                wprep_a p;
+                unpack(blk, &u);
+                wprep_make(&u, &p);
+                wa[i] = p.a; wb[i] = p.b; bw[i] = _mm256_set1_ps(p.d); mw[i] = p.m;
+            }
+        }
+        __m128 sv = _mm_setzero_ps();
+        for (int k = 0; k < TB; k++) {
+            const act_q8_0 *x = xt[k] + b;
+            if (has_m) sv = _mm_insert_ps(sv, _mm_load_ss(&x->s), k << 4);
+            const __m256i xv = xprep_a(x);
+            const __m256 bx = _mm256_broadcast_ss(&x->d);
+            for (int i = 0; i < RB; i++) {
+                const __m256 p = _mm256_cvtepi32_ps(wx_dot_a(wa[i], wb[i], xv));
+                acc[i][k] = _mm256_fmadd_ps(_mm256_mul_ps(bw[i], bx), p, acc[i][k]);
+            }
+        }
+        if (has_m)
+            for (int i = 0; i < RB; i++) macc[i] = _mm_add_ps(macc[i], _mm_mul_ps(_mm_set1_ps(mw[i]), sv));
+    }
+    for (int i = 0; i < RB; i++) {
+        float mv[4];
+        _mm_storeu_ps(mv, macc[i]);
+        for (int k = 0; k < TB; k++) res[i * 4 + k] = hsum_ps(acc[i][k]) + (has_m ? mv[k] : mt[k]);
+    }
+}
+
+/* per-thread scratch of the tiled kernels (grown as needed, kept for the thread's life) */
+static __thread void *tl_scratch;
+static __thread size_t tl_scratch_cap;
+static void *scratch(size_t n) {
+    if (n > tl_scratch_cap) {
+        free(tl_scratch);
+        n = (n + 4095) / 4096 * 4096;
+        tl_scratch = aligned_alloc(64, n);
+        tl_scratch_cap = tl_scratch ? n : 0;
+    }
+    return tl_scratch;
+}
+
+#define TILE_A_CASES(UNPACK, BYTES, HAS_M, RB, PREP, W0, PF)                                                                       \
+    switch (nt) {                                                                                             \
+    case 4: tile_a(UNPACK, BYTES, HAS_M, RB, 4, W0, row_bytes, nb, PREP, xt, mt + t0, PF, res); break;        \
+    case 3: tile_a(UNPACK, BYTES, HAS_M, RB, 3, W0, row_bytes, nb, PREP, xt, mt + t0, PF, res); break;        \
+    case 2: tile_a(UNPACK, BYTES, HAS_M, RB, 2, W0, row_bytes, nb, PREP, xt, mt + t0, PF, res); break;        \
+    default: tile_a(UNPACK, BYTES, HAS_M, RB, 1, W0, row_bytes, nb, PREP, xt, mt + t0, PF, res); break;       \
+    }
+
+#define DEFINE_MM_A_TILED(NAME, UNPACK, BYTES, HAS_M, UNPACKED)                                               \
+    static void NAME(MM_ARGS) {                                                                               \
+        const int nb = n_cols / QK;                                                                           \
+        const int many = n_tok > 4; /* several token tiles: the rows' blocks are prepared once */            \
+        const size_t mt_bytes = ((size_t)n_tok * sizeof(float) + 63) / 64 * 64;                              \
+        uint8_t *sc = (uint8_t *)scratch(mt_bytes + (many ? (size_t)4 * nb * sizeof(wprep_a) : 0));           \
+        if (!sc) { UNPACKED(W, row_bytes, r0, r1, n_cols, xq, n_tok, out, out_stride, scale); return; }       \
+        float *mt = (float *)sc;                                                                              \
+        wprep_a *prep = (wprep_a *)(sc + mt_bytes);                                                           \
+        if (!HAS_M)                                                                                           \
+            for (int k = 0; k < n_tok; k++) {                                                                 \
+                const act_q8_0 *x = (const act_q8_0 *)xq[k];                                                  \
+                float m = 0.0f;                                                                               \
+                for (int b = 0; b < nb; b++) m += 0.0f * x[b].s;                                              \
+                mt[k] = m;                                                                                    \
+            }                                                                                                 \
+        float res[16];                                                                                        \
+        for (int r = r0; r < r1;) {                                                                           \
+            const int rb = r1 - r >= 4 ? 4 : 1;                                                               \
+            const uint8_t *w0 = W + (size_t)r * row_bytes;                                                    \
+            const int pf = r + 2 * rb <= r1;                                                                  \
+            if (many) {                                                                                       \
+                for (int i = 0; i < rb; i++)                                                                  \
+                    for (int b = 0; b < nb; b++) {                                                            \
+                        const uint8_t *blk = w0 + (size_t)i * row_bytes + (size_t)b * (BYTES);                \
+                        ublk_a u;                                                                             \
+                        if (pf)                                                                               \
+                            for (int l = 0; l < (BYTES); l += 64)                                             \
+                                _mm_prefetch((const char *)blk + rb * row_bytes + l, _MM_HINT_T0);            \
+                        UNPACK(blk, &u);                                                                      \
+                        wprep_make(&u, &prep[(size_t)i * nb + b]);                                            \
+                    }                                                                                         \
+            }                                                                                                 \
+            for (int t0 = 0; t0 < n_tok; t0 += 4) {                                                           \
+                const int nt = n_tok - t0 < 4 ? n_tok - t0 : 4;                                               \
+                const act_q8_0 *xt[4];                                                                        \
+                for (int k = 0; k < nt; k++) xt[k] = (const act_q8_0 *)xq[t0 + k];                           \
+                if (rb == 4) {                                                                                \
+                    if (many) { TILE_A_CASES(UNPACK, BYTES, HAS_M, 4, prep, w0, 0) } else { TILE_A_CASES(UNPACK, BYTES, HAS_M, 4, NULL, w0, pf) }     \
+                } else {                                                                                      \
+                    if (many) { TILE_A_CASES(UNPACK, BYTES, HAS_M, 1, prep, w0, 0) } else { TILE_A_CASES(UNPACK, BYTES, HAS_M, 1, NULL, w0, pf) }     \
+                }                                                                                             \
+                for (int i = 0; i < rb; i++)                                                                  \
+                    for (int k = 0; k < nt; k++)                                                              \
+                        out[(size_t)(t0 + k) * out_stride + r + i] =                                          \
+                            scale ? scale[t0 + k] * res[i * 4 + k] : res[i * 4 + k];                          \
+            }                                                                                                 \
+            r += rb;                                                                                          \
+        }                                                                                                     \
+    }
+DEFINE_MM_A_TILED(mm_q4_0_tiled, unpack_q4_0, 18, 0, mm_q4_0)
+DEFINE_MM_A_TILED(mm_q4_1_tiled, unpack_q4_1, 20, 1, mm_q4_1)
+DEFINE_MM_A_TILED(mm_q5_0_tiled, unpack_q5_0, 22, 0, mm_q5_0)
+DEFINE_MM_A_TILED(mm_q5_1_tiled, unpack_q5_1, 24, 1, mm_q5_1)
+DEFINE_MM_A_TILED(mm_q8_0_tiled, unpack_q8_0, 34, 0, mm_q8_0)
+DEFINE_MM_A_TILED(mm_iq4_nl_tiled, unpack_iq4_nl, 18, 0, mm_iq4_nl)
+DEFINE_MM_A_TILED(mm_mxfp4_tiled, unpack_mxfp4, 17, 0, mm_mxfp4)
 #endif
 
 #include "iquants.h" /* unpackers and tile kernels of the 1-3 bit i-quants and the ternary types */
@@ -1165,17 +1337,23 @@ static int type_of(int t, type_info *ti) {
     case T_F16: *ti = (type_info){FAM_C, QK, 64, mm_f16}; return 1;
     case T_BF16: *ti = (type_info){FAM_C, QK, 64, mm_bf16}; return 1;
 #endif
+#ifdef MS_X86_SIMD
+    case T_Q4_0: *ti = (type_info){FAM_A, QK, 18, no_fused() ? mm_q4_0 : mm_q4_0_tiled}; return 1;
+    case T_Q4_1: *ti = (type_info){FAM_A, QK, 20, no_fused() ? mm_q4_1 : mm_q4_1_tiled}; return 1;
+    case T_Q5_0: *ti = (type_info){FAM_A, QK, 22, no_fused() ? mm_q5_0 : mm_q5_0_tiled}; return 1;
+    case T_Q5_1: *ti = (type_info){FAM_A, QK, 24, no_fused() ? mm_q5_1 : mm_q5_1_tiled}; return 1;
+    case T_Q8_0: *ti = (type_info){FAM_A, QK, 34, no_fused() ? mm_q8_0 : mm_q8_0_tiled}; return 1;
+    case T_IQ4_NL: *ti = (type_info){FAM_A, QK, 18, no_fused() ? mm_iq4_nl : mm_iq4_nl_tiled}; return 1;
+    case T_MXFP4: *ti = (type_info){FAM_A, QK, 17, no_fused() ? mm_mxfp4 : mm_mxfp4_tiled}; return 1;
+#else
     case T_Q4_0: *ti = (type_info){FAM_A, QK, 18, mm_q4_0}; return 1;
     case T_Q4_1: *ti = (type_info){FAM_A, QK, 20, mm_q4_1}; return 1;
     case T_Q5_0: *ti = (type_info){FAM_A, QK, 22, mm_q5_0}; return 1;
     case T_Q5_1: *ti = (type_info){FAM_A, QK, 24, mm_q5_1}; return 1;
-#ifdef MS_X86_SIMD
-    case T_Q8_0: *ti = (type_info){FAM_A, QK, 34, no_fused() ? mm_q8_0 : mm_q8_0_fused}; return 1;
-#else
     case T_Q8_0: *ti = (type_info){FAM_A, QK, 34, mm_q8_0}; return 1;
-#endif
     case T_IQ4_NL: *ti = (type_info){FAM_A, QK, 18, mm_iq4_nl}; return 1;
     case T_MXFP4: *ti = (type_info){FAM_A, QK, 17, mm_mxfp4}; return 1;
+#endif
     case T_Q2_K: *ti = (type_info){FAM_B, QKK, 84, mm_q2_k}; return 1;
     case T_Q3_K: *ti = (type_info){FAM_B, QKK, 110, mm_q3_k}; return 1;
 #ifdef MS_X86_SIMD
