@@ -1267,11 +1267,12 @@ MS_AI void tile_a(void (*unpack)(const uint8_t *, ublk_a *), int bytes, int has_
 }
 
 #if defined(MS_ISA_AVX512)
-/* Few tokens (decode): 4 rows x up to NT1_A tokens in 256-bit vectors, the weight codes as unsigned bytes
+/* Few tokens (decode, small expert groups): 4 rows x up to NT1_A tokens in 256-bit vectors, the weight codes as unsigned bytes
  * u = q + bias (Q4_0: the nibbles, bias 8; Q5_0: 16; Q8_0: q xor 0x80, bias 128; IQ4_NL and MXFP4: their code
  * books + 128; Q4_1, Q5_1: the codes, bias 0) and the lanes dpbusd(-bias * sum4(x), u, x) = sum4(q * x): the same
- * int32 values, the correction per token and block formed once per call (cx). */
-#define NT1_A 2
+ * int32 values, the correction per token and block formed once per call (cx); the weights are read as they are
+ * stored, no scratch copy. */
+#define NT1_A 4
 static const int8_t KVALUES_IQ4NL_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15};
 static const int8_t KVALUES_MXFP4_U[16] = {-128, -127, -126, -125, -124, -122, -120, -116,
                                            -128, 127, 126, 125, 124, 122, 120, 116};
@@ -1348,14 +1349,18 @@ MS_AI void tile_a1(int type, int bytes, int has_m, int TB, const uint8_t *const 
                 cx[(size_t)k * nb + b] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(        \
                     _mm256_setzero_si256(), bias, _mm256_loadu_si256((const __m256i *)((const act_q8_0 *)xq[k])[b].q))); \
         const act_q8_0 *xt[NT1_A];                                                                            \
-        for (int k = 0; k < n_tok; k++) xt[k] = (const act_q8_0 *)xq[k];                                      \
+        for (int k = 0; k < NT1_A; k++) xt[k] = (const act_q8_0 *)xq[k < n_tok ? k : 0];                      \
         float res[4 * NT1_A];                                                                                 \
         for (int r = r0; r < r1; r += 4) {                                                                    \
             const uint8_t *wrow[4];                                                                           \
             for (int i = 0; i < 4; i++) wrow[i] = W + (size_t)(r + i < r1 ? r + i : r1 - 1) * row_bytes;      \
             const int pf = r + 8 <= r1;                                                                       \
-            if (n_tok == 2) tile_a1(TYPE, bytes_, has_m_, 2, wrow, row_bytes, nb, xt, cx, mt, pf, res);         \
-            else tile_a1(TYPE, bytes_, has_m_, 1, wrow, row_bytes, nb, xt, cx, mt, pf, res);                    \
+            switch (n_tok) {                                                                                  \
+            case 4: tile_a1(TYPE, bytes_, has_m_, 4, wrow, row_bytes, nb, xt, cx, mt, pf, res); break;         \
+            case 3: tile_a1(TYPE, bytes_, has_m_, 3, wrow, row_bytes, nb, xt, cx, mt, pf, res); break;         \
+            case 2: tile_a1(TYPE, bytes_, has_m_, 2, wrow, row_bytes, nb, xt, cx, mt, pf, res); break;         \
+            default: tile_a1(TYPE, bytes_, has_m_, 1, wrow, row_bytes, nb, xt, cx, mt, pf, res); break;        \
+            }                                                                                                 \
             for (int i = 0; i < 4 && r + i < r1; i++)                                                         \
                 for (int k = 0; k < n_tok; k++)                                                               \
                     out[(size_t)k * out_stride + r + i] = scale ? scale[k] * res[i * NT1_A + k] : res[i * NT1_A + k]; \
