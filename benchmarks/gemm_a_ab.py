@@ -7,7 +7,9 @@ Each tree's ``moestream/csrc`` is compiled with the flags of ``kernels.py`` (``-
 runs) into a temporary directory; both libraries are loaded with ctypes. Shapes are Gemma-4 26B-A4B's (hidden
 2816): a Q8_0 attention/dense matrix [4096, 2816] and Q4_0 expert gate/up [704, 2816] and down [2816, 704], at
 1, 8 and 128 tokens (an expert of a 128-token prefill sees about 8). Weights are random blocks with finite fp16
-scales (a few blocks with zero or negative scales), activations random normals with some rows scaled. Per case
+scales (a few blocks with zero or negative scales), activations random normals with some rows scaled
+(``--check-only``: also weight blocks with inf / NaN scales, activations with inf, NaN and 1e9, whose block
+scale overflows fp16). Per case
 and round each library is timed (best of a few calls) in turn; GMAC/s = rows * cols * tokens / seconds. The
 outputs of the two libraries must be bitwise equal (exit 1 otherwise).
 """
@@ -104,12 +106,20 @@ def main() -> int:
         for t in types:
             for rows, cols in shapes.get(t, [(300, 2816), (2816, 704)] if not a.check_only else [(37, 704)]):
                 w = weights(t, rows, cols, rng)
+                if a.check_only and t != 39:  # a few weight blocks with an infinite or NaN scale
+                    blocks = w.reshape(rows, cols // 32, BYTES[t][0])
+                    blocks[rows // 2, 1, 0:2] = np.array([np.inf], np.float16).view(np.uint8)
+                    blocks[rows // 3, 2, 0:2] = np.array([np.nan], np.float16).view(np.uint8)
                 for n in toks:
                     x = rng.standard_normal((n, cols)).astype(np.float32)
                     x[:, :: 7] *= 30
                     if n > 2:
                         x[1] *= 1e-3
                         x[2, :64] = 0
+                    if a.check_only and n > 5:  # non-finite activations, and one block whose fp16 scale overflows
+                        x[3, 5] = np.inf
+                        x[4, 100] = np.nan
+                        x[5, 200:232] = 1e9
                     yo = np.empty((n, rows), np.float32)
                     yn = np.empty((n, rows), np.float32)
                     for th in ([1, a.threads] if a.check_only else [a.threads]):
@@ -119,6 +129,9 @@ def main() -> int:
                             bad += 1
                             print(f"MISMATCH {NAMES[t]} [{rows}, {cols}] n_tok {n} threads {th}: "
                                   f"{int((yo.view(np.uint32) != yn.view(np.uint32)).sum())} elements")
+                            for ti, ri in list(zip(*np.nonzero(yo.view(np.uint32) != yn.view(np.uint32))))[:3]:
+                                print(f"  token {ti} row {ri}: old {yo[ti, ri]!r} {yo.view(np.uint32)[ti, ri]:08x} "
+                                      f"new {yn[ti, ri]!r} {yn.view(np.uint32)[ti, ri]:08x}")
                     if a.check_only:
                         continue
                     to, tn = [], []

@@ -1052,26 +1052,6 @@ static void mm_q6_k_fused(MM_ARGS) {
     MM_TAIL
 }
 
-static void mm_q8_0_fused(MM_ARGS) {
-    const int nb = n_cols / QK;
-    MM_HEAD
-    acc_a acc[TOK_TILE];
-    for (int k = 0; k < nt; k++) acc_a_zero(&acc[k]);
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = wr + (size_t)b * 34;
-        PF_BLOCK(blk, 34);
-        const float d = rdh(blk);
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        for (int k = 0; k < nt; k++) {
-            const act_q8_0 *x = (const act_q8_0 *)xq[t0 + k] + b;
-            const __m256 p = _mm256_cvtepi32_ps(dot32_epi32(w, _mm256_loadu_si256((const __m256i *)x->q)));
-            acc[k].v = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), p, acc[k].v);
-            acc[k].m += 0.0f * x->s; /* the unpack path's offset term, m = 0 (keeps the bits identical) */
-        }
-    }
-    for (int k = 0; k < nt; k++) res[k] = acc_a_total(&acc[k]);
-    MM_TAIL
-}
 /* F32 weights and one token: each row's sum is the unpack path's one chain of FMAs over the row in order, read
  * straight from the weights (no widened copy), four rows at once so that their chains overlap (same bits). */
 static void mm_f32_fused(MM_ARGS) {
@@ -1142,10 +1122,10 @@ DEFINE_MM_HALF_FUSED(mm_bf16_fused, 1, mm_bf16)
  * halves are summed apart at the end) and form the integer lanes as dpbusd(-128 * sum4(w), x + 128, w): x + 128 as
  * unsigned bytes, the correction per lane from the weights alone (no saturation, no overflow: the same int32
  * values); AVX2 builds as dot32_epi32 does. m: for the types without an offset (m_w = +0) the chain m += 0.0f * s_x
- * depends on the token alone, so it is formed once per token per call (the same operations, the same bits, NaN and
- * inf included); Q4_1 and Q5_1 keep the per (row, token) chain m += m_w * s_x. With more than TB_A tokens the
- * group's blocks are unpacked once into a per-thread scratch and read back for each token tile. A group past the
- * last row repeats the last row (computed, not written). */
+ * is +0 whenever the lanes' sum is finite (total_a; else the chain itself is formed); Q4_1 and Q5_1 keep the
+ * per (row, token) chain m += m_w * s_x. With more than TB_A tokens the group's blocks are unpacked once into a
+ * per-thread scratch and read back for each token tile. A group past the last row repeats the last row (computed,
+ * not written). */
 #define MS_AI static inline __attribute__((always_inline))
 #if defined(MS_ISA_AVX512)
 #define RG_A 4 /* rows per group */
@@ -1201,11 +1181,26 @@ MS_AI vf_a mac_a(const wprep_a *w, vi_a x, vf_a bx, vf_a acc) { /* acc + set1(d_
 #endif
 }
 
+/* hsum + m for the types without an offset: the unpack path's chain m += 0.0f * s_x over the row's blocks is +0
+ * while every s_x is finite (+0 + +-0 = +0), and every s_x is finite when every d_x is (|s_x| <= 65504 * 32 * 127);
+ * a non-finite d_x makes the sum of that token's lanes non-finite (d_w * d_x is inf or NaN, and so is each fmadd
+ * after it: inf * 0 and inf - inf are NaN). So a finite sum adds +0.0f (which turns -0.0 into +0.0, as the chain
+ * does); a non-finite one takes the chain itself. */
+MS_AI float add_hm(float h, float m) { /* h + m, h the first operand (as acc_a_total): of two NaNs, h's */
+    return _mm_cvtss_f32(_mm_add_ss(_mm_set_ss(h), _mm_set_ss(m)));
+}
+MS_AI float total_a(float h, const act_q8_0 *x, int nb) {
+    if (isfinite(h)) return h + 0.0f;
+    float m = 0.0f;
+    for (int b = 0; b < nb; b++) m += 0.0f * x[b].s;
+    return add_hm(h, m);
+}
+
 /* the group's rows wrow[0..RG_A) (its VR_A-row vectors' blocks prepared into prep[v * nb + b] (prep given), or
- * unpacked here) against tokens xt[0..TB); mt: the tokens' m chains (types without offset); res[i * TB_A + k] */
+ * unpacked here) against tokens xt[0..TB); res[i * TB_A + k] */
 MS_AI void tile_a(void (*unpack)(const uint8_t *, ublk_a *), int bytes, int has_m, int TB,
                   const uint8_t *const *wrow, size_t row_bytes, int nb, const wprep_a *prep,
-                  const act_q8_0 *const *xt, const float *mt, int pf, float *res) {
+                  const act_q8_0 *const *xt, int pf, float *res) {
     vf_a acc[NV_A][TB_A];
     float macc[RG_A][TB_A];
     for (int v = 0; v < NV_A; v++)
@@ -1258,10 +1253,10 @@ MS_AI void tile_a(void (*unpack)(const uint8_t *, ublk_a *), int bytes, int has_
 #if defined(MS_ISA_AVX512)
             const float h0 = hsum_ps(_mm512_castps512_ps256(acc[v][k]));
             const float h1 = hsum_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[v][k]), 1)));
-            res[(2 * v) * TB_A + k] = h0 + (has_m ? macc[2 * v][k] : mt[k]);
-            res[(2 * v + 1) * TB_A + k] = h1 + (has_m ? macc[2 * v + 1][k] : mt[k]);
+            res[(2 * v) * TB_A + k] = has_m ? add_hm(h0, macc[2 * v][k]) : total_a(h0, xt[k], nb);
+            res[(2 * v + 1) * TB_A + k] = has_m ? add_hm(h1, macc[2 * v + 1][k]) : total_a(h1, xt[k], nb);
 #else
-            res[v * TB_A + k] = hsum_ps(acc[v][k]) + (has_m ? macc[v][k] : mt[k]);
+            res[v * TB_A + k] = has_m ? add_hm(hsum_ps(acc[v][k]), macc[v][k]) : total_a(hsum_ps(acc[v][k]), xt[k], nb);
 #endif
         }
 }
@@ -1309,7 +1304,7 @@ MS_AI __m256i ucodes_a(int type, const uint8_t *b, float *d, float *m) {
     }
 }
 MS_AI void tile_a1(int type, int bytes, int has_m, int TB, const uint8_t *const *wrow, size_t row_bytes, int nb,
-                   const act_q8_0 *const *xt, const __m256i *cx, const float *mt, int pf, float *res) {
+                   const act_q8_0 *const *xt, const __m256i *cx, int pf, float *res) {
     __m256 acc[4][NT1_A];
     float macc[4][NT1_A];
     for (int i = 0; i < 4; i++)
@@ -1338,11 +1333,12 @@ MS_AI void tile_a1(int type, int bytes, int has_m, int TB, const uint8_t *const 
         }
     }
     for (int i = 0; i < 4; i++)
-        for (int k = 0; k < TB; k++) res[i * NT1_A + k] = hsum_ps(acc[i][k]) + (has_m ? macc[i][k] : mt[k]);
+        for (int k = 0; k < TB; k++)
+            res[i * NT1_A + k] = has_m ? add_hm(hsum_ps(acc[i][k]), macc[i][k]) : total_a(hsum_ps(acc[i][k]), xt[k], nb);
 }
 #define MM_A_FEW(TYPE)                                                                                        \
     if (n_tok <= NT1_A) {                                                                                     \
-        __m256i *cx = (__m256i *)(sc + mt_bytes);                                                             \
+        __m256i *cx = (__m256i *)sc;                                                                          \
         const __m256i bias = _mm256_set1_epi8((char)bias_a(TYPE));                                            \
         for (int k = 0; k < n_tok; k++)                                                                       \
             for (int b = 0; b < nb; b++)                                                                      \
@@ -1356,10 +1352,10 @@ MS_AI void tile_a1(int type, int bytes, int has_m, int TB, const uint8_t *const 
             for (int i = 0; i < 4; i++) wrow[i] = W + (size_t)(r + i < r1 ? r + i : r1 - 1) * row_bytes;      \
             const int pf = r + 8 <= r1;                                                                       \
             switch (n_tok) {                                                                                  \
-            case 4: tile_a1(TYPE, bytes_, has_m_, 4, wrow, row_bytes, nb, xt, cx, mt, pf, res); break;         \
-            case 3: tile_a1(TYPE, bytes_, has_m_, 3, wrow, row_bytes, nb, xt, cx, mt, pf, res); break;         \
-            case 2: tile_a1(TYPE, bytes_, has_m_, 2, wrow, row_bytes, nb, xt, cx, mt, pf, res); break;         \
-            default: tile_a1(TYPE, bytes_, has_m_, 1, wrow, row_bytes, nb, xt, cx, mt, pf, res); break;        \
+            case 4: tile_a1(TYPE, bytes_, has_m_, 4, wrow, row_bytes, nb, xt, cx, pf, res); break;         \
+            case 3: tile_a1(TYPE, bytes_, has_m_, 3, wrow, row_bytes, nb, xt, cx, pf, res); break;         \
+            case 2: tile_a1(TYPE, bytes_, has_m_, 2, wrow, row_bytes, nb, xt, cx, pf, res); break;         \
+            default: tile_a1(TYPE, bytes_, has_m_, 1, wrow, row_bytes, nb, xt, cx, pf, res); break;        \
             }                                                                                                 \
             for (int i = 0; i < 4 && r + i < r1; i++)                                                         \
                 for (int k = 0; k < n_tok; k++)                                                               \
@@ -1387,7 +1383,7 @@ static void *scratch(size_t n) {
 }
 
 #define TILE_A_CASE(TB)                                                                                       \
-    case TB: tile_a(unpack_, bytes_, has_m_, TB, wrow, row_bytes, nb, many ? prep : NULL, xt, mt + t0, pf && !many, res); break;
+    case TB: tile_a(unpack_, bytes_, has_m_, TB, wrow, row_bytes, nb, many ? prep : NULL, xt, pf && !many, res); break;
 #if TB_A == 8
 #define TILE_A_CASES_HI TILE_A_CASE(8) TILE_A_CASE(7) TILE_A_CASE(6) TILE_A_CASE(5)
 #else
@@ -1400,19 +1396,10 @@ static void *scratch(size_t n) {
         const int many = n_tok > TB_A; /* several token tiles: the group's blocks are prepared once */       \
         void (*const unpack_)(const uint8_t *, ublk_a *) = UNPACK;                                            \
         const int bytes_ = BYTES, has_m_ = HAS_M;                                                             \
-        const size_t mt_bytes = ((size_t)n_tok * sizeof(float) + 63) / 64 * 64;                              \
-        uint8_t *sc = (uint8_t *)scratch(mt_bytes + (many ? (size_t)NV_A * nb * sizeof(wprep_a) : 0)         \
-                                         + MM_A_SCRATCH_FEW(nb));                                             \
-        if (!sc) { UNPACKED(W, row_bytes, r0, r1, n_cols, xq, n_tok, out, out_stride, scale); return; }       \
-        float *mt = (float *)sc;                                                                              \
-        wprep_a *prep = (wprep_a *)(sc + mt_bytes);                                                           \
-        if (!HAS_M)                                                                                           \
-            for (int k = 0; k < n_tok; k++) {                                                                 \
-                const act_q8_0 *x = (const act_q8_0 *)xq[k];                                                  \
-                float m = 0.0f;                                                                               \
-                for (int b = 0; b < nb; b++) m += 0.0f * x[b].s;                                              \
-                mt[k] = m;                                                                                    \
-            }                                                                                                 \
+        const size_t need = (many ? (size_t)NV_A * nb * sizeof(wprep_a) : 0) + MM_A_SCRATCH_FEW(nb);          \
+        uint8_t *sc = need ? (uint8_t *)scratch(need) : NULL;                                                 \
+        if (need && !sc) { UNPACKED(W, row_bytes, r0, r1, n_cols, xq, n_tok, out, out_stride, scale); return; } \
+        wprep_a *prep = (wprep_a *)sc;                                                                        \
         MM_A_FEW(TYPE)                                                                                        \
         float res[RG_A * TB_A];                                                                               \
         for (int r = r0; r < r1; r += RG_A) {                                                                 \
