@@ -129,7 +129,7 @@ def main() -> int:
                             bad += 1
                             print(f"MISMATCH {NAMES[t]} [{rows}, {cols}] n_tok {n} threads {th}: "
                                   f"{int((yo.view(np.uint32) != yn.view(np.uint32)).sum())} elements")
-                            for ti, ri in list(zip(*np.nonzero(yo.view(np.uint32) != yn.view(np.uint32))))[:3]:
+                            for ti, ri in np.argwhere(yo.view(np.uint32) != yn.view(np.uint32))[:3]:
                                 print(f"  token {ti} row {ri}: old {yo[ti, ri]!r} {yo.view(np.uint32)[ti, ri]:08x} "
                                       f"new {yn[ti, ri]!r} {yn.view(np.uint32)[ti, ri]:08x}")
                     if a.check_only:
