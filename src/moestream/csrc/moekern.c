@@ -1052,26 +1052,6 @@ static void mm_q6_k_fused(MM_ARGS) {
     MM_TAIL
 }
 
-static void mm_q8_0_fused(MM_ARGS) {
-    const int nb = n_cols / QK;
-    MM_HEAD
-    acc_a acc[TOK_TILE];
-    for (int k = 0; k < nt; k++) acc_a_zero(&acc[k]);
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = wr + (size_t)b * 34;
-        PF_BLOCK(blk, 34);
-        const float d = rdh(blk);
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        for (int k = 0; k < nt; k++) {
-            const act_q8_0 *x = (const act_q8_0 *)xq[t0 + k] + b;
-            const __m256 p = _mm256_cvtepi32_ps(dot32_epi32(w, _mm256_loadu_si256((const __m256i *)x->q)));
-            acc[k].v = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), p, acc[k].v);
-            acc[k].m += 0.0f * x->s; /* the unpack path's offset term, m = 0 (keeps the bits identical) */
-        }
-    }
-    for (int k = 0; k < nt; k++) res[k] = acc_a_total(&acc[k]);
-    MM_TAIL
-}
 /* F32 weights and one token: each row's sum is the unpack path's one chain of FMAs over the row in order, read
  * straight from the weights (no widened copy), four rows at once so that their chains overlap (same bits). */
 static void mm_f32_fused(MM_ARGS) {
@@ -1133,6 +1113,333 @@ static inline __m256 widen8(int bf16, const uint8_t *p) {
     }
 DEFINE_MM_HALF_FUSED(mm_f16_fused, 0, mm_f16)
 DEFINE_MM_HALF_FUSED(mm_bf16_fused, 1, mm_bf16)
+
+/* Family A, register-blocked (x86): a group of RG_A rows against a tile of up to TB_A tokens per pass over the
+ * blocks, the group's accumulators in registers; each unpacked weight block meets TB_A tokens and each activation
+ * block RG_A rows. Per (row, token) the float operations are the unpack path's, in the same order: per block the
+ * same 8 int32 lanes (exact integers), the same cvtepi32_ps, fmadd(set1(d_w * d_x), p, acc) in block order, then
+ * hsum_ps + m. AVX512 builds hold two rows' 8 lanes in one 512-bit vector (lane-wise the same operations; the two
+ * halves are summed apart at the end) and form the integer lanes as dpbusd(-128 * sum4(w), x + 128, w): x + 128 as
+ * unsigned bytes, the correction per lane from the weights alone (no saturation, no overflow: the same int32
+ * values); AVX2 builds as dot32_epi32 does. m: for the types without an offset (m_w = +0) the chain m += 0.0f * s_x
+ * is +0 whenever the lanes' sum is finite (total_a; else the chain itself is formed); Q4_1 and Q5_1 keep the
+ * per (row, token) chain m += m_w * s_x. With more than TB_A tokens the group's blocks are unpacked once into a
+ * per-thread scratch and read back for each token tile. A group past the last row repeats the last row (computed,
+ * not written). */
+#define MS_AI static inline __attribute__((always_inline))
+#if defined(MS_ISA_AVX512)
+#define RG_A 4 /* rows per group */
+#define TB_A 8 /* tokens per tile */
+#define VR_A 2 /* rows per vector */
+typedef __m512 vf_a;
+typedef __m512i vi_a;
+#else
+#define RG_A 2
+#define TB_A 4
+#define VR_A 1
+typedef __m256 vf_a;
+typedef __m256i vi_a;
+#endif
+#define NV_A (RG_A / VR_A) /* vectors per group */
+typedef struct { vi_a a, b; vf_a d; float m[VR_A]; } wprep_a; /* VR_A rows' prepared block (see wprep_make) */
+
+MS_AI void wprep_make(const ublk_a *u, wprep_a *p) { /* u: VR_A unpacked blocks, one per row */
+#if defined(MS_ISA_AVX512)
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)u[0].q)),
+                                         _mm256_loadu_si256((const __m256i *)u[1].q), 1);
+    p->a = w; /* signed codes; b: -128 * (sum of each lane's 4 codes) */
+    p->b = _mm512_sub_epi32(_mm512_setzero_si512(),
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), w));
+    p->d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(u[0].d))),
+                                               _mm256_castps_pd(_mm256_set1_ps(u[1].d)), 1));
+    p->m[0] = u[0].m;
+    p->m[1] = u[1].m;
+#else
+    const __m256i w = _mm256_loadu_si256((const __m256i *)u[0].q);
+    p->a = _mm256_sign_epi8(w, w); /* |w|; b: w (the signs) */
+    p->b = w;
+    p->d = _mm256_set1_ps(u[0].d);
+    p->m[0] = u[0].m;
+#endif
+}
+MS_AI vi_a xprep_a(const act_q8_0 *x) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)x->q);
+#if defined(MS_ISA_AVX512)
+    return _mm512_xor_si512(_mm512_broadcast_i64x4(v), _mm512_set1_epi8((char)0x80)); /* x + 128, unsigned */
+#else
+    return v;
+#endif
+}
+MS_AI vf_a mac_a(const wprep_a *w, vi_a x, vf_a bx, vf_a acc) { /* acc + set1(d_w * d_x) * cvt(lanes(w . x)) */
+#if defined(MS_ISA_AVX512)
+    const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(w->b, x, w->a));
+    return _mm512_fmadd_ps(_mm512_mul_ps(w->d, bx), p, acc);
+#else
+    const __m256 p = _mm256_cvtepi32_ps(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(w->a, _mm256_sign_epi8(x, w->b)), _mm256_set1_epi16(1)));
+    return _mm256_fmadd_ps(_mm256_mul_ps(w->d, bx), p, acc);
+#endif
+}
+
+/* hsum + m for the types without an offset: the unpack path's chain m += 0.0f * s_x over the row's blocks is +0
+ * while every s_x is finite (+0 + +-0 = +0), and every s_x is finite when every d_x is (|s_x| <= 65504 * 32 * 127);
+ * a non-finite d_x makes the sum of that token's lanes non-finite (d_w * d_x is inf or NaN, and so is each fmadd
+ * after it: inf * 0 and inf - inf are NaN). So a finite sum adds +0.0f (which turns -0.0 into +0.0, as the chain
+ * does); a non-finite one takes the chain itself. */
+MS_AI float add_hm(float h, float m) { /* h + m, h the first operand (as acc_a_total): of two NaNs, h's */
+    return _mm_cvtss_f32(_mm_add_ss(_mm_set_ss(h), _mm_set_ss(m)));
+}
+MS_AI float total_a(float h, const act_q8_0 *x, int nb) {
+    if (isfinite(h)) return h + 0.0f;
+    float m = 0.0f;
+    for (int b = 0; b < nb; b++) m += 0.0f * x[b].s;
+    return add_hm(h, m);
+}
+
+/* the group's rows wrow[0..RG_A) (its VR_A-row vectors' blocks prepared into prep[v * nb + b] (prep given), or
+ * unpacked here) against tokens xt[0..TB); res[i * TB_A + k] */
+MS_AI void tile_a(void (*unpack)(const uint8_t *, ublk_a *), int bytes, int has_m, int TB,
+                  const uint8_t *const *wrow, size_t row_bytes, int nb, const wprep_a *prep,
+                  const act_q8_0 *const *xt, int pf, float *res) {
+    vf_a acc[NV_A][TB_A];
+    float macc[RG_A][TB_A];
+    for (int v = 0; v < NV_A; v++)
+        for (int k = 0; k < TB; k++) {
+#if defined(MS_ISA_AVX512)
+            acc[v][k] = _mm512_setzero_ps();
+#else
+            acc[v][k] = _mm256_setzero_ps();
+#endif
+        }
+    if (has_m)
+        for (int i = 0; i < RG_A; i++)
+            for (int k = 0; k < TB; k++) macc[i][k] = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        wprep_a wl[NV_A];
+        const wprep_a *w[NV_A];
+        for (int v = 0; v < NV_A; v++) {
+            if (prep) {
+                w[v] = prep + (size_t)v * nb + b;
+            } else {
+                ublk_a u[VR_A];
+                for (int j = 0; j < VR_A; j++) {
+                    const uint8_t *blk = wrow[v * VR_A + j] + (size_t)b * bytes;
+                    if (pf)
+                        for (int l = 0; l < bytes; l += 64)
+                            _mm_prefetch((const char *)blk + RG_A * row_bytes + l, _MM_HINT_T0);
+                    unpack(blk, &u[j]);
+                }
+                wprep_make(u, &wl[v]);
+                w[v] = &wl[v];
+            }
+        }
+        for (int k = 0; k < TB; k++) {
+            const act_q8_0 *x = xt[k] + b;
+            const vi_a xv = xprep_a(x);
+#if defined(MS_ISA_AVX512)
+            const vf_a bx = _mm512_set1_ps(x->d);
+#else
+            const vf_a bx = _mm256_broadcast_ss(&x->d);
+#endif
+            for (int v = 0; v < NV_A; v++) acc[v][k] = mac_a(w[v], xv, bx, acc[v][k]);
+            if (has_m)
+                for (int v = 0; v < NV_A; v++)
+                    for (int j = 0; j < VR_A; j++)
+                        macc[v * VR_A + j][k] = macc[v * VR_A + j][k] + w[v]->m[j] * x->s;
+        }
+    }
+    for (int v = 0; v < NV_A; v++)
+        for (int k = 0; k < TB; k++) {
+#if defined(MS_ISA_AVX512)
+            const float h0 = hsum_ps(_mm512_castps512_ps256(acc[v][k]));
+            const float h1 = hsum_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[v][k]), 1)));
+            res[(2 * v) * TB_A + k] = has_m ? add_hm(h0, macc[2 * v][k]) : total_a(h0, xt[k], nb);
+            res[(2 * v + 1) * TB_A + k] = has_m ? add_hm(h1, macc[2 * v + 1][k]) : total_a(h1, xt[k], nb);
+#else
+            res[v * TB_A + k] = has_m ? add_hm(hsum_ps(acc[v][k]), macc[v][k]) : total_a(hsum_ps(acc[v][k]), xt[k], nb);
+#endif
+        }
+}
+
+#if defined(MS_ISA_AVX512)
+/* Few tokens (decode, small expert groups): 4 rows x up to NT1_A tokens in 256-bit vectors, the weight codes as unsigned bytes
+ * u = q + bias (Q4_0: the nibbles, bias 8; Q5_0: 16; Q8_0: q xor 0x80, bias 128; IQ4_NL and MXFP4: their code
+ * books + 128; Q4_1, Q5_1: the codes, bias 0) and the lanes dpbusd(-bias * sum4(x), u, x) = sum4(q * x): the same
+ * int32 values, the correction per token and block formed once per call (cx); the weights are read as they are
+ * stored, no scratch copy. */
+#define NT1_A 4
+static const int8_t KVALUES_IQ4NL_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15};
+static const int8_t KVALUES_MXFP4_U[16] = {-128, -127, -126, -125, -124, -122, -120, -116,
+                                           -128, 127, 126, 125, 124, 122, 120, 116};
+MS_AI int bias_a(int type) {
+    switch (type) {
+    case T_Q4_0: return 8;
+    case T_Q5_0: return 16;
+    case T_Q8_0: case T_IQ4_NL: case T_MXFP4: return 128;
+    default: return 0;
+    }
+}
+MS_AI __m256i ucodes_a(int type, const uint8_t *b, float *d, float *m) {
+    *m = 0.0f;
+    switch (type) {
+    case T_Q4_0: *d = rdh(b); return nib_split(_mm_loadu_si128((const __m128i *)(b + 2)));
+    case T_Q4_1: *d = rdh(b); *m = rdh(b + 2); return nib_split(_mm_loadu_si128((const __m128i *)(b + 4)));
+    case T_Q5_0:
+        *d = rdh(b);
+        return _mm256_or_si256(nib_split(_mm_loadu_si128((const __m128i *)(b + 6))),
+                               _mm256_and_si256(bits_to_bytes(rd32(b + 2)), _mm256_set1_epi8(0x10)));
+    case T_Q5_1:
+        *d = rdh(b); *m = rdh(b + 2);
+        return _mm256_or_si256(nib_split(_mm_loadu_si128((const __m128i *)(b + 8))),
+                               _mm256_and_si256(bits_to_bytes(rd32(b + 4)), _mm256_set1_epi8(0x10)));
+    case T_Q8_0:
+        *d = rdh(b);
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+    case T_IQ4_NL: *d = rdh(b); return lut16(nib_split(_mm_loadu_si128((const __m128i *)(b + 2))), KVALUES_IQ4NL_U);
+    default: { /* T_MXFP4 */
+        const uint32_t e = b[0];
+        *d = fp32_from_bits(e < 2 ? (e + 1) * 0x00200000u : (e - 1) << 23);
+        return lut16(nib_split(_mm_loadu_si128((const __m128i *)(b + 1))), KVALUES_MXFP4_U);
+    }
+    }
+}
+MS_AI void tile_a1(int type, int bytes, int has_m, int TB, const uint8_t *const *wrow, size_t row_bytes, int nb,
+                   const act_q8_0 *const *xt, const __m256i *cx, int pf, float *res) {
+    __m256 acc[4][NT1_A];
+    float macc[4][NT1_A];
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < TB; k++) { acc[i][k] = _mm256_setzero_ps(); macc[i][k] = 0.0f; }
+    for (int b = 0; b < nb; b++) {
+        __m256i xv[NT1_A], cv[NT1_A];
+        __m256 bx[NT1_A];
+        for (int k = 0; k < TB; k++) {
+            const act_q8_0 *x = xt[k] + b;
+            xv[k] = _mm256_loadu_si256((const __m256i *)x->q);
+            cv[k] = cx[(size_t)k * nb + b];
+            bx[k] = _mm256_broadcast_ss(&x->d);
+        }
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *blk = wrow[i] + (size_t)b * bytes;
+            if (pf)
+                for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)blk + 4 * row_bytes + l, _MM_HINT_T0);
+            float d, m;
+            const __m256i u = ucodes_a(type, blk, &d, &m);
+            const __m256 bw = _mm256_set1_ps(d);
+            for (int k = 0; k < TB; k++) {
+                const __m256 p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(cv[k], u, xv[k]));
+                acc[i][k] = _mm256_fmadd_ps(_mm256_mul_ps(bw, bx[k]), p, acc[i][k]);
+                if (has_m) macc[i][k] = macc[i][k] + m * xt[k][b].s;
+            }
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < TB; k++)
+            res[i * NT1_A + k] = has_m ? add_hm(hsum_ps(acc[i][k]), macc[i][k]) : total_a(hsum_ps(acc[i][k]), xt[k], nb);
+}
+#define MM_A_FEW(TYPE)                                                                                        \
+    if (n_tok <= NT1_A) {                                                                                     \
+        __m256i *cx = (__m256i *)sc;                                                                          \
+        const __m256i bias = _mm256_set1_epi8((char)bias_a(TYPE));                                            \
+        for (int k = 0; k < n_tok; k++)                                                                       \
+            for (int b = 0; b < nb; b++)                                                                      \
+                cx[(size_t)k * nb + b] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(        \
+                    _mm256_setzero_si256(), bias, _mm256_loadu_si256((const __m256i *)((const act_q8_0 *)xq[k])[b].q))); \
+        const act_q8_0 *xt[NT1_A];                                                                            \
+        for (int k = 0; k < NT1_A; k++) xt[k] = (const act_q8_0 *)xq[k < n_tok ? k : 0];                      \
+        float res[4 * NT1_A];                                                                                 \
+        for (int r = r0; r < r1; r += 4) {                                                                    \
+            const uint8_t *wrow[4];                                                                           \
+            for (int i = 0; i < 4; i++) wrow[i] = W + (size_t)(r + i < r1 ? r + i : r1 - 1) * row_bytes;      \
+            const int pf = r + 8 <= r1;                                                                       \
+            switch (n_tok) {                                                                                  \
+            case 4: tile_a1(TYPE, bytes_, has_m_, 4, wrow, row_bytes, nb, xt, cx, pf, res); break;         \
+            case 3: tile_a1(TYPE, bytes_, has_m_, 3, wrow, row_bytes, nb, xt, cx, pf, res); break;         \
+            case 2: tile_a1(TYPE, bytes_, has_m_, 2, wrow, row_bytes, nb, xt, cx, pf, res); break;         \
+            default: tile_a1(TYPE, bytes_, has_m_, 1, wrow, row_bytes, nb, xt, cx, pf, res); break;        \
+            }                                                                                                 \
+            for (int i = 0; i < 4 && r + i < r1; i++)                                                         \
+                for (int k = 0; k < n_tok; k++)                                                               \
+                    out[(size_t)k * out_stride + r + i] = scale ? scale[k] * res[i * NT1_A + k] : res[i * NT1_A + k]; \
+        }                                                                                                     \
+        return;                                                                                               \
+    }
+#define MM_A_SCRATCH_FEW(nb) (n_tok <= NT1_A ? (size_t)n_tok * (nb) * sizeof(__m256i) : 0)
+#else
+#define MM_A_FEW(TYPE)
+#define MM_A_SCRATCH_FEW(nb) 0
+#endif
+
+/* per-thread scratch of the tiled kernels (grown as needed, kept for the thread's life) */
+static __thread void *tl_scratch;
+static __thread size_t tl_scratch_cap;
+static void *scratch(size_t n) {
+    if (n > tl_scratch_cap) {
+        free(tl_scratch);
+        n = (n + 4095) / 4096 * 4096;
+        tl_scratch = aligned_alloc(64, n);
+        tl_scratch_cap = tl_scratch ? n : 0;
+    }
+    return tl_scratch;
+}
+
+#define TILE_A_CASE(TB)                                                                                       \
+    case TB: tile_a(unpack_, bytes_, has_m_, TB, wrow, row_bytes, nb, many ? prep : NULL, xt, pf && !many, res); break;
+#if TB_A == 8
+#define TILE_A_CASES_HI TILE_A_CASE(8) TILE_A_CASE(7) TILE_A_CASE(6) TILE_A_CASE(5)
+#else
+#define TILE_A_CASES_HI
+#endif
+
+#define DEFINE_MM_A_TILED(NAME, TYPE, UNPACK, BYTES, HAS_M, UNPACKED)                                               \
+    static void NAME(MM_ARGS) {                                                                               \
+        const int nb = n_cols / QK;                                                                           \
+        const int many = n_tok > TB_A; /* several token tiles: the group's blocks are prepared once */       \
+        void (*const unpack_)(const uint8_t *, ublk_a *) = UNPACK;                                            \
+        const int bytes_ = BYTES, has_m_ = HAS_M;                                                             \
+        const size_t need = (many ? (size_t)NV_A * nb * sizeof(wprep_a) : 0) + MM_A_SCRATCH_FEW(nb);          \
+        uint8_t *sc = need ? (uint8_t *)scratch(need) : NULL;                                                 \
+        if (need && !sc) { UNPACKED(W, row_bytes, r0, r1, n_cols, xq, n_tok, out, out_stride, scale); return; } \
+        wprep_a *prep = (wprep_a *)sc;                                                                        \
+        MM_A_FEW(TYPE)                                                                                        \
+        float res[RG_A * TB_A];                                                                               \
+        for (int r = r0; r < r1; r += RG_A) {                                                                 \
+            const uint8_t *wrow[RG_A];                                                                        \
+            for (int i = 0; i < RG_A; i++) wrow[i] = W + (size_t)(r + i < r1 ? r + i : r1 - 1) * row_bytes;    \
+            const int pf = r + 2 * RG_A <= r1;                                                                \
+            if (many)                                                                                         \
+                for (int v = 0; v < NV_A; v++)                                                                \
+                    for (int b = 0; b < nb; b++) {                                                            \
+                        ublk_a u[VR_A];                                                                       \
+                        for (int j = 0; j < VR_A; j++) {                                                      \
+                            const uint8_t *blk = wrow[v * VR_A + j] + (size_t)b * (BYTES);                    \
+                            if (pf)                                                                           \
+                                for (int l = 0; l < (BYTES); l += 64)                                         \
+                                    _mm_prefetch((const char *)blk + RG_A * row_bytes + l, _MM_HINT_T0);      \
+                            UNPACK(blk, &u[j]);                                                               \
+                        }                                                                                     \
+                        wprep_make(u, &prep[(size_t)v * nb + b]);                                             \
+                    }                                                                                         \
+            for (int t0 = 0; t0 < n_tok; t0 += TB_A) {                                                        \
+                const int nt = n_tok - t0 < TB_A ? n_tok - t0 : TB_A;                                         \
+                const act_q8_0 *xt[TB_A];                                                                     \
+                for (int k = 0; k < nt; k++) xt[k] = (const act_q8_0 *)xq[t0 + k];                           \
+                switch (nt) {                                                                                 \
+                    TILE_A_CASES_HI TILE_A_CASE(4) TILE_A_CASE(3) TILE_A_CASE(2) default: TILE_A_CASE(1)      \
+                }                                                                                             \
+                for (int i = 0; i < RG_A && r + i < r1; i++)                                                  \
+                    for (int k = 0; k < nt; k++)                                                              \
+                        out[(size_t)(t0 + k) * out_stride + r + i] =                                          \
+                            scale ? scale[t0 + k] * res[i * TB_A + k] : res[i * TB_A + k];                    \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+DEFINE_MM_A_TILED(mm_q4_0_tiled, T_Q4_0, unpack_q4_0, 18, 0, mm_q4_0)
+DEFINE_MM_A_TILED(mm_q4_1_tiled, T_Q4_1, unpack_q4_1, 20, 1, mm_q4_1)
+DEFINE_MM_A_TILED(mm_q5_0_tiled, T_Q5_0, unpack_q5_0, 22, 0, mm_q5_0)
+DEFINE_MM_A_TILED(mm_q5_1_tiled, T_Q5_1, unpack_q5_1, 24, 1, mm_q5_1)
+DEFINE_MM_A_TILED(mm_q8_0_tiled, T_Q8_0, unpack_q8_0, 34, 0, mm_q8_0)
+DEFINE_MM_A_TILED(mm_iq4_nl_tiled, T_IQ4_NL, unpack_iq4_nl, 18, 0, mm_iq4_nl)
+DEFINE_MM_A_TILED(mm_mxfp4_tiled, T_MXFP4, unpack_mxfp4, 17, 0, mm_mxfp4)
 #endif
 
 #include "iquants.h" /* unpackers and tile kernels of the 1-3 bit i-quants and the ternary types */
@@ -1165,17 +1472,23 @@ static int type_of(int t, type_info *ti) {
     case T_F16: *ti = (type_info){FAM_C, QK, 64, mm_f16}; return 1;
     case T_BF16: *ti = (type_info){FAM_C, QK, 64, mm_bf16}; return 1;
 #endif
+#ifdef MS_X86_SIMD
+    case T_Q4_0: *ti = (type_info){FAM_A, QK, 18, no_fused() ? mm_q4_0 : mm_q4_0_tiled}; return 1;
+    case T_Q4_1: *ti = (type_info){FAM_A, QK, 20, no_fused() ? mm_q4_1 : mm_q4_1_tiled}; return 1;
+    case T_Q5_0: *ti = (type_info){FAM_A, QK, 22, no_fused() ? mm_q5_0 : mm_q5_0_tiled}; return 1;
+    case T_Q5_1: *ti = (type_info){FAM_A, QK, 24, no_fused() ? mm_q5_1 : mm_q5_1_tiled}; return 1;
+    case T_Q8_0: *ti = (type_info){FAM_A, QK, 34, no_fused() ? mm_q8_0 : mm_q8_0_tiled}; return 1;
+    case T_IQ4_NL: *ti = (type_info){FAM_A, QK, 18, no_fused() ? mm_iq4_nl : mm_iq4_nl_tiled}; return 1;
+    case T_MXFP4: *ti = (type_info){FAM_A, QK, 17, no_fused() ? mm_mxfp4 : mm_mxfp4_tiled}; return 1;
+#else
     case T_Q4_0: *ti = (type_info){FAM_A, QK, 18, mm_q4_0}; return 1;
     case T_Q4_1: *ti = (type_info){FAM_A, QK, 20, mm_q4_1}; return 1;
     case T_Q5_0: *ti = (type_info){FAM_A, QK, 22, mm_q5_0}; return 1;
     case T_Q5_1: *ti = (type_info){FAM_A, QK, 24, mm_q5_1}; return 1;
-#ifdef MS_X86_SIMD
-    case T_Q8_0: *ti = (type_info){FAM_A, QK, 34, no_fused() ? mm_q8_0 : mm_q8_0_fused}; return 1;
-#else
     case T_Q8_0: *ti = (type_info){FAM_A, QK, 34, mm_q8_0}; return 1;
-#endif
     case T_IQ4_NL: *ti = (type_info){FAM_A, QK, 18, mm_iq4_nl}; return 1;
     case T_MXFP4: *ti = (type_info){FAM_A, QK, 17, mm_mxfp4}; return 1;
+#endif
     case T_Q2_K: *ti = (type_info){FAM_B, QKK, 84, mm_q2_k}; return 1;
     case T_Q3_K: *ti = (type_info){FAM_B, QKK, 110, mm_q3_k}; return 1;
 #ifdef MS_X86_SIMD
