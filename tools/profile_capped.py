@@ -104,10 +104,20 @@ class Profile:
         self._fd_moe = fastdecode.FastDecode._moe
         fast._moe = lambda spec, first, n, hp, outp: timed("hits" if first == 0 else "misses", prof._fd_moe)(
             fast, spec, first, n, hp, outp)
-        for lay in fast.layers:
-            r = lay[8]
+        for lay in fast.layers:  # (i, q, k, v, o, attn, fn, dense, ffn, ...): an MoE layer's ffn[0][0] is its router
+            if lay[7] or lay[8][0][0] is None:
+                continue
+            r = lay[8][0][0]
             r.linear = timed("router", r.linear)
         model.output.linear = timed("head", model.output.linear)
+        begin = model.begin_layer  # the router lookahead (--prefetch on): its prediction and prefetch submit
+
+        def begin_layer(i, x):  # noqa: ANN001, ANN202
+            if prof.active and not prof._depth:
+                prof.layer = i
+            return timed("lookahead", begin)(i, x)
+
+        model.begin_layer = begin_layer
         model.embd.rows_of = timed("embed", model.embd.rows_of)
         store = fast.store
         if store.streaming:
@@ -330,7 +340,7 @@ def child(a: argparse.Namespace) -> None:
     st = model.store.stats - st0
     kinds = cpu_by_kind(tc0, thread_cpu())
     label = ("resident" if a.resident else f"streaming {a.slots or 'mem ' + str(a.mem_cap)} slots") + \
-        f", -t {a.threads}, io {a.io_threads}"
+        f", -t {a.threads}, io {a.io_threads}, prefetch {a.prefetch}"
     r = report(p, model.n_layers, label)
     r["hit_rate"] = st.hit_rate
     r["stall_s_store"] = st.stall_seconds
