@@ -490,9 +490,9 @@ def test_prefill_chunks_prefetch_only_when_the_prediction_fits_half_the_pool(qwe
         rows.append(x.shape[0])
         return real_predict(self, layer, x)
 
-    def prefetch(self, layer, experts, pinned=(), read=True):  # noqa: ANN001, ANN202
+    def prefetch(self, layer, experts, pinned=(), read=True, **kw):  # noqa: ANN001, ANN002, ANN202
         calls.append((rows[-1], len(experts), read))
-        return real_prefetch(self, layer, experts, pinned, read)
+        return real_prefetch(self, layer, experts, pinned, read, **kw)
 
     monkeypatch.setattr(type(model), "predict", predict)
     monkeypatch.setattr(StreamingStore, "prefetch", prefetch)
