@@ -96,8 +96,8 @@ class Profile:
             part = "qkv" if spec[1] in prof._qkv else "o"
             return timed(part, prof._linear_to)(spec, x, n, y, lib)
 
-        self._q = {lay[1][1]: lay[0] for lay in fast.layers}
-        self._qkv = {lay[j][1] for lay in fast.layers for j in (1, 2, 3)}
+        self._q = {lay[1][1]: lay[0] for lay in fast.layers if lay[1] is not None}
+        self._qkv = {lay[j][1] for lay in fast.layers for j in (1, 2, 3) if lay[j] is not None}  # (no V: K = V)
         kernels.linear_to = linear_to
         self._moe_to = kernels.moe_to
         kernels.moe_to = lambda *a, **k: timed("moe", prof._moe_to)(*a, **k)
