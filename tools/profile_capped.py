@@ -118,6 +118,8 @@ class Profile:
             return timed("lookahead", begin)(i, x)
 
         model.begin_layer = begin_layer
+        if hasattr(fast, "_look"):  # the fast step's own lookahead (its C prediction and the gated prefetch)
+            fast._look = timed("lookahead", fast._look)
         model.embd.rows_of = timed("embed", model.embd.rows_of)
         store = fast.store
         if store.streaming:

@@ -356,6 +356,8 @@ class StreamingStore(ExpertStore):
         #: per layer: the gated reads started for its coming step, (expert, kind, rank), scored by prepare()
         self._issued: dict[int, list[tuple[int, int, int]]] = {}
         self._look_tick = [0, 0]
+        #: layers whose prediction was made since their last prepare() (a skipped one then leaves it for recall)
+        self._fresh: set[int] = set()
         self._expert_bytes: dict[int, int] = {}
         self._leads: dict[int, dict[str, np.ndarray]] = {}
         self._direct: dict[int, dict[str, bool]] = {}
@@ -527,6 +529,7 @@ class StreamingStore(ExpertStore):
         if pending:
             self._cancel_unneeded(layer, set(experts))
         pred = self._predicted.get(layer)
+        self._fresh.discard(layer)
         if pred is not None:
             self.stats.predictable += len(experts)
             self.stats.predicted += sum(e in pred for e in experts)
@@ -594,13 +597,23 @@ class StreamingStore(ExpertStore):
         n, used = self.look_stats[kind, rank]
         return n < LOOK_WARM or used >= look_min_precision() * n
 
-    def look_wanted(self, kind: int, top_k: int) -> bool:
-        """Whether a ``kind`` prediction is worth making now: some rank of it pays (:meth:`look_worth`), else
-        every LOOK_EXPLORE-th call (its reads then all started, to go on measuring; see prefetch's ``gate``)."""
-        if any(self.look_worth(kind, r) for r in range(top_k)):
+    def look_wanted(self, kind: int, top_k: int, layer: int | None = None) -> bool:
+        """Whether a ``kind`` prediction (for ``layer``'s coming step) is worth making now: while the kind's reads
+        are counted fewer than twice LOOK_WARM times, or some rank of it has proved to pay (counted at least LOOK_WARM
+        times, at least look_min_precision() of them used), else every LOOK_EXPLORE-th call (its reads then all
+        started, to go on measuring; see prefetch's ``gate``). When not, an older prediction of the layer (one made
+        before its last prepare()) is dropped, so that the recall statistic counts only the steps that were
+        predicted."""
+        r = min(top_k, LOOK_RANKS)
+        n, used = self.look_stats[kind, :r, 0], self.look_stats[kind, :r, 1]
+        if n.sum() < 2 * LOOK_WARM or ((n >= LOOK_WARM) & (used >= look_min_precision() * n)).any():
             return True
         self._look_tick[kind] += 1
-        return self._look_tick[kind] % LOOK_EXPLORE == 0
+        if self._look_tick[kind] % LOOK_EXPLORE == 0:
+            return True
+        if layer is not None and layer not in self._fresh:
+            self._predicted.pop(layer, None)
+        return False
 
     def _score(self, issued: list[tuple[int, int, int]], used: set[int]) -> None:
         st = self.look_stats
@@ -641,6 +654,7 @@ class StreamingStore(ExpertStore):
         raised by that step's ``wait``, like any read error. Returns the number of experts whose reads started.
         """
         self._predicted[layer] = frozenset(experts if predicted is None else predicted)
+        self._fresh.add(layer)
         if predicted is not None:
             pinned = [*pinned, *predicted]
         if not read:

@@ -702,7 +702,7 @@ class MoEModel:
         if not (self.opts.prefetch and store.streaming and layer in self.layout):
             return
         one = x.shape[0] == 1  # a decode step: its reads gated by what such reads were worth (prefetch's gate)
-        if one and not store.look_wanted(1, self.top_k):
+        if one and not store.look_wanted(1, self.top_k, layer):
             return
         experts = list(dict.fromkeys(self.predict(layer, x).reshape(-1).tolist()))  # first use first: top-k order
         read = one or len(experts) <= store.capacity(layer) // 2

@@ -514,7 +514,7 @@ class FastDecode:
         where they pay (the store's gate, StreamingStore.prefetch); the prediction itself (a router matmul) is
         skipped while no rank of ``kind`` pays, but for the store's exploring calls (``look_wanted``)."""
         store = self.store
-        if store.look_wanted(kind, self.model.top_k):
+        if store.look_wanted(kind, self.model.top_k, j):
             store.prefetch(j, self._predict(j, xp), cancel=kind == 1, gate=True, kind=kind)
 
     def _streamed(self, i: int, spec: tuple, experts: list[int], overlap: bool, hp: int, outp: int,
