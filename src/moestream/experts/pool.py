@@ -599,14 +599,14 @@ class StreamingStore(ExpertStore):
 
     def look_wanted(self, kind: int, top_k: int, layer: int | None = None) -> bool:
         """Whether a ``kind`` prediction (for ``layer``'s coming step) is worth making now: while the kind's reads
-        are counted fewer than twice LOOK_WARM times, or some rank of it has proved to pay (counted at least LOOK_WARM
-        times, at least look_min_precision() of them used), else every LOOK_EXPLORE-th call (its reads then all
-        started, to go on measuring; see prefetch's ``gate``). When not, an older prediction of the layer (one made
-        before its last prepare()) is dropped, so that the recall statistic counts only the steps that were
-        predicted."""
+        are counted fewer than LOOK_WARM times per rank in all, or some rank of it has proved to pay (counted at
+        least LOOK_WARM times, at least look_min_precision() of them used), else every LOOK_EXPLORE-th call (its
+        reads then all started, to go on measuring; see prefetch's ``gate``). When not, an older prediction of the
+        layer (one made before its last prepare()) is dropped, so that the recall statistic counts only the steps
+        that were predicted."""
         r = min(top_k, LOOK_RANKS)
         n, used = self.look_stats[kind, :r, 0], self.look_stats[kind, :r, 1]
-        if n.sum() < 2 * LOOK_WARM or ((n >= LOOK_WARM) & (used >= look_min_precision() * n)).any():
+        if n.sum() < LOOK_WARM * r or ((n >= LOOK_WARM) & (used >= look_min_precision() * n)).any():
             return True
         self._look_tick[kind] += 1
         if self._look_tick[kind] % LOOK_EXPLORE == 0:
