@@ -172,6 +172,63 @@ def test_exact_prediction_recall_one_and_every_miss_byte_ready(qwen3):
         store.close()
 
 
+def test_gated_prefetch_closes_the_ranks_whose_reads_are_wasted(qwen3, monkeypatch):
+    """prefetch(gate=True): each rank of a prediction is read while its reads are counted fewer than LOOK_WARM
+    times or at least the minimum share of them was used by the step (prepare() counts them); a rank whose reads
+    are wasted closes (its expert is then only predicted, neither read nor evicted), one whose reads are used stays
+    open; with every rank closed look_wanted() says yes only every LOOK_EXPLORE-th time."""
+    from moestream.experts import pool as pool_mod
+
+    monkeypatch.setenv("MOESTREAM_LOOKAHEAD_MIN", "0.5")
+    model, _ = qwen3
+    layer = model.layout.moe_layers[0]
+    store = new_store(model, 8)
+    try:
+        closed = None
+        for t in range(24):
+            right, wrong = [e for e in range(model.n_experts) if store.slots[layer].slot_of[e] < 0][:2]
+            n = store.prefetch(layer, [right, wrong], gate=True, kind=1)  # rank 0 right, rank 1 wrong
+            if closed is None and n == 1:
+                closed = t
+            assert n == (2 if closed is None else 1), (t, n)
+            settle(store, layer)
+            store.wait(store.prepare(layer, [right])[1])
+        assert closed is not None and closed >= pool_mod.LOOK_WARM
+        assert store.look_worth(1, 0) and not store.look_worth(1, 1)
+        assert store.look_worth(0, 1), "the other kind's counts are its own"
+        assert store._predicted[layer] == {right, wrong}, "a closed rank is still predicted (recall)"
+        store.look_stats[1, 0] = (20.0, 0.0)  # every rank of kind 1 closed
+        wanted = [store.look_wanted(1, 2) for _ in range(2 * pool_mod.LOOK_EXPLORE)]
+        assert sum(wanted) == 2 and wanted[pool_mod.LOOK_EXPLORE - 1]
+        check_consistent(store)
+    finally:
+        store.close()
+
+
+def test_a_refined_prediction_cancels_the_queued_guesses_it_drops(qwen3, monkeypatch):
+    """prefetch(cancel=True), the prediction from the layer's input after an early one: an early guess it no longer
+    names whose reads are still queued is cancelled and leaves the pool (its slot free for the new guesses); one it
+    names again keeps its reads; the bytes of every expert the step then uses are the file's."""
+    model, _ = qwen3
+    layer = model.layout.moe_layers[0]
+    gate = Gate(monkeypatch, model, layer)
+    store = new_store(model, 8, io_threads=1)  # one read thread: the first read held, the rest queued
+    try:
+        gate.hold = {0}
+        assert store.prefetch(layer, [0, 1, 2]) == 3
+        assert store.prefetch(layer, [0, 2, 3], cancel=True) == 1  # 1 cancelled (queued), 3 read
+        assert store.stats.prefetch_cancelled == 1 and 1 not in store._pending[layer]
+        assert store.slots[layer].slot_of[1] < 0
+        gate.release()
+        settle(store, layer)
+        store.wait(store.prepare(layer, [0, 2, 3])[1])
+        assert store.stats.prefetch_used == 3
+        check_bytes(store, layer, [0, 2, 3])
+        check_consistent(store)
+    finally:
+        store.close()
+
+
 def test_prefetch_reads_in_flight_join_the_ticket_first(qwen3, monkeypatch):
     """A step that needs experts whose prefetch reads are still running: they count as hits, their reads lead
     the ticket (then the step's own misses), none of their bytes counts as ready, and wait joins them."""
@@ -481,6 +538,7 @@ def test_recall_is_one_when_the_prediction_is_exact(models, arch, monkeypatch):
 def test_prefill_chunks_prefetch_only_when_the_prediction_fits_half_the_pool(qwen3, monkeypatch):
     """Decode steps always read; a prefill chunk reads only when its predicted distinct experts fit in half the
     pool (else only the prediction is recorded, for recall)."""
+    monkeypatch.setenv("MOESTREAM_LOOKAHEAD_MIN", "0")  # every rank pays: no decode prediction skipped by the gate
     model, ids = qwen3
     calls: list[tuple[int, int, bool]] = []
     rows: list[int] = []
@@ -490,9 +548,9 @@ def test_prefill_chunks_prefetch_only_when_the_prediction_fits_half_the_pool(qwe
         rows.append(x.shape[0])
         return real_predict(self, layer, x)
 
-    def prefetch(self, layer, experts, pinned=(), read=True):  # noqa: ANN001, ANN202
+    def prefetch(self, layer, experts, pinned=(), read=True, **kw):  # noqa: ANN001, ANN002, ANN202
         calls.append((rows[-1], len(experts), read))
-        return real_prefetch(self, layer, experts, pinned, read)
+        return real_prefetch(self, layer, experts, pinned, read, **kw)
 
     monkeypatch.setattr(type(model), "predict", predict)
     monkeypatch.setattr(StreamingStore, "prefetch", prefetch)

@@ -321,6 +321,46 @@ def test_fast_decode_streaming_is_the_eager_step(which: str, direct: bool, prefe
         m.store.close()
 
 
+@pytest.mark.parametrize(("which", "mode", "least"), [
+    ("qwen3moe-tiny", "early", "0"), ("qwen3moe-tiny", "input", "0.5"), ("qwen3moe-tiny", "both", "0.5"),
+    ("qwen3moe-tiny", "both", "1.1"), ("gemma4-tiny", "both", "0.5"), ("gpt-oss-tiny", "both", "0")])
+def test_fast_decode_lookahead_modes_keep_the_bits(which: str, mode: str, least: str, fixtures_tool: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast step's router lookahead, predicted early (from the layer before, after its attention), from the
+    layer's input, or both (the second cancelling what the first queued and it drops), gated by what its reads
+    were worth (MOESTREAM_LOOKAHEAD_MIN 1.1: no rank ever pays after its warm-up, the predictions then mostly
+    skipped): the logits are the resident step's bits at every position; the early prediction issues reads (kind
+    0 counted) and the store stays consistent."""
+    from moestream.runtime import fastdecode
+
+    monkeypatch.setenv("MOESTREAM_LOOKAHEAD", mode)
+    monkeypatch.setenv("MOESTREAM_LOOKAHEAD_MIN", least)
+    p = _fast_file(which, fixtures_tool)
+    top_k = load_model(p, LoadOptions(metadata_only=True)).top_k
+    model = load_model(p, LoadOptions(slots=top_k + 2, direct_io=True, prefetch=True, io_threads=4))
+    resident = load_model(p, LoadOptions(moe_stream=False))
+    fast = fastdecode.plan(model)
+    assert fast is not None and fast.streaming and fast.c_predict
+    caches = [m.new_cache(40) for m in (model, resident)]
+    ids = _ids(resident, 5, 3)
+    with torch.inference_mode():
+        for m, c in zip((model, resident), caches, strict=True):
+            m.runner.run(Step(ids, [Seq(c, 0, 5)]))
+        tok = 3
+        for pos in range(5, 37):
+            got = fast.step(torch.tensor([tok]), pos, caches[0])
+            assert_bitwise([got], [resident.runner.run(Step(torch.tensor([tok]), [Seq(caches[1], pos, 1)]))])
+            tok = int(got[0].argmax())
+    st = model.store
+    assert st.stats.prefetch_issued > 0
+    assert (st.look_stats[0, :, 0].sum() > 0) == (mode != "input")
+    for sm in st.slots.values():  # every mapped expert's slot maps back to it
+        mapped = sm.expert_of[sm.expert_of >= 0]
+        assert (sm.slot_of[mapped] == np.flatnonzero(sm.expert_of >= 0)).all()
+    for m in (model, resident):
+        m.store.close()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_fast_decode_gpt_oss_past_the_window(stream: bool, fixtures_tool: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """gpt-oss past its sliding window (128 positions in the fixture): the fast step's sliding layers see the last 128

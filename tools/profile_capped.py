@@ -96,18 +96,30 @@ class Profile:
             part = "qkv" if spec[1] in prof._qkv else "o"
             return timed(part, prof._linear_to)(spec, x, n, y, lib)
 
-        self._q = {lay[1][1]: lay[0] for lay in fast.layers}
-        self._qkv = {lay[j][1] for lay in fast.layers for j in (1, 2, 3)}
+        self._q = {lay[1][1]: lay[0] for lay in fast.layers if lay[1] is not None}
+        self._qkv = {lay[j][1] for lay in fast.layers for j in (1, 2, 3) if lay[j] is not None}  # (no V: K = V)
         kernels.linear_to = linear_to
         self._moe_to = kernels.moe_to
         kernels.moe_to = lambda *a, **k: timed("moe", prof._moe_to)(*a, **k)
         self._fd_moe = fastdecode.FastDecode._moe
         fast._moe = lambda spec, first, n, hp, outp: timed("hits" if first == 0 else "misses", prof._fd_moe)(
             fast, spec, first, n, hp, outp)
-        for lay in fast.layers:
-            r = lay[8]
+        for lay in fast.layers:  # (i, q, k, v, o, attn, fn, dense, ffn, ...): an MoE layer's ffn[0][0] is its router
+            if lay[7] or lay[8][0][0] is None:
+                continue
+            r = lay[8][0][0]
             r.linear = timed("router", r.linear)
         model.output.linear = timed("head", model.output.linear)
+        begin = model.begin_layer  # the router lookahead (--prefetch on): its prediction and prefetch submit
+
+        def begin_layer(i, x):  # noqa: ANN001, ANN202
+            if prof.active and not prof._depth:
+                prof.layer = i
+            return timed("lookahead", begin)(i, x)
+
+        model.begin_layer = begin_layer
+        if hasattr(fast, "_look"):  # the fast step's own lookahead (its C prediction and the gated prefetch)
+            fast._look = timed("lookahead", fast._look)
         model.embd.rows_of = timed("embed", model.embd.rows_of)
         store = fast.store
         if store.streaming:
@@ -330,7 +342,7 @@ def child(a: argparse.Namespace) -> None:
     st = model.store.stats - st0
     kinds = cpu_by_kind(tc0, thread_cpu())
     label = ("resident" if a.resident else f"streaming {a.slots or 'mem ' + str(a.mem_cap)} slots") + \
-        f", -t {a.threads}, io {a.io_threads}"
+        f", -t {a.threads}, io {a.io_threads}, prefetch {a.prefetch}"
     r = report(p, model.n_layers, label)
     r["hit_rate"] = st.hit_rate
     r["stall_s_store"] = st.stall_seconds

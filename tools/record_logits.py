@@ -5,7 +5,8 @@
     python tools/record_logits.py --compare A.npz B.npz
 
 Per file: a 24-token prompt's logits (every position), then 6 greedy decode steps, resident (``--moe-stream off``)
-and streaming through top-k slots per layer (batches of sequences are checked by tests/test_runner.py).
+and streaming through top-k slots per layer, without and with the router lookahead (``--prefetch on``: the same bits
+are its contract; batches of sequences are checked by tests/test_runner.py).
 ``--compare`` exits 1 naming the first file and array whose bits differ.
 """
 
@@ -23,9 +24,10 @@ def record(path: str) -> dict[str, np.ndarray]:
     from moestream.models.base import LoadOptions, load_model
 
     out: dict[str, np.ndarray] = {}
-    for mode, opts in (("resident", LoadOptions(moe_stream=False)), ("stream", None)):
-        model = load_model(path, opts or LoadOptions(slots=load_model(path, LoadOptions(
-            metadata_only=True)).top_k))
+    top_k = load_model(path, LoadOptions(metadata_only=True)).top_k
+    for mode, opts in (("resident", LoadOptions(moe_stream=False)), ("stream", LoadOptions(slots=top_k)),
+                       ("stream-prefetch", LoadOptions(slots=top_k, prefetch=True))):
+        model = load_model(path, opts)
         n_vocab = model.n_vocab
         ids = [(37 * i + 11) % min(n_vocab, 5000) for i in range(24)]
         cache = model.new_cache(40)

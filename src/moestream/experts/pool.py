@@ -99,6 +99,21 @@ class StoreStats:
         return replace(self)
 
 
+#: the gated lookahead (StreamingStore.prefetch's ``gate``): ranks counted; reads of a (kind, rank) started while
+#: fewer than LOOK_WARM were counted, then while at least look_min_precision() of them were used; counts decay by
+#: LOOK_DECAY per read counted; a kind none of whose ranks pays predicts only every LOOK_EXPLORE-th time
+LOOK_RANKS, LOOK_WARM, LOOK_DECAY, LOOK_EXPLORE = 32, 6.0, 0.98, 16
+
+
+def look_min_precision() -> float:
+    """The share of a (kind, rank)'s lookahead reads that the steps must use for its reads to go on
+    (``MOESTREAM_LOOKAHEAD_MIN``, default 0.5: below it a read wastes more bytes than it brings ahead)."""
+    try:
+        return float(os.environ.get("MOESTREAM_LOOKAHEAD_MIN", "0.5"))
+    except ValueError:
+        return 0.5
+
+
 @dataclass
 class _Prefetched:
     """A prefetched expert not yet used by any step: its slot and the ticket of its reads (one per matrix)."""
@@ -172,10 +187,16 @@ class ExpertStore:
     def prepare(self, layer: int, experts: list[int], pinned: list[int] = ()) -> tuple[list[int], Ticket | None]:
         raise NotImplementedError
 
-    def prefetch(self, layer: int, experts: list[int], pinned: list[int] = (), read: bool = True) -> int:
+    def prefetch(self, layer: int, experts: list[int], pinned: list[int] = (), read: bool = True,
+                 cancel: bool = False, predicted: list[int] | None = None, gate: bool = False,
+                 kind: int = 1) -> int:
         """Start reading ``experts`` of ``layer`` ahead of the step that needs them; returns how many experts'
         reads were started (0 here: nothing to read)."""
         return 0
+
+    def look_wanted(self, kind: int, top_k: int) -> bool:
+        """Whether a lookahead prediction of ``kind`` is worth making now (StreamingStore's measure; here yes)."""
+        return True
 
     def wait(self, ticket: Ticket | None, through: int | None = None) -> None:
         pass
@@ -329,6 +350,14 @@ class StreamingStore(ExpertStore):
         self._draining: dict[int, dict[int, Ticket]] = {}
         #: per layer: the experts the last prefetch() of the layer predicted (for the recall statistic)
         self._predicted: dict[int, frozenset[int]] = {}
+        #: the lookahead's worth (prefetch(gate=True)): per kind of prediction (0: from a layer before, 1: from the
+        #: layer's input) and rank (top-k order), decayed counts of the reads started and of those a step used
+        self.look_stats = np.zeros((2, LOOK_RANKS, 2))
+        #: per layer: the gated reads started for its coming step, (expert, kind, rank), scored by prepare()
+        self._issued: dict[int, list[tuple[int, int, int]]] = {}
+        self._look_tick = [0, 0]
+        #: layers whose prediction was made since their last prepare() (a skipped one then leaves it for recall)
+        self._fresh: set[int] = set()
         self._expert_bytes: dict[int, int] = {}
         self._leads: dict[int, dict[str, np.ndarray]] = {}
         self._direct: dict[int, dict[str, bool]] = {}
@@ -500,9 +529,13 @@ class StreamingStore(ExpertStore):
         if pending:
             self._cancel_unneeded(layer, set(experts))
         pred = self._predicted.get(layer)
+        self._fresh.discard(layer)
         if pred is not None:
             self.stats.predictable += len(experts)
             self.stats.predicted += sum(e in pred for e in experts)
+        issued = self._issued.pop(layer, None)
+        if issued:  # the gated lookahead's reads for this step: used or not
+            self._score(issued, set(experts))
         before = slots.expert_of.copy() if pending else None  # who held the slots the plan may reuse
         plan = self.policies[layer].plan(slots, experts, pinned, busy=self._busy(layer))
         self.stats.misses += len(plan.loads)
@@ -554,7 +587,45 @@ class StreamingStore(ExpertStore):
         ticket.n_mats = len(mats)  # type: ignore[attr-defined]  # jobs per expert, consecutive
         return plan.slot_ids, ticket
 
-    def prefetch(self, layer: int, experts: list[int], pinned: list[int] = (), read: bool = True) -> int:
+    def look_worth(self, kind: int, rank: int) -> bool:
+        """Whether a read of the ``rank``-th expert (top-k order) of a ``kind`` prediction pays (prefetch's
+        ``gate``): while fewer than LOOK_WARM such reads are counted, yes; then when at least
+        look_min_precision() of them were used by the step they were read for (decayed counts: the pool's contents
+        change what a guess is worth)."""
+        if rank >= LOOK_RANKS:
+            return True
+        n, used = self.look_stats[kind, rank]
+        return n < LOOK_WARM or used >= look_min_precision() * n
+
+    def look_wanted(self, kind: int, top_k: int, layer: int | None = None) -> bool:
+        """Whether a ``kind`` prediction (for ``layer``'s coming step) is worth making now: while the kind's reads
+        are counted fewer than LOOK_WARM times per rank in all, or some rank of it has proved to pay (counted at
+        least LOOK_WARM times, at least look_min_precision() of them used), else every LOOK_EXPLORE-th call (its
+        reads then all started, to go on measuring; see prefetch's ``gate``). When not, an older prediction of the
+        layer (one made before its last prepare()) is dropped, so that the recall statistic counts only the steps
+        that were predicted."""
+        r = min(top_k, LOOK_RANKS)
+        n, used = self.look_stats[kind, :r, 0], self.look_stats[kind, :r, 1]
+        if n.sum() < LOOK_WARM * r or ((n >= LOOK_WARM) & (used >= look_min_precision() * n)).any():
+            return True
+        self._look_tick[kind] += 1
+        if self._look_tick[kind] % LOOK_EXPLORE == 0:
+            return True
+        if layer is not None and layer not in self._fresh:
+            self._predicted.pop(layer, None)
+        return False
+
+    def _score(self, issued: list[tuple[int, int, int]], used: set[int]) -> None:
+        st = self.look_stats
+        for e, kind, r in issued:
+            if r < LOOK_RANKS:
+                st[kind, r] *= LOOK_DECAY
+                st[kind, r, 0] += 1
+                st[kind, r, 1] += e in used
+
+    def prefetch(self, layer: int, experts: list[int], pinned: list[int] = (), read: bool = True,
+                 cancel: bool = False, predicted: list[int] | None = None, gate: bool = False,
+                 kind: int = 1) -> int:
         """Router lookahead: start reading ``experts`` (distinct real ids predicted for ``layer``'s coming step,
         most likely first) into free or evictable slots, so that the step's prepare() finds them present.
 
@@ -563,7 +634,14 @@ class StreamingStore(ExpertStore):
         ``pinned`` and never a slot whose prefetch read is still in flight; when fewer slots are evictable, only
         the first experts are read. The slot is marked as holding the expert at once, its reads pending;
         prepare() joins them, and cancels the queued reads of those it does not ask for (see there). ``read`` false
-        only records the prediction.
+        only records the prediction. ``cancel``: this prediction replaces an earlier one of the coming step (a
+        later, better guess): the earlier guesses it drops whose reads are partly still queued are cancelled and
+        leave the pool first (as prepare() does), so their reads do not hold this one's back. ``predicted``: the
+        whole prediction when ``experts`` is the part of it worth reading (the recall statistic's; its experts in a
+        slot are not evicted by this prefetch either); None: ``experts``. ``gate``: ``experts`` is one prediction
+        of one token's experts in top-k order, of ``kind`` (0: made from a layer before ``layer``, 1: from its
+        input); only the ranks whose reads pay (:meth:`look_worth`, or all while :meth:`look_wanted` explores) are
+        read, and the next prepare() of the layer counts which of them it used.
 
         The prediction is what the ``recall`` statistic compares the following prepare() calls of the layer with,
         until the next prefetch() of the layer. Not to be called while a ticket of ``layer`` is not yet joined
@@ -575,12 +653,22 @@ class StreamingStore(ExpertStore):
         raised by ``wait``). A failed read of an expert that a step asked for while the read was in flight is
         raised by that step's ``wait``, like any read error. Returns the number of experts whose reads started.
         """
-        self._predicted[layer] = frozenset(experts)
+        self._predicted[layer] = frozenset(experts if predicted is None else predicted)
+        self._fresh.add(layer)
+        if predicted is not None:
+            pinned = [*pinned, *predicted]
         if not read:
             return 0
         self._settle(layer)
         slots, pending = self.slots[layer], self._pending[layer]
+        if cancel and pending:
+            self._cancel_unneeded(layer, set(experts if predicted is None else predicted))
         want = [e for e in experts if slots.slot_of[e] < 0]
+        if gate:
+            ranked = experts if predicted is None else predicted
+            rank = {e: r for r, e in enumerate(ranked)}
+            if any(self.look_worth(kind, r) for r in range(min(len(ranked), LOOK_RANKS))):
+                want = [e for e in want if self.look_worth(kind, rank[e])]
         if not want:
             return 0
         victims = self.policies[layer].victims(slots, len(want), [*experts, *pinned], self._busy(layer))
@@ -598,6 +686,8 @@ class StreamingStore(ExpertStore):
             pending[e] = _Prefetched(s, self.reader.submit(jobs, low=True))  # behind every demand read
         n = min(len(want), len(victims))
         self.stats.prefetch_issued += n
+        if gate and n:
+            self._issued.setdefault(layer, []).extend((e, kind, rank[e]) for e in want[:n])
         return n
 
     def _cancel_unneeded(self, layer: int, needed: set[int]) -> None:

@@ -420,7 +420,8 @@ class ExpertReader:
             from .. import kernels
 
             lib = kernels.io_ops()
-            h = lib.ms_io_new(self.io_threads, C_JOBS, LOW_MAX, LOW_CHUNK) if lib is not None else None
+            low_max = int(os.environ.get("MOESTREAM_LOW_MAX", LOW_MAX))
+            h = lib.ms_io_new(self.io_threads, C_JOBS, low_max, LOW_CHUNK) if lib is not None else None
             self._c, self._c_handle = (lib, h) if h else (False, None)
         return self._c or None
 

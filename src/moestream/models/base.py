@@ -701,9 +701,12 @@ class MoEModel:
         store = self.store
         if not (self.opts.prefetch and store.streaming and layer in self.layout):
             return
+        one = x.shape[0] == 1  # a decode step: its reads gated by what such reads were worth (prefetch's gate)
+        if one and not store.look_wanted(1, self.top_k, layer):
+            return
         experts = list(dict.fromkeys(self.predict(layer, x).reshape(-1).tolist()))  # first use first: top-k order
-        read = x.shape[0] == 1 or len(experts) <= store.capacity(layer) // 2
-        store.prefetch(layer, experts, read=read)
+        read = one or len(experts) <= store.capacity(layer) // 2
+        store.prefetch(layer, experts, read=read, gate=one)
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """The top-k expert ids [T, top_k] int64 that MoE ``layer``'s router picks for x [T, hidden] float32 taken

@@ -82,6 +82,7 @@ C_ATTENTION). Anything else runs the eager step.
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -322,6 +323,18 @@ class FastDecode:
         #: arrays of gate, up, down]): a slot's expert starts lead[slot] bytes into its row
         self.tabs = tabs
         self.attn_norm0 = _ptr(blocks[0]["attn_norm"])
+        # the router lookahead's own buffers (a prediction never writes the step's) and, per layer, the next MoE
+        # layer (the one the early prediction reads ahead for)
+        self.lh = torch.empty((1, n), dtype=f32)
+        self.lids = torch.empty((1, m.top_k), dtype=torch.int64)
+        self.lw = torch.empty((1, m.top_k), dtype=f32)
+        moe_layers = [i for i, mo in enumerate(moes) if mo is not None]
+        self.next_moe = [next((j for j in moe_layers if j > i), None) for i in range(len(blocks))]
+        # the step predicts by the router it runs (C) unless the model's lookahead is its own (a family's or a
+        # test's ``predict``/``begin_layer``): then MoEModel.begin_layer at each layer's input, as the eager step
+        cls = type(m)
+        self.c_predict = (cls.predict.__qualname__ == "MoEModel.predict" and "predict" not in vars(m)
+                          and cls.begin_layer.__qualname__ == "MoEModel.begin_layer" and "begin_layer" not in vars(m))
         self._cache: tuple | None = None
         self.sh: torch.Tensor | None = None  # a layer's shared expert output (_shared)
 
@@ -360,14 +373,19 @@ class FastDecode:
         kv = self._cache_ptrs(cache)
         store, streaming = self.store, self.streaming
         look = streaming and m.opts.prefetch  # the router lookahead
+        early = look and self.c_predict and lookahead_mode() != "input"
+        at_input = look and (not self.c_predict or lookahead_mode() != "early")
         overlap = m.opts.overlap
         lib.ms_residual_norm(1, n, xp, None, 0, self.attn_norm0, eps, hp, nt)
         dqp, dbp, dap, dzp, dyp = (t.data_ptr() for t in (self.dqkv, self.dbeta, self.dalpha, self.dz, self.dy))
         mqp, mqap, mop = self.mq.data_ptr(), self.mqa.data_ptr(), self.mo.data_ptr()
         for (i, q_s, k_s, v_s, o_s, attn, fn, dense, ffn, nxt, (tail, out_scale), (mixer, gate, dn, mla)) in \
                 self.layers:
-            if look:
-                m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
+            if at_input:  # layer i's experts predicted from its input (replacing what the early guess read)
+                if not self.c_predict:
+                    m.begin_layer(i, x)  # the eager step's own call: x is the layer's input
+                elif not dense:
+                    self._look(i, xp, 1)
             if dn is not None:  # a Gated DeltaNet layer, as the family's delta_net computes a CPU decode
                 (qkv_s, beta_s, alpha_s, z_s, out_s), (cw, dt, av, nw), (n_k, n_v, d_k, d_v, k_w, c_dim) = dn[:3]
                 kernels.linear_to(qkv_s, hp, 1, dqp, lib)
@@ -484,7 +502,9 @@ class FastDecode:
             chosen = self.pairs.experts[:g].tolist()  # ascending, as MoE.__call__ hands them to the store
             run_shared = functools.partial(self._shared, i, x) if has_shared else None
             if streaming:
-                self._streamed(i, moe_s, chosen, overlap, hp, outp, run_shared)
+                ahead = self.next_moe[i] if early else None
+                self._streamed(i, moe_s, chosen, overlap, hp, outp, run_shared,
+                               None if ahead is None else functools.partial(self._look_ahead, ahead, xp))
             else:
                 store.prepare(i, chosen)  # counts the hits (and records the routing trace)
                 if run_shared is not None:
@@ -523,8 +543,46 @@ class FastDecode:
         ``self.sh``."""
         self.sh = self.model.shared(i, x, self.h)
 
+    def _predict(self, j: int, xp: int) -> list[int]:
+        """The experts MoE layer j's router picks for the residual stream at ``xp`` (float32 [1, hidden]) taken as
+        that layer's FFN input: its norm, router and top-k as the step runs them (the family's own ``gate`` where it
+        has one), into the lookahead's own buffers; distinct real ids, top-k order."""
+        m, lib, nt, n = self.model, self.lib, kernels.threads(), self.x_dim
+        _, _, _, _, _, _, fn, _, ffn, *_ = self.layers[j]
+        router, gating, r_bias, n_group, topk_group, norm_topk, floor, r_scale, gate_b, r_scores = ffn[0]
+        lhp = self.lh.data_ptr()
+        lib.ms_rms_norm(1, n, xp, n, fn, m.eps, lhp, n, nt)
+        r_mul = ffn[4][0]
+        if r_mul != 1.0:
+            hn = self.lh.numpy()
+            np.multiply(hn, np.float32(r_mul), out=hn)
+        if gate_b is not None:
+            ids, _ = m.gate(gate_b, self.lh)
+            return list(dict.fromkeys(ids.reshape(-1).tolist()))
+        logits = router.linear(self.lh).contiguous()
+        if r_scores is not None:  # the family's own scores, as the step computes them
+            logits = r_scores(logits).contiguous()
+        if lib.ms_route(1, logits.shape[1], logits.data_ptr(), gating, r_bias, n_group, topk_group, m.top_k,
+                        norm_topk, floor, r_scale, self.lids.data_ptr(), self.lw.data_ptr(), nt):
+            return []  # (the step's own routing raises on the same shapes)
+        return self.lids[0].tolist()
+
+    def _look_ahead(self, j: int, xp: int) -> None:
+        """The early lookahead: MoE layer j's experts predicted from the residual stream at ``xp`` (a layer before
+        j, after its attention) and their reads started at low priority, behind the demand reads just submitted."""
+        self._look(j, xp, 0)
+
+    def _look(self, j: int, xp: int, kind: int) -> None:
+        """MoE layer j's experts predicted from the residual stream at ``xp`` (``kind`` 0: a layer before j, after its
+        attention; 1: j's input, which replaces an early guess: those it drops are cancelled), their reads started
+        where they pay (the store's gate, StreamingStore.prefetch); the prediction itself (a router matmul) is
+        skipped while no rank of ``kind`` pays, but for the store's exploring calls (``look_wanted``)."""
+        store = self.store
+        if store.look_wanted(kind, self.model.top_k, j):
+            store.prefetch(j, self._predict(j, xp), cancel=kind == 1, gate=True, kind=kind)
+
     def _streamed(self, i: int, spec: tuple, experts: list[int], overlap: bool, hp: int, outp: int,
-                  shared: Any = None) -> None:
+                  shared: Any = None, ahead: Any = None) -> None:
         """Layer i's routed experts through the streaming store (``experts``: the step's distinct real ids,
         ascending, group j = pair j of ``self.pairs``): the slots planned and the misses' reads started, then the
         hits in one ms_moe call over their slots, then each batch of misses as soon as its reads are joined
@@ -534,6 +592,8 @@ class FastDecode:
         store = self.store
         slot_ids, ticket = store.prepare(i, experts)
         try:
+            if ahead is not None:  # the next MoE layer's likely experts, queued behind this layer's misses
+                ahead()
             if shared is not None:
                 shared()
             reading = store.reading(ticket)
@@ -574,6 +634,15 @@ class FastDecode:
               self.o_tok.ctypes.data + 4 * first, self.o_w.ctypes.data + 4 * first, self.o_dst.ctypes.data + 4 * first,
               self.o_real.ctypes.data + 8 * first)
         kernels.moe_to(spec, self.pairs, n, hp, 1, outp, at=at)
+
+
+def lookahead_mode() -> str:
+    """Where the fast step's router lookahead predicts a layer's experts (``MOESTREAM_LOOKAHEAD``, for measuring):
+    ``both`` (default): from the layer before's residual after its attention (reads queued behind that layer's
+    misses), then again from the layer's input (queued guesses it drops are cancelled); ``early``: the first only;
+    ``input``: the second only (the eager step's ``begin_layer``)."""
+    mode = os.environ.get("MOESTREAM_LOOKAHEAD", "both")
+    return mode if mode in ("both", "early", "input") else "both"
 
 
 def _dnet(d: tuple | None) -> tuple | None:
