@@ -6,7 +6,7 @@ set -uo pipefail
 export MOESTREAM_GEMV2_B32=0 MOESTREAM_LEAN_SEGMENTS=1
 source "$(dirname "$0")/env.sh"
 git log --oneline -1 > /tmp/logs/commit.txt 2>/dev/null
-timeout 200 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_cuda.py -k "default" > /tmp/logs/test_cuda.log 2>&1 &
+timeout 230 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_cuda.py -k "default" > /tmp/logs/test_cuda.log 2>&1 &
 p1=$!
 python3 benchmarks/pool_overhead.py --threads 1,2,4,8,16 --jobs 5000 > /tmp/logs/pool_new.txt 2>&1
 python3 benchmarks/pool_overhead.py --threads 1,2,4,8,16 --jobs 5000 --src build/oldpool/src > /tmp/logs/pool_old.txt 2>&1
