@@ -972,7 +972,7 @@ sys.path.insert(0, {tests!r})
 import test_kernels as tk
 from moestream import kernels
 out = {{}}
-for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.F32, T.F16, T.BF16):
+for t in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.F32, T.F16, T.BF16):
     raw = tk.random_weights(t, 37, 1024, seed=500 + int(t))
     x = tk.activations(70, 1024, seed=14)
     for b in {builds!r}:
@@ -981,15 +981,17 @@ for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.F32, T.F16, T.BF16):
         # row quads)
         out[f"{{t.name}}_{{b}}_1"] = np.stack([tk.linear(x[i:i + 1], raw, t, 1024, kernels.load(b))[0]
                                              for i in (0, 33, 69)])
+        out[f"{{t.name}}_{{b}}_3"] = tk.linear(x[5:8], raw, t, 1024, kernels.load(b))  # a short tile
 np.savez(sys.argv[1], **out)
 """
 
 
 @pytest.mark.skipif(not {"avx2", "avx512"} & set(BUILDS), reason="the fused kernels are x86 SIMD only")
 def test_fused_kernels_bitwise_equal_the_unpack_path(tmp_path):
-    """Q4_K, Q6_K, Q8_0, F32, F16 and BF16 run fused kernels on x86 builds (codes formed in registers, float rows
-    read in place); ``MS_NO_FUSED=1`` selects the generic unpack-then-dot path. Both must give the same bits (so the
-    fused kernels change speed only), for a tile of tokens and for one token per call."""
+    """Q4_K, Q5_K, Q6_K, Q8_0, F32, F16 and BF16 run fused kernels on x86 builds (codes formed in registers, float
+    rows read in place; on AVX512 builds the k-quants' token tiles, super-blocks prepared once per row and tile);
+    ``MS_NO_FUSED=1`` selects the generic unpack-then-dot path. Both must give the same bits (so the fused kernels
+    change speed only), for 70 tokens (tiles of 8 and a remainder), 3 tokens and one token per call."""
     import os
     import subprocess
     import sys
@@ -1001,7 +1003,7 @@ def test_fused_kernels_bitwise_equal_the_unpack_path(tmp_path):
         env = {**os.environ, **extra}
         subprocess.run([sys.executable, "-c", code, str(out)], check=True, env=env, capture_output=True)
         runs[label] = np.load(out)
-    assert len(runs["fused"].files) == 12 * len(builds)
+    assert len(runs["fused"].files) == 21 * len(builds)
     for k in runs["fused"].files:
         a, b = runs["fused"][k], runs["unpack"][k]
         assert np.isfinite(a).all()

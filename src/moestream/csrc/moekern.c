@@ -1442,6 +1442,138 @@ DEFINE_MM_A_TILED(mm_iq4_nl_tiled, T_IQ4_NL, unpack_iq4_nl, 18, 0, mm_iq4_nl)
 DEFINE_MM_A_TILED(mm_mxfp4_tiled, T_MXFP4, unpack_mxfp4, 17, 0, mm_mxfp4)
 #endif
 
+#if defined(MS_ISA_AVX512)
+/* Family B, several tokens (AVX512): Q4_K, Q5_K and Q6_K super-blocks prepared once per row and tile of up to TB_B
+ * tokens (codes, scale lanes and the d / dmin pair in registers), then met by each token of the tile. The 8 chunks
+ * of 32 codes go in pairs (2j, 2j + 1), one per 512-bit vector, against the token's 64 contiguous codes; the pair
+ * sums are the unpack path's int16 lanes (Q4_K / Q5_K: maddubs of the unsigned codes; Q6_K: maddubs(|q - 32|, x
+ * negated where q - 32 < 0), as mm_q6_k_fused's tile: x is in -127..127, so negation is exact), and dpwssd adds
+ * them times the scales into int32 lanes; the two 256-bit halves (even and odd chunks) added give each of the 8
+ * int32 lanes of dot_b exactly (integers, no overflow). Then per token and block the unpack path's float operations:
+ * v += (d * d_x) * cvt(lanes), m += (dmin * d_x) * cvt(madd(mins, bsum)) as one 512-bit fmadd on [v | m] lanes, and
+ * at the end hsum(v) - hsum(m): the same bits (benchmarks/gemm_b_ab.py checks them against the previous kernels). */
+#define TB_B 8 /* tokens per tile */
+#define RCH_B 32 /* rows per chunk: each chunk's blocks meet every tile of tokens while they are in L2 */
+typedef struct {
+    __m512i w[4];      /* chunk pairs: unsigned codes (Q4_K, Q5_K) or |q - 32| (Q6_K) */
+    __mmask64 neg[4];  /* Q6_K: the lanes where q - 32 < 0 */
+    __m512i sc[4];     /* int16 scale lanes of each pair */
+    __m512 dd;         /* [d x 8 | dmin x 8] */
+    __m256i mn;        /* int16 mins, each twice (as bsum's 16 groups) */
+} bprep;
+
+MS_AI __m512i cat256(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+MS_AI void bprep_make(int type, const uint8_t *blk, bprep *p) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (type == T_Q6_K) {
+        const __m128i scb = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m512i m3 = _mm512_set1_epi8(3), k32 = _mm512_set1_epi8(32);
+        for (int n = 0; n < 2; n++) {
+            const __m512i L = _mm512_loadu_si512((const void *)(blk + 64 * n));
+            const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+            for (int h = 0; h < 2; h++) { /* pair (4n + 2h, 4n + 2h + 1): L's nibble h, H's bits 4h + (0 | 2) */
+                const __m512i lo = _mm512_and_si512(h ? _mm512_srli_epi16(L, 4) : L, m4);
+                const __m512i hb = _mm512_and_si512(
+                    _mm512_srlv_epi64(H, _mm512_set_epi64(4 * h + 2, 4 * h + 2, 4 * h + 2, 4 * h + 2, 4 * h, 4 * h,
+                                                          4 * h, 4 * h)), m3);
+                const __m512i w = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hb, 4)), k32);
+                const int j = 2 * n + h, c = 2 * j;
+                p->w[j] = _mm512_abs_epi8(w);
+                p->neg[j] = _mm512_movepi8_mask(w);
+                p->sc[j] = cat256(
+                    _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scb, _mm_loadu_si128((const __m128i *)Q6K_SCALE_SHUF[c]))),
+                    _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scb, _mm_loadu_si128((const __m128i *)Q6K_SCALE_SHUF[c + 1]))));
+            }
+        }
+        p->dd = _mm512_set1_ps(rdh(blk + 208));
+        return;
+    }
+    const __m128i sm = q4k_scales(blk + 4);
+    const __m256i smv = _mm256_broadcastsi128_si256(sm);
+    const uint8_t *qs = blk + (type == T_Q5_K ? 48 : 16);
+    const __m512i qh = type == T_Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
+                                      : _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        __m512i w = _mm512_and_si512(cat256(v, _mm256_srli_epi16(v, 4)), m4);
+        if (type == T_Q5_K) /* bit 2j of qh for the low chunk, 2j + 1 for the high one: code + 16 */
+            w = _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(qh, cat256(_mm256_set1_epi8((char)(1 << (2 * j))),
+                                                                        _mm256_set1_epi8((char)(1 << (2 * j + 1))))),
+                                     w, _mm512_set1_epi8(16));
+        p->w[j] = w;
+        p->sc[j] = cat256(_mm256_shuffle_epi8(smv, _mm256_set1_epi16((short)(0x8000 | (2 * j)))),
+                          _mm256_shuffle_epi8(smv, _mm256_set1_epi16((short)(0x8000 | (2 * j + 1)))));
+    }
+    const __m128i m8 = _mm_unpackhi_epi64(sm, sm);
+    p->mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+    p->dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(rdh(blk)), _mm512_set1_ps(rdh(blk + 2)));
+}
+
+/* one row's blocks against tokens xt[0..TB): res[k] */
+MS_AI void tile_b(int type, int bytes, int TB, const uint8_t *wr, size_t row_bytes, int nb,
+                  const act_q8_k *const *xt, int pf, float *res) {
+    __m512 acc[TB_B];
+    for (int k = 0; k < TB; k++) acc[k] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = wr + (size_t)b * bytes;
+        PF_BLOCK(blk, bytes);
+        bprep p;
+        bprep_make(type, blk, &p);
+        for (int k = 0; k < TB; k++) {
+            const act_q8_k *x = xt[k] + b;
+            __m512i is = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) {
+                __m512i xv = _mm512_loadu_si512((const void *)(x->q + 64 * j));
+                if (type == T_Q6_K) xv = _mm512_mask_sub_epi8(xv, p.neg[j], _mm512_setzero_si512(), xv);
+                is = _mm512_dpwssd_epi32(is, _mm512_maddubs_epi16(p.w[j], xv), p.sc[j]);
+            }
+            const __m256i lanes = _mm256_add_epi32(_mm512_castsi512_si256(is), _mm512_extracti64x4_epi64(is, 1));
+            const __m256i mins = type == T_Q6_K ? _mm256_setzero_si256()
+                                                : _mm256_madd_epi16(p.mn, _mm256_loadu_si256((const __m256i *)x->bsum));
+            const __m512 f = _mm512_mul_ps(p.dd, _mm512_set1_ps(x->d)), l = _mm512_cvtepi32_ps(cat256(lanes, mins));
+            /* Q6_K has no mins: its m lanes stay +0, as the unpack path's m (no operation on them) */
+            acc[k] = type == T_Q6_K ? _mm512_mask3_fmadd_ps(f, l, acc[k], 0x00FF) : _mm512_fmadd_ps(f, l, acc[k]);
+        }
+    }
+    for (int k = 0; k < TB; k++)
+        res[k] = hsum_ps(_mm512_castps512_ps256(acc[k])) -
+                 hsum_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[k]), 1)));
+}
+
+#define TILE_B_CASE(TB) case TB: tile_b(type_, bytes_, TB, wr, row_bytes, nb, xt, pf && t0 == 0, res); break;
+#define DEFINE_MM_B_TILED(NAME, TYPE, BYTES, ONE, MIN_TOK)                                                           \
+    static void NAME(MM_ARGS) {                                                                               \
+        if (n_tok < (MIN_TOK)) { ONE(W, row_bytes, r0, r1, n_cols, xq, n_tok, out, out_stride, scale); return; } \
+        const int nb = n_cols / QKK, type_ = TYPE, bytes_ = BYTES;                                            \
+        float res[TB_B];                                                                                      \
+        for (int rc = r0; rc < r1; rc += RCH_B) { /* a chunk of rows (in L2) against each tile of tokens (in L1) */ \
+            const int rc1 = rc + RCH_B < r1 ? rc + RCH_B : r1;                                                \
+            for (int t0 = 0; t0 < n_tok; t0 += TB_B) {                                                        \
+                const int nt = n_tok - t0 < TB_B ? n_tok - t0 : TB_B;                                         \
+                const act_q8_k *xt[TB_B];                                                                     \
+                for (int k = 0; k < nt; k++) xt[k] = (const act_q8_k *)xq[t0 + k];                            \
+                for (int r = rc; r < rc1; r++) {                                                              \
+                    const uint8_t *wr = W + (size_t)r * row_bytes;                                            \
+                    const int pf = r + PF_ROWS < r1;                                                          \
+                    switch (nt) {                                                                             \
+                        TILE_B_CASE(8) TILE_B_CASE(7) TILE_B_CASE(6) TILE_B_CASE(5) TILE_B_CASE(4)            \
+                        TILE_B_CASE(3) TILE_B_CASE(2) default: TILE_B_CASE(1)                                 \
+                    }                                                                                         \
+                    for (int k = 0; k < nt; k++)                                                              \
+                        out[(size_t)(t0 + k) * out_stride + r] = scale ? scale[t0 + k] * res[k] : res[k];     \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+#ifndef MIN_TOK_B
+#define MIN_TOK_B 2 /* Q4_K, Q6_K: fewer tokens take the one-token fused kernels */
+#endif
+DEFINE_MM_B_TILED(mm_q4_k_tiled, T_Q4_K, 144, mm_q4_k_fused, MIN_TOK_B)
+DEFINE_MM_B_TILED(mm_q5_k_tiled, T_Q5_K, 176, mm_q5_k, 1)
+DEFINE_MM_B_TILED(mm_q6_k_tiled, T_Q6_K, 210, mm_q6_k_fused, MIN_TOK_B)
+#endif
+
 #include "iquants.h" /* unpackers and tile kernels of the 1-3 bit i-quants and the ternary types */
 
 typedef struct {
@@ -1458,6 +1590,11 @@ static int no_fused(void) {
     return v;
 }
 
+#if defined(MS_ISA_AVX512)
+#define MM_B_TILED(name) name##_tiled
+#else
+#define MM_B_TILED(name) name##_fused
+#endif
 static int type_of(int t, type_info *ti) {
     switch (t) {
 #ifdef MS_X86_SIMD
@@ -1492,13 +1629,17 @@ static int type_of(int t, type_info *ti) {
     case T_Q2_K: *ti = (type_info){FAM_B, QKK, 84, mm_q2_k}; return 1;
     case T_Q3_K: *ti = (type_info){FAM_B, QKK, 110, mm_q3_k}; return 1;
 #ifdef MS_X86_SIMD
-    case T_Q4_K: *ti = (type_info){FAM_B, QKK, 144, no_fused() ? mm_q4_k : mm_q4_k_fused}; return 1;
+    case T_Q4_K: *ti = (type_info){FAM_B, QKK, 144, no_fused() ? mm_q4_k : MM_B_TILED(mm_q4_k)}; return 1;
 #else
     case T_Q4_K: *ti = (type_info){FAM_B, QKK, 144, mm_q4_k}; return 1;
 #endif
+#if defined(MS_ISA_AVX512)
+    case T_Q5_K: *ti = (type_info){FAM_B, QKK, 176, no_fused() ? mm_q5_k : mm_q5_k_tiled}; return 1;
+#else
     case T_Q5_K: *ti = (type_info){FAM_B, QKK, 176, mm_q5_k}; return 1;
+#endif
 #ifdef MS_X86_SIMD
-    case T_Q6_K: *ti = (type_info){FAM_B, QKK, 210, no_fused() ? mm_q6_k : mm_q6_k_fused}; return 1;
+    case T_Q6_K: *ti = (type_info){FAM_B, QKK, 210, no_fused() ? mm_q6_k : MM_B_TILED(mm_q6_k)}; return 1;
 #else
     case T_Q6_K: *ti = (type_info){FAM_B, QKK, 210, mm_q6_k}; return 1;
 #endif

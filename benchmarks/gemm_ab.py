@@ -1,12 +1,13 @@
-"""CPU A/B of the family-A matmul kernels (Q8_0, Q4_0, ...: ``ms_linear``) of two source trees, alternated in one
-process, with a bitwise check of their outputs.
+"""CPU A/B of the quantized matmul kernels (``ms_linear``: family A, Q8_0, Q4_0, ...; family B, the k-quants) of two
+source trees, alternated in one process, with a bitwise check of their outputs.
 
-    python benchmarks/gemm_a_ab.py --old /path/to/old/src --new src [--threads 2] [--rounds 5]
+    python benchmarks/gemm_ab.py --old /path/to/old/src --new src [--threads 2] [--rounds 5] [--types 12,14]
 
 Each tree's ``moestream/csrc`` is compiled with the flags of ``kernels.py`` (``--isa``, default the best this CPU
-runs) into a temporary directory; both libraries are loaded with ctypes. Shapes are Gemma-4 26B-A4B's (hidden
-2816): a Q8_0 attention/dense matrix [4096, 2816] and Q4_0 expert gate/up [704, 2816] and down [2816, 704], at
-1, 8 and 128 tokens (an expert of a 128-token prefill sees about 8). Weights are random blocks with finite fp16
+runs) into a temporary directory; both libraries are loaded with ctypes. Shapes: family A, Gemma-4 26B-A4B's (hidden
+2816): a Q8_0 attention/dense matrix [4096, 2816] and Q4_0 expert gate/up [704, 2816] and down [2816, 704]; family
+B, Qwen3-30B-A3B's (hidden 2048): expert gate/up [768, 2048], down [2048, 768] and an attention matrix [4096, 2048];
+at 1, 8 and 128 tokens (an expert of a 128-token prefill sees about 8). Weights are random blocks with finite fp16
 scales (a few blocks with zero or negative scales), activations random normals with some rows scaled
 (``--check-only``: also weight blocks with inf / NaN scales, activations with inf, NaN and 1e9, whose block
 scale overflows fp16). Per case
@@ -34,8 +35,14 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from moestream import kernels  # noqa: E402
 
-BYTES = {2: (18, 16), 3: (20, 16), 6: (22, 20), 7: (24, 22), 8: (34, 32), 20: (18, 16), 39: (17, 16)}
-NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL", 39: "MXFP4"}
+#: ggml type -> (block bytes, codes per block, byte offsets of its fp16 scales (d, then dmin or m where it has one))
+BYTES = {2: (18, 32, (0,)), 3: (20, 32, (0, 2)), 6: (22, 32, (0,)), 7: (24, 32, (0, 2)), 8: (34, 32, (0,)),
+         20: (18, 32, (0,)), 39: (17, 32, ()), 10: (84, 256, (80, 82)), 11: (110, 256, (108,)),
+         12: (144, 256, (0, 2)), 13: (176, 256, (0, 2)), 14: (210, 256, (208,)), 23: (136, 256, (0,))}
+NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL", 39: "MXFP4", 10: "Q2_K", 11: "Q3_K",
+         12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 23: "IQ4_XS"}
+SHAPES = {8: [(4096, 2816)], 2: [(704, 2816), (2816, 704)]}
+K_SHAPES = [(768, 2048), (2048, 768), (4096, 2048)]
 
 
 def build(src: Path, isa: str, out: Path) -> ctypes.CDLL:
@@ -50,18 +57,16 @@ def build(src: Path, isa: str, out: Path) -> ctypes.CDLL:
 
 
 def weights(t: int, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    bb, _ = BYTES[t]
-    nb = cols // 32
+    bb, qk, offs = BYTES[t]
+    nb = cols // qk
     w = rng.integers(0, 256, size=(rows, nb, bb), dtype=np.uint8)
     if t == 39:
         w[:, :, 0] = rng.integers(118, 130, size=(rows, nb), dtype=np.uint8)
-    else:
+    for i, o in enumerate(offs):
         d = (rng.standard_normal((rows, nb)) * 0.01).astype(np.float16)
-        d.flat[:: 97] = 0
-        w[:, :, 0:2] = d.view(np.uint8).reshape(rows, nb, 2)
-        if t in (3, 7):
-            m = (rng.standard_normal((rows, nb)) * 0.01).astype(np.float16)
-            w[:, :, 2:4] = m.view(np.uint8).reshape(rows, nb, 2)
+        if i == 0:
+            d.flat[:: 97] = 0
+        w[:, :, o:o + 2] = d.view(np.uint8).reshape(rows, nb, 2)
     return np.ascontiguousarray(w.reshape(rows, nb * bb))
 
 
@@ -88,28 +93,30 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3, help="calls per timing (the best counts)")
-    ap.add_argument("--types", default="8,2", help="ggml type numbers (8 = Q8_0, 2 = Q4_0, ...)")
+    ap.add_argument("--types", default="8,2", help="ggml type numbers (8 = Q8_0, 2 = Q4_0, 12 = Q4_K, 14 = Q6_K ...)")
     ap.add_argument("--toks", default="1,8,128")
-    ap.add_argument("--check-only", action="store_true", help="only the bitwise check, over every family-A type")
+    ap.add_argument("--check-only", action="store_true", help="only the bitwise check, over every family-A and -B type")
     a = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="gemm_a_ab."))
+    tmp = Path(tempfile.mkdtemp(prefix="gemm_ab."))
     try:
         old = build(Path(a.old), a.isa, tmp / "old.so")
         new = build(Path(a.new), a.isa, tmp / "new.so")
         rng = np.random.default_rng(1)
         types = [int(s) for s in a.types.split(",")]
         toks = [int(s) for s in a.toks.split(",")]
-        shapes = {8: [(4096, 2816)], 2: [(704, 2816), (2816, 704)]}
         if a.check_only:
             types, toks = list(BYTES), [1, 2, 3, 5, 8, 13, 17, 40]
         bad = 0
         for t in types:
-            for rows, cols in shapes.get(t, [(300, 2816), (2816, 704)] if not a.check_only else [(37, 704)]):
+            big = BYTES[t][1] == 256
+            default = K_SHAPES if big else SHAPES.get(t, [(300, 2816), (2816, 704)])
+            for rows, cols in ([(37, 768)] if big else [(37, 704)]) if a.check_only else default:
                 w = weights(t, rows, cols, rng)
-                if a.check_only and t != 39:  # a few weight blocks with an infinite or NaN scale
-                    blocks = w.reshape(rows, cols // 32, BYTES[t][0])
-                    blocks[rows // 2, 1, 0:2] = np.array([np.inf], np.float16).view(np.uint8)
-                    blocks[rows // 3, 2, 0:2] = np.array([np.nan], np.float16).view(np.uint8)
+                offs = BYTES[t][2]
+                if a.check_only and offs:  # a few weight blocks with an infinite or NaN scale
+                    blocks = w.reshape(rows, cols // BYTES[t][1], BYTES[t][0])
+                    blocks[rows // 2, 1, offs[0]:offs[0] + 2] = np.array([np.inf], np.float16).view(np.uint8)
+                    blocks[rows // 3, 2, offs[-1]:offs[-1] + 2] = np.array([np.nan], np.float16).view(np.uint8)
                 for n in toks:
                     x = rng.standard_normal((n, cols)).astype(np.float32)
                     x[:, :: 7] *= 30
@@ -120,6 +127,7 @@ def main() -> int:
                         x[3, 5] = np.inf
                         x[4, 100] = np.nan
                         x[5, 200:232] = 1e9
+                        x[6, 300:556] = 1e-30  # a k-quant block of tiny values (its inverse scale overflows)
                     yo = np.empty((n, rows), np.float32)
                     yn = np.empty((n, rows), np.float32)
                     for th in ([1, a.threads] if a.check_only else [a.threads]):
