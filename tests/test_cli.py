@@ -403,9 +403,10 @@ def test_ctrl_c_lost_in_a_finalizer_still_ends_with_130():
 
 
 def test_sigterm_ends_a_run_like_ctrl_c(tmp_path):
-    """SIGTERM (kill, timeout, a service manager) during ``run --trace`` ends it as Ctrl-C does: the trace is kept
-    (closed and renamed into place), no temporary file is left beside it (a newcomer found one per SIGTERM), one
-    line 'moestream: terminated', status 143. A real process."""
+    """SIGTERM (kill, timeout, a service manager) during ``run --trace`` ends it as Ctrl-C does: the generation
+    stops between forward passes, the stats line says so, the trace is kept (closed and renamed into place, its end
+    record's stop reason 'interrupted': a newcomer saw 'context full' after a SIGTERM), no temporary file is left
+    beside it (a newcomer found one per SIGTERM), one line 'moestream: terminated', status 143. A real process."""
     import signal
     import subprocess
     import sys
@@ -424,3 +425,7 @@ def test_sigterm_ends_a_run_like_ctrl_c(tmp_path):
     assert "Traceback" not in err
     assert trace.exists() and trace.read_text().strip(), "the trace was not kept"
     assert sorted(f.name for f in tmp_path.iterdir()) == ["t.jsonl"]
+    assert "stopped: interrupted" in err, err[-500:]
+    import json
+    end = json.loads(trace.read_text().strip().splitlines()[-1])
+    assert end["kind"] == "end" and end["stop_reason"] == "interrupted", end

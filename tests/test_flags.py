@@ -176,6 +176,12 @@ def test_run_json_schema(how: str, tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("Once") and p.stdout.endswith("\n")
     jsonschema.validate(json.loads(p.stdout[len("Once"):]), schema)
+    assert "before it was complete" not in p.stderr
+    if how == "-j":  # -n too small for the JSON: the cut output is said to be cut (a newcomer got it silently)
+        p = cli("run", "-n", "3", "--temp", "0", "-p", "Once", how, value)
+        assert p.returncode == 0, p.stderr
+        assert p.stderr.rstrip().endswith("--json-schema: -n ended the output before it was complete (not valid for "
+                                          "the grammar or schema); a larger -n gives it room"), p.stderr[-400:]
 
 
 #: a schema that says nothing of additionalProperties, at the top and in a nested object

@@ -413,16 +413,21 @@ def _on_sigterm(signum: int, frame: object) -> None:
 @contextlib.contextmanager
 def interruptible() -> Iterator[Callable[[], bool]]:
     """While inside, the first SIGINT (Ctrl-C) only sets a flag -- yields the function that reads it, for a
-    Generation to stop between forward passes -- and a second one raises KeyboardInterrupt as usual. A Ctrl-C
-    received before (whose KeyboardInterrupt may have been lost in a finalizer) raises KeyboardInterrupt here."""
+    Generation to stop between forward passes -- and a second one raises KeyboardInterrupt as usual. SIGTERM, where
+    main's handler (:func:`_on_sigterm`) has it, does the same and is recorded, so a ``kill`` or ``timeout`` ends
+    the generation as Ctrl-C does (the stats line, the traces closed with ``interrupted``), then main exits 143. A
+    Ctrl-C received before (whose KeyboardInterrupt may have been lost in a finalizer) raises KeyboardInterrupt
+    here."""
     import signal
 
-    if _SIGINT_SEEN:
+    if _SIGINT_SEEN or _SIGTERM_SEEN:
         raise KeyboardInterrupt
     count = 0
 
     def handler(signum: int, frame: object) -> None:
         nonlocal count
+        if signum == signal.SIGTERM:
+            _SIGTERM_SEEN.append(True)
         count += 1
         if count > 1:
             raise KeyboardInterrupt
@@ -431,11 +436,16 @@ def interruptible() -> Iterator[Callable[[], bool]]:
         old = signal.signal(signal.SIGINT, handler)
     except ValueError:  # not the main thread: Ctrl-C keeps its usual meaning
         old = None
+    old_term = None
+    if old is not None and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        old_term = signal.signal(signal.SIGTERM, handler)
     try:
         yield lambda: count > 0
     finally:
         if old is not None:
             signal.signal(signal.SIGINT, old)
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 def _run_options(args: argparse.Namespace) -> tuple[str | None, int]:
@@ -542,6 +552,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt, n_predict = _run_options(args)
     StopStrings(args.stop, "--stop")  # an empty --stop is refused before the model loads
     constraint = grammar_flags(args)  # a grammar or schema file that cannot be read, an empty one: likewise
+    grammar_flag = constraint[0] if constraint is not None else None
     if args.interactive and constraint is not None:
         raise ConfigError(f"{constraint[0]} constrains one reply; it does not apply to -cnv")
     template = chat_template_option(args)
@@ -647,6 +658,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"moestream: routing trace of {len(trace.requests)} slot requests written to {args.routing_trace} "
               f"(moestream trace {args.routing_trace} replays it)", file=sys.stderr, flush=True)
     print(gen.stats.line(), file=sys.stderr, flush=True)
+    if constraint is not None and not constraint.accepting and gen.stats.stop_reason in ("n_predict", "context full"):
+        limit = "-n" if gen.stats.stop_reason == "n_predict" else "the context"
+        print(f"moestream: {grammar_flag}: {limit} ended the output before it was complete (not valid for the "
+              f"grammar or schema); a larger -n gives it room", file=sys.stderr, flush=True)
     return 130 if gen.stats.stop_reason == "interrupted" else 0
 
 
@@ -719,6 +734,8 @@ def _turns(args: argparse.Namespace, tok, session, prompt: str | None, n_predict
     pending = prompt
     n_turn = 0
     while True:
+        if _SIGTERM_SEEN:  # a SIGTERM stopped the last turn: the session ends (main exits 143)
+            return 130
         if pending is not None:
             text, pending = pending, None
         else:
