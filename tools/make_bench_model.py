@@ -258,11 +258,16 @@ def finish(w: GGUFWriter, tmp: str, out: str) -> int:
     return 0
 
 
-def write_gemma4(a: argparse.Namespace) -> int:
-    """Write the gemma4 benchmark file (see the module docstring)."""
-    for key, value in GEMMA4_26B_A4B.items():
+def _fill_defaults(a: argparse.Namespace, shape: dict) -> None:
+    """The shape's value for each option the command line left unset (None)."""
+    for key, value in shape.items():
         if getattr(a, key, None) is None:
             setattr(a, key, value)
+
+
+def write_gemma4(a: argparse.Namespace) -> int:
+    """Write the gemma4 benchmark file (see the module docstring)."""
+    _fill_defaults(a, GEMMA4_26B_A4B)
     expert_type = GGMLQuantizationType[a.type]
     dense_type = GGMLQuantizationType.Q8_0
     rng = np.random.default_rng(a.seed)
@@ -352,9 +357,7 @@ def gpt_oss_tensor_specs(a: argparse.Namespace, n_vocab: int) -> list[tuple[str,
 
 def write_gpt_oss(a: argparse.Namespace) -> int:
     """Write the gpt-oss benchmark file (see the module docstring)."""
-    for key, value in GPT_OSS_20B.items():
-        if getattr(a, key, None) is None:
-            setattr(a, key, value)
+    _fill_defaults(a, GPT_OSS_20B)
     rng = np.random.default_rng(a.seed)
     tmp = a.out + ".tmp"
     arch = "gpt-oss"
@@ -460,9 +463,7 @@ def deepseek2_tensor_specs(a: argparse.Namespace, n_vocab: int) -> list[tuple[st
 
 def write_deepseek2(a: argparse.Namespace) -> int:
     """Write the deepseek2 (GLM-4.7-Flash-shaped) benchmark file (see the module docstring)."""
-    for key, value in GLM47_FLASH.items():
-        if getattr(a, key, None) is None:
-            setattr(a, key, value)
+    _fill_defaults(a, GLM47_FLASH)
     tmp, arch = a.out + ".tmp", "deepseek2"
     w = GGUFWriter(tmp, arch)
     w.add_name(f"random GLM-4.7-Flash shape {a.layers}L h{a.hidden} e{a.experts} top{a.top_k} ff{a.expert_ff} Q4_K_M")
@@ -548,10 +549,8 @@ def main() -> int:
         return write_gpt_oss(a)
     if a.arch == "deepseek2":
         return write_deepseek2(a)
-    for key, value in {"layers": 8, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128,
-                       "top_k": 8, "expert_ff": 768}.items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
+    _fill_defaults(a, {"layers": 8, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128,
+                       "top_k": 8, "expert_ff": 768})
     if a.shared_ff is None:
         a.shared_ff = a.expert_ff if a.arch == "glm4moe" else 5632
     fast = a.type in FAST_TYPES
