@@ -943,6 +943,14 @@ def test_moe_groups_order_subsets_and_threads(libs):
         moe_call(ex, x, few, range(N_GROUPS), act, y, lib)
         rows = [p[3] for p in few]
         assert np.array_equal(bits(y[rows]), bits(full[rows])), f"{b}: 2-token call"
+        for th in (1, 2):  # a decode step's call: one pair per group, the down rows in long items (not 64-row tiles)
+            kernels.set_threads(th)
+            for tok in (0, 9, 69):
+                one = [p for p in pairs if p[1] == tok]
+                y = new_y()
+                moe_call(ex, x, one, range(N_GROUPS), act, y, lib)
+                rows = [p[3] for p in one]
+                assert np.array_equal(bits(y[rows]), bits(full[rows])), f"{b}: token {tok} alone, {th} threads"
         kernels.set_threads(1)
         y = new_y()
         moe_call(ex, x, pairs, range(N_GROUPS), act, y, lib)
