@@ -52,6 +52,12 @@ class Weight:
             self.dense, self.raw = None, data.to(device)
         self.blocks = (blocks and self.raw is not None and self.raw.device.type == "cpu"
                        and kernels.computes(info.ggml_type, self.cols))
+        #: an F32 weight on the CPU beside the C kernels (a router, a shared expert's gate): ``linear`` runs
+        #: ms_linear's F32 kernel on it too, on every compute thread (torch runs one thread there), each output
+        #: the same bits at any token count and thread count (so no per-sequence split)
+        self.f32_blocks = (blocks and self.dense is not None and not expand and self.dense.device.type == "cpu"
+                           and info.ggml_type == GGMLQuantizationType.F32 and kernels.computes(info.ggml_type,
+                                                                                                self.cols))
         #: CUDA: ``linear`` runs the Triton kernels on the blocks (gpu/tkernels.py) where they compute the type
         self.gpu = False
         if gpu and self.raw is not None and self.raw.device.type == "cuda":
@@ -68,6 +74,8 @@ class Weight:
         if self.dense is not None:
             if x.is_cuda and (td := _tdense()) is not None and td.linear_applies(x, self.dense):
                 return td.linear(x, self.dense)  # a decode step's router on CUDA: one Triton launch
+            if self.f32_blocks and x.device.type == "cpu":
+                return kernels.linear(x, self.dense.view(torch.uint8), int(GGMLQuantizationType.F32), self.cols)
             return per_sequence(lambda v: torch.nn.functional.linear(v, self.dense), x)
         if self.blocks:
             return kernels.linear(x, self.raw, self.ggml_type, self.cols)
