@@ -284,12 +284,15 @@ def test_cuda_graphs_across_key_counts(graphed) -> None:  # noqa: ANN001
         assert res.identical, (slots, res.first_diff)
 
 
+@pytest.mark.parametrize("lean", ["1", "0"])
 @pytest.mark.parametrize("pool", ["device", "host"])
-def test_cuda_graph_segments_streaming(graphed, pool: str, monkeypatch) -> None:  # noqa: ANN001
-    """Streaming decode replays one graph per segment between MoE layers (the experts eager between them): the
-    same bits as the resident whole-step graph, at top-k slots (misses every step) and with the host tier (the
+def test_cuda_graph_segments_streaming(graphed, pool: str, lean: str, monkeypatch) -> None:  # noqa: ANN001
+    """Streaming decode replays one graph per segment between MoE layers (the experts inside the next segment's
+    graph where the lean segments apply, the default; eager between the replays with MOESTREAM_LEAN_SEGMENTS=0):
+    the same bits as the resident whole-step graph, at top-k slots (misses every step) and with the host tier (the
     device-planned step, which a tier holding every expert turns on, off here: test_device_planned_step)."""
     monkeypatch.setenv("MOESTREAM_DEVICE_PLAN", "0")
+    monkeypatch.setenv("MOESTREAM_LEAN_SEGMENTS", lean)
     for opts in (LoadOptions(slots=graphed.top_k, device="cuda", pool=pool),
                  LoadOptions(slots=graphed.top_k, device="cuda", pool=pool, host_cache=256 << 20)):
         before = graphed.runner.graphs.segment_replays

@@ -133,7 +133,9 @@ def test_lean_segmented_step_equals_resident_step(monkeypatch) -> None:  # noqa:
     monkeypatch.setattr(tstep, "ON_CPU", True)
     monkeypatch.setattr(tmoe, "ON_CPU", True)
     model, moes = _grouped_model(4)
-    assert not model.runner.lean(), "opt-in until it has run on a GPU"
+    assert model.runner.lean(), "the default"
+    monkeypatch.setenv("MOESTREAM_LEAN_SEGMENTS", "0")
+    assert not model.runner.lean()
     monkeypatch.setenv("MOESTREAM_LEAN_SEGMENTS", "1")
     assert model.runner.lean()
     runs, counts, traces = {}, {}, {}

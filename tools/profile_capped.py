@@ -315,9 +315,10 @@ def child(a: argparse.Namespace) -> None:
            "overlap": True}
     if a.slots:
         cfg["slots"] = a.slots
-    if a.mem_cap and not a.resident and not a.slots:
+    if (a.mem or a.mem_cap) and not a.resident and not a.slots:
         from moestream.memcap import parse_cap
-        cfg["mem"] = {"bytes": parse_cap(a.mem_cap), "source": f"--mem {a.mem_cap} (the cap)"}
+        cfg["mem"] = ({"bytes": parse_cap(a.mem), "source": f"--mem {a.mem}"} if a.mem else
+                      {"bytes": parse_cap(a.mem_cap), "source": f"--mem {a.mem_cap} (the cap)"})
     opts = row_options(cfg)
     model = load_model(a.model, opts)
     engine = Engine(model)
@@ -341,7 +342,7 @@ def child(a: argparse.Namespace) -> None:
             p.step(engine, rng.randrange(model.n_vocab), pos, cache)
     st = model.store.stats - st0
     kinds = cpu_by_kind(tc0, thread_cpu())
-    label = ("resident" if a.resident else f"streaming {a.slots or 'mem ' + str(a.mem_cap)} slots") + \
+    label = ("resident" if a.resident else f"streaming {a.slots or 'mem ' + str(a.mem or a.mem_cap)} slots") + \
         f", -t {a.threads}, io {a.io_threads}, prefetch {a.prefetch}"
     r = report(p, model.n_layers, label)
     r["hit_rate"] = st.hit_rate
@@ -383,6 +384,7 @@ def main() -> None:
     ap.add_argument("--resident", action="store_true", help="--moe-stream off")
     ap.add_argument("--slots", type=int, default=0, help="streaming with this many slots per layer (not --mem)")
     ap.add_argument("--mem-cap", default=None, help="run in a memory cgroup of this size, --mem = the cap")
+    ap.add_argument("--mem", default=None, help="the memory budget the pools are planned for (default: the cap)")
     ap.add_argument("--direct-io", default="on")
     ap.add_argument("--prefetch", default="off")
     ap.add_argument("--json", default=None)

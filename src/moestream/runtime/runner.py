@@ -236,7 +236,7 @@ class Runner:
         """Whether the streaming step computes its experts inside the segments' graphs (:meth:`_plan_layer`,
         devplan.SegmentOffsets): Triton expert kernels on every MoE layer, a streaming store whose pools the GPU
         addresses in place (``--pool device``) without a device plan, no synthetic routing, no router lookahead
-        (whose reads the eager MoE call starts), and ``MOESTREAM_LEAN_SEGMENTS=1`` (opt-in until run on a GPU)."""
+        (whose reads the eager MoE call starts), and ``MOESTREAM_LEAN_SEGMENTS`` not ``0`` (devplan.lean_segments)."""
         from ..experts import devplan
         from ..experts.pool import StreamingStore
 
