@@ -183,6 +183,10 @@ def main() -> None:
                     help="wall time, or the calling thread's CPU time (meaningful at -t 1; see above)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--by-caller", action="store_true", help="rank ops by (op, outermost op that called it)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="time the -p token prefill instead (one per repetition, a fresh cache each; -n unused), "
+                         "then list the Python functions by own time over one more (cProfile: a kernel call "
+                         "counts under the function that makes it)")
     a = ap.parse_args()
 
     from moestream.options import set_compute_threads
@@ -207,6 +211,9 @@ def main() -> None:
         engine.prefill([rng.randrange(model.n_vocab) for _ in range(a.prompt)], cache)
         return cache
 
+    if a.prefill:
+        prefill(a, model, engine, timer, clock, rng, n_ctx)
+        return
     run(4, fresh(), a.prompt)  # warm-up (page cache, allocator)
     steps, mm = [], 0.0
     for _ in range(a.repetitions):
@@ -242,6 +249,40 @@ def main() -> None:
             print(f"  {name:40s} {us / 1000 / a.prof_steps:8.3f} ms {100 * us / tot:5.1f}%  "
                   f"{calls / a.prof_steps:7.1f} calls")
     timer.restore()
+    model.store.close()
+
+
+def prefill(a: argparse.Namespace, model: object, engine: Engine, timer: MatmulTimer, clock, rng: random.Random,
+            n_ctx: int) -> None:  # noqa: ANN001
+    """--prefill: ms per -p token prefill (matmuls and the rest), then a cProfile of one more."""
+    import cProfile
+    import pstats
+
+    def ids() -> list[int]:
+        return [rng.randrange(model.n_vocab) for _ in range(a.prompt)]
+
+    engine.prefill(ids(), model.new_cache(n_ctx))  # warm-up
+    per, mm = [], []
+    for _ in range(a.repetitions):
+        cache = model.new_cache(n_ctx)
+        timer.seconds = 0.0
+        t0 = clock()
+        engine.prefill(ids(), cache)
+        per.append(clock() - t0)
+        mm.append(timer.seconds)
+    print(f"model {a.model}: {model.n_layers} layers, prefill of {a.prompt} tokens, "
+          f"{'streaming' if a.stream else 'resident'}, {a.threads} threads, {a.clock} clock")
+    for t, m in zip(per, mm, strict=True):
+        print(f"prefill: {1000 * t:.1f} ms ({a.prompt / t:.1f} tok/s); matmul {1000 * m:.1f} ms; outside the matmuls "
+              f"{1000 * (t - m):.1f} ms = {100 * (t - m) / t:.1f}%")
+    timer.restore()
+    pr = cProfile.Profile()
+    cache = model.new_cache(n_ctx)
+    tokens = ids()
+    pr.enable()
+    engine.prefill(tokens, cache)
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(a.top)
     model.store.close()
 
 
