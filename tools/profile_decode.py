@@ -17,6 +17,11 @@ Two passes over the same decode steps after a prefill of ``-p`` random tokens:
    (the profiler adds overhead per op, so only its ranking is used, not its absolute times).
 
     python tools/profile_decode.py -m /tmp/bench/q30b-8l-q8_0.gguf -p 256 -n 32 -t 2
+
+``--prefill`` times the ``-p`` token prefill itself instead (matmuls and the rest, one per repetition), then lists
+the Python functions of one more by own time (cProfile; a C kernel's time counts under the function calling it):
+
+    python tools/profile_decode.py -m q32.gguf -p 128 -r 3 -t 16 --prefill
 """
 
 from __future__ import annotations
