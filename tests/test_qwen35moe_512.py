@@ -42,8 +42,8 @@ def test_a_pool_of_every_expert_reads_each_selected_one_once(fam_files) -> None:
 def test_every_expert_index_is_reachable(fam_files, fam_hf) -> None:  # noqa: ANN001
     """Every one of the 512 expert ids of every MoE layer can be selected and is computed from its own bytes: 512
     inputs per layer, input e along router row e, make our router and transformers' ``Qwen3_5MoeTopKRouter`` choose
-    the same ids (weights within 1e-6) and together every id 0..511; routed through a pool of 10 slots (ids far
-    above the slot count, every expert read into some slot), the layer's output equals transformers'
+    the same ids (as sets per token; weights within 1e-6) and together every id 0..511; routed through a pool of 10
+    slots (ids far above the slot count, every expert read into some slot), the layer's output equals transformers'
     ``Qwen3_5MoeExperts`` on those ids and weights within 1e-5 of its largest value."""
     model = load(fam_files["f32"], stream=True, slots=FAM.top_k)
     try:
@@ -55,8 +55,12 @@ def test_every_expert_index_is_reachable(fam_files, fam_hf) -> None:  # noqa: AN
             with torch.inference_mode():  # fam_hf is float64 (helpers.hf_model)
                 _, hf_w, hf_ids = hf_moe.gate(x.double())
                 want = hf_moe.experts(x.double(), hf_ids, hf_w)
-            assert torch.equal(ids, hf_ids), f"layer {layer}: router ids differ from transformers'"
-            assert float((w - hf_w).abs().max()) < 1e-6
+            # each token's experts and their weights, in id order: the order within the top-k among scores equal to
+            # float32 rounding follows the summation order of the router's matmul (here one token's 6th and 7th of
+            # 10 swap against float64 transformers), and the layer's output does not depend on it
+            (ids_s, order), (hf_s, hf_order) = ids.sort(dim=1), hf_ids.sort(dim=1)
+            assert torch.equal(ids_s, hf_s), f"layer {layer}: router ids differ from transformers'"
+            assert float((w.gather(1, order) - hf_w.gather(1, hf_order)).abs().max()) < 1e-6
             assert set(ids.reshape(-1).tolist()) == set(range(FAM.n_experts)), f"layer {layer}: ids unreached"
             misses_before = model.store.layer_counts[layer][1]
             got, _ = b["moe"](x, ids, w)
