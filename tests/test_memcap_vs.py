@@ -198,3 +198,24 @@ def test_available_memory_sees_the_cgroup_limit():
     r = MemCap(parse_size("512MiB")).run([sys.executable, "-c", code], timeout=120)
     assert r.returncode == 0, r.stderr
     assert 0 < int(r.stdout) <= 512 * 2**20
+
+
+@needs_cgroup
+def test_capped_rows_take_the_budget_run_takes_in_the_cap(tmp_path):
+    """bench under --mem-cap without --mem or --slots plans each row for what ``run``'s auto budget takes in a
+    cgroup of that size (measured here by a process in one: the cgroup's own accounting), not for the whole cap:
+    a plan of the whole cap leaves the process's mapped file pages no room, and they fault back in every token."""
+    from moestream.budget import capped_budget
+
+    cap = 2**30
+    out = tmp_path / "b.json"
+    p = subprocess.run([sys.executable, "-m", "moestream", "bench", "-p", "4", "-n", "2", "-r", "1", "--moe-stream",
+                        "on", "--mem-cap", "1GiB", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["mem"]["bytes"] == capped_budget(cap) < cap
+    assert f"streaming, --mem {row['mem']['text']}" in p.stdout
+    code = "from moestream.budget import auto_budget; print(auto_budget()[0])"
+    r = MemCap(cap).run([sys.executable, "-c", code], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert abs(int(r.stdout) - capped_budget(cap)) <= 64 * 2**20, (int(r.stdout), capped_budget(cap))

@@ -12,7 +12,8 @@ router's end: when the first read started on an IO thread, when the last one fin
 compute ran while reads were in flight. Page faults (minor, major) and the process's CPU time per token too.
 
 With ``--mem-cap SIZE`` the measured part runs in a memory cgroup of that size (page cache included; root), the
-file evicted from the page cache first, the pools planned for ``--mem`` = the cap (bench's defaults), as in
+file evicted from the page cache first, the pools planned for ``--mem`` = the cap less run's auto margin (bench's
+defaults: budget.capped_budget), as in
 ``moestream bench --mem-cap SIZE --cold``::
 
     python tools/profile_capped.py -m q30b-8l-q4_k_m.gguf --mem-cap 1.6GiB -t 2      # streaming under a cap
@@ -302,6 +303,37 @@ def report(p: Profile, n_layers: int, label: str) -> dict:
     return out
 
 
+def memory_split() -> dict[str, int]:
+    """Where this process's memory is now, bytes: /proc/self/status's RssAnon, RssFile (mapped file pages: the
+    libraries' code, the embedding table's map) and RssShmem; and, where the process is in a memory cgroup with a
+    limit (v1 ``memory.stat``: rss, cache, mapped_file; v2: anon, file, file_mapped), that group's limit and its
+    charges. Under a cap, anonymous memory beyond the plan leaves the file pages less room: they are reclaimed and
+    fault back in (the minor faults per token)."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(rest.split()[0]) * 1024
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, ctrl, path = line.rstrip("\n").split(":", 2)
+            if ctrl == "" or "memory" in ctrl.split(","):
+                base = "/sys/fs/cgroup" + ("" if ctrl == "" else "/memory") + path
+                try:
+                    limit = open(base + ("/memory.max" if ctrl == "" else "/memory.limit_in_bytes")).read().strip()
+                    stat = dict(line.split() for line in open(base + "/memory.stat"))
+                except OSError:
+                    continue
+                if limit == "max" or int(limit) >= 2**60:
+                    continue
+                out["cgroup_limit"] = int(limit)
+                for k in ("rss", "cache", "mapped_file", "anon", "file", "file_mapped"):
+                    if k in stat:
+                        out["cgroup_" + k] = int(stat[k])
+    return out
+
+
 def child(a: argparse.Namespace) -> None:
     from moestream.bench import row_options
     from moestream.engine import Engine
@@ -316,9 +348,11 @@ def child(a: argparse.Namespace) -> None:
     if a.slots:
         cfg["slots"] = a.slots
     if (a.mem or a.mem_cap) and not a.resident and not a.slots:
+        from moestream.budget import capped_budget
         from moestream.memcap import parse_cap
         cfg["mem"] = ({"bytes": parse_cap(a.mem), "source": f"--mem {a.mem}"} if a.mem else
-                      {"bytes": parse_cap(a.mem_cap), "source": f"--mem {a.mem_cap} (the cap)"})
+                      {"bytes": capped_budget(parse_cap(a.mem_cap)),
+                       "source": f"--mem-cap {a.mem_cap} less run's margin"})
     opts = row_options(cfg)
     model = load_model(a.model, opts)
     engine = Engine(model)
@@ -342,7 +376,8 @@ def child(a: argparse.Namespace) -> None:
             p.step(engine, rng.randrange(model.n_vocab), pos, cache)
     st = model.store.stats - st0
     kinds = cpu_by_kind(tc0, thread_cpu())
-    label = ("resident" if a.resident else f"streaming {a.slots or 'mem ' + str(a.mem or a.mem_cap)} slots") + \
+    budget = a.mem or (f"{cfg['mem']['bytes'] / 2**30:.2f}GiB" if "mem" in cfg else "-")
+    label = ("resident" if a.resident else f"streaming {a.slots or 'mem ' + budget} slots") + \
         f", -t {a.threads}, io {a.io_threads}, prefetch {a.prefetch}"
     r = report(p, model.n_layers, label)
     r["hit_rate"] = st.hit_rate
@@ -356,6 +391,13 @@ def child(a: argparse.Namespace) -> None:
     n_steps = len(p.step_times)
     r["thread_cpu_ms"] = {k: 1000 * v / n_steps for k, v in kinds.items()}
     print("   CPU per token by thread: " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(r["thread_cpu_ms"].items())))
+    r["memory"] = mem = memory_split()
+    line = "   memory now: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in mem.items())
+    if (mp := getattr(model, "memory_plan", None)) is not None:
+        line += (f"; plan: process {mp.process / 2**20:.0f} MiB, dense {mp.dense / 2**20:.0f} MiB, kv+scratch "
+                 f"{(mp.kv + mp.scratch) / 2**20:.0f} MiB, pools {mp.pools / 2**20:.0f} MiB, "
+                 f"left {mp.left / 2**20:.0f} MiB")
+    print(line)
     results.append(r)
     if a.cprofile:
         import cProfile
@@ -383,8 +425,9 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=8)
     ap.add_argument("--resident", action="store_true", help="--moe-stream off")
     ap.add_argument("--slots", type=int, default=0, help="streaming with this many slots per layer (not --mem)")
-    ap.add_argument("--mem-cap", default=None, help="run in a memory cgroup of this size, --mem = the cap")
-    ap.add_argument("--mem", default=None, help="the memory budget the pools are planned for (default: the cap)")
+    ap.add_argument("--mem-cap", default=None, help="run in a memory cgroup of this size")
+    ap.add_argument("--mem", default=None, help="the memory budget the pools are planned for (default: the cap "
+                    "less run's auto margin, as bench)")
     ap.add_argument("--direct-io", default="on")
     ap.add_argument("--prefetch", default="off")
     ap.add_argument("--json", default=None)

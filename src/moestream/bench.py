@@ -779,8 +779,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.mem is not None:
         mems = [{"text": t, "bytes": parse_mem(t), "source": f"--mem {t}"}
                 for t in _dedupe([x.strip() for x in args.mem.split(",")])]
-    elif args.mem_cap is not None and args.slots is None:  # capped rows: the budget is the cap
-        mems = [{"text": args.mem_cap.strip(), "bytes": None, "source": f"--mem {args.mem_cap.strip()} (the cap)"}]
+    elif args.mem_cap is not None and args.slots is None:  # capped rows: run's auto budget in the cap (filled below)
+        mems = [{"text": None, "bytes": None, "source": None}]
     gpu_mems: list = [None]
     if getattr(args, "gpu_mem", None) is not None:  # CUDA rows: VRAM budgets of the pools
         gpu_mems = [{"text": t, "bytes": parse_mem(t, "--gpu-mem"), "source": f"--gpu-mem {t}"}
@@ -824,7 +824,10 @@ def run_bench(args: argparse.Namespace) -> int:
         MemCap.check()  # say plainly why not, instead of running uncapped
         for c in cfgs:
             if c.get("mem") and c["mem"]["bytes"] is None:
-                c["mem"] = {**c["mem"], "bytes": cap.limit_bytes}
+                from .budget import capped_budget
+                n = capped_budget(cap.limit_bytes)
+                text = f"{n / 2**30:.2f}GiB"
+                c["mem"] = {"text": text, "bytes": n, "source": f"--mem {text} (the cap less run's auto margin)"}
     for c in cfgs:  # every row's options checked before any row runs (one line naming the flags: cli.main)
         row_options(c, base_opts)
     if args.vs is not None and args.vs != "llama.cpp":

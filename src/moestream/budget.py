@@ -148,6 +148,17 @@ def available_memory() -> int:
     return avail if cg is None else min(avail, cg)
 
 
+def capped_budget(limit: int) -> int:
+    """The budget bench gives a row under ``--mem-cap`` of ``limit`` bytes when neither ``--mem`` nor ``--slots``
+    is given: what :func:`auto_budget` leaves in a fresh cgroup of that limit, the limit less its margin
+    (:data:`AUTO_MARGIN_SHARE`, at least :data:`AUTO_MARGIN_MIN`), so a capped row measures what ``run`` does
+    there. A plan of the whole limit leaves the file pages the process maps (the libraries' code, the token
+    embeddings' map) no room beyond their size at start: at the limit every new page reclaims some of them and
+    they fault back in (2-core, 8-layer file, 1.6 GiB cap: 563 minor faults per token with the whole cap, 6 with
+    1.4 GiB; tools/profile_capped.py)."""
+    return max(limit - max(int(AUTO_MARGIN_SHARE * limit), AUTO_MARGIN_MIN), MIN_MEM)
+
+
 def auto_budget() -> tuple[int, str]:
     """(bytes, description) of the budget when neither --mem nor --slots is given (see the module docstring)."""
     have = available_memory() + process_rss()

@@ -1300,7 +1300,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--slots", default=None, help="comma-separated slot counts (streaming rows; instead of --mem)")
     b.add_argument("--mem", default=None, metavar="SIZE[,SIZE...]", help="comma-separated memory budgets, one row "
                    "each: the pools get what the process, dense weights, KV cache and scratch leave (see run --mem); "
-                   "default with --mem-cap: the cap; else the memory available at start less a 10%% margin")
+                   "default: the memory available at start less a 10%% margin (at least 256 MiB), with --mem-cap "
+                   "the cap less that margin")
     b.add_argument("--io-threads", default="8", help=f"comma-separated IO thread counts (each at most "
                    f"{MAX_IO_THREADS})")
     b.add_argument("--moe-stream", default="on,off", help="on, off or on,off")
