@@ -231,6 +231,10 @@ def report(p: Profile, n_layers: int, label: str) -> dict:
     print(f"== {label}: {steps} decode steps, {statistics.mean(per_step):.2f} ms/token mean "
           f"(median {statistics.median(per_step):.2f}, sd {out['ms_per_token_sd']:.2f}); process CPU "
           f"{out['cpu_ms']:.1f} ms/token; faults/token minor {out['minflt']:.0f} major {out['majflt']:.1f}")
+    if steps >= 2:
+        mf = [f[0] for f in p.faults]
+        print(f"   minor faults per step: {' '.join(str(x) for x in mf[:4])} ... {' '.join(str(x) for x in mf[-4:])} "
+              f"(first and last steps)")
     order = [q for q in ("embed", "lookahead", "norm0", "qkv", "attn", "o", "norm", "router", "plan", "prepare", "glue",
                          "hits", "wait", "misses", "moe", "head") if q in part_ms]
     for q in order:
