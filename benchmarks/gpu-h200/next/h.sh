@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # issue 25's capped 16-core row: page faults under the cap. In a 6 GiB cgroup with --mem 6G the decode step took
 # 17k minor faults per token (uncapped: 6): pools planned for the whole cap leave the page cache no room (on 2 cores
-# the default is now the cap less run's margin, 5.4 GiB here: 563 -> 5 faults per token at 1.6 GiB). The same
+# the default is now the cap less run's margin, 5.4 GiB here: 563 -> 5 faults per token at 1.6 GiB; and most of the
+# 17k were the pools' first touch, now populated at start: q32 at 2 threads 16.3k -> 19 faults, 140 -> 105 ms/token). The same
 # profile at the default and with --mem 5GiB, then bench rows at 6G, the default (5.4 GiB) and 5GiB for tok/s against
 # the IO limit; then where a
 # 128-token prefill's time goes at 16 and 2 threads (uncapped q32: pp128 0.82x llama.cpp on 16 cores). ~250 s.
