@@ -327,3 +327,22 @@ def test_mixed_types_slot_ids_differ_from_expert_ids(mixed):
     model, ids = mixed
     with streaming_prefill(model, ids, LoadOptions(slots=model.top_k + 1, io_threads=2)) as store:
         assert [(e, s) for e, s in expert_slots(store) if e != s], "every expert sat in the slot of its own id"
+
+
+@pytest.mark.parametrize("populate", ["1", "0"])
+def test_verify_identical_with_pools_in_huge_page_memory(resident, monkeypatch, populate):
+    """The CPU pools of a real run (2 MiB and larger) live in huge_empty's mapping: 2 MiB-aligned, advised huge pages,
+    populated at start or not. This model's pools are smaller, so the threshold is lowered to one page to put them
+    there: streaming through them keeps every logit bit of the resident run, with direct and buffered reads, and
+    each pool really starts on a huge_empty boundary."""
+    from moestream.experts import pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "HUGE_PAGE", 4096)
+    monkeypatch.setenv("MOESTREAM_POOL_POPULATE", populate)
+    made = []
+    real = pool_mod.huge_empty
+    monkeypatch.setattr(pool_mod, "huge_empty", lambda n, populate=True: made.append(t := real(n, populate)) or t)
+    model, ids = resident
+    for direct_io in (True, False):
+        verify_identical(model, ids, 16, "half", direct_io=direct_io)
+    assert made and all(t.data_ptr() % 4096 == 0 for t in made)
