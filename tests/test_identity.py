@@ -338,6 +338,7 @@ def test_verify_identical_with_pools_in_huge_page_memory(resident, monkeypatch, 
     from moestream.experts import pool as pool_mod
 
     monkeypatch.setattr(pool_mod, "HUGE_PAGE", 4096)
+    monkeypatch.setattr(pool_mod, "POPULATE_MIN", 0)
     monkeypatch.setenv("MOESTREAM_POOL_POPULATE", populate)
     made = []
     real = pool_mod.huge_empty

@@ -1113,18 +1113,21 @@ def huge_empty(nbytes: int, populate: bool = True) -> torch.Tensor:
     transparent huge pages are ``always`` or ``madvise``, ``/sys/kernel/mm/transparent_hugepage``) make it one
     fault per 2 MiB and let the expert matmuls walk one TLB entry per 2 MiB of a slot. Where the kernel refuses
     either advice the memory is the same 4 KiB pages torch.empty gives, faulted in on first use. The mapping lives
-    as long as the tensor. ``MOESTREAM_POOL_POPULATE=0``: no populating (A/B)."""
+    as long as the tensor. Pools under :data:`POPULATE_MIN` are not populated; ``MOESTREAM_POOL_POPULATE=0``: none
+    is (A/B)."""
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     arr = np.frombuffer(mm, dtype=np.uint8)
     skip = -arr.ctypes.data % HUGE_PAGE
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError, ValueError):
             mm.madvise(mmap.MADV_HUGEPAGE, skip, nbytes - nbytes % HUGE_PAGE)
-    if populate and os.environ.get("MOESTREAM_POOL_POPULATE", "1") != "0":
+    if populate and nbytes >= POPULATE_MIN and os.environ.get("MOESTREAM_POOL_POPULATE", "1") != "0":
         _populate(arr.ctypes.data + skip, nbytes)
     return torch.from_numpy(arr)[skip:skip + nbytes]
 
 
+#: Pools smaller than this are left to fault in on first use (a few misses fill them; the test models' pools)
+POPULATE_MIN = 8 * 2**20
 #: madvise's MADV_POPULATE_WRITE (linux/mman.h, Linux 5.14): fault the range in, writable, as a write would
 _MADV_POPULATE_WRITE = 23
 _LIBC: Any = None
