@@ -1108,8 +1108,9 @@ def huge_empty(nbytes: int, populate: bool = True) -> torch.Tensor:
 
     A slot pool is otherwise touched slot by slot as misses fill it, and each first touch is a page fault that
     zeroes the page inside a decode step (on the 32-layer bench file under a 6 GiB cap at 2 threads: 121k minor
-    faults in the first decode step after a 64-token prefill, ~2.7k per step after 16; on this project's 2-core VM
-    writing fresh pages ran at about 1 GiB/s, populating them at 7-11 GiB/s). Huge pages (where the kernel's
+    faults in the first decode step after a 64-token prefill, ~2.7k per step after 16). Populating moves that cost to
+    the start: on this project's 2-core VM 1.0-1.4 s per GiB of memory the host had taken back, about 0.1 s per GiB
+    of memory in use shortly before (docs/memory.md). Huge pages (where the kernel's
     transparent huge pages are ``always`` or ``madvise``, ``/sys/kernel/mm/transparent_hugepage``) make it one
     fault per 2 MiB and let the expert matmuls walk one TLB entry per 2 MiB of a slot. Where the kernel refuses
     either advice the memory is the same 4 KiB pages torch.empty gives, faulted in on first use. The mapping lives
