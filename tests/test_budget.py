@@ -283,3 +283,30 @@ def test_process_rss_reads_the_rollup_as_the_smaps_sum(tmp_path):
         assert near(budget.process_rss) and near(lambda: budget.process_rss([str(path)]), os.path.realpath(path))
         whole, less = budget.process_rss(), budget.process_rss([str(path)])
         assert 15 * MiB < whole - less < 17 * MiB
+
+
+def test_inspect_device_pools_price_the_host_side_without_host_pools(default_gguf, monkeypatch):
+    """``inspect --device cuda --gpu-mem G --host-cache H --mem M`` (pools in GPU memory, the default --pool
+    device): the host side is the process and the tier only, not a second set of pools in host memory (a
+    newcomer's report of 2026-12-05: the q32 file priced 10.9 GiB of host pools beside its 10.9 GiB tier). The
+    tier is at most every expert: the `gguf` package's byte counts of the expert tensors (read buffered)."""
+    import gguf
+    import torch
+
+    from moestream.report import inspect_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA LoadOptions on this CPU torch
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    every = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(default_gguf)).tensors if "_exps." in t.name)
+    opts = LoadOptions(device="cuda", gpu_mem=GiB, host_cache=64 * GiB, mem=64 * GiB, direct_io=False)
+    text = inspect_model(str(default_gguf), opts, 160)
+    pools = [ln for ln in text.splitlines() if ln.strip().startswith("slot pools")]
+    assert len(pools) == 1, text  # the GPU plan's, none on the host
+    assert "GPU memory plan" in text and "host memory" in text
+    tier = re.search(r"host tier\s+([0-9.]+) GiB", text)
+    assert tier and abs(float(tier.group(1)) - every / GiB) < 0.0005, (tier, every)
+    assert re.search(r"^  left\s+[0-9.]+ GiB$", text, re.M)
+    # a --mem below process + tier: said, with a size that holds both
+    small = inspect_model(str(default_gguf), LoadOptions(device="cuda", gpu_mem=GiB, host_cache=64 * GiB,
+                                                         mem=16 * MiB, direct_io=False), 160)
+    assert re.search(r"^  over\s+[0-9.]+ GiB: process \+ host tier need", small, re.M), small

@@ -178,6 +178,8 @@ def test_cli_cuda() -> None:
     for pool in ("device", "host"):
         v = cli("verify", "--device", "cuda", "--slots", "4", "--steps", "8", "--pool", pool)
         assert v.returncode == 0 and "identical" in (v.stdout + v.stderr).lower(), v.stdout + v.stderr
+        where = "GPU" if pool == "device" else "pinned host"
+        assert "compared bytewise on cuda" in v.stdout and f"pools in {where} memory" in v.stdout, v.stdout
     i = cli("inspect", "--gpu-mem", "1GiB")
     assert i.returncode == 0 and "GPU memory plan" in i.stdout
     m = cli("run", "--device", "cuda", "-n", "4", "--gpu-mem", "90MiB")

@@ -1083,8 +1083,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"moestream verify: DIFFERENT logits at step {step} (token position {pos}); "
               f"streaming on and off disagree", file=sys.stderr)
         return 1
+    if opts.cuda:  # which device the identity held on (the streaming store's pools: GPU or pinned host memory)
+        import torch
+        where = (f"on {model.device} ({torch.cuda.get_device_name(model.device)}, pools in "
+                 f"{'GPU' if opts.pool == 'device' else 'pinned host'} memory)")
+    else:
+        where = "on the CPU"
     write_stdout(f"identical: {res.steps} steps (the prefill of a {len(ids)}-token prompt, every position, then "
-                 f"{args.steps} greedy decode steps), {res.n_logits} logits compared bytewise; "
+                 f"{args.steps} greedy decode steps), {res.n_logits} logits compared bytewise {where}; "
                  f"{res.slots} slots/layer, overlap {'on' if opts.overlap else 'off'}, prefetch "
                  f"{_prefetch_desc(opts, res.stats)}, {'direct' if res.direct_io else 'buffered'} IO, streamed "
                  f"{res.streamed_bytes / GiB:.4f} GiB, "

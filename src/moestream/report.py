@@ -67,6 +67,7 @@ def inspect_model(path: str, opts: LoadOptions | None = None,
     shape = architecture_of(g)(g, LoadOptions(moe_stream=False, metadata_only=True, expand_dense=opts.expand_dense))
     shape.check_dense_types()
     plan = None
+    host_lines: list[str] = []
     n_ctx = context
     if opts.mem is not None or opts.gpu_mem is not None:
         # this process holds what run's holds besides the model: torch, the kernels, the tokenizer (torch read
@@ -84,7 +85,9 @@ def inspect_model(path: str, opts: LoadOptions | None = None,
                if "tokenizer.ggml.tokens" in g.fields else None)
         if callable(context):
             n_ctx = context(shape, tok) if tok is not None else None
-        if opts.mem is not None:  # --pool host on CUDA: the pools in pinned host memory, the rest in VRAM
+        if opts.mem is not None and opts.cuda and opts.pool == "device":  # the host side: process + tier
+            host_lines = shape.host_side_lines(opts)
+        elif opts.mem is not None:  # --pool host on CUDA: the pools in pinned host memory, the rest in VRAM
             plan = shape.plan_memory(opts, n_ctx, loaded=False, gpu=opts.cuda and opts.pool == "host")
         del tok
     gpu_plan = None
@@ -131,6 +134,7 @@ def inspect_model(path: str, opts: LoadOptions | None = None,
     ]
     if plan is not None:
         lines += plan.lines()
+    lines += host_lines
     if gpu_plan is not None:
         lines += gpu_plan.lines()
     return "\n".join(lines)

@@ -620,10 +620,7 @@ class MoEModel:
             if cuda:  # --pool host: pinned host pools; dense weights, KV cache and activations are in VRAM
                 dense, kv, scratch = 0, 0, 0
                 process += cuda_host_growth()
-            # the host tier is host memory too: what it will hold, at most every expert (HostTier's rows)
-            every = sum(self.layout.n_experts(la) * StreamingStore.slot_bytes(self.layout, la, direct, align)
-                        for la in layers)
-            extra = {"tier": min(opts.host_cache, every) if opts.host_cache else opts.host_cache}
+            extra = {"tier": self.host_tier_bytes(opts)}  # the host tier is host memory too
         plan = plan_pools(budget, source, process=process, dense=dense, kv=kv, n_ctx=n_ctx, scratch=scratch,
                           slot_bytes={la: StreamingStore.slot_bytes(self.layout, la, direct, align) for la in layers},
                           n_experts={la: self.layout.n_experts(la) for la in layers}, top_k=self.top_k,
@@ -634,6 +631,39 @@ class MoEModel:
             plan.notes.append("--pool host: the process part counts what CUDA will add on the host (its context, "
                               "the kernels' modules); dense weights, KV cache and scratch are in GPU memory")
         return plan
+
+    def host_tier_bytes(self, opts: LoadOptions) -> int:
+        """Bytes of host memory the ``--host-cache`` tier of ``opts`` will hold: at most every expert of every MoE
+        layer (HostTier's rows, O_DIRECT padding included), 0 without a tier."""
+        if not opts.host_cache:
+            return 0
+        direct, align = StreamingStore.read_mode(self.layout, opts.direct_io)
+        every = sum(self.layout.n_experts(la) * StreamingStore.slot_bytes(self.layout, la, direct, align)
+                    for la in self.layout.moe_layers)
+        return min(opts.host_cache, every)
+
+    def host_side_lines(self, opts: LoadOptions) -> list[str]:
+        """``inspect --device cuda --mem SIZE``'s host lines when the pools are in GPU memory (``--pool device``,
+        the default): the process (measured here, plus what CUDA will add on the host: budget.cuda_host_growth) and
+        the host tier (:meth:`host_tier_bytes`) against ``opts.mem``; the pools, dense weights, KV cache and scratch
+        are in GPU memory (the ``--gpu-mem`` plan). ``run`` with these options does not size anything from
+        ``--mem``: this says whether the host side fits in it."""
+        from ..budget import GiB, _size_text, cuda_host_growth, process_rss
+
+        process = process_rss(self.gguf.paths) + cuda_host_growth()
+        tier = self.host_tier_bytes(opts)
+        used = process + tier
+        left = opts.mem - used
+        return [
+            f"{'host memory':<15} --mem: {opts.mem / GiB:.3f} GiB (--pool device: the pools, dense weights, KV cache "
+            f"and scratch are in GPU memory, the plan below)",
+            f"  process       {process / GiB:.3f} GiB (interpreter, torch, kernels, tokenizer measured here, and what "
+            f"CUDA adds on the host)",
+            *([f"  host tier     {tier / GiB:.3f} GiB (--host-cache, pinned)"] if tier else []),
+            f"  left          {left / GiB:.3f} GiB" if left >= 0 else
+            f"  over          {-left / GiB:.3f} GiB: process + host tier need {used / GiB:.3f} GiB (a smaller "
+            f"--host-cache, or --mem {_size_text(used)} or more)",
+        ]
 
     def _device_plan_scratch(self, opts: LoadOptions, direct: bool, align: int) -> int:
         """Bytes of the device-planned step's scratch rows (experts/devplan.py: top-k experts' matrices per
