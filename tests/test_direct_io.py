@@ -394,6 +394,14 @@ def test_bad_direct_io_values():
     assert p.returncode == 1 and "--direct-io: expected on, off or on,off" in p.stderr
     with pytest.raises(ConfigError, match="direct_io: expected on or off"):
         LoadOptions(direct_io="on")  # type: ignore[arg-type]
+    # the spellings the docs give, any case; yes / 1 / true ran as on before 2026-12-05 (a newcomer's report)
+    import argparse
+
+    from moestream.cli import _on_off
+    assert _on_off("ON") is True and _on_off(" off ") is False
+    for word in ("yes", "1", "true", "no", "0", "false", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"expected on or off, got {word!r}"):
+            _on_off(word)
 
 
 def test_bench_rows_per_direct_io_value():

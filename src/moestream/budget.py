@@ -161,9 +161,11 @@ def capped_budget(limit: int) -> int:
 
 def auto_budget() -> tuple[int, str]:
     """(bytes, description) of the budget when neither --mem nor --slots is given (see the module docstring)."""
-    have = available_memory() + process_rss()
+    avail, rss = available_memory(), process_rss()
+    have = avail + rss  # this process's own pages are part of what the plan prices (its "process" part)
     margin = max(int(AUTO_MARGIN_SHARE * have), AUTO_MARGIN_MIN)
-    return max(have - margin, 0), (f"{have / GiB:.2f} GiB available at start less a {margin / GiB:.2f} GiB margin "
+    return max(have - margin, 0), (f"{have / GiB:.2f} GiB at start (available {avail / GiB:.2f} + this process "
+                                   f"{rss / GiB:.2f}) less a {margin / GiB:.2f} GiB margin "
                                    f"({AUTO_MARGIN_SHARE:.0%}, at least {AUTO_MARGIN_MIN // MiB} MiB)")
 
 

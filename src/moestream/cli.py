@@ -49,10 +49,11 @@ DIRECT_IO_HELP = ("read experts with O_DIRECT, bypassing the page cache, so that
 
 
 def _on_off(v: str) -> bool:
-    v = v.strip().lower()
-    if v in ("on", "1", "true", "yes"):
+    """``on`` / ``off`` (any case) as the docs spell them; anything else (yes, 1, true, ...) is refused."""
+    w = v.strip().lower()
+    if w == "on":
         return True
-    if v in ("off", "0", "false", "no"):
+    if w == "off":
         return False
     raise argparse.ArgumentTypeError(f"expected on or off, got {v!r}")
 
@@ -202,8 +203,8 @@ def _ignored_options(args: argparse.Namespace, opts, moe_stream: bool) -> list[s
             ("--direct-io", "direct_io", None), ("--prefetch", "prefetch", False), ("--io-threads", "io_threads", 8),
             ("--policy", "policy", "lfu")) if getattr(args, dest, default) != default]
         if given:
-            notes.append(f"{', '.join(given)}: streaming options, ignored with --moe-stream off (every expert is "
-                         f"addressed in the file's memory map)")
+            notes.append(f"{', '.join(given)}: streaming option{'s' * (len(given) > 1)}, ignored with --moe-stream off "
+                         f"(every expert is addressed in the file's memory map)")
     return notes
 
 
@@ -219,10 +220,12 @@ def _tier_line(store) -> str | None:  # noqa: ANN001
 
 
 def _device_desc(model) -> str:  # noqa: ANN001
-    """``"cuda (NVIDIA H200), Triton kernels"`` / ``"cpu"`` for the first stderr line."""
+    """``"cuda (NVIDIA H200), Triton kernels"`` / ``"cpu, 2 threads"`` (the C kernels' threads: -t, default
+    torch's intra-op count) for the first stderr line."""
     dev = model.device
     if dev.type != "cuda":
-        return "cpu"
+        from . import kernels
+        return f"cpu, {kernels.threads()} thread{'s' * (kernels.threads() != 1)}"
     import torch
 
     kern = "Triton kernels on the ggml blocks" if model.use_triton else "dequantize + torch matmul"
@@ -301,7 +304,7 @@ def _describe(model) -> str:  # noqa: ANN001
         mode = "resident: experts addressed in a memory map of the file (--moe-stream off)"
     line = (f"moestream: {os.path.basename(model.gguf.path)} | {model.arch}, {len(model.layout.moe_layers)} MoE "
             f"layers, top-{model.top_k} of {model.n_experts} experts | "
-            + (f"{_device_desc(model)} | " if model.device.type == "cuda" else "") + mode)
+            + f"{_device_desc(model)} | " + mode)
     if store.streaming and model.memory_plan is not None:
         line += f"\nmoestream: {model.memory_plan.line()}"
         line += "".join(f"\nmoestream: warning: {n}" for n in model.memory_plan.notes)
@@ -1091,7 +1094,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         where = "on the CPU"
     write_stdout(f"identical: {res.steps} steps (the prefill of a {len(ids)}-token prompt, every position, then "
                  f"{args.steps} greedy decode steps), {res.n_logits} logits compared bytewise {where}; "
-                 f"{res.slots} slots/layer, overlap {'on' if opts.overlap else 'off'}, prefetch "
+                 f"{res.slots} slots/layer, policy {opts.policy}, overlap {'on' if opts.overlap else 'off'}, prefetch "
                  f"{_prefetch_desc(opts, res.stats)}, {'direct' if res.direct_io else 'buffered'} IO, streamed "
                  f"{res.streamed_bytes / GiB:.4f} GiB, "
                  f"hit rate {100 * res.hit_rate:.1f}%"
