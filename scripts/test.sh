@@ -23,6 +23,7 @@ export MOESTREAM_REQUIRE_BROWSER=1
 export MOESTREAM_REQUIRE_LLAMACPP=1
 .venv/bin/ruff check src tests tools
 # One worker per CPU (at most 4; MOESTREAM_TEST_WORKERS=N chooses, 0 runs in this process), each taking whole test
-# files so that a file's module fixtures (transformers and llama.cpp reference runs) are made once.
+# files so that a file's module fixtures (transformers and llama.cpp reference runs) are made once; files handed out
+# in the order tests/conftest.py gives the workers (the slowest first), not xdist's (most tests first).
 workers="${MOESTREAM_TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 1); [ "$n" -gt 4 ] && n=4; echo "$n")}"
-exec .venv/bin/python -m pytest -q -rs -n "$workers" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -rs -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

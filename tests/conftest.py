@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -30,6 +31,29 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_GGUF = REPO_ROOT / "src" / "moestream" / "data" / "default.gguf"
+
+# The slowest files (Triton's interpreter; in one process on the 2-core machine, 2026-12-05: test_gpu_path.py 18 min,
+# test_gpu_path_tier.py 15 min). Under xdist they go first: with xdist's own order (most tests first) test_gpu_path.py
+# was the 39th file of 59, and a clean-clone CI run of 56.5 min ended with one worker alone in it for ~20 min.
+SLOW_FIRST = ("test_gpu_path.py", "test_gpu_path_tier.py")
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m have deselected
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """In an xdist worker: SLOW_FIRST's files first, then the others in the order xdist's loadfile gives them
+    by default (most tests first, ties in collection order), each file's tests in their own order. scripts/test.sh
+    passes ``--no-loadscope-reorder``, so the workers' files are handed out in this order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    files = [item.nodeid.split("::", 1)[0] for item in items]  # xdist's loadfile scope
+    count = Counter(files)
+
+    def rank(f: str) -> tuple[int, int]:
+        name = Path(f).name
+        return (SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST), -count[f])
+
+    order = sorted(range(len(items)), key=lambda i: rank(files[i]))  # stable
+    items[:] = [items[i] for i in order]
 
 
 def load_tool(name: str) -> ModuleType:

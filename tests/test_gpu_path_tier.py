@@ -1,0 +1,119 @@
+"""The tier prefill (MoE._tier_prefill) on the CPU under Triton's interpreter, as tests/test_gpu_path.py runs the
+rest of the GPU data path (whose helpers it uses). A file of its own so that pytest-xdist (``--dist loadfile``)
+runs it beside test_gpu_path.py: the two are the suite's slowest files (its three cases took 15 min, the rest of
+test_gpu_path.py 18 min, in one process on the 2-core machine) and tests/conftest.py hands both out first.
+
+Bar: a prompt through the tier holding every expert gives the same bits as the resident store through the same
+kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# isort: split
+# first: test_gpu_path sets TRITON_INTERPRET (or skips the module) before triton is imported
+from test_gpu_path import _decode_on_device_path, _grouped_model
+
+# isort: split
+from helpers import assert_bitwise, logits_of
+from moestream.experts.pool import ResidentStore
+from moestream.models.base import LoadOptions
+
+PROMPT = [1, 5, 9, 200, 7, 3, 11, 42, 99, 2, 17, 64]
+_RESIDENT: list = []
+
+
+def _resident_prompt(model) -> tuple[list[torch.Tensor], list]:  # noqa: ANN001
+    """The resident store's prefill logits of PROMPT in chunks of 6 through the grouped kernels, and its routing
+    trace (each chunk's experts per layer), made once."""
+    if not _RESIDENT:
+        store = ResidentStore(model.gguf, model.layout)
+        store.trace = []
+        model.set_store(store)
+        _RESIDENT.extend([logits_of(model, PROMPT, 0, 6), store.trace])
+    return _RESIDENT[0], _RESIDENT[1]
+
+
+@pytest.mark.parametrize(("mode", "batch"), [("copy", 2), ("gather", 3), ("direct", 8)])
+def test_tier_prefill_equals_resident(monkeypatch, mode, batch) -> None:  # noqa: ANN001
+    """A prompt chunk through the tier holding every expert (issue 24 item 5; MoE._tier_prefill): the experts with a
+    slot from the pool, the others copied from the tier rows into the double-buffered scratch in batches ("copy":
+    runs of rows; "gather": the copy kernel) or read by the expert kernels from the tier rows ("direct"). Chunks of
+    6 tokens select up to 24 of 64 experts through 4 slots (4 of them hits: given slots first), so the scratch's 2
+    buffers of 2-3 experts are reused many times per layer and across layers and chunks. The prefill logits at
+    every position equal, bit for bit, the resident store's through the same kernels; nothing is read from the
+    file and no slot changes. "copy" also: the tiled slot path (MOESTREAM_TIER_PREFILL=off) gives the same bits,
+    and so do the planned decode steps after the tier prefill (against the resident step's)."""
+    from moestream.experts import devplan
+
+    model, moes = _grouped_model(4)
+    resident, trace = _resident_prompt(model)
+    monkeypatch.setattr(devplan, "ON_CPU", True)
+    monkeypatch.setenv("MOESTREAM_TIER_PREFILL", mode)
+    monkeypatch.setenv("MOESTREAM_TIER_PREFILL_BATCH", str(batch))
+    opts = LoadOptions(slots=4, matmul="dequant", host_cache=1 << 30)
+    store = model.make_store(opts)
+    plan = store.plan
+    assert plan is not None and (plan.prefill is None) == (mode == "direct")
+    model.set_store(store)
+    for la, experts, _ in trace[:len(moes)]:  # the first chunk's first 4 experts of each layer get slots: hits
+        _, ticket = store.prepare(la, list(experts[:4]))
+        store.wait(ticket)
+    chunks = []
+    real = type(moes[0])._tier_prefill
+
+    def spy(self, store, plan, mode, groups, x, out, shared):  # noqa: ANN001, ANN202
+        held = int((store.slots[self.layer].slot_of[groups.experts] >= 0).sum())
+        chunks.append((self.layer, groups.experts, held))
+        return real(self, store, plan, mode, groups, x, out, shared)
+
+    monkeypatch.setattr(type(moes[0]), "_tier_prefill", spy)
+    ops: list[tuple[str, int]] = []  # the scratch's calls in host order: (fill | ready | release, buffer)
+    if plan.prefill is not None:
+        def logged(op: str, real):  # noqa: ANN001, ANN202
+            def log(*args):  # noqa: ANN002, ANN202
+                ops.append((op, args[1] if op == "fill" else args[0]))
+                return real(*args)
+            return log
+
+        for op in ("fill", "ready", "release"):
+            monkeypatch.setattr(plan.prefill, op, logged(op, getattr(plan.prefill, op)))
+    maps = {la: sm.slot_of.copy() for la, sm in store.slots.items()}
+    read = store.bytes_read
+    store.trace = []  # bench's routing trace: replayed through a pool, so no request wider than the pool
+    tiered = logits_of(model, PROMPT, 0, 6)
+    assert store.trace and max(len(e) for _, e, _ in store.trace) <= 4
+    assert sum(len(e) for _, e, _ in store.trace) == sum(len(e) for _, e, _ in chunks)  # every chunk's experts
+    store.trace = None
+    state: dict[int, str] = {}  # per buffer: fill, then its kernels (ready), then release, before the next fill
+    for op, buf in ops:
+        want = {"fill": ("release", None), "ready": ("fill",), "release": ("ready",)}[op]
+        assert state.get(buf) in want, (op, buf, state.get(buf))
+        state[buf] = op
+    if ops:  # two buffers in flight: batch j + 1 filled before batch j computes
+        assert [o for o, _ in ops[:3]] == ["fill", "fill", "ready"] and len({b for _, b in ops}) == 2
+    assert len(chunks) == 2 * len(moes) and max(len(e) for _, e, _ in chunks) > max(2 * batch, 4)
+    assert all(held == 4 for _, _, held in chunks[:len(moes)]), "the slots' experts are hits"
+    assert all((store.slots[la].slot_of == maps[la]).all() for la in maps), "the prefill moved an expert"
+    assert store.bytes_read == read
+    if plan.prefill is not None:
+        assert plan.prefill.copies > 0 and plan.prefill.bytes_copied > 0
+    assert_bitwise(tiered, resident)
+    if mode != "copy":
+        store.close()
+        return
+    tiered_steps = _decode_on_device_path(model, PROMPT, 2, eager=False)  # chunks of 8 and 4, then planned steps
+    store.close()
+    monkeypatch.setenv("MOESTREAM_TIER_PREFILL", "off")
+    slot_store = model.make_store(opts)
+    model.set_store(slot_store)
+    assert slot_store.plan is not None and slot_store.plan.prefill is None
+    n = len(chunks)
+    through_slots = logits_of(model, PROMPT, 0, 6)
+    assert len(chunks) == n and slot_store.stats.misses > 0
+    assert_bitwise(through_slots, resident)
+    slot_store.close()
+    model.set_store(ResidentStore(model.gguf, model.layout))
+    assert_bitwise(tiered_steps, _decode_on_device_path(model, PROMPT, 2, eager=False))
