@@ -166,7 +166,17 @@ def test_inspect_reports_the_trunk_and_the_mtp_block(fam_files):
     dense = sum(t.n_bytes for n, t in tensors.items() if "_exps." not in n and not n.startswith("blk.4."))
     assert mtp > 0 and m.layout.total_bytes == trunk_exps
     assert f"layers          4 (3 with routed experts); + 1 MTP block ({_fmt(mtp)}), not run" in p.stdout
-    assert f"dense weights   {_fmt(dense)} (resident" in p.stdout
+    assert f"dense weights   {_fmt(dense)} (as stored" in p.stdout
+    assert f"dense weights   {_fmt(dense)} (as stored, all resident;" in p.stdout  # an F32 table is copied
+    # quantized, with an untied output matrix: run reads the token embeddings' rows from the file's map
+    q = fam_files[FAM.quant]
+    g = load_model(str(q), LoadOptions(metadata_only=True)).gguf.tensors
+    emb = g["token_embd.weight"]
+    assert "output.weight" in g and emb.ggml_type != 0
+    dense_q = sum(t.n_bytes for n, t in g.items() if "_exps." not in n and not n.startswith("blk.4."))
+    pq = cli("inspect", "-m", str(q))
+    assert (f"dense weights   {_fmt(dense_q)} (as stored; {_fmt(dense_q - emb.n_bytes)} resident on the CPU, the "
+            f"token embeddings' {_fmt(emb.n_bytes)} read from the file's map;") in pq.stdout, pq.stdout
     assert f"routed experts  {_fmt(trunk_exps)} (" in p.stdout
 
 

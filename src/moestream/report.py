@@ -109,6 +109,7 @@ def inspect_model(path: str, opts: LoadOptions | None = None,
     unrun = {n for n in g.tensors if (m := _BLOCK.match(n)) and int(m.group(1)) >= shape.n_layers}
     dense = [t for n, t in g.tensors.items() if n not in expert_names and n not in unrun]
     dense_bytes = sum(t.n_bytes for t in dense)
+    resident = min(shape.dense_estimate(mapped=True), dense_bytes)  # what the memory plan prices on the CPU
     dense_f32 = sum(t.n_bytes if t.ggml_type == GGMLQuantizationType.F32 else 4 * math.prod(t.shape)
                     for t in dense)
     expert_bytes = layout.total_bytes
@@ -126,7 +127,10 @@ def inspect_model(path: str, opts: LoadOptions | None = None,
         "tensor types    " + ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
         *_expert_lines(layout),
         f"file size       {_fmt(g.file_bytes)}",
-        f"dense weights   {_fmt(dense_bytes)} (resident; {_fmt(dense_f32)} with --expand-dense)",
+        f"dense weights   {_fmt(dense_bytes)} (as stored"
+        + (f"; {_fmt(resident)} resident on the CPU, the token embeddings' {_fmt(dense_bytes - resident)} read from "
+           f"the file's map" if resident < dense_bytes else ", all resident")
+        + f"; {_fmt(dense_f32)} with --expand-dense)",
         f"routed experts  {_fmt(expert_bytes)} ({100 * expert_bytes / max(g.file_bytes, 1):.1f}% of the file)",
         f"per token       {_fmt(per_token)} of experts touched (read from disk if nothing is cached)",
         f"--slots {n_slots:<7d} {_fmt(pools)} of slot pools "
