@@ -32,9 +32,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_GGUF = REPO_ROOT / "src" / "moestream" / "data" / "default.gguf"
 
-# The slowest files (Triton's interpreter; in one process on the 2-core machine, 2026-12-05: test_gpu_path.py 18 min,
-# test_gpu_path_tier.py 15 min). Under xdist they go first: with xdist's own order (most tests first) test_gpu_path.py
-# was the 39th file of 59, and a clean-clone CI run of 56.5 min ended with one worker alone in it for ~20 min.
+# The slowest files (Triton's interpreter; in one process on the busy 2-core machine, 2026-12-05: test_gpu_path.py
+# 14.6 min, test_gpu_path_tier.py 15.4 min). Under xdist they go first: with xdist's own order (most tests first)
+# test_gpu_path.py was the 39th file of 59, and a clean-clone CI run of 56.5 min ended with one worker alone in it
+# (then 33.5 min in one process, the tier cases included) for ~20 min.
 SLOW_FIRST = ("test_gpu_path.py", "test_gpu_path_tier.py")
 
 

@@ -1,7 +1,7 @@
 """The tier prefill (MoE._tier_prefill) on the CPU under Triton's interpreter, as tests/test_gpu_path.py runs the
 rest of the GPU data path (whose helpers it uses). A file of its own so that pytest-xdist (``--dist loadfile``)
-runs it beside test_gpu_path.py: the two are the suite's slowest files (its three cases took 15 min, the rest of
-test_gpu_path.py 18 min, in one process on the 2-core machine) and tests/conftest.py hands both out first.
+runs it beside test_gpu_path.py: the two are the suite's slowest files (its three cases took 15.4 min, the rest of
+test_gpu_path.py 14.6 min, in one process on the busy 2-core machine) and tests/conftest.py hands both out first.
 
 Bar: a prompt through the tier holding every expert gives the same bits as the resident store through the same
 kernels.
