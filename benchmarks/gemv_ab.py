@@ -155,6 +155,9 @@ def use(old: bool, kind: str) -> None:
     tkernels.GEMV_WIDE = not old or kind in ("ks1", "gemv1")
     tkernels.GEMV_KSPLIT = "1" if old and kind == "ks1" else "auto"
     tkernels.GEMV2 = "0" if old or kind != "gemv1" else "all"
+    # Q4_0 / Q8_0: the baseline is _gemv_kernel, the new path _gemv32_kernel (MOESTREAM_GEMV32; or _gemv2_kernel's
+    # lanes with MOESTREAM_GEMV2_B32=1)
+    tkernels.GEMV32 = not old and os.environ.get("MOESTREAM_GEMV32", "1") != "0"
 
 
 def warm(c: dict) -> float:
@@ -244,6 +247,7 @@ def main() -> int:
                  speedup=t_old / t_new, wide_equals_byte=same, old_equals_new=bool(torch.equal(y_new, y_old)),
                  rel_diff=rel, weight_bytes=s["bytes"], err_over_bound=ratio,
                  new_kernel="gemv2" if a.old == "gemv1" and tkernels.gemv2_uses(int(T[c["type"]]), c["groups"] > 0)
+                 else "gemv32" if tkernels.gemv32_uses(int(T[c["type"]]), c["groups"] > 0)
                  else "same" if a.old == "gemv1" else "gemv")
         rows_out.append(r)
         print(f"{c['model']:16} {c['matrix']:15} {c['type']:5} {c['rows']:>7}x{c['cols']:<6} {c['groups']:>2} "
@@ -253,6 +257,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     tkernels.GEMV_WIDE = os.environ.get("MOESTREAM_GEMV_WIDE", "1") != "0"
     tkernels.GEMV2 = os.environ.get("MOESTREAM_GEMV2", "all")
+    tkernels.GEMV32 = os.environ.get("MOESTREAM_GEMV32", "1") != "0"
     total = time.perf_counter() - t_start
     meta = dict(device=torch.cuda.get_device_name(), m=a.m, reps=a.reps, n=a.n, seconds=total,
                 triton=__import__("triton").__version__, torch=torch.__version__, all_wide_equal_byte=ok, check=a.check,

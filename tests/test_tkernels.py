@@ -358,12 +358,41 @@ def gemv2_lane_order(qtype: GGMLQuantizationType, n_cols: int, ks: int, lpb: int
 
 def gemv2_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, ks: int, lpb: int | None = None
                 ) -> torch.Tensor:
-    """``x @ w.T`` (float32 [T, N]) in _gemv2_kernel's order with float32 torch ops (one rounding each): each
-    lane-element accumulates its products in :func:`gemv2_lane_order`'s order from +0.0 (its -1 entries add
-    nothing), then the ``4 LANES`` lane-elements are summed pairwise (``a[2l] + a[2l+1]``, level by level). ``lpb``:
-    by default :func:`tkernels.gemv2_lpb` of the type."""
-    idx = torch.from_numpy(gemv2_lane_order(qtype, w.shape[1], ks,
-                                            tkernels.gemv2_lpb(int(qtype)) if lpb is None else lpb))
+    """``x @ w.T`` (float32 [T, N]) in _gemv2_kernel's order: :func:`lane_sum` of :func:`gemv2_lane_order` (the
+    ``4 LANES`` lane-elements). ``lpb``: by default :func:`tkernels.gemv2_lpb` of the type."""
+    return lane_sum(x, w, gemv2_lane_order(qtype, w.shape[1], ks,
+                                           tkernels.gemv2_lpb(int(qtype)) if lpb is None else lpb))
+
+
+def gemv32_lane_order(qtype: GGMLQuantizationType, n_cols: int, vw: int) -> np.ndarray:
+    """int [steps, 32 * vw]: the elements k that _gemv32_kernel's lane-element ``vw l + e`` of a row multiplies, in
+    its documented order, -1 where it multiplies nothing (a ragged last step). Lane ``l = LPB c + li`` (``LPB = 16 /
+    vw`` for Q4_0, ``32 / vw`` for Q8_0; ``KS = 32 / LPB`` blocks side by side) owns quant bytes ``vw li .. vw li +
+    vw - 1`` of block ``b = KS s + c`` in K step s: Q4_0 adds the low nibbles (``32 b + vw li + e``), then the high
+    ones (``32 b + 16 + vw li + e``); Q8_0 ``32 b + vw li + e``. Written from the ggml block layouts, not from the
+    kernel's code."""
+    n_b = n_cols // 32
+    lpb = (16 if qtype == T.Q4_0 else 32) // vw
+    ks = 32 // lpb
+    steps = []
+    for s in range(-(-n_b // ks)):
+        for half in range(2 if qtype == T.Q4_0 else 1):
+            row = []
+            for lane in range(32):
+                c, li = divmod(lane, lpb)
+                b = ks * s + c
+                row += [-1 if b >= n_b else 32 * b + 16 * half + vw * li + e for e in range(vw)]
+            steps.append(row)
+    idx = np.array(steps)
+    assert sorted(idx[idx >= 0].tolist()) == list(range(n_cols)), "every element exactly once"
+    return idx
+
+
+def lane_sum(x: torch.Tensor, w: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+    """``x @ w.T`` (float32 [T, N]) with float32 torch ops (one rounding each): lane-element j of a row accumulates
+    ``w[n, k] * x[k]`` for the k of column j of ``idx`` (int [steps, lanes]), step by step from +0.0 (-1 entries add
+    nothing); then the lane-elements are summed pairwise (``a[2l] + a[2l+1]``, level by level)."""
+    idx = torch.from_numpy(idx)
     out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
     for m in range(x.shape[0]):
         acc = torch.zeros((w.shape[0], idx.shape[1]), dtype=torch.float32)
@@ -376,16 +405,25 @@ def gemv2_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, k
     return out
 
 
+def gemv32_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, vw: int | None = None
+                 ) -> torch.Tensor:
+    """``x @ w.T`` in _gemv32_kernel's order (:func:`gemv32_lane_order`; ``vw``: by default tkernels.GEMV32_VW)."""
+    return lane_sum(x, w, gemv32_lane_order(qtype, w.shape[1], tkernels.GEMV32_VW if vw is None else vw))
+
+
 def gemv_order(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, ks: int | None = None,
                grouped: bool = False) -> torch.Tensor:
     """``x @ w.T`` (float32 [T, N]) in _gemv_kernel's order, with float32 torch ops on the CPU (one rounding each):
     lane (g, e) of an output accumulates ``x[k] * w[n, k]`` for ``k = 256 KS c + SUB g + VW j + e`` in the order of
     (c, j), from +0.0; then the lanes ``VW g + e`` are summed pairwise (``a[2l] + a[2l+1]``, level by level).
     ``ks``: KS, by default :func:`tkernels.gemv_ksplit` of the matrix through linear() (or the grouped launches).
-    Where the matrix takes _gemv2_kernel (:func:`tkernels.gemv2_uses`), :func:`gemv2_order` with its KS instead."""
+    Where the matrix takes _gemv2_kernel (:func:`tkernels.gemv2_uses`), :func:`gemv2_order` with its KS instead; where
+    it takes _gemv32_kernel (:func:`tkernels.gemv32_uses`), :func:`gemv32_order`."""
     n, k = w.shape
     if tkernels.gemv2_uses(int(qtype), grouped):
         return gemv2_order(x, w, qtype, tkernels.gemv2_ksplit(int(qtype), k, n, grouped) if ks is None else ks)
+    if tkernels.gemv32_uses(int(qtype), grouped):
+        return gemv32_order(x, w, qtype)
     sub, vw = (16 if qtype == T.Q6_K else 32), tkernels.GEMV_VW[int(qtype)]
     ks = tkernels.gemv_ksplit(int(qtype), k, n, grouped) if ks is None else ks
     step = 256 * ks
@@ -426,7 +464,8 @@ def test_gemv_documented_order(device, qtype, m, monkeypatch):
     assert_close_to_f64(y, x, w, f"{qtype.name} m={m}")
     if not ON_CUDA:  # the interpreter's rows per program (GEMV_INTERP_BLOCK_N) and the GPU's: the same bits
         cfg = tkernels._config(int(qtype), 17, n_cols, m, grouped=False)
-        gpu_rows = (max(1, 32 * tkernels.GEMV2_WARPS // cfg["NSUB"]) if cfg.get("K2") else
+        gpu_rows = (tkernels.GEMV32_ROWS if cfg.get("G32") else
+                    max(1, 32 * tkernels.GEMV2_WARPS // cfg["NSUB"]) if cfg.get("K2") else
                     max(1, 32 * tkernels.GEMV_WARPS // (256 // tkernels._sub(int(qtype))
                                                         * tkernels.gemv_ksplit(int(qtype), n_cols, 17))))
         monkeypatch.setattr(tkernels, "GEMV_INTERP_BLOCK_N", gpu_rows)
@@ -440,8 +479,9 @@ def test_gemv_ksplit_order(device, qtype, monkeypatch):
     """Wide rows (K = 2048: 8 chunks side by side for Q4_K, 4 for Q6_K; 2816 = 11 chunks of Q4_0/Q8_0: 8 side by
     side, the rest masked) in gemv_order's order for the K split gemv_ksplit picks, and with
     MOESTREAM_GEMV_KSPLIT=1 in the order of one chunk per step; the two orders differ (the knob is real). On
-    _gemv_kernel (MOESTREAM_GEMV2=0 for Q4_K/Q6_K)."""
+    _gemv_kernel (MOESTREAM_GEMV2=0, MOESTREAM_GEMV32=0)."""
     monkeypatch.setattr(tkernels, "GEMV2", "0")
+    monkeypatch.setattr(tkernels, "GEMV32", False)
     n_cols = 2048 if GGML_QUANT_SIZES[qtype][0] == 256 else 2816
     raw = make_raw(qtype, 5, n_cols, 41)
     w = quant.dequantize(raw, qtype, n_cols)
@@ -459,15 +499,17 @@ def test_gemv_ksplit_order(device, qtype, monkeypatch):
     assert not torch.equal(y1.cpu().view(torch.int32), y.cpu().view(torch.int32)), "KS=1 and KS>1: the same bits"
 
 
-@pytest.mark.parametrize("gemv2", ("0", "all"), ids=("gemv", "gemv2"))
 @pytest.mark.parametrize("m_hint", (1, 5))
-@pytest.mark.parametrize("qtype", GEMV_TYPES, ids=ids)
-def test_gemv_alignment_never_changes_bits(device, qtype, m_hint, gemv2, monkeypatch):
+@pytest.mark.parametrize("qtype,kernel", [pytest.param(q, k, id=f"{q.name}-{k}") for q in GEMV_TYPES
+                                          for k in ("gemv", "gemv2") + (("gemv32",) if q in (T.Q4_0, T.Q8_0) else ())])
+def test_gemv_alignment_never_changes_bits(device, qtype, m_hint, kernel, monkeypatch):
     """grouped with matrices starting at every byte offset mod 4 (byte loads) and a 16-aligned pool (wide loads),
     several matrices per launch: every row bitwise equal to linear on the aligned matrix and to gemv_order. On
-    _gemv_kernel and on _gemv2_kernel (MOESTREAM_GEMV2=all)."""
-    monkeypatch.setattr(tkernels, "GEMV2", gemv2)
-    monkeypatch.setattr(tkernels, "GEMV2_B32", True)  # Q4_0/Q8_0 too (opt-in until run on a GPU)
+    _gemv_kernel, on _gemv2_kernel (MOESTREAM_GEMV2=all, Q4_0/Q8_0 with MOESTREAM_GEMV2_B32=1) and on
+    _gemv32_kernel (Q4_0, Q8_0)."""
+    monkeypatch.setattr(tkernels, "GEMV2", "0" if kernel == "gemv" else "all")
+    monkeypatch.setattr(tkernels, "GEMV2_B32", kernel == "gemv2")
+    monkeypatch.setattr(tkernels, "GEMV32", kernel == "gemv32")
     n_exp, n_rows = 4, 8
     n_cols = 256 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
     mats = [make_raw(qtype, n_rows, n_cols, 40 + e) for e in range(n_exp)]
@@ -666,3 +708,84 @@ def test_gemv2_switch(device, qtype, monkeypatch):
     assert_bits_equal(out["linear"][0], out["all"][0], "linear mode, linear")
     assert_bits_equal(out["linear"][1], out["0"][1], "linear mode, grouped")
     assert_bits_equal(out["grouped"][1], out["all"][1], "grouped mode, grouped")
+
+
+# ---------------------------------------------------------------------------
+# 6. _gemv32_kernel (Q4_0, Q8_0: lanes along a row's bytes): its documented order, its switch
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype,m,vw", [pytest.param(q, m, vw, id=f"{q.name}-{m}-{vw}") for q in (T.Q4_0, T.Q8_0)
+                                        for m, vw in ((1, 4), (3, 4), (8, 4), (2, 2))])
+def test_gemv32_order(device, qtype, m, vw, monkeypatch):
+    """linear and grouped on _gemv32_kernel: bitwise gemv32_order, within the float64 bound, the same bits from a
+    matrix at an odd address (byte loads) or at 2 mod 16 (16-bit loads), at the GPU's rows per program, and with
+    fewer K steps per loop iteration (MOESTREAM_GEMV32_U: the loop's shape, never a bit). K = 2816 (88 blocks:
+    Gemma's expert gate/up and attention rows, whole steps), 704 (22 blocks, Gemma's expert down rows) and 288 (9
+    blocks): ragged last steps."""
+    monkeypatch.setattr(tkernels, "GEMV32", True)
+    monkeypatch.setattr(tkernels, "GEMV32_VW", vw)
+    for n_rows, n_cols in ((5, 2816), (9, 704), (6, 288)):
+        raw = make_raw(qtype, n_rows, n_cols, 60 + m)
+        w = quant.dequantize(raw, qtype, n_cols)
+        x = torch.randn(m, n_cols, generator=torch.Generator().manual_seed(m))
+        for grouped in (False, True):
+            assert tkernels.gemv32_uses(int(qtype), grouped)
+            cfg = tkernels._config(int(qtype), n_rows, n_cols, m, grouped=grouped)
+            assert cfg.get("G32") and cfg["VW"] == vw and cfg["LPB"] == (16 if qtype == T.Q4_0 else 32) // vw
+        what = f"{qtype.name} {n_rows}x{n_cols} m={m} VW={vw}"
+        ref = gemv32_order(x, w, qtype, vw)
+        y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=m)
+        assert_bits_equal(y.cpu(), ref, what)
+        assert_close_to_f64(y, x, w, what)
+        for lead in (1, 2):
+            big = torch.zeros(lead + raw.numel(), dtype=torch.uint8)
+            big[lead:] = raw.reshape(-1)
+            yu = tkernels.linear(x.to(device), big.to(device)[lead:].view(raw.shape), qtype, n_cols, m_hint=m)
+            assert_bits_equal(yu.cpu(), ref, f"{what}: matrix at {lead} mod 16")
+        g = tkernels.grouped(x.to(device), raw.reshape(-1).to(device), [0], [0, m], np.arange(m), qtype, n_rows,
+                             n_cols, m)
+        assert_bits_equal(g.cpu(), ref, f"{what}: grouped")
+        with monkeypatch.context() as mp:
+            mp.setattr(tkernels, "GEMV32_U", 2)
+            if not ON_CUDA:
+                mp.setattr(tkernels, "GEMV_INTERP_BLOCK_N", tkernels.GEMV32_ROWS)
+                assert tkernels._config(int(qtype), n_rows, n_cols, m)["BLOCK_N"] == tkernels.GEMV32_ROWS < n_rows
+            yg = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=m)
+            assert_bits_equal(yg.cpu(), ref, f"{what}: U 2, the GPU's rows per program")
+
+
+@pytest.mark.parametrize("qtype", (T.Q4_0, T.Q8_0), ids=ids)
+def test_gemv32_edge_scales(device, qtype, monkeypatch):
+    """Blocks whose fp16 d is subnormal (the smallest too), +-0, tiny or huge: _gemv32_kernel still multiplies
+    exactly moestream.quant's weights in gemv32_order's order (9 blocks: a ragged last step)."""
+    monkeypatch.setattr(tkernels, "GEMV32", True)
+    scales = np.array([5.96e-8, -1.2e-7, 3.0e-6, -6.0e-5, 6.1e-5, 0.0, -0.0, 0.33, -2.0, 65504.0])
+    n_rows, n_cols = 12, 288
+    raw = torch.from_numpy(random_blocks(qtype, n_rows, n_cols // 32, 8, scales=scales))
+    w = quant.dequantize(raw, qtype, n_cols)
+    x = torch.randn(2, n_cols, generator=torch.Generator().manual_seed(8))
+    y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=2)
+    assert_bits_equal(y.cpu(), gemv32_order(x, w, qtype), qtype.name)
+    assert_close_to_f64(y, x, w, qtype.name)
+
+
+@pytest.mark.parametrize("qtype", (T.Q4_0, T.Q8_0), ids=ids)
+def test_gemv32_switch(device, qtype, monkeypatch):
+    """MOESTREAM_GEMV32: on by default, "0" takes _gemv_kernel (its order, other bits); MOESTREAM_GEMV2_B32=1 takes
+    _gemv2_kernel's lanes over it. Every path within the float64 bound."""
+    assert tkernels.GEMV32 == (os.environ.get("MOESTREAM_GEMV32", "1") != "0")
+    n_rows, n_cols = 6, 704
+    raw = make_raw(qtype, n_rows, n_cols, 78)
+    w = quant.dequantize(raw, qtype, n_cols)
+    x = torch.randn(1, n_cols, generator=torch.Generator().manual_seed(9))
+    out = {}
+    for name, g32, b32 in (("gemv32", True, False), ("gemv", False, False), ("gemv2", True, True)):
+        monkeypatch.setattr(tkernels, "GEMV32", g32)
+        monkeypatch.setattr(tkernels, "GEMV2_B32", b32)
+        assert tkernels.gemv32_uses(int(qtype), False) == (name == "gemv32")
+        y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=1).cpu()
+        assert_bits_equal(y, gemv_order(x, w, qtype), name)
+        assert_close_to_f64(y, x, w, name)
+        out[name] = y.view(torch.int32)
+    assert not torch.equal(out["gemv32"], out["gemv"]) and not torch.equal(out["gemv32"], out["gemv2"])

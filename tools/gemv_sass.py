@@ -46,9 +46,16 @@ COMMON = dict(x_ptr="*fp32", w_ptr="*u8", off_ptr="*i64", tiles_ptr="*i32", src_
 def compile_case(qtype: int, rows: int, cols: int, grouped: bool, m: int, new: bool):
     """(compiled kernel, its configuration, weights per thread and loop iteration)."""
     tk.GEMV2 = "all" if new else "0"
+    tk.GEMV32 = new
     cfg = tk._config(qtype, rows, cols, m, grouped=grouped)
     consts = dict(n_cols=cols, QTYPE=qtype, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SELECT=grouped)
-    if cfg.get("K2"):
+    if cfg.get("G32"):
+        fn, sig = tk._gemv32_kernel, dict(COMMON, magic0="i32")
+        consts.update(VW=cfg["VW"], U=cfg["U"], ALIGN=cfg["WA"])
+        # weights per thread and loop iteration: U K steps of VW quant bytes (2 VW weights of Q4_0, VW of Q8_0) in
+        # each of the thread's rows
+        per_iter = cfg["U"] * cfg["VW"] * (2 if qtype == 2 else 1) * max(1, cfg["BLOCK_N"] // cfg["num_warps"])
+    elif cfg.get("K2"):
         fn, sig = tk._gemv2_kernel, dict(COMMON, magic0="i32")
         consts.update(LANES=cfg["NSUB"], LPB=cfg["LPB"], VW=4, LOG2_LANES=(cfg["NSUB"] * 4).bit_length() - 1,
                       ALIGN=cfg["WA"])
@@ -120,7 +127,8 @@ def main() -> int:
                 body = [s for s in text.splitlines() if re.match(r"\s*/\*[0-9a-f]+\*/", s)]
                 per_iter, mark = cfg["BLOCK_N"] * cols // (32 * cfg["num_warps"]), "*"
             n = len(body)
-            print(f"{name:22} {'gemv2' if new else 'gemv':7} {cfg['NSUB']:>8} {cfg['BLOCK_N']:>3} {n:>9}{mark:1} "
+            kname = "gemv32" if cfg.get("G32") else "gemv2" if cfg.get("K2") else "gemv"
+            print(f"{name:22} {kname:7} {cfg['NSUB']:>8} {cfg['BLOCK_N']:>3} {n:>9}{mark:1} "
                   f"{per_iter:>8} {n / per_iter:>7.2f} {regs[0] if regs else '?':>4} {smem:>12}")
     print("*: no K loop (fully unrolled): the whole kernel's instructions over the weights of one thread")
     return 0

@@ -178,6 +178,17 @@ GEMV2: str = os.environ.get("MOESTREAM_GEMV2", "all")
 #: interpreter only; no GPU has run them yet (the Q4_K/Q6_K lanes have: module docstring).
 GEMV2_B32: bool = os.environ.get("MOESTREAM_GEMV2_B32", "0").strip().lower() in ("1", "on", "true", "yes")
 _B32_TYPES = frozenset((int(T.Q4_0), int(T.Q8_0)))
+#: whether Q4_0 and Q8_0 GEMV launches take _gemv32_kernel (lanes along a row's bytes, one 16-bit quant word each;
+#: module docstring): MOESTREAM_GEMV32 at import ("0": off, the launches take _gemv_kernel), read at each launch.
+#: Where :data:`GEMV2_B32` sends them to _gemv2_kernel, that wins (an opt-in for A/B runs). The bits depend on it.
+GEMV32: bool = os.environ.get("MOESTREAM_GEMV32", "1") != "0"
+#: _gemv32_kernel's K steps per loop iteration (straight-line code whose loads issue together; never a bit of the
+#: result) and weight rows per program (4 warps: one row per warp at 4); MOESTREAM_GEMV32_U / _ROWS at import
+GEMV32_U = int(os.environ.get("MOESTREAM_GEMV32_U", "8"))
+GEMV32_ROWS = int(os.environ.get("MOESTREAM_GEMV32_ROWS", "4"))
+GEMV32_WARPS = 4
+#: _gemv32_kernel's quant bytes per lane and K step (2 or 4: one or two 16-bit loads); the bits depend on it
+GEMV32_VW = int(os.environ.get("MOESTREAM_GEMV32_VW", "4"))
 #: _gemv2_kernel's warps per program (BLOCK_N = 32 * GEMV2_WARPS / LANES rows; never a bit of the result)
 GEMV2_WARPS = int(os.environ.get("MOESTREAM_GEMV2_WARPS", "4"))
 #: _gemv2_kernel, :func:`linear` launches: the K split doubles (up to the super-blocks of a row and
@@ -243,6 +254,19 @@ def gemv2_uses(ggml_type: int, grouped: bool) -> bool:
     return GEMV2 == "all" or GEMV2 == ("grouped" if grouped else "linear")
 
 
+def gemv32_uses(ggml_type: int, grouped: bool) -> bool:
+    """Whether a GEMV launch of this type takes _gemv32_kernel: Q4_0 / Q8_0 with :data:`GEMV32` on, unless
+    :data:`GEMV2_B32` sends it to _gemv2_kernel (:func:`gemv2_uses`)."""
+    t = int(ggml_type)
+    return t in _B32_TYPES and GEMV_WIDE and GEMV32 and not gemv2_uses(t, grouped)
+
+
+def gemv32_lpb(ggml_type: int) -> int:
+    """_gemv32_kernel's lanes per block of 32 (:data:`GEMV32_VW` quant bytes each): 16 / VW for Q4_0 (16 bytes),
+    32 / VW for Q8_0."""
+    return (16 if int(ggml_type) == int(T.Q4_0) else 32) // GEMV32_VW
+
+
 def gemv2_lpb(ggml_type: int) -> int:
     """_gemv2_kernel's lanes per block of ``ggml_type``: :data:`GEMV2_LPB` per 256-element super-block (Q4_K, Q6_K),
     :data:`GEMV2_LPB32` per 32-element block (Q4_0, Q8_0)."""
@@ -289,6 +313,10 @@ def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int, grouped: bool
         bm = 1
         while bm < m_hint:
             bm *= 2
+        if gemv32_uses(ggml_type, grouped):
+            bn = GEMV_INTERP_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1" else GEMV32_ROWS
+            return dict(BLOCK_M=bm, BLOCK_N=bn, NSUB=32, SUB=32, VW=GEMV32_VW, WA=2, LPB=gemv32_lpb(ggml_type), U=GEMV32_U,
+                        GEMM=False, WIDE=True, G32=True, num_warps=GEMV32_WARPS)
         if gemv2_uses(ggml_type, grouped):
             wa, lpb = GEMV2_TYPES[int(ggml_type)], gemv2_lpb(ggml_type)
             lanes = lpb * gemv2_ksplit(ggml_type, n_cols, n_rows, grouped)
@@ -1018,6 +1046,131 @@ if triton is not None:
                    out_ptr, p0, rn, nmask, n_rows, BLOCK_M, BLOCK_N, LOG2_LANES)
 
 
+    # --- GEMV path, blocks of 32 (_gemv32_kernel: Q4_0, Q8_0): one 16-bit quant word per lane ---------------------
+
+    @triton.jit
+    def _g32_xrow(x_ptr, src_ptr, p0, cnt, m: tl.constexpr, n_cols: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Row ``m`` of the tile: (pointers [BN, 1, 1] to its x row, all the same, so that the x loads get the weight
+        tile's shape and register layout (no shuffle through shared memory); whether the row exists: a missing
+        row reads x row 0 and is never stored)."""
+        ok = m < cnt
+        src = tl.load(src_ptr + p0 + m, mask=ok, other=0).to(tl.int64)
+        return x_ptr + src * n_cols + tl.zeros([BLOCK_N, 1, 1], dtype=tl.int64), ok
+
+    @triton.jit
+    def _g32_acc(acc, w, xr, kel, ok, RAGGED: tl.constexpr):
+        """``acc + w * x[kel]`` (float32 [BN, LANES, VW]); with
+        ``RAGGED``, x is 0.0 where ``ok`` is false (w is then +-0: +-0.0 added to an accumulator that is never
+        -0.0, no change)."""
+        if RAGGED:
+            xv = tl.load(xr + kel, mask=ok, other=0.0)
+        else:
+            xv = tl.load(xr + kel)
+        return acc + w * xv
+
+    @triton.jit
+    def _g32_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xr0, xr1, xr2, xr3, xr4, xr5, xr6, xr7,
+                  wp, b, li, e, magic0, n_cols: tl.constexpr, QTYPE: tl.constexpr, VW: tl.constexpr,
+                  ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, RAGGED: tl.constexpr):
+        """One K step of _gemv32_kernel: lane ``li`` of block ``b`` ([1, LANES, 1]) of each weight row (byte
+        pointers ``wp`` [BN, 1, 1]) reads the block's fp16 d and its ``VW`` quant bytes from ``VW li`` (``VW / 2``
+        16-bit loads; element ``e`` < VW of the [BN, LANES, VW] tensors is byte ``VW li + e``) and adds ``w * x``
+        to the accumulators: Q4_0, the low nibbles (elements ``VW li + e``) then the high ones (``16 + VW li +
+        e``), ``w = (q - 8) d``; Q8_0, elements ``VW li + e``, ``w = q d``. The weight is exactly moestream.quant's
+        (a 4- or 8-bit integer times an fp16: exact in float32). ``RAGGED``: lanes with ``b`` past the row read its
+        last block with d = 0 and x as 0.0."""
+        N_B: tl.constexpr = n_cols // 32
+        if RAGGED:
+            ok = b < N_B
+            bc = tl.minimum(b, N_B - 1)
+        else:
+            ok = True
+            bc = b
+        if QTYPE == 2:
+            bb = wp + 18 * bc  # Q4_0: fp16 d | 16 bytes (element i < 16: low nibble of byte i; 16 + i: high)
+        else:
+            bb = wp + 34 * bc  # Q8_0: fp16 d | 32 int8
+        d = _f16w(_w16(bb, ALIGN))  # [BN, LANES, 1]
+        if RAGGED:
+            d = tl.where(ok, d, 0.0)
+        qp = bb + 2 + VW * li
+        if VW == 2:
+            h = _w16(qp, ALIGN)  # [BN, LANES, 1]: bytes VW li (low half), VW li + 1
+        else:  # VW 4: two words, bytes e = 0, 1 from the first, 2, 3 from the second
+            h = tl.where(e < 2, _w16(qp, ALIGN), _w16(qp + 2, ALIGN))  # [BN, LANES, 4]
+        pe = 8 * (e % 2)  # where byte e lies in its word
+        for half in tl.static_range(2 if QTYPE == 2 else 1):
+            if QTYPE == 2:
+                w = _gv_field_f(h, pe + 4 * half, 0xF, 0, 8.0, magic0) * d  # [BN, LANES, VW]
+            else:
+                w = _gv_field_f(h, pe, 0xFF, 0x80, 128.0, magic0) * d
+            kel = 32 * b + 16 * half + VW * li + e  # [1, LANES, VW]
+            acc0 = _g32_acc(acc0, w, xr0, kel, ok, RAGGED)
+            if BLOCK_M > 1:
+                acc1 = _g32_acc(acc1, w, xr1, kel, ok, RAGGED)
+            if BLOCK_M > 2:
+                acc2 = _g32_acc(acc2, w, xr2, kel, ok, RAGGED)
+                acc3 = _g32_acc(acc3, w, xr3, kel, ok, RAGGED)
+            if BLOCK_M > 4:
+                acc4 = _g32_acc(acc4, w, xr4, kel, ok, RAGGED)
+                acc5 = _g32_acc(acc5, w, xr5, kel, ok, RAGGED)
+                acc6 = _g32_acc(acc6, w, xr6, kel, ok, RAGGED)
+                acc7 = _g32_acc(acc7, w, xr7, kel, ok, RAGGED)
+        return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+    @triton.jit
+    def _gemv32_kernel(x_ptr, w_ptr, off_ptr, tiles_ptr, src_ptr, out_ptr, n_rows, row_units,
+                       sel_ptr, n_sel, sel_stride, magic0, n_cols: tl.constexpr, QTYPE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VW: tl.constexpr, U: tl.constexpr,
+                       ALIGN: tl.constexpr, SELECT: tl.constexpr):
+        # program (tile, n block) as in _gemv_kernel; BLOCK_N weight rows, each read by LANES = 32 lanes: KS = 32 /
+        # LPB blocks side by side per K step, LPB lanes per block (VW quant bytes each); U K steps per loop
+        # iteration (straight-line code: their loads issue together), the steps past the last whole iteration
+        # unrolled, a ragged last step where KS does not divide the row's blocks. Tensors [BN, LANES, 2]: lanes
+        # along a row's bytes (a warp's weight loads on one or two cache lines, its x loads contiguous runs).
+        LANES: tl.constexpr = 32
+        LPB: tl.constexpr = (16 if QTYPE == 2 else 32) // VW
+        KS: tl.constexpr = LANES // LPB
+        pid_n = tl.program_id(0)
+        p0, cnt, base = _gv_tile(w_ptr, off_ptr, tiles_ptr, sel_ptr, n_sel, sel_stride, ALIGN, SELECT)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < n_rows
+        rc = tl.minimum(rn, n_rows - 1)  # rows past the matrix read its last row (never stored)
+        wp = base + rc.to(tl.int64)[:, None, None] * (row_units.to(tl.int64) * ALIGN)  # [BN, 1, 1]
+        lane = tl.arange(0, LANES)[None, :, None]
+        c = lane // LPB  # block of the lane within a K step
+        li = lane % LPB  # quant word of the lane within its block
+        e = tl.arange(0, VW)[None, None, :]
+        xr0, ok0 = _g32_xrow(x_ptr, src_ptr, p0, cnt, 0, n_cols, BLOCK_N)
+        xr1, ok1 = _g32_xrow(x_ptr, src_ptr, p0, cnt, 1, n_cols, BLOCK_N)
+        xr2, ok2 = _g32_xrow(x_ptr, src_ptr, p0, cnt, 2, n_cols, BLOCK_N)
+        xr3, ok3 = _g32_xrow(x_ptr, src_ptr, p0, cnt, 3, n_cols, BLOCK_N)
+        xr4, ok4 = _g32_xrow(x_ptr, src_ptr, p0, cnt, 4, n_cols, BLOCK_N)
+        xr5, ok5 = _g32_xrow(x_ptr, src_ptr, p0, cnt, 5, n_cols, BLOCK_N)
+        xr6, ok6 = _g32_xrow(x_ptr, src_ptr, p0, cnt, 6, n_cols, BLOCK_N)
+        xr7, ok7 = _g32_xrow(x_ptr, src_ptr, p0, cnt, 7, n_cols, BLOCK_N)
+        acc0 = tl.zeros([BLOCK_N, LANES, VW], dtype=tl.float32)  # one per x row of the tile (unused ones vanish)
+        acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
+        N_B: tl.constexpr = n_cols // 32
+        N_FULL: tl.constexpr = N_B // KS  # whole K steps
+        N_LOOP: tl.constexpr = N_FULL // U * U
+        for s0 in range(0, N_LOOP, U):
+            for u in tl.static_range(U):
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _g32_step(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xr0, xr1, xr2, xr3, xr4, xr5, xr6, xr7,
+                    wp, (s0 + u) * KS + c, li, e, magic0, n_cols, QTYPE, VW, ALIGN, BLOCK_M, False)
+        for s in tl.static_range(N_LOOP, N_FULL):
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _g32_step(
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xr0, xr1, xr2, xr3, xr4, xr5, xr6, xr7,
+                wp, s * KS + c, li, e, magic0, n_cols, QTYPE, VW, ALIGN, BLOCK_M, False)
+        if N_FULL * KS < N_B:
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _g32_step(
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xr0, xr1, xr2, xr3, xr4, xr5, xr6, xr7,
+                wp, N_FULL * KS + c, li, e, magic0, n_cols, QTYPE, VW, ALIGN, BLOCK_M, True)
+        _gv_store8(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, ok0, ok1, ok2, ok3, ok4, ok5, ok6, ok7,
+                   out_ptr, p0, rn, nmask, n_rows, BLOCK_M, BLOCK_N, 5 + VW // 2)
+
+
 # ---------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------
@@ -1192,6 +1345,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tiles: np.n
         grid = grid[::-1]  # _gemv_kernel: row blocks on axis 0
         vw = cfg["VW"]
         a = vw if align % vw == 0 and w.data_ptr() % vw == 0 and row_bytes % vw == 0 else 1
+        if cfg.get("G32"):
+            a = 2 if align % 2 == 0 and w.data_ptr() % 2 == 0 and row_bytes % 2 == 0 else 1
+            _gemv32_kernel[grid](x, w, offsets, tiles_d, src, out, n_rows, row_bytes // a, sel, n_sel, sel_stride,
+                                 0x4B000000, n_cols, QTYPE=int(ggml_type), BLOCK_M=cfg["BLOCK_M"],
+                                 BLOCK_N=cfg["BLOCK_N"], VW=cfg["VW"], U=cfg["U"], ALIGN=a,
+                                 SELECT=select is not None, num_warps=cfg["num_warps"], enable_fp_fusion=False)
+            return
         if cfg.get("K2"):
             wa = cfg["WA"]
             a = wa if align % wa == 0 and w.data_ptr() % wa == 0 and row_bytes % wa == 0 else 1
