@@ -180,10 +180,12 @@ class MoE:
         summed in top-k order at the end and every expert sees the same tokens either way, so neither tiling
         nor overlap changes a bit of the result.
 
-        On the grouped (CUDA) path with a device-planned store (its host tier holds every expert), a chunk that
-        selects more experts than the pool holds skips the tiles: :meth:`_tier_prefill` computes the experts
-        with a slot from the pool and the rest from the tier rows (MOESTREAM_TIER_PREFILL, experts/devplan.py),
-        without changing a slot.
+        On the grouped (CUDA) path with a device-planned store (its host tier holds every expert), a chunk of
+        several tokens (or one that selects more experts than the pool holds) skips the slot path:
+        :meth:`_tier_prefill` computes the experts with a slot from the pool and the rest from the tier rows
+        (MOESTREAM_TIER_PREFILL, experts/devplan.py), without changing a slot. A prompt chunk narrower than the
+        pool took the slot path before (misses copied into slots by the IO threads, one host round per expert):
+        on the H200, 15.5 ms of host work per MoE layer for 64 tokens (benchmarks/tier_prefill_profile.py).
         """
         if self.routing is not None:  # synthetic routing: other expert ids, the router's weights
             ids = self.routing(self.layer, ids)
@@ -206,7 +208,7 @@ class MoE:
             batch = self._grouped
             out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
             plan = getattr(store, "plan", None)
-            if (plan is not None and len(groups.experts) > store.capacity(self.layer)  # a chunk wider than the pool
+            if (plan is not None and (n_tok > 1 or len(groups.experts) > store.capacity(self.layer))  # a chunk
                     and not store._pending[self.layer] and not store._draining[self.layer]):  # no prefetch in flight
                 from .devplan import prefill_mode
                 if (mode := prefill_mode()) != "off":
