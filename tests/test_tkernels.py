@@ -627,7 +627,7 @@ def test_gemv2_order(device, qtype, m, lpb, monkeypatch):
     b32 = qtype in GEMV2_B32_TYPES
     knob = "GEMV2_LPB32" if b32 else "GEMV2_LPB"
     monkeypatch.setattr(tkernels, "GEMV2", "all")
-    monkeypatch.setattr(tkernels, "GEMV2_B32", True)  # Q4_0/Q8_0 too (opt-in until run on a GPU)
+    monkeypatch.setattr(tkernels, "GEMV2_B32", True)  # Q4_0/Q8_0 on _gemv2_kernel too (opt-in)
     monkeypatch.setattr(tkernels, knob, lpb)
     threads = tkernels.GEMV2_THREADS
     cases = (((5, 2816, threads, 32), (5, 2816, 1, 8 // lpb), (9, 704, threads, 8)) if b32 else
@@ -656,7 +656,7 @@ def test_gemv2_order(device, qtype, m, lpb, monkeypatch):
             assert_bits_equal(tkernels.linear(x, raw, qtype, n_cols, m_hint=m), ref, f"{what}: {gpu_rows} rows")
             monkeypatch.undo()
             monkeypatch.setattr(tkernels, "GEMV2", "all")
-            monkeypatch.setattr(tkernels, "GEMV2_B32", True)  # Q4_0/Q8_0 too (opt-in until run on a GPU)
+            monkeypatch.setattr(tkernels, "GEMV2_B32", True)  # Q4_0/Q8_0 on _gemv2_kernel too (opt-in)
             monkeypatch.setattr(tkernels, knob, lpb)
         ks_g = tkernels.gemv2_ksplit(int(qtype), n_cols, n_rows, grouped=True)
         assert ks_g == (8 // lpb if b32 else 1)
@@ -670,7 +670,7 @@ def test_gemv2_b32_edge_scales(device, qtype, monkeypatch):
     """Q4_0 / Q8_0 blocks whose fp16 d is subnormal (the smallest too), +-0, tiny or huge: _gemv2_kernel still
     multiplies exactly moestream.quant's weights in gemv2_order's order (a ragged K step: 9 blocks, KS 8)."""
     monkeypatch.setattr(tkernels, "GEMV2", "all")
-    monkeypatch.setattr(tkernels, "GEMV2_B32", True)  # Q4_0/Q8_0 too (opt-in until run on a GPU)
+    monkeypatch.setattr(tkernels, "GEMV2_B32", True)  # Q4_0/Q8_0 on _gemv2_kernel too (opt-in)
     scales = np.array([5.96e-8, -1.2e-7, 3.0e-6, -6.0e-5, 6.1e-5, 0.0, -0.0, 0.33, -2.0, 65504.0])
     n_rows, n_cols = 12, 288
     raw = torch.from_numpy(random_blocks(qtype, n_rows, n_cols // 32, 8, scales=scales))
@@ -694,7 +694,7 @@ def test_gemv2_switch(device, qtype, monkeypatch):
     out = {}
     for mode in ("all", "0", "linear", "grouped"):
         monkeypatch.setattr(tkernels, "GEMV2", mode)
-        monkeypatch.setattr(tkernels, "GEMV2_B32", True)  # Q4_0/Q8_0 too (opt-in until run on a GPU)
+        monkeypatch.setattr(tkernels, "GEMV2_B32", True)  # Q4_0/Q8_0 on _gemv2_kernel too (opt-in)
         lin = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=1).cpu()
         grp = tkernels.grouped(x.to(device), raw.reshape(-1).to(device), [0], [0, 1], [0], qtype, n_rows, n_cols,
                                1).cpu()

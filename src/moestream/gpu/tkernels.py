@@ -42,7 +42,8 @@ only:
   default, "linear", "grouped" or "0" (the kernel above)): ``_gemv2_kernel``. On the H200 it made the q32 decode
   step 1.31x faster (tg32 330.75 vs 253.28, 2026-12-04); its Q4_K/Q6_K order tests and the matmul tests with it
   passed on CUDA there (2026-12-04, benchmarks/gpu-h200/2026-12-04-session7). Q4_0 and Q8_0 were added after that
-  run and take it only with :data:`GEMV2_B32` (``MOESTREAM_GEMV2_B32=1``) until a GPU has run them. The kernel
+  run and take it only with :data:`GEMV2_B32` (``MOESTREAM_GEMV2_B32=1``): slower on the H200 (session 8); the
+  next kernel, ``_gemv32_kernel``, takes them by default. The kernel
   above spends ~23 (Q6_K) / ~14 (Q4_K) / ~11 (Q4_0) /
   ~9 (Q8_0) SASS instructions per weight on sm_90 (per-element byte picks, 64-bit addresses, I2F): issue-bound, not
   memory-bound (an LM head at 822 GB/s of the H200's ~4 TB/s). Here a lane owns a run of one block's quant bytes
@@ -79,6 +80,22 @@ only:
   QB li + 4 r + e``; then the ``4 LANES`` lane-elements (index ``4 g + e``) are summed pairwise as above.
   Alignment: 32-bit (Q4_K) / 16-bit (Q6_K, Q4_0, Q8_0) loads where the matrix's address, offsets and row bytes
   allow, byte loads otherwise: the same bits. fp16 scales use the hardware conversion (exact but for NaN payloads).
+* ``m_hint <= 8``, Q4_0 and Q8_0 (:data:`GEMV32`, ``MOESTREAM_GEMV32``: on by default, "0" for ``_gemv_kernel``;
+  ``MOESTREAM_GEMV2_B32=1`` takes them to ``_gemv2_kernel`` instead): ``_gemv32_kernel``. A weight row is read by
+  one warp, ``LANES = 32`` lanes along its bytes: ``LPB = 16 / VW`` (Q4_0) or ``32 / VW`` (Q8_0) lanes per block of
+  32, ``KS = 32 / LPB`` blocks side by side per K step, lane ``li`` of a block owning its quant bytes ``VW li ..
+  VW li + VW - 1`` (:data:`GEMV32_VW` 4: two 16-bit loads; 2: one) and loading the block's fp16 d; x is read as
+  [BN, LANES, VW] runs (16-byte loads at VW 4, contiguous across a warp). Q4_0 adds the low nibbles (elements ``32 b
+  + VW li + e``), then the high ones (``+ 16``), ``w = (q - 8) d``; Q8_0 elements ``32 b + VW li + e``, ``w = q d``
+  (quants made floats without I2F, as in ``_gemv2_kernel``; the weights are exactly moestream.quant's). :data:`GEMV32_U`
+  K steps per loop iteration are straight-line code (their loads issue together: ``_gemv_kernel`` kept about 2
+  bytes of weights in flight per thread), the steps after the last whole iteration unrolled, a ragged last step
+  (lanes past the row: d = 0, x 0.0) where ``KS`` does not divide the row's blocks; :data:`GEMV32_ROWS` rows per
+  program (4 warps). Summation order (tests/test_tkernels.py ``gemv32_lane_order``/``gemv32_order``): lane-element
+  ``VW l + e`` accumulates from +0.0 over K steps ``s = 0, 1, ..`` (block ``b = KS s + c``, lane ``l = LPB c + li``),
+  Q4_0 low then high nibble; then the ``32 VW`` lane-elements are summed pairwise. U and the rows per program never
+  change a bit; VW does. On the H200 (benchmarks/gemv_ab.py, 2026-12-05): Gemma-4 expert gate/up 13.66 -> 8.65 µs,
+  down 13.42 -> 10.79, Q8_0 attention [2816, 2816] 12.92 -> 5.84; g30's decode step 8.23 -> 6.17 ms on an H100.
 * ``m_hint <= 8``, the other types (and every type with ``MOESTREAM_GEMV_WIDE=0``): GEMV branch of
   ``_matmul_kernel``. ``BLOCK_N = 16`` weight rows, ``BLOCK_K = 256``, 4 warps; byte loads. Each program
   decodes its ``16 x 256`` weight tile once per K chunk and multiplies it with each of its x rows: float32
@@ -174,8 +191,8 @@ GEMV2_LPB32 = int(os.environ.get("MOESTREAM_GEMV2_LPB32", "1"))
 #: fixed orders: a weight's bits depend on it (set it for a whole run). Default "all".
 GEMV2: str = os.environ.get("MOESTREAM_GEMV2", "all")
 #: whether Q4_0 and Q8_0 launches take _gemv2_kernel too (where :data:`GEMV2` selects it): MOESTREAM_GEMV2_B32 at
-#: import ("1"/"on"), read at each launch. Off by default: their lanes have passed their tests under Triton's
-#: interpreter only; no GPU has run them yet (the Q4_K/Q6_K lanes have: module docstring).
+#: import ("1"/"on"), read at each launch. Off by default: on the H200 they were slower than _gemv_kernel (Q4_0
+#: 0.65-0.67x, 2026-12-05 session 8) and _gemv32_kernel takes these types (:data:`GEMV32`); kept for A/B runs.
 GEMV2_B32: bool = os.environ.get("MOESTREAM_GEMV2_B32", "0").strip().lower() in ("1", "on", "true", "yes")
 _B32_TYPES = frozenset((int(T.Q4_0), int(T.Q8_0)))
 #: whether Q4_0 and Q8_0 GEMV launches take _gemv32_kernel (lanes along a row's bytes, one 16-bit quant word each;
@@ -315,8 +332,8 @@ def _config(ggml_type: int, n_rows: int, n_cols: int, m_hint: int, grouped: bool
             bm *= 2
         if gemv32_uses(ggml_type, grouped):
             bn = GEMV_INTERP_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1" else GEMV32_ROWS
-            return dict(BLOCK_M=bm, BLOCK_N=bn, NSUB=32, SUB=32, VW=GEMV32_VW, WA=2, LPB=gemv32_lpb(ggml_type), U=GEMV32_U,
-                        GEMM=False, WIDE=True, G32=True, num_warps=GEMV32_WARPS)
+            return dict(BLOCK_M=bm, BLOCK_N=bn, NSUB=32, SUB=32, VW=GEMV32_VW, WA=2, LPB=gemv32_lpb(ggml_type),
+                        U=GEMV32_U, GEMM=False, WIDE=True, G32=True, num_warps=GEMV32_WARPS)
         if gemv2_uses(ggml_type, grouped):
             wa, lpb = GEMV2_TYPES[int(ggml_type)], gemv2_lpb(ggml_type)
             lanes = lpb * gemv2_ksplit(ggml_type, n_cols, n_rows, grouped)
