@@ -18,6 +18,7 @@ from test_gpu_path import _decode_on_device_path, _grouped_model
 
 # isort: split
 from helpers import assert_bitwise, logits_of
+from moestream.errors import GGUFError
 from moestream.experts.pool import ResidentStore
 from moestream.models.base import LoadOptions
 
@@ -124,15 +125,23 @@ def test_tier_prefill_takes_chunks_narrower_than_the_pool(monkeypatch) -> None: 
     at most 24 experts) also goes through MoE._tier_prefill ("gather"), not the slot path: the H200's 64-token
     chunks of the 32-layer bench file selected at most the ~36 slots' worth in 30 of 32 layers and spent 15.5 ms
     of host time per layer copying their misses into slots. The same bits as the resident store, no slot changed,
-    nothing read from the file."""
+    nothing read from the file after the tier's fill, which reads by pread (not through the file's map)."""
     from moestream.experts import devplan
 
     model, moes = _grouped_model(4)
     resident, _ = _resident_prompt(model)
     monkeypatch.setattr(devplan, "ON_CPU", True)
     monkeypatch.setenv("MOESTREAM_TIER_PREFILL", "gather")
-    store = model.make_store(LoadOptions(slots=32, matmul="dequant", host_cache=1 << 30))
+    with monkeypatch.context() as mp:  # the tier's fill reads by pread: the map's pages would count in the RSS
+        mp.setattr(type(model.gguf), "mapped", lambda *a: (_ for _ in ()).throw(AssertionError("mapped")))
+        store = model.make_store(LoadOptions(slots=32, matmul="dequant", host_cache=1 << 30))
     assert store.plan is not None
+    info = next(i for n, i in model.gguf.tensors.items() if n.endswith("_exps.weight"))
+    buf = bytearray(64)
+    model.gguf.read_into(info, info.n_bytes - 64, memoryview(buf))
+    assert bytes(buf) == model.gguf.mapped(info)[-64:].numpy().tobytes()
+    with pytest.raises(GGUFError, match="outside tensor"):
+        model.gguf.read_into(info, info.n_bytes - 63, memoryview(buf))
     model.set_store(store)
     chunks = []
     real = type(moes[0])._tier_prefill

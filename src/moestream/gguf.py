@@ -757,6 +757,23 @@ class GGUFModel:
             done += n
         return out
 
+    def read_into(self, info: TensorInfo, start: int, buf: memoryview) -> None:
+        """Fill ``buf`` (a writable byte buffer) with the tensor's bytes from ``start`` (bytes into the tensor) by
+        pread: no memory map, so nothing of the file counts in the process's resident set afterwards. GGUFError on
+        a short read or a range past the tensor."""
+        n_bytes = buf.nbytes
+        if start < 0 or start + n_bytes > info.n_bytes:
+            raise GGUFError(f"{info.path}: bytes {start}..{start + n_bytes} lie outside tensor {info.name} "
+                            f"({info.n_bytes} bytes)")
+        fd = self._fds[info.part]
+        buf = buf.cast("B")
+        done = 0
+        while done < n_bytes:
+            n = os.preadv(fd, [buf[done:]], info.offset + start + done)
+            if n <= 0:
+                raise GGUFError(f"{info.path}: short read of tensor {info.name} at offset {info.offset + start + done}")
+            done += n
+
     def check_unchanged(self) -> None:
         """Raise ModelFileChanged (one line naming the part) if the bytes of a part the model opened changed since:
         its size or modification time, by fstat of the descriptor opened at load. A rename, a replacement of the

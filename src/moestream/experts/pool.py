@@ -926,7 +926,9 @@ class HostTier:
 
     def fill(self, model: GGUFModel) -> None:
         """Read every expert into the tier, row = real expert id (the tier must hold every expert): the
-        device-planned step's source (experts/devplan.py). Reads through the model's memory map of the file."""
+        device-planned step's source (experts/devplan.py). One pread per expert and matrix straight into its row:
+        through the file's memory map, the mapped pages counted in the process's resident set beside the tier (a
+        newcomer's 10.9 GiB tier peaked at 23 GiB of RSS on the H100 machine, 2026-12-05)."""
         store = self._store
         for la, mats in store.layout.layers.items():
             sm = self.slots[la]
@@ -934,14 +936,11 @@ class HostTier:
                 raise ValueError(f"layer {la}: the tier holds {sm.n_slots} of {sm.n_experts} experts")
             for name, m in mats.items():
                 info = model.tensors[f"blk.{la}.ffn_{name}_exps.weight"]
-                src = model.mapped(info).numpy().reshape(m.n_experts, m.bytes_per_expert)
                 dst = self.pools[la][name].numpy()
                 lead = self.leads[la][name]
-                if not lead.any():
-                    dst[:, :m.bytes_per_expert] = src
-                else:
-                    for e in range(m.n_experts):
-                        dst[e, lead[e]:lead[e] + m.bytes_per_expert] = src[e]
+                for e in range(m.n_experts):
+                    a = int(lead[e])
+                    model.read_into(info, e * m.bytes_per_expert, memoryview(dst[e, a:a + m.bytes_per_expert]))
             sm.slot_of[:] = np.arange(sm.n_experts)
             sm.expert_of[:] = np.arange(sm.n_experts)
 
