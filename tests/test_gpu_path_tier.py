@@ -136,6 +136,10 @@ def test_tier_prefill_takes_chunks_narrower_than_the_pool(monkeypatch) -> None: 
         mp.setattr(type(model.gguf), "mapped", lambda *a: (_ for _ in ()).throw(AssertionError("mapped")))
         store = model.make_store(LoadOptions(slots=32, matmul="dequant", host_cache=1 << 30))
     assert store.plan is not None
+    want = sum(m.n_experts * m.bytes_per_expert for mats in model.layout.layers.values() for m in mats.values())
+    assert store.tier.fill_bytes == want and store.tier.fill_seconds > 0
+    from moestream.cli import _tier_line
+    assert f"filled with every expert at load: {want / 2**30:.3f} GiB" in _tier_line(store)
     info = next(i for n, i in model.gguf.tensors.items() if n.endswith("_exps.weight"))
     buf = bytearray(64)
     model.gguf.read_into(info, info.n_bytes - 64, memoryview(buf))

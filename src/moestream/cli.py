@@ -214,9 +214,11 @@ def _tier_line(store) -> str | None:  # noqa: ANN001
     if tier is None:
         return None
     n = tier.hits + tier.misses
+    fill = (f"; filled with every expert at load: {tier.fill_bytes / GiB:.3f} GiB read in {tier.fill_seconds:.1f} s"
+            if tier.fill_bytes else "")
     return (f"moestream: host tier: {tier.hits} of {n} pool misses copied from it "
             f"({100 * tier.hits / max(n, 1):.1f}%), {tier.misses} read from the disk into it, "
-            f"{tier.bytes_copied / GiB:.3f} GiB copied to the slots")
+            f"{tier.bytes_copied / GiB:.3f} GiB copied to the slots{fill}")
 
 
 def _device_desc(model) -> str:  # noqa: ANN001

@@ -883,7 +883,8 @@ class HostTier:
     when ``size`` holds fewer rows per layer than twice the pools' slots (a tier smaller than that would evict
     what the pools are still loading).
 
-    Counters: ``hits`` (pool misses served from the tier), ``misses`` (read from the disk), ``bytes_copied``.
+    Counters: ``hits`` (pool misses served from the tier), ``misses`` (read from the disk), ``bytes_copied``;
+    ``fill_bytes`` / ``fill_seconds`` of :meth:`fill`.
     """
 
     def __init__(self, store: StreamingStore, size: int, policy: str):
@@ -914,6 +915,8 @@ class HostTier:
             self.events[la] = {}  # (row, matrix name) -> the event after the last copy out of it
         self.nbytes = sum(t.numel() for mats in self.pools.values() for t in mats.values())
         self.hits = self.misses = self.bytes_copied = 0
+        #: the device-planned step's fill at load (:meth:`fill`): bytes read into the rows, seconds
+        self.fill_bytes, self.fill_seconds = 0, 0.0
         self._store = store
         #: per layer and matrix: int64 [n_experts], the lead of each expert in a row (and a slot): its file offset
         #: modulo the alignment for direct reads, else 0
@@ -930,6 +933,7 @@ class HostTier:
         through the file's memory map, the mapped pages counted in the process's resident set beside the tier (a
         newcomer's 10.9 GiB tier peaked at 23 GiB of RSS on the H100 machine, 2026-12-05)."""
         store = self._store
+        t0 = time.perf_counter()
         for la, mats in store.layout.layers.items():
             sm = self.slots[la]
             if sm.n_slots < sm.n_experts:
@@ -941,8 +945,10 @@ class HostTier:
                 for e in range(m.n_experts):
                     a = int(lead[e])
                     model.read_into(info, e * m.bytes_per_expert, memoryview(dst[e, a:a + m.bytes_per_expert]))
+                self.fill_bytes += m.n_experts * m.bytes_per_expert
             sm.slot_of[:] = np.arange(sm.n_experts)
             sm.expert_of[:] = np.arange(sm.n_experts)
+        self.fill_seconds = time.perf_counter() - t0
 
     def plan(self, layer: int, experts: list[int], pinned: list[int] = ()) -> tuple[dict[int, int], set[int]]:
         """Rows for ``experts`` (misses of the pools, distinct real ids): (expert -> row, the experts the tier
