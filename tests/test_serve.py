@@ -489,6 +489,8 @@ def test_api_keys(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         s.stop()
     err = capsys.readouterr().err
     assert "moestream: request " in err and not any(k in err for k in (KEY, *FILE_KEYS)), err
+    refused = [ln for ln in err.splitlines() if "outcome=rejected status=401 code=invalid_api_key" in ln]
+    assert len(refused) == 4 * len(routes) + 1 and "route='/no/such/route'" in refused[-2], refused[-3:]
 
 
 # ------------------------------------------------------------------------------------------------ templates
@@ -1031,12 +1033,14 @@ def test_serve_refusals_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Pa
 def test_serve_mem_too_small_is_refused_before_it_listens(capsys: pytest.CaptureFixture) -> None:
     """--mem too small for the model: the memory plan is made from the tensor table before the socket listens, so
     serve refuses in one line, exit 1, no "listening" line, as run refuses the same budget (the smallest --mem
-    that works named); a --mem that leaves no room for a default context is one line too."""
+    that works named); a --mem that leaves no room for a default context is one line too, naming a size that
+    works."""
     for argv, needle in ((["--mem", "200MiB", "-c", "64"], "--mem 200MiB is too small"),
-                         (["--mem", "100MiB"], "not even a 16-token KV cache fits")):
+                         (["--mem", "100MiB"], "--mem 100MiB is too small")):
         assert main(["serve", "--port", "0", *argv]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("moestream: error: ") and needle in err[0], err
+        assert re.search(r"--mem \d+MiB works", err[0]), err
     assert main(["run", "-n", "2", "--mem", "200MiB", "-c", "64"]) == 1
     assert "--mem 200MiB is too small" in capsys.readouterr().err
 

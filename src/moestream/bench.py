@@ -970,7 +970,9 @@ def _report(args: argparse.Namespace, rows: list[dict], bandwidth, routing, cali
     write_stdout(table + "\n\n" + routing_note(routing, calibration, args.vs is not None) + "\n")
     if bandwidth:
         write_stdout(f"\nIO limit t/s = disk random-read bandwidth ({bandwidth / 1e9:.2f} GB/s, the best of 3 probes "
-                     f"before the rows) / bytes read per token in that row (the larger of streamed and disk reads).\n")
+                     f"before the rows) / bytes read per token in that row (the larger of streamed and disk reads): "
+                     f"the speed if every streamed byte came from the disk; streamed bytes the page cache still "
+                     f"holds (room left under the cap, a warm file) do not, so a row can exceed it.\n")
     if args.json:
         meta = {"machine": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cold": args.cold,

@@ -100,7 +100,7 @@ def _add_model_args(p: argparse.ArgumentParser, stream_opts: bool = True) -> Non
                        help="a second-level expert cache of SIZE in host memory (pinned on CUDA) below the slot "
                        "pools: a miss it holds is copied from RAM (PCIe speed on a GPU) instead of read from the "
                        "disk (LFU, as the pools; at least twice the pools' slots per layer; default off)")
-        p.add_argument("--pool", default="device", type=str.lower, metavar="device|host",
+        p.add_argument("--pool", default=None, type=str.lower, metavar="device|host",
                        help="CUDA: where the slot pools live: device (default: GPU memory, misses read into a "
                        "small pinned staging ring and copied on a copy stream) or host (pinned host memory that "
                        "the reads land in and the GPU kernels address directly, no copy: the unified-memory mode)")
@@ -195,7 +195,7 @@ def _ignored_options(args: argparse.Namespace, opts, moe_stream: bool) -> list[s
     if not opts.cuda:
         if getattr(args, "gpu_mem", None) is not None:
             notes.append("--gpu-mem applies to --device cuda only: ignored on the CPU")
-        if getattr(args, "pool", "device") != "device":
+        if getattr(args, "pool", None) is not None:
             notes.append("--pool applies to --device cuda only: ignored on the CPU (the pools are host memory)")
     if not moe_stream:
         given = [flag for flag, dest, default in (

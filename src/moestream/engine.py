@@ -110,7 +110,14 @@ def run_context(model: MoEModel, n_prompt: int, n_predict: int, ctx_size: int | 
         return ctx_size, None
     if n_predict >= 0:
         return n_prompt + n_predict, None
-    return default_context(model, share, memory=kv_memory(opts or model.opts))
+    o = opts or model.opts
+    try:
+        return default_context(model, share, memory=kv_memory(o))
+    except ConfigError:
+        if o.mem is not None and o.budgeted:  # --mem below what even a 16-token context needs: the budget's own
+            # error names the smallest --mem that works (a newcomer got only "0.00 GiB ... leaves" from serve)
+            model.plan_memory(o, 16, loaded=False, n_seqs=max(1, round(DEFAULT_CTX_MEMORY_SHARE / share)))
+        raise
 
 
 def kv_memory(opts: object) -> int | None:

@@ -1309,7 +1309,8 @@ class APIKeyCheck:
     KEY`` (OpenAI's clients) or ``X-Api-Key: KEY`` (llama-server's other header); without it the answer is 401 in
     OpenAI's error shape (code ``invalid_api_key``), before the request is read. The given key is compared with
     every key, each comparison on SHA-256 digests by ``hmac.compare_digest``, so the time taken tells neither
-    which key nor how much of one matched, nor their lengths. Keys are never logged or echoed."""
+    which key nor how much of one matched, nor their lengths. Keys are never logged or echoed; each refusal is
+    logged as a rejected request (status 401, code invalid_api_key, its route)."""
 
     def __init__(self, app, keys: list[str]):  # noqa: ANN001 - an ASGI app
         self.app = app
@@ -1345,6 +1346,8 @@ class APIKeyCheck:
             return
         e = APIError(401, "invalid API key" if ok is False else "no API key: send the header 'Authorization: "
                      "Bearer KEY' (or 'X-Api-Key: KEY')", code="invalid_api_key")
+        # logged as every refused request is (no header, so never the key)
+        log_line(request_line("-", "rejected", status=401, code=e.code) + f" route={scope['path'][:200]!r}")
         await JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
