@@ -315,6 +315,17 @@ def test_grouped_out_and_empty(device):
 GEMV_TYPES = (T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0)
 
 
+def assert_unaligned_same(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, n_cols: int, m: int,
+                          ref: torch.Tensor, what: str, device: str) -> None:
+    """linear on ``raw`` copied to 1 and 2 bytes past a 16-byte boundary (byte loads; 16-bit loads where the type's
+    words are 16-bit) gives the bits ``ref``."""
+    for lead in (1, 2):
+        big = torch.zeros(lead + raw.numel(), dtype=torch.uint8)
+        big[lead:] = raw.reshape(-1)
+        yu = tkernels.linear(x.to(device), big.to(device)[lead:].view(raw.shape), qtype, n_cols, m_hint=m)
+        assert_bits_equal(yu.cpu(), ref, f"{what}: matrix at {lead} mod 16")
+
+
 def gemv2_lane_order(qtype: GGMLQuantizationType, n_cols: int, ks: int, lpb: int = 8) -> np.ndarray:
     """int [steps, lanes * 4]: the elements k that _gemv2_kernel's lane-element ``4 g + e`` of a row multiplies, in
     its documented order (module docstring of tkernels), -1 where it multiplies nothing (a ragged last K step): lane
@@ -645,11 +656,7 @@ def test_gemv2_order(device, qtype, m, lpb, monkeypatch):
         ref = gemv2_order(x, w, qtype, want_ks)
         assert_bits_equal(y.cpu(), ref, what)
         assert_close_to_f64(y, x, w, what)
-        for lead in (1, 2):
-            big = torch.zeros(lead + raw.numel(), dtype=torch.uint8)
-            big[lead:] = raw.reshape(-1)
-            yu = tkernels.linear(x.to(device), big.to(device)[lead:].view(raw.shape), qtype, n_cols, m_hint=m)
-            assert_bits_equal(yu.cpu(), ref, f"{what}: matrix at {lead} mod 16")
+        assert_unaligned_same(x, raw, qtype, n_cols, m, ref, what, device)
         if not ON_CUDA:
             gpu_rows = max(1, 32 * tkernels.GEMV2_WARPS // cfg["NSUB"])
             monkeypatch.setattr(tkernels, "GEMV_INTERP_BLOCK_N", gpu_rows)
@@ -738,11 +745,7 @@ def test_gemv32_order(device, qtype, m, vw, monkeypatch):
         y = tkernels.linear(x.to(device), raw.to(device), qtype, n_cols, m_hint=m)
         assert_bits_equal(y.cpu(), ref, what)
         assert_close_to_f64(y, x, w, what)
-        for lead in (1, 2):
-            big = torch.zeros(lead + raw.numel(), dtype=torch.uint8)
-            big[lead:] = raw.reshape(-1)
-            yu = tkernels.linear(x.to(device), big.to(device)[lead:].view(raw.shape), qtype, n_cols, m_hint=m)
-            assert_bits_equal(yu.cpu(), ref, f"{what}: matrix at {lead} mod 16")
+        assert_unaligned_same(x, raw, qtype, n_cols, m, ref, what, device)
         g = tkernels.grouped(x.to(device), raw.reshape(-1).to(device), [0], [0, m], np.arange(m), qtype, n_rows,
                              n_cols, m)
         assert_bits_equal(g.cpu(), ref, f"{what}: grouped")

@@ -1075,17 +1075,6 @@ if triton is not None:
         return x_ptr + src * n_cols + tl.zeros([BLOCK_N, 1, 1], dtype=tl.int64), ok
 
     @triton.jit
-    def _g32_acc(acc, w, xr, kel, ok, RAGGED: tl.constexpr):
-        """``acc + w * x[kel]`` (float32 [BN, LANES, VW]); with
-        ``RAGGED``, x is 0.0 where ``ok`` is false (w is then +-0: +-0.0 added to an accumulator that is never
-        -0.0, no change)."""
-        if RAGGED:
-            xv = tl.load(xr + kel, mask=ok, other=0.0)
-        else:
-            xv = tl.load(xr + kel)
-        return acc + w * xv
-
-    @triton.jit
     def _g32_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xr0, xr1, xr2, xr3, xr4, xr5, xr6, xr7,
                   wp, b, li, e, magic0, n_cols: tl.constexpr, QTYPE: tl.constexpr, VW: tl.constexpr,
                   ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, RAGGED: tl.constexpr):
@@ -1122,17 +1111,14 @@ if triton is not None:
             else:
                 w = _gv_field_f(h, pe, 0xFF, 0x80, 128.0, magic0) * d
             kel = 32 * b + 16 * half + VW * li + e  # [1, LANES, VW]
-            acc0 = _g32_acc(acc0, w, xr0, kel, ok, RAGGED)
-            if BLOCK_M > 1:
-                acc1 = _g32_acc(acc1, w, xr1, kel, ok, RAGGED)
-            if BLOCK_M > 2:
-                acc2 = _g32_acc(acc2, w, xr2, kel, ok, RAGGED)
-                acc3 = _g32_acc(acc3, w, xr3, kel, ok, RAGGED)
-            if BLOCK_M > 4:
-                acc4 = _g32_acc(acc4, w, xr4, kel, ok, RAGGED)
-                acc5 = _g32_acc(acc5, w, xr5, kel, ok, RAGGED)
-                acc6 = _g32_acc(acc6, w, xr6, kel, ok, RAGGED)
-                acc7 = _g32_acc(acc7, w, xr7, kel, ok, RAGGED)
+            if RAGGED:  # x 0.0 for the lanes past the row (w is +-0 there)
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_acc8m(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, xr0, xr1, xr2, xr3, xr4, xr5, xr6, xr7,
+                    kel, ok, BLOCK_M)
+            else:
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gv2_acc8(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, xr0, xr1, xr2, xr3, xr4, xr5, xr6, xr7,
+                    kel, BLOCK_M)
         return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
     @triton.jit
