@@ -745,16 +745,7 @@ class GGUFModel:
         import torch
 
         out = torch.empty(info.n_bytes, dtype=torch.uint8)
-        buf = memoryview(out.numpy())
-        fd = self._fds[info.part]
-        done = 0
-        while done < info.n_bytes:
-            n = os.preadv(fd, [buf[done:]], info.offset + done)
-            if n <= 0:
-                raise GGUFError(
-                    f"{info.path}: short read of tensor {info.name} at offset {info.offset + done}"
-                )
-            done += n
+        self.read_into(info, 0, memoryview(out.numpy()))
         return out
 
     def read_into(self, info: TensorInfo, start: int, buf: memoryview) -> None:

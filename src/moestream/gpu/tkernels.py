@@ -892,6 +892,24 @@ if triton is not None:
         return t.to(tl.float32, bitcast=True) - (mf + BIAS)
 
     @triton.jit
+    def _b32_block(wp, b, n_cols: tl.constexpr, QTYPE: tl.constexpr, ALIGN: tl.constexpr, RAGGED: tl.constexpr):
+        """Block ``b`` of Q4_0 (fp16 d | 16 bytes) / Q8_0 (fp16 d | 32 int8) rows at byte pointers ``wp``: (whether
+        ``b`` lies in the row, the block's byte pointers, its d as float32). ``RAGGED``: a ``b`` past the row reads
+        the row's last block with d = 0 (its weights +-0); else every ``b`` is in the row."""
+        N_B: tl.constexpr = n_cols // 32
+        if RAGGED:
+            ok = b < N_B
+            bc = tl.minimum(b, N_B - 1)
+        else:
+            ok = True
+            bc = b
+        bb = wp + (18 if QTYPE == 2 else 34) * bc
+        d = _f16w(_w16(bb, ALIGN))
+        if RAGGED:
+            d = tl.where(ok, d, 0.0)
+        return ok, bb, d
+
+    @triton.jit
     def _gv2_b32_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7,
                       wp, b, li, e, magic0, n_cols: tl.constexpr, QTYPE: tl.constexpr, LPB: tl.constexpr,
                       ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, RAGGED: tl.constexpr):
@@ -902,21 +920,9 @@ if triton is not None:
         ``QB li + 4 r + e``), then the high ones (the same + 16), ``w = (q - 8) * d``; Q8_0, elements ``QB li + 4 r +
         e``, ``w = q * d``. ``RAGGED``: lanes with ``b`` past the row read its last block with d = 0 (w = +-0) and x
         as 0.0 (no change; module docstring)."""
-        N_B: tl.constexpr = n_cols // 32
-        if RAGGED:
-            ok = b < N_B
-            bc = tl.minimum(b, N_B - 1)
-        else:
-            bc = b
-        if QTYPE == 2:  # Q4_0: fp16 d | 16 bytes (element i < 16: low nibble of byte i; 16 + i: its high nibble)
-            QB: tl.constexpr = 16 // LPB
-            bb = wp + 18 * bc
-        else:  # Q8_0: fp16 d | 32 int8
-            QB: tl.constexpr = 32 // LPB
-            bb = wp + 34 * bc
-        d = _f16w(_w16(bb, ALIGN))  # [LANES, BN, 1]
-        if RAGGED:
-            d = tl.where(ok, d, 0.0)
+        # Q4_0: element i < 16 is the low nibble of quant byte i, 16 + i its high nibble
+        QB: tl.constexpr = (16 if QTYPE == 2 else 32) // LPB
+        ok, bb, d = _b32_block(wp, b, n_cols, QTYPE, ALIGN, RAGGED)  # d [LANES, BN, 1]
         k0 = 32 * b + QB * li
         qp = bb + 2 + QB * li
         pe = 8 * (e % 2)  # where byte e lies in its 16-bit word
@@ -1063,7 +1069,7 @@ if triton is not None:
                    out_ptr, p0, rn, nmask, n_rows, BLOCK_M, BLOCK_N, LOG2_LANES)
 
 
-    # --- GEMV path, blocks of 32 (_gemv32_kernel: Q4_0, Q8_0): one 16-bit quant word per lane ---------------------
+    # --- GEMV path, blocks of 32 (_gemv32_kernel: Q4_0, Q8_0): lanes along a row's bytes --------------------------
 
     @triton.jit
     def _g32_xrow(x_ptr, src_ptr, p0, cnt, m: tl.constexpr, n_cols: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -1085,20 +1091,7 @@ if triton is not None:
         e``), ``w = (q - 8) d``; Q8_0, elements ``VW li + e``, ``w = q d``. The weight is exactly moestream.quant's
         (a 4- or 8-bit integer times an fp16: exact in float32). ``RAGGED``: lanes with ``b`` past the row read its
         last block with d = 0 and x as 0.0."""
-        N_B: tl.constexpr = n_cols // 32
-        if RAGGED:
-            ok = b < N_B
-            bc = tl.minimum(b, N_B - 1)
-        else:
-            ok = True
-            bc = b
-        if QTYPE == 2:
-            bb = wp + 18 * bc  # Q4_0: fp16 d | 16 bytes (element i < 16: low nibble of byte i; 16 + i: high)
-        else:
-            bb = wp + 34 * bc  # Q8_0: fp16 d | 32 int8
-        d = _f16w(_w16(bb, ALIGN))  # [BN, LANES, 1]
-        if RAGGED:
-            d = tl.where(ok, d, 0.0)
+        ok, bb, d = _b32_block(wp, b, n_cols, QTYPE, ALIGN, RAGGED)  # d [BN, LANES, 1]
         qp = bb + 2 + VW * li
         if VW == 2:
             h = _w16(qp, ALIGN)  # [BN, LANES, 1]: bytes VW li (low half), VW li + 1
@@ -1129,7 +1122,7 @@ if triton is not None:
         # program (tile, n block) as in _gemv_kernel; BLOCK_N weight rows, each read by LANES = 32 lanes: KS = 32 /
         # LPB blocks side by side per K step, LPB lanes per block (VW quant bytes each); U K steps per loop
         # iteration (straight-line code: their loads issue together), the steps past the last whole iteration
-        # unrolled, a ragged last step where KS does not divide the row's blocks. Tensors [BN, LANES, 2]: lanes
+        # unrolled, a ragged last step where KS does not divide the row's blocks. Tensors [BN, LANES, VW]: lanes
         # along a row's bytes (a warp's weight loads on one or two cache lines, its x loads contiguous runs).
         LANES: tl.constexpr = 32
         LPB: tl.constexpr = (16 if QTYPE == 2 else 32) // VW
