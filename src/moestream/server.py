@@ -1539,7 +1539,12 @@ def create_app(state: ServerState, api_keys: list[str] = (), request_timeout: fl
     async def read_body(request: Request) -> dict:
         raw = await receive_body(request)
         try:
-            body = json.loads(raw, parse_int=_parse_int)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:  # json.loads would guess UTF-16/32 from the first bytes; JSON is UTF-8
+            raise APIError(400, f"the request body is not UTF-8 text, as JSON must be (RFC 8259 section 8.1): byte "
+                           f"0x{raw[e.start]:02x} at offset {e.start}", code="invalid_json") from None
+        try:
+            body = json.loads(text, parse_int=_parse_int)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
         except RecursionError:
