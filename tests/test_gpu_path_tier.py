@@ -162,4 +162,20 @@ def test_tier_prefill_takes_chunks_narrower_than_the_pool(monkeypatch) -> None: 
     assert all((store.slots[la].slot_of == maps[la]).all() for la in maps), "the prefill moved an expert"
     assert store.bytes_read == read and store.plan.prefill.copies > 0
     assert_bitwise(tiered, resident)
+    # a step of three sequences' decode tokens (serve -np 3) keeps the slot path: its misses get slots, as a
+    # lone decode step's do; a step with a two-token chunk beside a decode token is a prompt chunk: the tier path
+    n = len(chunks)
+    maps = {la: sm.slot_of.copy() for la, sm in store.slots.items()}
+    decodes = _step(model, [[5], [99], [200]])
+    assert len(chunks) == n and any((store.slots[la].slot_of != maps[la]).any() for la in maps)
+    mixed = _step(model, [[5, 7], [99]])
+    assert len(chunks) == n + len(moes)
     store.close()
+    model.set_store(ResidentStore(model.gguf, model.layout))
+    assert_bitwise([decodes, mixed], [_step(model, [[5], [99], [200]]), _step(model, [[5, 7], [99]])])
+
+
+def _step(model, seqs: list[list[int]]) -> torch.Tensor:  # noqa: ANN001
+    """One Runner.step of the given sequences' tokens, each from position 0 of a cache of its own -> logits."""
+    with torch.inference_mode():
+        return model.runner.step([(torch.tensor(t), 0, model.new_cache(4)) for t in seqs])

@@ -39,6 +39,13 @@ def sequence_rows(counts: list[int]) -> Iterator[None]:
         _SEQ_ROWS.counts = prev
 
 
+def decode_batch() -> bool:
+    """Whether this thread is inside :func:`sequence_rows` of a step whose every sequence has one row: a batch of
+    decode tokens of several sequences (``serve -np N``), not a prompt chunk."""
+    counts = getattr(_SEQ_ROWS, "counts", None)
+    return counts is not None and all(c == 1 for c in counts)
+
+
 def per_sequence(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn(x)``, or, inside :func:`sequence_rows`, on the CPU, for an input of its total row count, ``fn`` of each
     sequence's rows, concatenated (dim 0)."""

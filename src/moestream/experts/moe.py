@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .. import kernels, quant
-from ..ops import elementwise
+from ..ops import decode_batch, elementwise
 from .layout import ExpertLayout
 from .pool import ExpertStore, ResidentStore
 
@@ -185,7 +185,10 @@ class MoE:
         :meth:`_tier_prefill` computes the experts with a slot from the pool and the rest from the tier rows
         (MOESTREAM_TIER_PREFILL, experts/devplan.py), without changing a slot. A prompt chunk narrower than the
         pool took the slot path before (misses copied into slots by the IO threads, one host round per expert):
-        on the H200, 15.5 ms of host work per MoE layer for 64 tokens (benchmarks/tier_prefill_profile.py).
+        on the H200, 15.5 ms of host work per MoE layer for 64 tokens (benchmarks/tier_prefill_profile.py). A
+        batch of decode tokens of several sequences (ops.decode_batch: ``serve -np N``) that fits the pool keeps
+        the slot path: its misses are promoted into slots, as a lone decode step's are between tokens, where the
+        tier path would leave the pool as it was for as long as requests run side by side.
         """
         if self.routing is not None:  # synthetic routing: other expert ids, the router's weights
             ids = self.routing(self.layer, ids)
@@ -208,7 +211,8 @@ class MoE:
             batch = self._grouped
             out = x.new_empty((n_tok, top_k, x.shape[-1]))  # every row written once by the kernels
             plan = getattr(store, "plan", None)
-            if (plan is not None and (n_tok > 1 or len(groups.experts) > store.capacity(self.layer))  # a chunk
+            wide = len(groups.experts) > store.capacity(self.layer)
+            if (plan is not None and (wide or n_tok > 1 and not decode_batch())  # a prompt chunk (or wide)
                     and not store._pending[self.layer] and not store._draining[self.layer]):  # no prefetch in flight
                 from .devplan import prefill_mode
                 if (mode := prefill_mode()) != "off":
