@@ -305,12 +305,14 @@ def test_cuda_graph_segments_streaming(graphed, pool: str, lean: str, monkeypatc
             "streaming ran eagerly"
 
 
-@pytest.mark.parametrize("pool", ["device", "host"])
-def test_device_planned_step(graphed, pool: str) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("pool", "admit"), [("device", "all"), ("host", "all"), ("device", "freq")])
+def test_device_planned_step(graphed, pool: str, admit: str, monkeypatch) -> None:  # noqa: ANN001
     """A host tier holding every expert makes the decode step device-planned (experts/devplan.py): one graph replay
-    per step, the misses copied from the pinned tier on the GPU, the slot policy run between steps. The same bits as
-    the resident whole-step graph (verify), nothing read from the file after the fill, and after the last step's
+    per step, the misses copied from the pinned tier on the GPU, the slot policy run between steps (every miss
+    promoted, or with MOESTREAM_ADMIT=freq only those needed more often than their victim). The same bits as the
+    resident whole-step graph (verify), nothing read from the file after the fill, and after the last step's
     bookkeeping the device table equals the slot maps."""
+    monkeypatch.setenv("MOESTREAM_ADMIT", admit)
     _whole_step(graphed)
     opts = LoadOptions(slots=graphed.top_k, device="cuda", pool=pool, host_cache=256 << 20)
     res = verify(graphed, _ids(graphed), 8, opts, ubatch=5)

@@ -35,3 +35,21 @@ def test_c_plan_equals_the_python_plan(name, n_slots):
         assert np.array_equal(c_map.slot_of, py_map.slot_of) and np.array_equal(c_map.expert_of, py_map.expert_of)
         assert np.array_equal(c_pol.uses, py_pol.uses) and np.array_equal(c_pol.last, py_pol.last)
         assert all(isinstance(s, int) for s in a.slot_ids) and all(isinstance(x, int) for ld in a.loads for x in ld)
+
+
+def test_admit_promotes_a_miss_only_over_a_less_needed_expert() -> None:
+    """CachePolicy.admit (MOESTREAM_ADMIT=freq on the device-planned step): empty slots take misses; a full pool
+    takes a miss only over an expert needed fewer times, the most needed misses first; this step's experts are
+    never evicted; the uses are counted as plan() counts them."""
+    pol, sm = POLICIES["lfu"](8), SlotMap(8, 3)
+    first = pol.admit(sm, [0, 1])  # two empty slots: both admitted
+    assert sorted(e for e, _ in first.loads) == [0, 1] and min(first.slot_ids) >= 0
+    pol.admit(sm, [0, 1])  # 0, 1 needed twice
+    third = pol.admit(sm, [2, 3])  # one empty slot: the first of the equally needed misses; the other left out
+    assert third.loads == [(2, int(sm.slot_of[2]))] and third.slot_ids[1] == -1 and sm.slot_of[3] == -1
+    assert pol.admit(sm, [3]).loads == [(3, int(sm.slot_of[3]))] and sm.slot_of[2] == -1  # 2 needed twice > once
+    assert pol.admit(sm, [2]).loads == [] and sm.slot_of[2] == -1  # twice, as every expert in the pool: left out
+    loads = pol.admit(sm, [2, 0]).loads  # 2, needed a third time, beats 1 (twice, the older); 0 is this step's
+    assert loads == [(2, int(sm.slot_of[2]))] and sm.slot_of[1] == -1 and sm.slot_of[0] >= 0
+    assert list(pol.uses[:4]) == [3, 2, 3, 2]
+    assert sorted(sm.expert_of.tolist()) == [0, 2, 3] and all(sm.slot_of[sm.expert_of] == np.arange(3))

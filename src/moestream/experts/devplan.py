@@ -212,6 +212,9 @@ class DevicePlan:
         mode = prefill_mode()
         #: the prompt chunks' scratch (PrefillScratch; None in the modes "direct" and "off")
         self.prefill = PrefillScratch(self, mode, prefill_batch()) if mode in ("copy", "gather") else None
+        #: MOESTREAM_ADMIT=freq: a miss is promoted only when needed more often than its victim (CachePolicy.admit);
+        #: default: every miss is promoted (CachePolicy.plan), as the slot path loads every miss
+        self.admission = os.environ.get("MOESTREAM_ADMIT", "all").strip().lower() == "freq"
         #: promotions started (tier row -> slot copies) and bytes they copied
         self.promotions = 0
         self.bytes_promoted = 0
@@ -309,7 +312,8 @@ class DevicePlan:
                 store.policies[la].plan(sm, experts)  # counts the uses (LFU) and the clock
                 continue
             old = sm.expert_of.copy()
-            plan = store.policies[la].plan(sm, experts)
+            pol = store.policies[la]
+            plan = pol.admit(sm, experts) if self.admission else pol.plan(sm, experts)
             for e, s in plan.loads:
                 o = int(old[s])
                 if o >= 0:

@@ -107,6 +107,36 @@ class CachePolicy:
                 loads.append((e, int(slot)))
         return Plan(slot_ids=slot_ids.tolist(), loads=loads)
 
+    def admit(self, slots: SlotMap, experts: list[int]) -> Plan:
+        """:meth:`plan`'s count of one step's distinct ``experts`` (uses, clock), but a miss takes a slot only when it
+        has been needed more often than the expert it would evict (an empty slot: always): frequency-based admission,
+        as TinyLFU's (Einziger, Friedman, Manes, 2017), so that an expert needed once does not push out one needed
+        often. For the device-planned step, whose misses are computed from the tier anyway (experts/devplan.py):
+        a miss left out costs no copy. Returns the Plan (``slot_ids``: -1 for a miss left out); updates the map."""
+        self.clock += 1
+        ids = np.asarray(experts, dtype=np.int64)
+        self.uses[ids] += 1
+        self.last[ids] = self.clock
+        slot_ids = slots.slot_of[ids].copy()
+        miss = np.flatnonzero(slot_ids < 0)
+        loads: list[tuple[int, int]] = []
+        if len(miss):
+            keys = self._eviction_keys(slots, ids, None)
+            victims = np.argsort(keys, kind="stable")
+            miss = miss[np.argsort(-self.uses[ids[miss]], kind="stable")]  # the most needed first
+            for i, slot in zip(miss.tolist(), victims.tolist(), strict=False):
+                old = int(slots.expert_of[slot])
+                if keys[slot] == np.inf or old >= 0 and self.uses[ids[i]] <= self.uses[old]:
+                    break  # the rest are needed no more often, their victims no less
+                if old >= 0:
+                    slots.slot_of[old] = -1
+                e = int(ids[i])
+                slots.expert_of[slot] = e
+                slots.slot_of[e] = slot
+                slot_ids[i] = slot
+                loads.append((e, int(slot)))
+        return Plan(slot_ids=slot_ids.tolist(), loads=loads)
+
     def _c_plan(self, lib, slots: SlotMap, ids: np.ndarray, keep: list[int],  # noqa: ANN001
                 busy: np.ndarray | None) -> Plan:
         """:meth:`plan`'s choices computed by ``ms_slot_plan`` (csrc/iokern.c): the same slots, loads and counts."""
