@@ -8,7 +8,7 @@ source "$(dirname "$0")/env.sh"
 L=/tmp/l8; mkdir -p $L
 [ -e /tmp/q32.gguf ] || python3 tools/make_bench_model.py --type Q4_K_M --layers 32 -o /tmp/q32.gguf --tokenizer-from src/moestream/data/default.gguf > $L/make.log 2>&1
 t made
-for r in 1 2; do for a in all freq; do
+for r in ${ROUNDS:-1 2}; do for a in all freq; do
   MOESTREAM_ADMIT=$a timeout 80 python3 -m moestream bench -m /tmp/q32.gguf -p 64 -n 32 -r 3 -t 16 --device cuda --moe-stream on --direct-io off \
     --gpu-mem 4GiB --host-cache 16GiB --json $L/adm_${a}_$r.json > $L/adm_${a}_$r.md 2> $L/adm_${a}_$r.err
   t "admit=$a run $r rc=$?"; grep -E "tg32|pp64" $L/adm_${a}_$r.md | cut -c1-150
