@@ -17,6 +17,7 @@ from . import kernels
 from .budget import available_memory
 from .errors import ConfigError, ForwardError, NumericError, OptionError
 from .experts.pool import StoreStats
+from .gpu import build_seconds
 from .limits import MAX_TOKENS
 from .models.base import MoEModel
 from .params import SamplingParams  # the one check of sampling values, torch-free (refused before torch loads)
@@ -259,6 +260,9 @@ class GenStats:
     streamed_bytes: int = 0
     disk_bytes: int = 0
     peak_rss: int = 0
+    #: seconds of Triton kernel builds inside the prompt and decode times (a kernel's first use in the process:
+    #: compiled on a machine's first run, else loaded from Triton's cache; gpu.build_seconds)
+    build_seconds: float = 0.0
     stop_reason: str = ""
     tokens: list[int] = field(default_factory=list)
     store: StoreStats = field(default_factory=StoreStats)
@@ -282,6 +286,8 @@ class GenStats:
                 + self.prefetch_summary()
                 + f"streamed {self.streamed_bytes / GiB:.3f} GiB, disk read {self.disk_bytes / GiB:.3f} GiB | "
                 f"peak RSS {self.peak_rss / GiB:.2f} GiB"
+                + (f" | GPU kernels built at first use: {self.build_seconds:.1f} s of the times above"
+                   if self.build_seconds >= 0.05 else "")
                 + {"context full": " | stopped: context full",
                    "interrupted": " | stopped: interrupted"}.get(self.stop_reason, ""))
 
@@ -470,7 +476,7 @@ class Generation:
         engine, model, st = self.engine, self.engine.model, self.stats
         store = model.store
         n_ctx = self.cache.n_ctx  # type: ignore[attr-defined]
-        s0, b0, d0 = store.stats.copy(), store.bytes_read, disk_read_bytes()
+        s0, b0, d0, k0 = store.stats.copy(), store.bytes_read, disk_read_bytes(), build_seconds()
         t0 = time.perf_counter()
         t1 = None
         try:
@@ -532,5 +538,6 @@ class Generation:
             st.streamed_bytes = store.bytes_read - b0
             st.disk_bytes = disk_read_bytes() - d0
             st.peak_rss = peak_rss_bytes()
+            st.build_seconds = build_seconds() - k0
             if self.on_finish:
                 self.on_finish(self)

@@ -135,6 +135,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 try:  # triton is optional: the CPU engine never needs it
     import triton
     import triton.language as tl
+
+    from . import count_compiles
+    count_compiles(triton)  # the generation's stats say how long the kernels' first builds took
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
