@@ -8,6 +8,8 @@ source "$(dirname "$0")/env.sh"
 L=/tmp/l8; mkdir -p $L
 [ -e /tmp/q32.gguf ] || python3 tools/make_bench_model.py --type Q4_K_M --layers 32 -o /tmp/q32.gguf --tokenizer-from src/moestream/data/default.gguf > $L/make.log 2>&1
 t made
+timeout 60 python3 -m moestream run -m /tmp/q32.gguf --device cuda --gpu-mem 4GiB --host-cache 16GiB -n 32 -p "Once upon a time" > $L/run.out 2> $L/run.err
+t "run (a fresh Triton cache) rc=$?"; grep -E "^prompt" $L/run.err
 for r in ${ROUNDS:-1 2}; do for a in all freq; do
   MOESTREAM_ADMIT=$a timeout 80 python3 -m moestream bench -m /tmp/q32.gguf -p 64 -n 32 -r 3 -t 16 --device cuda --moe-stream on --direct-io off \
     --gpu-mem 4GiB --host-cache 16GiB --json $L/adm_${a}_$r.json > $L/adm_${a}_$r.md 2> $L/adm_${a}_$r.err
