@@ -21,6 +21,7 @@ import ctypes.util
 import json
 import mmap
 import platform
+import re
 import struct
 from pathlib import Path
 
@@ -1025,15 +1026,19 @@ def test_damaged_kernel_cache_is_rebuilt_not_loaded(tmp_path):
     import subprocess
     import sys
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "MOESTREAM_KERNELS": "portable"}
-    probe = [sys.executable, "-c", "from moestream import kernels; print(kernels.load().ms_isa())"]
+    probe = [sys.executable, "-c", "from moestream import kernels; print(kernels.load().ms_isa(), "
+             "kernels.build_seconds() > 0)"]
     first = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0 and first.stdout.strip() == "0", first.stderr
+    assert first.returncode == 0 and first.stdout.split() == ["0", "True"], first.stderr
+    assert re.search(r"compiled the CPU kernels in \d+\.\d s", first.stderr), first.stderr
+    cached = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=300)
+    assert cached.stdout.split() == ["0", "False"] and "compil" not in cached.stderr, cached.stderr
     (lib,) = (tmp_path / "moestream" / "kernels").glob("moekern-portable-*.so")
     size = lib.stat().st_size
     for damage in (lambda f: f.truncate(1000), lambda f: f.truncate(0)):
         with open(lib, "r+b") as f:
             damage(f)
         again = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=300)
-        assert again.returncode == 0 and again.stdout.strip() == "0", (again.returncode, again.stderr)
+        assert again.returncode == 0 and again.stdout.split() == ["0", "True"], (again.returncode, again.stderr)
         assert "compiling the CPU kernels" in again.stderr
         assert lib.stat().st_size == size

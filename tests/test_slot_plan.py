@@ -3,6 +3,8 @@ maps and use counts, for LFU and LRU, with pinned experts and busy slots, over r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -53,3 +55,18 @@ def test_admit_promotes_a_miss_only_over_a_less_needed_expert() -> None:
     assert loads == [(2, int(sm.slot_of[2]))] and sm.slot_of[1] == -1 and sm.slot_of[0] >= 0
     assert list(pol.uses[:4]) == [3, 2, 3, 2]
     assert sorted(sm.expert_of.tolist()) == [0, 2, 3] and all(sm.slot_of[sm.expert_of] == np.arange(3))
+
+
+def test_streaming_store_builds_the_planner_kernels_at_load(monkeypatch) -> None:
+    """A StreamingStore loads the slot planner's C kernels when it is made (on a machine's first run: compiled,
+    half a minute on 2 cores), so the compile is part of the load, not of the first step's time (the first
+    decode on a fresh GPU machine read 1.28 tok/s)."""
+    from moestream.experts.pool import StreamingStore
+    from moestream.models.base import LoadOptions, load_model
+    model = load_model(str(Path(kernels.__file__).parent / "data" / "default.gguf"), LoadOptions(moe_stream=False))
+    monkeypatch.setattr(policy_mod, "_C_LIB", [None])
+    store = StreamingStore(model.gguf, model.layout, 8, model.top_k, io_threads=1)
+    try:
+        assert policy_mod._C_LIB[0] is not None
+    finally:
+        store.close()

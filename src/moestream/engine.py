@@ -245,6 +245,11 @@ class Sampler:
         return int(idx[torch.multinomial(probs, 1, generator=self.gen)])
 
 
+def _built() -> float:
+    """Seconds this process has spent building kernels so far: the C kernels' compile and Triton's builds."""
+    return kernels.build_seconds() + build_seconds()
+
+
 @dataclass
 class GenStats:
     """Timings in seconds, bytes in bytes. hits / misses: the store's (see StoreStats: an expert a prefetch
@@ -260,8 +265,9 @@ class GenStats:
     streamed_bytes: int = 0
     disk_bytes: int = 0
     peak_rss: int = 0
-    #: seconds of Triton kernel builds inside the prompt and decode times (a kernel's first use in the process:
-    #: compiled on a machine's first run, else loaded from Triton's cache; gpu.build_seconds)
+    #: seconds of kernel builds inside the prompt and decode times: Triton's (a kernel's first use in the process:
+    #: compiled on a machine's first run, else loaded from Triton's cache; gpu.build_seconds) and the C kernels'
+    #: (their first use on a machine; kernels.build_seconds)
     build_seconds: float = 0.0
     stop_reason: str = ""
     tokens: list[int] = field(default_factory=list)
@@ -286,7 +292,7 @@ class GenStats:
                 + self.prefetch_summary()
                 + f"streamed {self.streamed_bytes / GiB:.3f} GiB, disk read {self.disk_bytes / GiB:.3f} GiB | "
                 f"peak RSS {self.peak_rss / GiB:.2f} GiB"
-                + (f" | GPU kernels built at first use: {self.build_seconds:.1f} s of the times above"
+                + (f" | kernels built at first use: {self.build_seconds:.1f} s of the times above"
                    if self.build_seconds >= 0.05 else "")
                 + {"context full": " | stopped: context full",
                    "interrupted": " | stopped: interrupted"}.get(self.stop_reason, ""))
@@ -476,7 +482,7 @@ class Generation:
         engine, model, st = self.engine, self.engine.model, self.stats
         store = model.store
         n_ctx = self.cache.n_ctx  # type: ignore[attr-defined]
-        s0, b0, d0, k0 = store.stats.copy(), store.bytes_read, disk_read_bytes(), build_seconds()
+        s0, b0, d0, k0 = store.stats.copy(), store.bytes_read, disk_read_bytes(), _built()
         t0 = time.perf_counter()
         t1 = None
         try:
@@ -538,6 +544,6 @@ class Generation:
             st.streamed_bytes = store.bytes_read - b0
             st.disk_bytes = disk_read_bytes() - d0
             st.peak_rss = peak_rss_bytes()
-            st.build_seconds = build_seconds() - k0
+            st.build_seconds = _built() - k0
             if self.on_finish:
                 self.on_finish(self)

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -128,7 +129,9 @@ def _build(which: str) -> Path:
     lib = out_dir / f"moekern-{which}-{h.hexdigest()[:16]}.so"
     if _intact(lib):
         return lib
-    print(f"moestream: compiling the CPU kernels ({which}) once, a few seconds ...", file=sys.stderr, flush=True)
+    print(f"moestream: compiling the CPU kernels ({which}) once (cached under {out_dir}) ...", file=sys.stderr,
+          flush=True)
+    t0 = time.perf_counter()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=out_dir)
@@ -153,6 +156,8 @@ def _build(which: str) -> Path:
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, lib)  # atomic: concurrent builders each produce the same file
         Path(str(lib) + ".sha256").write_text(digest + "\n")
+        _BUILT[0] += time.perf_counter() - t0
+        print(f"moestream: compiled the CPU kernels in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     except OSError as e:
         raise KernelBuildError(f"cannot write the kernel cache {out_dir}: {e.strerror or e}; set XDG_CACHE_HOME to a "
                                f"writable directory") from None
@@ -160,6 +165,15 @@ def _build(which: str) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
     return lib
+
+
+#: seconds this process spent compiling the kernels (:func:`build_seconds`)
+_BUILT = [0.0]
+
+
+def build_seconds() -> float:
+    """Seconds this process spent compiling the C kernels (0 when the cached build was used)."""
+    return _BUILT[0]
 
 
 def _intact(lib: Path) -> bool:

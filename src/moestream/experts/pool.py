@@ -34,7 +34,7 @@ from ..errors import ConfigError, ExpertReadError, OptionError
 from ..gguf import GGUFModel
 from ..params import check_pool
 from .layout import ExpertLayout, ExpertMatrix
-from .policy import POLICIES, CachePolicy, SlotMap, check_policy
+from .policy import POLICIES, CachePolicy, SlotMap, _c_lib, check_policy
 from .reader import ExpertReader, ReadJob, Ticket, dio_alignment, stderr_note
 
 
@@ -388,6 +388,7 @@ class StreamingStore(ExpertStore):
                     t = _aligned_pool(rows + min_slots, st, self.align, pin_memory)
                 for la in layers:
                     groups.setdefault(la, {})[name] = (t, first[la])
+        _c_lib()  # the slot planner's C kernels compiled (a machine's first run) at load, not in the first step
         for layer, mats in layout.layers.items():
             n_exp = layout.n_experts(layer)
             n = min(per_layer[layer], n_exp)
