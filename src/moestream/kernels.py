@@ -5,8 +5,9 @@ router, the operations of a forward step between the matmuls (:func:`rms_norm`, 
 
 The C source is the project's own; it is compiled on the user's machine at first use (once per ISA with gcc or
 clang: 35.8 s for AVX-512 on a busy 2-core machine, most of it moekern.c) and cached under
-``~/.cache/moestream/kernels/`` (``$XDG_CACHE_HOME`` respected), keyed by the source, the compiler and the flags, then loaded with ctypes (no Python headers needed). Calls release the
-GIL, so expert reads keep running on the IO threads while a kernel computes.
+``~/.cache/moestream/kernels/`` (``$XDG_CACHE_HOME`` respected), keyed by the source, the compiler and the flags,
+then loaded with ctypes (no Python headers needed). Calls release the GIL, so expert reads keep running on the IO
+threads while a kernel computes.
 
 The build is chosen at run time from the CPU: ``avx512`` (AVX-512 F/BW/VL + VNNI), ``avx2`` (AVX2 + FMA + F16C)
 or ``portable`` (plain C, any CPU: ARM included). ``MOESTREAM_KERNELS=portable|avx2|avx512`` forces one.
