@@ -305,14 +305,17 @@ def test_cuda_graph_segments_streaming(graphed, pool: str, lean: str, monkeypatc
             "streaming ran eagerly"
 
 
-@pytest.mark.parametrize(("pool", "admit"), [("device", "all"), ("host", "all"), ("device", "freq")])
-def test_device_planned_step(graphed, pool: str, admit: str, monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("pool", "admit", "promote"), [("device", "all", "copy"), ("host", "all", "copy"),
+                                                        ("device", "freq", "copy"), ("device", "all", "inline")])
+def test_device_planned_step(graphed, pool: str, admit: str, promote: str, monkeypatch) -> None:  # noqa: ANN001
     """A host tier holding every expert makes the decode step device-planned (experts/devplan.py): one graph replay
     per step, the misses copied from the pinned tier on the GPU, the slot policy run between steps (every miss
     promoted, or with MOESTREAM_ADMIT=freq only those needed more often than their victim). The same bits as the
     resident whole-step graph (verify), nothing read from the file after the fill, and after the last step's
-    bookkeeping the device table equals the slot maps."""
+    bookkeeping the device table equals the slot maps. MOESTREAM_PROMOTE=inline: the step copies its misses into
+    victim slots itself (no promotion after it)."""
     monkeypatch.setenv("MOESTREAM_ADMIT", admit)
+    monkeypatch.setenv("MOESTREAM_PROMOTE", promote)
     _whole_step(graphed)
     opts = LoadOptions(slots=graphed.top_k, device="cuda", pool=pool, host_cache=256 << 20)
     res = verify(graphed, _ids(graphed), 8, opts, ubatch=5)
@@ -327,9 +330,12 @@ def test_device_planned_step(graphed, pool: str, admit: str, monkeypatch) -> Non
         assert graphed.runner.graphs.replays - replays == 6 and store.plan.steps == 6
         store.plan.flush()
         assert store.stats.misses > 0 and store.bytes_read == 0
+        assert store.plan.inline == (promote == "inline") and (store.plan.placed > 0) == store.plan.inline
         for i, la in enumerate(store.plan.layers):
             sm = store.slots[la]
             assert (store.plan.slot_dev[i][:sm.n_experts].cpu().numpy() == sm.slot_of).all(), la
+            if store.plan.inline:
+                assert (store.plan.expert_dev[i][:sm.n_slots].cpu().numpy() == sm.expert_of).all(), la
     finally:
         graphed.set_store(saved)
         store.close()

@@ -203,27 +203,37 @@ def test_resident_step_tables_follow_the_store_object(monkeypatch) -> None:  # n
     assert_bitwise(outs[1:], outs[:1] * 2)
 
 
-def test_device_planned_step_equals_resident_step(monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("promote", ["copy", "inline"])
+def test_device_planned_step_equals_resident_step(monkeypatch, promote: str) -> None:  # noqa: ANN001
     """The device-planned step (experts/devplan.py: the host tier holds every expert; hits found in the device table,
     misses copied from the tier into shared scratch rows by the gather kernel, all inside the step) gives the bits of
     the resident step through 4 slots of 64 (misses every step, and promotions between steps); after the last
     step's bookkeeping the device table equals the store's slot maps, every slot holds the bytes of the expert its
-    map names, and the tier served every miss (nothing read from the file after the fill)."""
+    map names, and the tier served every miss (nothing read from the file after the fill). "inline"
+    (MOESTREAM_PROMOTE): the step copies its misses into victim slots itself, no promotion after it, and the host's
+    replay of the placement (one step behind) ends with the device's tables; through 6 slots (top-4): a step's
+    victims exclude the 4 of the step before, so some steps have fewer usable victims than misses (the rest go to
+    the scratch rows), and a victim whose expert the step selects is skipped."""
     from moestream.experts import devplan
 
     monkeypatch.setattr(devplan, "ON_CPU", True)  # a CPU device: the kernels run under Triton's interpreter
+    monkeypatch.setenv("MOESTREAM_PROMOTE", promote)
     model, _ = _grouped_model(4)
-    opts = LoadOptions(slots=4, matmul="dequant", host_cache=1 << 30)
+    opts = LoadOptions(slots=4 if promote == "copy" else 6, matmul="dequant", host_cache=1 << 30)
     store = model.make_store(opts)
     assert store.plan is not None, "a tier holding every expert makes the store device-planned"
     model.set_store(store)
     plan = store.plan
+    assert plan.inline == (promote == "inline")
     planned = _decode_on_device_path(model, IDS, 3, eager=False)
     plan.flush()
-    assert plan.steps == 3 and plan.promotions > 0 and store.stats.misses > 0
+    assert plan.steps == 3 and store.stats.misses > 0
+    assert (plan.promotions > 0, plan.placed > 0) == ((True, False) if promote == "copy" else (False, True))
     for i, la in enumerate(plan.layers):
         sm = store.slots[la]
         assert (plan.slot_dev[i][:sm.n_experts].numpy() == sm.slot_of).all(), la
+        if plan.inline:
+            assert (plan.expert_dev[i][:sm.n_slots].numpy() == sm.expert_of).all(), la
         for slot, e in enumerate(sm.expert_of.tolist()):
             for name, pool in store.pools[la].items():
                 lead, n = int(store.tier.leads[la][name][e]), model.layout[la][name].bytes_per_expert
@@ -235,6 +245,45 @@ def test_device_planned_step_equals_resident_step(monkeypatch) -> None:  # noqa:
     resident = _decode_on_device_path(model, IDS, 3, eager=False)
     assert_bitwise(planned[1:], resident[1:])
     store.close()
+
+
+@pytest.mark.parametrize("k", [4, 6, 8])
+def test_place_misses_kernel_follows_the_host_rule(k: int) -> None:
+    """devplan.place_misses (MOESTREAM_PROMOTE=inline, the kernel) against the rule DevicePlan._place_host replays
+    on the host, written here once more in plain Python: random tables of 16 experts in 10 slots, random top-k ids
+    and victims (some empty slots, some -1, some holding an expert the step selects); newslot and both tables."""
+    import numpy as np
+
+    from moestream.experts import devplan
+
+    rng = np.random.default_rng(k)
+    for _ in range(12):
+        n_exp, n_slots = 16, 10
+        held = rng.choice(n_exp, size=rng.integers(0, n_slots + 1), replace=False)
+        expert_of = np.full(n_slots, -1, dtype=np.int32)
+        expert_of[rng.choice(n_slots, size=len(held), replace=False)] = held
+        slot_of = np.full(n_exp, -1, dtype=np.int32)
+        for s_, e in enumerate(expert_of):
+            if e >= 0:
+                slot_of[e] = s_
+        ids = rng.choice(n_exp, size=k, replace=False).astype(np.int64)
+        victims = rng.choice(n_slots, size=k, replace=False).astype(np.int32)
+        victims[rng.random(k) < 0.2] = -1
+        want_slot, want_exp, want_new = slot_of.copy(), expert_of.copy(), np.full(k, -2, dtype=np.int32)
+        usable = [int(v) for v in victims if v >= 0 and int(expert_of[v]) not in set(ids.tolist())]
+        misses = [j for j in range(k) if slot_of[ids[j]] < 0]
+        for r, j in enumerate(misses):
+            want_new[j] = -1
+            if r < len(usable):
+                v = usable[r]
+                if want_exp[v] >= 0:
+                    want_slot[want_exp[v]] = -1
+                want_slot[ids[j]], want_exp[v], want_new[j] = v, ids[j], v
+        got_slot, got_exp = torch.from_numpy(slot_of.copy()), torch.from_numpy(expert_of.copy())
+        got_new = torch.zeros(k, dtype=torch.int32)
+        devplan.place_misses(torch.from_numpy(ids), got_slot, got_exp, torch.from_numpy(victims), got_new)
+        assert (got_new.numpy() == want_new).all() and (got_slot.numpy() == want_slot).all(), (ids, victims)
+        assert (got_exp.numpy() == want_exp).all()
 
 
 def test_device_plan_host_pool_copy_waits_for_the_step_in_flight(monkeypatch) -> None:  # noqa: ANN001

@@ -22,6 +22,15 @@ the evicted expert). An admitted expert appears in the device table only once it
 queried on a later step), so no step ever reads a slot being written. The counters therefore lag one step behind
 the replays; :meth:`DevicePlan.flush` brings them up to date (prepare(), close()).
 
+Each promoted miss so crosses PCIe twice: into the scratch in its step, into its slot after it. With
+``MOESTREAM_PROMOTE=inline`` (pools in GPU memory) the step places its misses itself: before each step the host
+picks each layer's ``top_k`` victim slots in the policy's eviction order, never a victim of the step before (the
+host has not replayed that one's placements yet), and uploads them; in the step a one-program kernel
+(:func:`place_misses`) gives the j-th miss the j-th victim whose expert the step does not select, updating the
+device tables (expert -> slot and slot -> expert), and the gather copies each placed miss from its tier row into its
+new slot (the others into the scratch, :func:`gather_placed`). The host replays the same placement one step behind
+(:meth:`DevicePlan._place_host`) and never uploads the tables between steps (the device's are ahead of its own).
+
 Pools: the MoE layers' pools of one matrix whose slots have one stride are views of one tensor, with ``top_k``
 scratch rows after the last layer's slots, so the expert kernels reach a scratch row from any of those layers' pools
 at a positive offset (a Q4_K_M file whose ``down`` matrices are Q4_K in some layers and Q6_K in others has two
@@ -71,7 +80,74 @@ if triton is not None:
         tl.store(dst + (dst_row0 + k) * n_words + offs, v, mask=m)
 
 
+    @triton.jit
+    def _place_kernel(ids, slot_of, expert_of, victims, newslot, K: tl.constexpr, KP: tl.constexpr):
+        """One program: the step's misses (``slot_of[ids[k]] < 0``) take the victim slots in order, skipping a
+        victim whose expert this step selects; the j-th miss takes the j-th usable victim, misses past the last
+        usable victim none. Writes newslot[k] (int32: -2 hit, -1 a miss left to the scratch row k, else the
+        slot the miss now holds) and updates slot_of (int32 [n_experts]) and expert_of (int32 [n_slots]): the
+        victim's expert loses its slot, the miss gets it. ids int64 [K] distinct; victims int32 [K] (-1: none)."""
+        kk = tl.arange(0, KP)
+        km = kk < K
+        idv = tl.load(ids + kk, mask=km, other=-1)
+        sv = tl.load(slot_of + idv, mask=km, other=0)
+        miss = km & (sv < 0)
+        vic = tl.load(victims + kk, mask=km, other=-1)
+        vexp = tl.load(expert_of + vic, mask=km & (vic >= 0), other=-1).to(tl.int64)
+        clash = tl.sum(((vexp[:, None] == idv[None, :]) & km[None, :]).to(tl.int32), axis=1) > 0
+        usable = (vic >= 0) & (clash == 0)
+        ui = usable.to(tl.int32)
+        mi = miss.to(tl.int32)
+        urank = tl.cumsum(ui, 0) - ui
+        mrank = tl.cumsum(mi, 0) - mi
+        match = (mi[:, None] > 0) & (ui[None, :] > 0) & (mrank[:, None] == urank[None, :])
+        got = tl.sum(match.to(tl.int32), axis=1) > 0
+        v_k = tl.sum(tl.where(match, vic[None, :], 0), axis=1)
+        old_k = tl.sum(tl.where(match, vexp[None, :], 0), axis=1)
+        tl.store(newslot + kk, tl.where(miss, tl.where(got, v_k, -1), -2), mask=km)
+        tl.store(slot_of + old_k, tl.full([KP], -1, tl.int32), mask=got & (old_k >= 0))
+        tl.store(slot_of + idv, v_k, mask=got)
+        tl.store(expert_of + v_k, idv.to(tl.int32), mask=got)
+
+    @triton.jit
+    def _gather_placed_kernel(src, dst, ids, newslot, pool_row0, scratch_row0, n_words, BLOCK: tl.constexpr):
+        """Program (k, c): words [c * BLOCK, (c + 1) * BLOCK) of tier row ``ids[k]`` into dst row ``pool_row0 +
+        newslot[k]`` (a miss placed in a slot) or ``scratch_row0 + k`` (a miss left to the scratch); nothing for
+        a hit (newslot -2)."""
+        k = tl.program_id(0)
+        c = tl.program_id(1)
+        e = tl.load(ids + k)
+        ns = tl.load(newslot + k)
+        row = tl.where(ns >= 0, pool_row0 + ns, scratch_row0 + k).to(tl.int64)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        m = (offs < n_words) & (ns > -2)
+        v = tl.load(src + e * n_words + offs, mask=m)
+        tl.store(dst + row * n_words + offs, v, mask=m)
+
+
 _GATHER_BLOCK = 2048  # int32 words per program: 8 KiB
+
+
+def place_misses(ids: torch.Tensor, slot_of: torch.Tensor, expert_of: torch.Tensor, victims: torch.Tensor,
+                 newslot: torch.Tensor) -> None:
+    """:func:`_place_kernel` on the device (capturable): ids int64 [k] distinct real expert ids, slot_of int32
+    [n_experts] and expert_of int32 [n_slots] updated in place, victims int32 [k] (slots, -1 none), newslot int32
+    [k] written (-2 hit, -1 miss to scratch, else the miss's new slot)."""
+    k = ids.shape[0]
+    _place_kernel[(1,)](ids, slot_of, expert_of, victims, newslot, K=k, KP=triton.next_power_of_2(k))
+
+
+def gather_placed(tier: torch.Tensor, big: torch.Tensor, ids: torch.Tensor, newslot: torch.Tensor,
+                  pool_row0: int, scratch_row0: int) -> None:
+    """Each miss of :func:`place_misses` copied from its tier row into its new slot (row ``pool_row0 + slot`` of
+    ``big``) or, when it got none, into scratch row ``scratch_row0 + k``; shapes as :func:`gather_misses`."""
+    stride = tier.shape[1]
+    if stride % 4 or big.shape[1] != stride:
+        raise ValueError(f"gather_placed: strides {stride} and {big.shape[1]} must be equal multiples of 4")
+    n_words = stride // 4
+    grid = (ids.shape[0], triton.cdiv(n_words, _GATHER_BLOCK))
+    _gather_placed_kernel[grid](tier.view(torch.int32), big.view(torch.int32), ids, newslot, pool_row0,
+                                scratch_row0, n_words, BLOCK=_GATHER_BLOCK)
 
 
 def gather_misses(tier: torch.Tensor, big: torch.Tensor, ids: torch.Tensor, slot_of: torch.Tensor,
@@ -218,6 +294,25 @@ class DevicePlan:
         #: promotions started (tier row -> slot copies) and bytes they copied
         self.promotions = 0
         self.bytes_promoted = 0
+        #: MOESTREAM_PROMOTE=inline (pools in GPU memory only): the step itself copies each miss from its tier row
+        #: into a victim slot the host chose before the step (one PCIe crossing per miss, where a promotion after
+        #: the step is a second), and updates the device tables; the host replays the same placement one step
+        #: behind (:meth:`_place_host`). Default "copy": misses into the scratch, promotions between steps.
+        pools_on_device = all(p.device.type == dev.type for la in self.layers for p in store.pools[la].values())
+        self.inline = os.environ.get("MOESTREAM_PROMOTE", "copy").strip().lower() == "inline" and pools_on_device
+        #: per layer and matrix: the absolute row of the layer's slot 0 in its group tensor
+        self.pool_row0 = {la: {n: r for n, (_, r) in mats.items()} for la, mats in groups.items()}
+        #: misses placed into slots by the steps (inline)
+        self.placed = 0
+        if self.inline:
+            n_slots = max(store.slots[la].n_slots for la in self.layers)
+            #: int32 [layers, n_slots]: each slot's expert (-1 none), as the device sees it
+            self.host_expert = np.full((len(self.layers), n_slots), -1, dtype=np.int32)
+            self.expert_dev = torch.full((len(self.layers), n_slots), -1, dtype=torch.int32, device=dev)
+            #: int32 [layers, top_k]: the slots the next step's misses may take (-1 none), chosen by the host
+            self.victims_dev = torch.full((len(self.layers), top_k), -1, dtype=torch.int32, device=dev)
+            self.newslot_dev = torch.zeros((len(self.layers), top_k), dtype=torch.int32, device=dev)
+            self._victims_last: np.ndarray | None = None  # those of the step enqueued last, not yet counted
 
     @property
     def scratch_bytes(self) -> int:
@@ -233,6 +328,12 @@ class DevicePlan:
         i = self.index[layer]
         self.ids_dev[i].copy_(ids)
         table = self.slot_dev[i]
+        if self.inline:  # misses into the victim slots where they can, the tables updated on the device
+            place_misses(ids, table, self.expert_dev[i], self.victims_dev[i], self.newslot_dev[i])
+            for name, t in self.tier_dev[layer].items():
+                big, row0 = self.scratch[layer][name]
+                gather_placed(t, big, ids, self.newslot_dev[i], self.pool_row0[layer][name], row0)
+            return table.index_select(0, ids)
         for name, t in self.tier_dev[layer].items():
             big, row0 = self.scratch[layer][name]
             gather_misses(t, big, ids, table, row0)
@@ -256,6 +357,8 @@ class DevicePlan:
             changed = True
         if changed:
             self._upload()
+        if self.inline:
+            self._choose_victims()
 
     def after_step(self) -> None:
         """Right after a device step was enqueued: its ids go to the host (asynchronously); the previous step's
@@ -271,7 +374,7 @@ class DevicePlan:
         else:
             buf.copy_(self.ids_dev)
             ev = None
-        prev, self._prev = self._prev, (buf, ev)
+        prev, self._prev = self._prev, (buf, ev, self._victims_last if self.inline else None)
         changed = self._publish(block=False)
         if prev is not None:
             changed |= self._book(prev, after=ev)
@@ -282,6 +385,8 @@ class DevicePlan:
         """Count the last step's ids (waits for that step) and finish every promotion copy."""
         prev, self._prev = self._prev, None
         changed = prev is not None and self._book(prev, after=None)
+        if self.inline:
+            self._victims_last = None  # every step counted: no victim is held by a step in flight
         if self._copy is not None:
             self._copy.synchronize()
         changed |= self._publish(block=True)
@@ -292,7 +397,7 @@ class DevicePlan:
         """Count one step's ids and run the policy; evicted experts leave the device table now, admitted ones get
         their copy started (after ``after``, the event of the step enqueued since, which may still read an evicted
         expert's slot). Returns whether the host table changed."""
-        buf, ev = prev
+        buf, ev, victims = prev
         if ev is not None:
             ev.synchronize()
         ids = buf.numpy()
@@ -308,6 +413,10 @@ class DevicePlan:
             store.stats.misses += len(experts) - held
             store.layer_counts[la][0] += held
             store.layer_counts[la][1] += len(experts) - held
+            if victims is not None:  # inline: the step placed its misses already; the same placement here
+                store.policies[la].count(experts)
+                self._place_host(i, la, ids[i], victims[i])
+                continue
             if held == len(experts):
                 store.policies[la].plan(sm, experts)  # counts the uses (LFU) and the clock
                 continue
@@ -322,6 +431,50 @@ class DevicePlan:
                 changed = True
                 self._promote(i, la, e, s, after)
         return changed
+
+    def _place_host(self, i: int, layer: int, ids: np.ndarray, victims: np.ndarray) -> None:
+        """The placement :func:`place_misses` made on the device for one step of ``layer`` (index ``i``), replayed
+        on the store's slot map, the slots' leads and the host tables: ids int64 [top_k] in top-k order, victims
+        int32 [top_k] as uploaded for that step. Same rule: the j-th miss takes the j-th victim whose expert the
+        step does not select."""
+        store = self.store
+        sm = store.slots[layer]
+        miss = [int(e) for e in ids if sm.slot_of[e] < 0]
+        chosen = set(int(e) for e in ids)
+        usable = [int(v) for v in victims if v >= 0 and int(sm.expert_of[v]) not in chosen]
+        for e, v in zip(miss, usable, strict=False):
+            old = int(sm.expert_of[v])
+            if old >= 0:
+                sm.slot_of[old] = -1
+                self.host_table[i, old] = -1
+            sm.slot_of[e] = v
+            sm.expert_of[v] = e
+            self.host_table[i, e] = v
+            self.host_expert[i, v] = e
+            for name in store.pools[layer]:
+                store._leads[layer][name][v] = store.tier.leads[layer][name][e]
+            self.placed += 1
+
+    def _choose_victims(self) -> None:
+        """Before a step (inline): each layer's ``top_k`` victim slots in the policy's eviction order, never one that
+        the step in flight may still fill (its own victims: the host has not counted it yet), uploaded."""
+        store = self.store
+        v = np.full((len(self.layers), self.top_k), -1, dtype=np.int32)
+        last = self._victims_last
+        for i, la in enumerate(self.layers):
+            sm = store.slots[la]
+            busy = None
+            if last is not None:
+                busy = np.zeros(sm.n_slots, dtype=np.bool_)
+                busy[last[i][last[i] >= 0]] = True
+            got = store.policies[la].victims(sm, self.top_k, busy=busy)
+            v[i, :len(got)] = got
+        self._victims_last = v
+        if self.device.type == "cuda":
+            from ..gpu.tkernels import _upload
+            self.victims_dev.copy_(_upload(v, self.device))
+        else:
+            self.victims_dev.copy_(torch.from_numpy(v))
 
     def _promote(self, i: int, layer: int, e: int, s: int, after: Any) -> None:
         """Copy expert ``e``'s tier row into slot ``s`` of ``layer``'s pool (after ``after``, on the copy stream).
@@ -372,6 +525,9 @@ class DevicePlan:
         for i, la in enumerate(self.layers):
             sm = self.store.slots[la]
             self.host_table[i, :sm.n_experts] = sm.slot_of.astype(np.int32)
+            if self.inline:
+                self.host_expert[i] = -1
+                self.host_expert[i, :sm.n_slots] = sm.expert_of.astype(np.int32)
         self.dirty = False
 
     def _upload(self) -> None:
@@ -379,8 +535,12 @@ class DevicePlan:
         if self.device.type == "cuda":
             from ..gpu.tkernels import _upload
             self.slot_dev.copy_(_upload(self.host_table, self.device))
+            if self.inline:
+                self.expert_dev.copy_(_upload(self.host_expert, self.device))
         else:
             self.slot_dev.copy_(torch.from_numpy(self.host_table))
+            if self.inline:
+                self.expert_dev.copy_(torch.from_numpy(self.host_expert))
 
     def close(self) -> None:
         if self._copy is not None:

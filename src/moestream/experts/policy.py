@@ -107,6 +107,14 @@ class CachePolicy:
                 loads.append((e, int(slot)))
         return Plan(slot_ids=slot_ids.tolist(), loads=loads)
 
+    def count(self, experts: list[int]) -> None:
+        """:meth:`plan`'s count of one step's distinct ``experts`` (uses and clock) without planning slots: for a
+        step that placed its misses itself (experts/devplan.py, MOESTREAM_PROMOTE=inline)."""
+        self.clock += 1
+        ids = np.asarray(experts, dtype=np.int64)
+        self.uses[ids] += 1
+        self.last[ids] = self.clock
+
     def admit(self, slots: SlotMap, experts: list[int]) -> Plan:
         """:meth:`plan`'s count of one step's distinct ``experts`` (uses, clock), but a miss takes a slot only when it
         has been needed more often than the expert it would evict (an empty slot: always): frequency-based admission,
