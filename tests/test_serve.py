@@ -563,6 +563,8 @@ def test_forged_turn_per_family_template(name: str, family: str, make: Any) -> N
 BAD = [
     ("POST", "/v1/chat/completions", b"{not json", 400, None),
     ("POST", "/v1/chat/completions", '{"messages": []}'.encode("utf-16"), 400, None),  # BOM ff fe: not UTF-8
+    ("POST", "/v1/chat/completions", '{"messages": []}'.encode("utf-16-le"), 400, None),  # no BOM: NUL bytes
+    ("POST", "/v1/chat/completions", '{"messages": []}'.encode("utf-8-sig"), 400, "messages"),  # BOM ignored
     ("POST", "/v1/chat/completions", b"[1, 2]", 400, None),
     ("POST", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("POST", "/v1/chat/completions", {}, 400, "messages"),
@@ -617,6 +619,8 @@ def test_bad_request_is_an_openai_error_and_the_server_goes_on(srv: Any, method:
         assert err["message"].endswith("digits is too large") and "set_int_max_str_digits" not in err["message"]
     if isinstance(body, bytes) and body.startswith(b"\xff\xfe"):  # says what the body must be, where it is not
         assert "not UTF-8" in err["message"] and "0xff at offset 0" in err["message"], err
+    if isinstance(body, bytes) and body.startswith(b"{\x00"):
+        assert "NUL byte at offset 1: UTF-16 or UTF-32" in err["message"], err
     assert "\n" not in err["message"]
     good = httpx.post(srv.base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, timeout=60)
     assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] in ("length", "stop")

@@ -4,7 +4,7 @@ router, the operations of a forward step between the matmuls (:func:`rms_norm`, 
 :func:`route`).
 
 The C source is the project's own; it is compiled on the user's machine at first use (once per ISA with gcc or
-clang: 35.8 s for AVX-512 on a busy 2-core machine, most of it moekern.c) and cached under
+clang: 10.7-35.8 s for AVX-512 on a busy 2-core machine, most of it moekern.c) and cached under
 ``~/.cache/moestream/kernels/`` (``$XDG_CACHE_HOME`` respected), keyed by the source, the compiler and the flags,
 then loaded with ctypes (no Python headers needed). Calls release the GIL, so expert reads keep running on the IO
 threads while a kernel computes.

@@ -1543,6 +1543,10 @@ def create_app(state: ServerState, api_keys: list[str] = (), request_timeout: fl
         except UnicodeDecodeError as e:  # json.loads would guess UTF-16/32 from the first bytes; JSON is UTF-8
             raise APIError(400, f"the request body is not UTF-8 text, as JSON must be (RFC 8259 section 8.1): byte "
                            f"0x{raw[e.start]:02x} at offset {e.start}", code="invalid_json") from None
+        text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark: RFC 8259 lets a parser ignore it
+        if "\x00" in text:  # UTF-16/32 without a byte order mark decodes as UTF-8 with NUL bytes
+            raise APIError(400, f"the request body has a NUL byte at offset {raw.index(0)}: UTF-16 or UTF-32 text? "
+                           f"JSON must be UTF-8 (RFC 8259 section 8.1)", code="invalid_json")
         try:
             body = json.loads(text, parse_int=_parse_int)
         except (ValueError, UnicodeDecodeError) as e:
