@@ -443,12 +443,9 @@ class DevicePlan:
         chosen = set(int(e) for e in ids)
         usable = [int(v) for v in victims if v >= 0 and int(sm.expert_of[v]) not in chosen]
         for e, v in zip(miss, usable, strict=False):
-            old = int(sm.expert_of[v])
+            old = sm.put(e, v)
             if old >= 0:
-                sm.slot_of[old] = -1
                 self.host_table[i, old] = -1
-            sm.slot_of[e] = v
-            sm.expert_of[v] = e
             self.host_table[i, e] = v
             self.host_expert[i, v] = e
             for name in store.pools[layer]:

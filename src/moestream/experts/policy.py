@@ -29,6 +29,15 @@ class SlotMap:
         self.slot_of = np.full(n_experts, -1, dtype=np.int64)
         self.expert_of = np.full(n_slots, -1, dtype=np.int64)
 
+    def put(self, expert: int, slot: int) -> int:
+        """Expert ``expert`` into ``slot``; returns the expert the slot held (-1: none), which has no slot now."""
+        old = int(self.expert_of[slot])
+        if old >= 0:
+            self.slot_of[old] = -1
+        self.expert_of[slot] = expert
+        self.slot_of[expert] = slot
+        return old
+
 
 def _c_lib():  # noqa: ANN202 - the kernels' ctypes library or None
     """The C kernels for :meth:`CachePolicy.plan` (``ms_slot_plan``), or None: not buildable here, or
@@ -92,19 +101,13 @@ class CachePolicy:
         miss = np.flatnonzero(slot_ids < 0)
         loads: list[tuple[int, int]] = []
         if len(miss):
-            resident = slots.expert_of
             # pinned: needed by this step, or in use by the previous tile
             keys = self._eviction_keys(slots, np.concatenate((ids, np.asarray(keep, dtype=np.int64))), busy)
             victims = np.argsort(keys, kind="stable")[: len(miss)]
             for i, slot in zip(miss.tolist(), victims.tolist(), strict=True):
-                old = resident[slot]
-                if old >= 0:
-                    slots.slot_of[old] = -1
-                e = int(ids[i])
-                slots.expert_of[slot] = e
-                slots.slot_of[e] = slot
+                slots.put(int(ids[i]), slot)
                 slot_ids[i] = slot
-                loads.append((e, int(slot)))
+                loads.append((int(ids[i]), int(slot)))
         return Plan(slot_ids=slot_ids.tolist(), loads=loads)
 
     def count(self, experts: list[int]) -> None:
@@ -121,10 +124,8 @@ class CachePolicy:
         as TinyLFU's (Einziger, Friedman, Manes, 2017), so that an expert needed once does not push out one needed
         often. For the device-planned step, whose misses are computed from the tier anyway (experts/devplan.py):
         a miss left out costs no copy. Returns the Plan (``slot_ids``: -1 for a miss left out); updates the map."""
-        self.clock += 1
+        self.count(experts)
         ids = np.asarray(experts, dtype=np.int64)
-        self.uses[ids] += 1
-        self.last[ids] = self.clock
         slot_ids = slots.slot_of[ids].copy()
         miss = np.flatnonzero(slot_ids < 0)
         loads: list[tuple[int, int]] = []
@@ -136,13 +137,9 @@ class CachePolicy:
                 old = int(slots.expert_of[slot])
                 if keys[slot] == np.inf or old >= 0 and self.uses[ids[i]] <= self.uses[old]:
                     break  # the rest are needed no more often, their victims no less
-                if old >= 0:
-                    slots.slot_of[old] = -1
-                e = int(ids[i])
-                slots.expert_of[slot] = e
-                slots.slot_of[e] = slot
+                slots.put(int(ids[i]), slot)
                 slot_ids[i] = slot
-                loads.append((e, int(slot)))
+                loads.append((int(ids[i]), int(slot)))
         return Plan(slot_ids=slot_ids.tolist(), loads=loads)
 
     def _c_plan(self, lib, slots: SlotMap, ids: np.ndarray, keep: list[int],  # noqa: ANN001

@@ -676,13 +676,9 @@ class StreamingStore(ExpertStore):
         if victims:
             self._before_reads(layer)
         for e, s in zip(want, victims, strict=False):  # fewer victims than wanted: the first ones only
-            old = int(slots.expert_of[s])
-            if old >= 0:
-                slots.slot_of[old] = -1
-                if pending.pop(old, None) is not None:  # settled (victims are never busy): nothing in flight
-                    self.stats.prefetch_wasted += 1
-            slots.expert_of[s] = e
-            slots.slot_of[e] = s
+            old = slots.put(e, s)
+            if old >= 0 and pending.pop(old, None) is not None:  # settled (victims are never busy): nothing in flight
+                self.stats.prefetch_wasted += 1
             jobs = self._jobs(layer, [(e, s)])
             pending[e] = _Prefetched(s, self.reader.submit(jobs, low=True))  # behind every demand read
         n = min(len(want), len(victims))
